@@ -1,0 +1,26 @@
+"""multihead: multi-head attention for PyTorch, correct and fast under every mask.
+
+Shape legend, used in every docstring and comment:
+
+    B batch · H query heads · H_kv key/value heads (divides H) · L query length ·
+    S key length · D head dim (D_v for values when different) · E embedding dim
+
+Kernels (``attention``) take (B, H, L, D) tensors like
+``torch.nn.functional.scaled_dot_product_attention``; modules take batch-first (B, L, E).
+Masks use one polarity everywhere: True = may attend.
+"""
+
+from . import masks
+from .functional import attention, explain_backend
+from .modules import MultiHeadAttention, merge_heads, split_heads
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiHeadAttention",
+    "attention",
+    "explain_backend",
+    "masks",
+    "merge_heads",
+    "split_heads",
+]

@@ -1,0 +1,212 @@
+"""Every check on user input, and its message, lives here.
+
+Messages say what was expected, what was received, and how to fix it. They end with
+"Received: name=value" so a person can find the offending argument at a glance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int. Received: {name}={value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int. Received: {name}={value}")
+    return value
+
+
+def check_heads(embed_dim: int, num_heads: int, num_kv_heads: int | None) -> int:
+    """Validate a head layout and return the number of key/value heads."""
+    check_positive_int("embed_dim", embed_dim)
+    check_positive_int("num_heads", num_heads)
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim must be divisible by num_heads so every head gets the same head dim; "
+            f"head counts that divide {embed_dim}: "
+            f"{', '.join(map(str, _divisors(embed_dim)))}. "
+            f"Received: embed_dim={embed_dim}, num_heads={num_heads}"
+        )
+    if num_kv_heads is None:
+        return num_heads
+    check_positive_int("num_kv_heads", num_kv_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads must be a multiple of num_kv_heads (each key/value head serves an equal "
+            f"group of query heads); try num_kv_heads in "
+            f"{', '.join(map(str, _divisors(num_heads)))}. "
+            f"Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    return num_kv_heads
+
+
+def check_rank(name: str, t: object, rank: int, letters: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor. Received: {name} of type {type(t).__name__}"
+        )
+    if t.dim() != rank:
+        raise ValueError(
+            f"{name} must be a {rank}-D tensor {letters}. Received: {name}.shape={_shape(t)}"
+        )
+    return t
+
+
+def check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, int, int, int, int, int]:
+    """Check kernel inputs (B, H, L, D), (B, H_kv, S, D), (B, H_kv, S, D_v).
+
+    Returns (B, H, H_kv, L, S, D).
+    """
+    check_rank("query", query, 4, "(B, H, L, D)")
+    check_rank("key", key, 4, "(B, H_kv, S, D)")
+    check_rank("value", value, 4, "(B, H_kv, S, D_v)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point tensor; cast it with .float(). "
+                f"Received: {name}.dtype={t.dtype}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            "query, key and value must share one dtype; cast them with .to(dtype). "
+            f"Received: query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            "query, key and value must be on one device; move them with .to(device). "
+            f"Received: query.device={query.device}, key.device={key.device}, "
+            f"value.device={value.device}"
+        )
+    b, h, l_q, d = query.shape
+    bk, h_kv, s, dk = key.shape
+    bv, h_v, s_v, _ = value.shape
+    if not (b == bk == bv):
+        raise ValueError(
+            "query, key and value must have the same batch size B. "
+            f"Received: query.shape={_shape(query)}, key.shape={_shape(key)}, "
+            f"value.shape={_shape(value)}"
+        )
+    if dk != d:
+        raise ValueError(
+            "query and key must have the same head dim D (the last dimension). "
+            f"Received: query.shape={_shape(query)}, key.shape={_shape(key)}"
+        )
+    if h_v != h_kv or s_v != s:
+        raise ValueError(
+            "key and value must have the same number of heads H_kv and the same length S. "
+            f"Received: key.shape={_shape(key)}, value.shape={_shape(value)}"
+        )
+    if h_kv == 0 or h % h_kv:
+        raise ValueError(
+            "the query head count H must be a multiple of the key/value head count H_kv "
+            "(grouped-query attention); try H_kv in "
+            f"{', '.join(map(str, _divisors(h))) if h else '(none: H is 0)'}. "
+            f"Received: query heads H={h}, key/value heads H_kv={h_kv}"
+        )
+    return b, h, h_kv, l_q, s, d
+
+
+def check_dropout(dropout_p: object, name: str = "dropout_p") -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1). Received: {name}={dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1) (1 would drop every weight). Received: {name}={dropout_p}"
+        )
+    return float(dropout_p)
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None. Received: scale={scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float. Received: scale={scale}")
+    return float(scale)
+
+
+def check_bias(bias: object, query: Tensor, b: int, h: int, l_q: int, s: int) -> Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, Tensor):
+        raise TypeError(
+            f"bias must be a tensor or None. Received: bias of type {type(bias).__name__}"
+        )
+    if not bias.is_floating_point():
+        raise TypeError(
+            "bias must be a floating-point tensor of additive score terms; boolean "
+            "visibility belongs in mask=. "
+            f"Received: bias.dtype={bias.dtype}"
+        )
+    if bias.dim() not in (2, 4):
+        raise ValueError(
+            "bias must be 2-D (L, S) or 4-D (B or 1, H or 1, L or 1, S or 1). "
+            f"Received: bias.shape={_shape(bias)} for (B, H, L, S)={(b, h, l_q, s)}"
+        )
+    target = (l_q, s) if bias.dim() == 2 else (b, h, l_q, s)
+    letters = "(L, S)" if bias.dim() == 2 else "(B, H, L, S)"
+    exact = bias.dim() == 2
+    if not _fits(tuple(bias.shape), target, allow_one=not exact):
+        raise ValueError(
+            f"bias does not fit {letters}={target}; a 2-D bias must be exactly (L, S) and a 4-D "
+            "bias may use size 1 only to broadcast. "
+            f"Received: bias.shape={_shape(bias)}"
+        )
+    if bias.device != query.device:
+        raise ValueError(
+            "bias must be on the same device as query. "
+            f"Received: bias.device={bias.device}, query.device={query.device}"
+        )
+    if not bool(torch.isfinite(bias).all()):
+        raise ValueError(
+            "bias must be finite: express blocked positions with mask= (True = may attend), "
+            "which never produces NaN. Received: a bias with inf or NaN entries"
+        )
+    return bias
+
+
+def _fits(shape: tuple[int, ...], target: tuple[int, ...], *, allow_one: bool) -> bool:
+    return len(shape) == len(target) and all(
+        got == want or (allow_one and got == 1) for got, want in zip(shape, target)
+    )
+
+
+def check_mask_tensor_dtype(name: str, t: Tensor) -> None:
+    """Reject integer and float tensors where a boolean mask (True = may attend) is expected."""
+    if t.dtype == torch.bool:
+        return
+    if t.is_floating_point():
+        raise TypeError(
+            f"{name} must be a bool tensor (True = may attend). A float tensor is an additive "
+            "bias: pass it as bias=..., or convert nn.MultiheadAttention-style masks with "
+            f"multihead.masks.from_torch(...). Received: {name}.dtype={t.dtype}"
+        )
+    raise TypeError(
+        f"{name} must be a bool tensor (True = may attend). For a 1 = attend integer mask use "
+        f"multihead.masks.from_keras(...) or .bool(). Received: {name}.dtype={t.dtype}"
+    )
+
+
+def check_index_tensor(name: str, t: object, ranks: tuple[int, ...], letters: str) -> Tensor:
+    if not isinstance(t, Tensor):
+        t = torch.as_tensor(t)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor. Received: {name}.dtype={t.dtype}")
+    if t.dim() not in ranks:
+        raise ValueError(f"{name} must have shape {letters}. Received: {name}.shape={_shape(t)}")
+    return t

@@ -1,0 +1,1 @@
+"""Attention kernels, one file per backend, all called with one ``Call`` record."""

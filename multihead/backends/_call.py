@@ -1,0 +1,62 @@
+"""The validated request every backend receives, and helpers shared by the eager backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call after validation. Shapes use the legend B, H, H_kv, L, S, D, D_v."""
+
+    query: Tensor  # [B, H, L, D]
+    key: Tensor  # [B, H_kv, S, D]
+    value: Tensor  # [B, H_kv, S, D_v]
+    mask: Mask | None
+    bias: Tensor | None  # broadcastable to [B, H, L, S]
+    scale: float
+    dropout_p: float
+    return_weights: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        """(B, H, H_kv, L, S, D)."""
+        b, h, l_q, d = self.query.shape
+        return b, h, self.key.shape[1], l_q, self.key.shape[2], d
+
+    @property
+    def needs_grad(self) -> bool:
+        tensors = (self.query, self.key, self.value, self.bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def repeat_kv(t: Tensor, groups: int) -> Tensor:
+    """[B, H_kv, S, D] -> [B, H_kv * groups, S, D]; query head h reads kv head h // groups."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def dense_keep(call: Call) -> Tensor | None:
+    """The mask as a bool tensor broadcastable to [B, H, L, S], or None when there is none."""
+    if call.mask is None:
+        return None
+    _, _, _, length_q, length_k, _ = call.shape
+    return call.mask.to_dense(length_q, length_k, device=call.query.device)
+
+
+def drop_dead_keys(keep: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Zero key/value rows that no query of any head may see.
+
+    Padding often holds garbage (even NaN); a weight of 0 times NaN is still NaN inside a matmul,
+    so keys that are invisible everywhere must not be read at all.
+    """
+    live = keep.any(dim=2).any(dim=1)  # [B|1, S]
+    if bool(live.all()):
+        return key, value
+    live = live[:, None, :, None]  # [B|1, 1, S, 1]
+    zero = torch.zeros((), dtype=key.dtype, device=key.device)
+    return torch.where(live, key, zero), torch.where(live, value, zero)

@@ -1,0 +1,41 @@
+"""The ground truth: readable eager attention that returns weights and works in float64.
+
+Half-precision inputs are computed in float32 and cast back, so the reference is never the
+least accurate contender.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._call import Call, dense_keep, drop_dead_keys, repeat_kv
+
+
+def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    _, h, h_kv, _, _, _ = call.shape
+    dtype = call.query.dtype
+    work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    q, k, v = (t.to(work) for t in (call.query, call.key, call.value))
+    keep = dense_keep(call)
+    if keep is not None:
+        k, v = drop_dead_keys(keep, k, v)
+    k, v = repeat_kv(k, h // h_kv), repeat_kv(v, h // h_kv)
+
+    scores = (q @ k.transpose(-2, -1)) * call.scale  # [B, H, L, S]
+    if call.bias is not None:
+        scores = scores + call.bias.to(work)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+        # a row with no visible key would be softmax(all -inf) = NaN: give it finite scores,
+        # then zero its weights below
+        scores = torch.where(keep.any(dim=-1, keepdim=True), scores, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        weights = torch.where(keep, weights, 0.0)
+
+    dropped = weights
+    if call.dropout_p > 0.0:
+        dropped = torch.nn.functional.dropout(weights, p=call.dropout_p)
+    out = dropped @ v  # [B, H, L, D_v]
+    return out.to(dtype), (weights.to(dtype) if call.return_weights else None)

@@ -1,0 +1,55 @@
+"""torch.nn.functional.scaled_dot_product_attention, given the mask in the form it needs.
+
+Structured masks are lowered to a dense (B, H, L, S) tensor here, except a causal mask that
+torch's ``is_causal`` expresses exactly. Rows with no visible key are handled here rather than
+trusted to the kernel: they are shown every key (finite softmax), then zeroed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..masks import _Band
+from ._call import Call, dense_keep, drop_dead_keys
+
+
+def unsupported(call: Call) -> str | None:
+    if call.return_weights:
+        return "torch's scaled_dot_product_attention does not return attention weights"
+    return None
+
+
+def _is_plain_causal(call: Call) -> bool:
+    _, _, _, length_q, length_k, _ = call.shape
+    m = call.mask
+    return (
+        isinstance(m, _Band)
+        and m.is_causal
+        and call.bias is None
+        and (m.align == "top_left" or length_q == length_k)
+    )
+
+
+def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    q, k, v = call.query, call.key, call.value
+    gqa = q.shape[1] != k.shape[1]
+    common = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=gqa)
+    if call.mask is None or _is_plain_causal(call):
+        attn = None if call.bias is None else call.bias.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn, is_causal=call.mask is not None, **common
+        )
+        return out, None
+
+    keep = dense_keep(call)
+    k, v = drop_dead_keys(keep, k, v)
+    row_any = keep.any(dim=-1, keepdim=True)  # [B|1, H|1, L, 1]
+    shown = keep | ~row_any
+    if call.bias is None:
+        attn: Tensor = shown
+    else:
+        attn = call.bias.to(q.dtype).masked_fill(~shown, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, **common)
+    return torch.where(row_any, out, 0.0), None

@@ -1,0 +1,126 @@
+"""``attention()``: validate, normalize the mask, and hand the call to a backend."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import _validation as V
+from .backends import registry
+from .backends._call import Call
+from .masks import Mask, dense
+
+__all__ = ["attention", "explain_backend"]
+
+
+def _prepare(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | Tensor | None,
+    bias: Tensor | None,
+    scale: float | None,
+    dropout_p: float,
+    return_weights: bool,
+) -> Call:
+    b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
+    if isinstance(mask, Tensor):
+        V.check_mask_tensor_dtype("mask", mask)
+        mask = dense(mask)
+    elif mask is not None and not isinstance(mask, Mask):
+        raise TypeError(
+            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend) or None. "
+            f"Received: mask of type {type(mask).__name__}"
+        )
+    if mask is not None:
+        mask.check(b, h, length_q, length_k)
+    return Call(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        bias=V.check_bias(bias, query, b, h, length_q, length_k),
+        scale=V.check_scale(scale, d),
+        dropout_p=V.check_dropout(dropout_p),
+        return_weights=bool(return_weights),
+    )
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention for every mask, on any backend.
+
+    Efficient implementation equivalent to the following (``keep`` is the mask lowered to a
+    bool tensor, True = may attend)::
+
+        scores = query @ key.transpose(-2, -1) * scale + bias      # [B, H, L, S]
+        scores = scores.masked_fill(~keep, -inf)
+        weights = softmax(scores, dim=-1)
+        weights = weights.where(keep.any(-1, keepdim=True), 0)     # no visible key -> 0
+        out = dropout(weights, dropout_p) @ value                  # [B, H, L, D_v]
+
+    Causal masks are bottom-right aligned by default (``masks.causal(align="top_left")`` gives
+    PyTorch's ``is_causal``). For L = 2 queries and S = 5 keys::
+
+        causal()                      causal(align="top_left")
+        # # # # .                     # . . . .
+        # # # # #                     # # . . .
+
+    Args:
+        query: (B, H, L, D).
+        key: (B, H_kv, S, D). H_kv must divide H (grouped-query attention): with H=8, H_kv=2,
+            query heads 0-3 read key/value head 0 and heads 4-7 read head 1.
+        value: (B, H_kv, S, D_v).
+        mask: a ``multihead.masks.Mask`` (True = may attend), a bool tensor (same as
+            ``masks.dense(tensor)``), or None for no mask.
+        bias: additive float scores broadcastable to (B, H, L, S) (relative positions, ALiBi);
+            2-D bias must be exactly (L, S). Must be finite: blocking is the mask's job.
+        scale: multiplies the scores; default 1 / sqrt(D).
+        dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
+        return_weights: also return the softmax weights (before dropout).
+        backend: "auto" (fastest backend that honours the call), "sdpa" or "reference".
+            ``explain_backend`` says why each backend was or was not chosen.
+
+    Returns:
+        The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when
+        ``return_weights=True``. A query row with no visible key outputs exactly 0, its weights
+        are all 0 and its gradients are 0. Keys that no query may see are never read, so padding
+        may hold NaN. L = 0 or S = 0 are allowed.
+
+    Raises:
+        TypeError: non-float inputs, int/float masks, mixed dtypes.
+        ValueError: shapes that do not fit, a mask or bias that does not fit (B, H, L, S),
+            dropout_p outside [0, 1), or a backend that cannot honour the call.
+    """
+    call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
+    out, weights = registry.select(call, backend).run(call)
+    return (out, weights) if call.return_weights else out
+
+
+def explain_backend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+) -> registry.Choice:
+    """Which backend ``attention(..., backend="auto")`` would run, and why not the others.
+
+    Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
+    line per backend.
+    """
+    call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
+    return registry.explain(call)

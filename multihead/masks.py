@@ -1,0 +1,720 @@
+"""Attention masks as composable data, with one polarity everywhere: True = may attend.
+
+A mask is a small object, not an L x S tensor. Each mask can
+
+* lower any rectangular block of itself to a bool tensor (``block``; ``to_dense`` is the whole
+  (L, S) block), and
+* answer, for a tile of query rows and one batch entry, which contiguous key range can be visible
+  and whether that tile is fully visible, partly visible or empty (``tile``), without building
+  the block. The fast backends use the second answer to skip work.
+
+Masks combine with ``&`` (visible in both) and ``|`` (visible in either)::
+
+    m = masks.causal() & masks.lengths(torch.tensor([3, 2]))
+
+Structured masks (``causal``, ``sliding_window``) know nothing about sizes; the sizes come from
+the tensors they are used with. Masks built from tensors (``lengths``, ``key_padding``,
+``documents``, ``dense``) fix the batch size B, and ``dense`` may fix the head count H.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+
+__all__ = [
+    "Mask",
+    "Tile",
+    "TileKind",
+    "TorchMasks",
+    "causal",
+    "dense",
+    "documents",
+    "from_keras",
+    "from_torch",
+    "key_padding",
+    "lengths",
+    "sliding_window",
+]
+
+_ALIGNS = ("bottom_right", "top_left")
+
+
+class TileKind(enum.Enum):
+    """How much of a (query tile) x (key range) rectangle is visible."""
+
+    EMPTY = "empty"  # nothing visible: the tile costs nothing
+    PARTIAL = "partial"  # some entries visible: apply the mask block
+    FULL = "full"  # every entry visible: no mask needed
+
+
+@dataclass(frozen=True)
+class Tile:
+    """The answer for one query tile: keys ``[start, stop)`` hold every visible key.
+
+    ``FULL`` means every (query, key) pair of the tile x ``[start, stop)`` is visible for every
+    head; ``EMPTY`` means no query of the tile sees any key (then ``start == stop``).
+    """
+
+    start: int
+    stop: int
+    kind: TileKind
+
+
+_EMPTY = Tile(0, 0, TileKind.EMPTY)
+
+
+def _tile(start: int, stop: int, full: bool) -> Tile:
+    if stop <= start:
+        return _EMPTY
+    return Tile(start, stop, TileKind.FULL if full else TileKind.PARTIAL)
+
+
+class Mask:
+    """Base class of every mask. Subclasses implement ``block``, ``tile`` and ``check``."""
+
+    batch_size: int | None = None  # B fixed by the mask's tensors, None = any
+    num_heads: int | None = None  # H fixed by the mask's tensor, None = any
+
+    def check(self, batch: int, heads: int, length_q: int, length_k: int) -> None:
+        """Raise ValueError if this mask cannot be used with (B, H, L, S)."""
+        raise NotImplementedError
+
+    def block(
+        self,
+        length_q: int,
+        length_k: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        *,
+        batch: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> Tensor:
+        """Bool tensor for queries ``[q0, q1)`` x keys ``[k0, k1)``.
+
+        Shape broadcastable to (B, H, q1 - q0, k1 - k0): dimensions the mask does not depend on
+        have size 1. With ``batch=b`` only batch entry b is returned (batch dimension 1).
+        """
+        raise NotImplementedError
+
+    def tile(self, length_q: int, length_k: int, q0: int, q1: int, *, batch: int = 0) -> Tile:
+        """Visible key range and kind for query rows ``[q0, q1)`` of batch entry ``batch``."""
+        raise NotImplementedError
+
+    def to_dense(
+        self, length_q: int, length_k: int, *, device: torch.device | str | None = None
+    ) -> Tensor:
+        """The whole mask as a bool tensor broadcastable to (B, H, L, S)."""
+        return self.block(length_q, length_k, 0, length_q, 0, length_k, device=device)
+
+    def to_string(self, length_q: int, length_k: int, *, batch: int = 0, head: int = 0) -> str:
+        """Draw the mask for one batch entry and head: ``#`` may attend, ``.`` may not."""
+        keep = self.block(length_q, length_k, 0, length_q, 0, length_k, batch=batch)
+        keep = keep[0, min(head, keep.shape[1] - 1)].expand(length_q, length_k)
+        return "\n".join("".join("#" if x else "." for x in row) for row in keep.tolist())
+
+    def __and__(self, other: Mask) -> Mask:
+        return _Combine(self, _as_mask(other), "&")
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Combine(self, _as_mask(other), "|")
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def _natural_size(self) -> tuple[int, int] | None:
+        return None
+
+    def __repr__(self) -> str:
+        text = self._describe()
+        size = self._natural_size()
+        example = size is None
+        length_q, length_k = size if size is not None else (4, 6)
+        if length_q <= 24 and length_k <= 48:
+            title = f"e.g. L={length_q}, S={length_k}" if example else f"L={length_q}, S={length_k}"
+            picture = self.to_string(length_q, length_k)
+            text += f"\n  {title} (# = may attend, batch 0, head 0):\n  "
+            text += picture.replace("\n", "\n  ")
+        return text
+
+
+def _as_mask(m: object) -> Mask:
+    if isinstance(m, Mask):
+        return m
+    if isinstance(m, Tensor):
+        return dense(m)
+    raise TypeError(
+        "masks combine only with other masks or bool tensors. "
+        f"Received: an object of type {type(m).__name__}"
+    )
+
+
+def _arange(a: int, b: int, device: torch.device | str | None) -> Tensor:
+    return torch.arange(a, b, device=device)
+
+
+def _batch_slice(t: Tensor, batch: int | None) -> Tensor:
+    """Select batch entry ``batch`` (keeping the dim) unless the dim broadcasts (size 1)."""
+    if batch is None or t.shape[0] == 1:
+        return t
+    return t[batch : batch + 1]
+
+
+def _check_batch(name: str, got: int, want: int) -> None:
+    if got not in (1, want):
+        raise ValueError(
+            f"{name} has batch size {got} but the inputs have B={want}; build the mask from "
+            f"a tensor with B rows. Received: batch size {got}"
+        )
+
+
+class _Band(Mask):
+    """Query i sees key j when ``-before <= j - (i + offset) <= after``.
+
+    ``offset`` is S - L for bottom-right alignment and 0 for top-left; None means unbounded.
+    """
+
+    def __init__(self, before: int | None, after: int | None, align: str, name: str) -> None:
+        if align not in _ALIGNS:
+            raise ValueError(
+                f"align must be 'bottom_right' or 'top_left'. Received: align={align!r}"
+            )
+        for label, value in (("before", before), ("after", after)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{label} must be an int. Received: {label}={value!r}")
+            if value < 0:
+                raise ValueError(f"{label} must be >= 0. Received: {label}={value}")
+        self.before, self.after, self.align, self._name = before, after, align, name
+
+    @property
+    def is_causal(self) -> bool:
+        return self.before is None and self.after == 0
+
+    def _offset(self, length_q: int, length_k: int) -> int:
+        return length_k - length_q if self.align == "bottom_right" else 0
+
+    def check(self, batch: int, heads: int, length_q: int, length_k: int) -> None:
+        return None
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        d = _arange(k0, k1, device)[None, :] - _arange(q0, q1, device)[:, None]
+        d = d - self._offset(length_q, length_k)
+        keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
+        if self.before is not None:
+            keep &= d >= -self.before
+        if self.after is not None:
+            keep &= d <= self.after
+        return keep[None, None]
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if q1 <= q0:
+            return _EMPTY
+        off = self._offset(length_q, length_k)
+        start, stop, full = 0, length_k, True
+        if self.before is not None:
+            start = max(0, q0 + off - self.before)
+            # every row's lowest visible key must be at or left of start
+            full &= q1 - 1 + off - self.before <= start
+        if self.after is not None:
+            stop = min(length_k, q1 - 1 + off + self.after + 1)
+            # every row's highest visible key must reach stop - 1
+            full &= q0 + off + self.after >= stop - 1
+        return _tile(start, stop, full)
+
+    def _describe(self):
+        if self._name == "causal":
+            return f"causal(align={self.align!r})"
+        return f"sliding_window(before={self.before}, after={self.after}, align={self.align!r})"
+
+
+def causal(*, align: str = "bottom_right") -> Mask:
+    """Causal mask: a query sees keys at or before its own position.
+
+    ``align="bottom_right"`` (default; FlashAttention and KV-cache decoding): query i sees keys
+    j <= i + S - L, so the last query sees every key. ``align="top_left"`` (PyTorch's
+    ``is_causal``): query i sees keys j <= i. They agree when L == S. For L=2, S=5::
+
+        bottom_right      top_left
+        # # # # .         # . . . .
+        # # # # #         # # . . .
+
+    With bottom-right alignment and L > S the first L - S queries see no key; their output
+    is exactly 0.
+    """
+    return _Band(None, 0, align, "causal")
+
+
+def sliding_window(before: int, after: int = 0, *, align: str = "bottom_right") -> Mask:
+    """Local attention: query i sees keys j with ``c - before <= j <= c + after``.
+
+    ``c = i + S - L`` (bottom-right, default) or ``c = i`` (top-left), the same alignment as
+    ``causal``. ``sliding_window(2)`` for L = S = 5::
+
+        # . . . .
+        # # . . .
+        # # # . .
+        . # # # .
+        . . # # #
+    """
+    if before is None:
+        raise TypeError("before must be an int; for no lower bound use causal(). Received: None")
+    return _Band(before, after, align, "sliding_window")
+
+
+class _Lengths(Mask):
+    def __init__(self, valid_lens: Tensor) -> None:
+        self.valid_lens = V.check_index_tensor("valid_lens", valid_lens, (1, 2), "(B,) or (B, L)")
+        self.batch_size = self.valid_lens.shape[0]
+        self._host = self.valid_lens.detach().cpu().tolist()
+
+    def check(self, batch, heads, length_q, length_k):
+        if self.batch_size != batch:
+            raise ValueError(
+                f"valid_lens must have one entry per batch element, B={batch}. "
+                f"Received: valid_lens.shape={tuple(self.valid_lens.shape)}"
+            )
+        if self.valid_lens.dim() == 2 and self.valid_lens.shape[1] != length_q:
+            raise ValueError(
+                f"per-query valid_lens must have shape (B, L)={(batch, length_q)}. "
+                f"Received: valid_lens.shape={tuple(self.valid_lens.shape)}"
+            )
+        flat = torch.as_tensor(self._host).flatten()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > length_k):
+            raise ValueError(
+                f"valid_lens must be in [0, S] with S={length_k} keys. "
+                f"Received: valid_lens min={int(flat.min())}, max={int(flat.max())}"
+            )
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        lens = _batch_slice(self.valid_lens, batch).to(device)
+        if lens.dim() == 1:
+            lens = lens[:, None, None, None]  # [b, 1, 1, 1]
+        else:
+            lens = lens[:, None, q0:q1, None]  # [b, 1, l, 1]
+        return _arange(k0, k1, lens.device)[None, None, None, :] < lens
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if q1 <= q0:
+            return _EMPTY
+        row = self._host[batch]
+        if isinstance(row, int):
+            return _tile(0, row, True)
+        window = row[q0:q1]
+        return _tile(0, max(window), min(window) == max(window))
+
+    def _describe(self):
+        return f"lengths(valid_lens={self._host})"
+
+
+def lengths(valid_lens: Tensor) -> Mask:
+    """Key-length mask (d2l's ``valid_lens``): keys at positions >= the valid length are hidden.
+
+    Args:
+        valid_lens: integer tensor (B,) (one length per batch entry, every query) or (B, L)
+            (one length per query). Values in [0, S]; 0 hides every key, so those rows output 0.
+    """
+    return _Lengths(valid_lens)
+
+
+class _KeyPadding(Mask):
+    def __init__(self, keep: Tensor) -> None:
+        if not isinstance(keep, Tensor):
+            raise TypeError(f"keep must be a bool tensor (B, S). Received: {type(keep).__name__}")
+        V.check_mask_tensor_dtype("keep", keep)
+        if keep.dim() != 2:
+            raise ValueError(
+                "key_padding(keep) takes a (B, S) bool tensor. "
+                f"Received: keep.shape={tuple(keep.shape)}"
+            )
+        self.keep = keep
+        self.batch_size = keep.shape[0]
+        host = keep.detach().cpu()
+        self._spans = []
+        for row in host:
+            idx = torch.nonzero(row).flatten()
+            if idx.numel() == 0:
+                self._spans.append((0, 0, False))
+                continue
+            first, last = int(idx[0]), int(idx[-1]) + 1
+            self._spans.append((first, last, idx.numel() == last - first))
+
+    def check(self, batch, heads, length_q, length_k):
+        if tuple(self.keep.shape) != (batch, length_k):
+            raise ValueError(
+                f"key_padding(keep) must have shape (B, S)={(batch, length_k)}. "
+                f"Received: keep.shape={tuple(self.keep.shape)}"
+            )
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        return _batch_slice(self.keep, batch)[:, None, None, k0:k1].to(device)
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if q1 <= q0:
+            return _EMPTY
+        return _tile(*self._spans[batch])
+
+    def _describe(self):
+        return f"key_padding(keep of shape {tuple(self.keep.shape)})"
+
+
+def key_padding(keep: Tensor) -> Mask:
+    """Per-key visibility shared by every query.
+
+    Args:
+        keep: bool tensor (B, S); True = this key may be attended. (``nn.MultiheadAttention``'s
+            ``key_padding_mask`` has the opposite polarity: use ``from_torch``.)
+    """
+    return _KeyPadding(keep)
+
+
+class _Documents(Mask):
+    def __init__(self, query_ids: Tensor, key_ids: Tensor | None) -> None:
+        self.query_ids = V.check_index_tensor("query_ids", query_ids, (1, 2), "(L,) or (B, L)")
+        self.key_ids = (
+            self.query_ids
+            if key_ids is None
+            else V.check_index_tensor("key_ids", key_ids, (1, 2), "(S,) or (B, S)")
+        )
+        self._separate_keys = key_ids is not None
+        q = self.query_ids if self.query_ids.dim() == 2 else self.query_ids[None]
+        k = self.key_ids if self.key_ids.dim() == 2 else self.key_ids[None]
+        self._q, self._k = q, k
+        if q.shape[0] != 1 or k.shape[0] != 1:
+            if q.shape[0] != 1 and k.shape[0] != 1 and q.shape[0] != k.shape[0]:
+                raise ValueError(
+                    "query_ids and key_ids must have the same batch size. "
+                    f"Received: query_ids.shape={tuple(query_ids.shape)}, "
+                    f"key_ids.shape={tuple(key_ids.shape)}"
+                )
+            self.batch_size = max(q.shape[0], k.shape[0])
+        self._host_q = q.detach().cpu()
+        # per batch row of keys: id -> (first, last + 1, count)
+        self._key_spans: list[dict[int, tuple[int, int, int]]] = []
+        for row in k.detach().cpu():
+            ids, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+            pos = torch.arange(row.numel())
+            first = torch.full((ids.numel(),), row.numel()).scatter_reduce(0, inverse, pos, "amin")
+            last = torch.full((ids.numel(),), -1).scatter_reduce(0, inverse, pos, "amax")
+            self._key_spans.append(
+                {
+                    int(i): (int(f), int(x) + 1, int(c))
+                    for i, f, x, c in zip(ids, first, last, counts)
+                }
+            )
+
+    def check(self, batch, heads, length_q, length_k):
+        for name, t, want in (("query_ids", self._q, length_q), ("key_ids", self._k, length_k)):
+            _check_batch(name, t.shape[0], batch)
+            if t.shape[1] != want:
+                letter = "L" if name == "query_ids" else "S"
+                hint = (
+                    "; pass key_ids= when keys differ from queries"
+                    if name == "key_ids" and not self._separate_keys
+                    else ""
+                )
+                raise ValueError(
+                    f"{name} must have length {letter}={want}{hint}. "
+                    f"Received: {name}.shape={tuple(t.shape)}"
+                )
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        q = _batch_slice(self._q, batch)[:, None, q0:q1, None].to(device)
+        k = _batch_slice(self._k, batch)[:, None, None, k0:k1].to(device)
+        return q == k
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if q1 <= q0:
+            return _EMPTY
+        ids = torch.unique(self._host_q[batch if self._q.shape[0] > 1 else 0, q0:q1]).tolist()
+        spans_of = self._key_spans[batch if self._k.shape[0] > 1 else 0]
+        spans = [spans_of[i] for i in ids if i in spans_of]
+        if not spans:
+            return _EMPTY
+        start = min(s[0] for s in spans)
+        stop = max(s[1] for s in spans)
+        # full only when the whole tile is one document whose keys are contiguous
+        full = len(ids) == 1 and spans[0][2] == spans[0][1] - spans[0][0]
+        return _tile(start, stop, full)
+
+    def _describe(self):
+        return f"documents(query_ids of shape {tuple(self.query_ids.shape)})"
+
+    def _natural_size(self):
+        return self._q.shape[1], self._k.shape[1]
+
+
+def documents(query_ids: Tensor, key_ids: Tensor | None = None) -> Mask:
+    """Packed sequences: a query sees only keys with the same document id (block diagonal).
+
+    Args:
+        query_ids: integer tensor (L,) or (B, L), the document id of every query position.
+        key_ids: integer tensor (S,) or (B, S); defaults to ``query_ids`` (self-attention).
+
+    Ids need not be sorted; tiles are cheapest when each document is contiguous. Combine with
+    ``causal()`` for packed causal language modelling. For ids [0, 0, 1, 1, 1]::
+
+        # # . . .
+        # # . . .
+        . . # # #
+        . . # # #
+        . . # # #
+    """
+    return _Documents(query_ids, key_ids)
+
+
+class _Dense(Mask):
+    def __init__(self, keep: Tensor) -> None:
+        if not isinstance(keep, Tensor):
+            raise TypeError(
+                "dense(keep) takes a bool tensor. "
+                f"Received: an object of type {type(keep).__name__}"
+            )
+        V.check_mask_tensor_dtype("mask", keep)
+        if keep.dim() == 2:
+            keep = keep[None, None]
+            self._exact = True
+        elif keep.dim() == 4:
+            self._exact = False
+        else:
+            hint = (
+                " For nn.MultiheadAttention's (B * H, L, S) masks use masks.from_torch(..., "
+                "num_heads=H); for Keras's (B, L, S) masks use masks.from_keras(...); or add the "
+                "head dimension with keep[:, None]."
+                if keep.dim() == 3
+                else " For a per-key mask of shape (B, S) use masks.key_padding(keep)."
+            )
+            raise ValueError(
+                "a dense mask must be 2-D (L, S) or 4-D (B or 1, H or 1, L or 1, S or 1)."
+                f"{hint} Received: mask.shape={tuple(keep.shape)}"
+            )
+        self.keep = keep
+        if keep.shape[0] != 1:
+            self.batch_size = keep.shape[0]
+        if keep.shape[1] != 1:
+            self.num_heads = keep.shape[1]
+        self._host = keep.detach().cpu()
+
+    def check(self, batch, heads, length_q, length_k):
+        shape = tuple(self.keep.shape)
+        if self._exact:
+            if shape[2:] != (length_q, length_k):
+                hint = (
+                    " A (B, S) tensor marks keys per batch entry: use masks.key_padding(keep)."
+                    if shape[2] == batch and shape[3] == length_k
+                    else ""
+                )
+                raise ValueError(
+                    f"a 2-D mask must have shape exactly (L, S)={(length_q, length_k)}.{hint} "
+                    f"Received: mask.shape={shape[2:]}"
+                )
+            return
+        want = (batch, heads, length_q, length_k)
+        if not V._fits(shape, want, allow_one=True):
+            raise ValueError(
+                f"a 4-D mask must broadcast to (B, H, L, S)={want}, each dimension equal or 1. "
+                f"Received: mask.shape={shape}"
+            )
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        keep = _batch_slice(self.keep, batch)
+        if keep.shape[2] != 1:
+            keep = keep[:, :, q0:q1]
+        if keep.shape[3] != 1:
+            keep = keep[:, :, :, k0:k1]
+        return keep.to(device)
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if q1 <= q0:
+            return _EMPTY
+        keep = self._host[batch if self._host.shape[0] > 1 else 0]  # [h, l|1, s|1]
+        if keep.shape[1] != 1:
+            keep = keep[:, q0:q1]
+        keep = keep.expand(-1, -1, length_k)
+        cols = torch.nonzero(keep.any(dim=1).any(dim=0)).flatten()
+        if cols.numel() == 0:
+            return _EMPTY
+        start, stop = int(cols[0]), int(cols[-1]) + 1
+        return _tile(start, stop, bool(keep[:, :, start:stop].all()))
+
+    def _describe(self):
+        shape = tuple(self.keep.shape[2:]) if self._exact else tuple(self.keep.shape)
+        return f"dense(keep of shape {shape})"
+
+    def _natural_size(self):
+        length_q, length_k = self.keep.shape[2:]
+        if length_q == 1 or length_k == 1:
+            return None
+        return length_q, length_k
+
+
+def dense(keep: Tensor) -> Mask:
+    """An arbitrary bool mask, True = may attend.
+
+    Args:
+        keep: (L, S) exactly, or 4-D (B or 1, H or 1, L or 1, S or 1). Other ranks are rejected
+            so a (B, S) padding mask cannot pass for an (L, S) one by accident.
+    """
+    return _Dense(keep)
+
+
+class _Combine(Mask):
+    def __init__(self, a: Mask, b: Mask, op: str) -> None:
+        self.a, self.b, self.op = a, b, op
+        self.batch_size = _merge_size("batch size", a.batch_size, b.batch_size)
+        self.num_heads = _merge_size("head count", a.num_heads, b.num_heads)
+
+    def check(self, batch, heads, length_q, length_k):
+        self.a.check(batch, heads, length_q, length_k)
+        self.b.check(batch, heads, length_q, length_k)
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        x = self.a.block(length_q, length_k, q0, q1, k0, k1, batch=batch, device=device)
+        y = self.b.block(length_q, length_k, q0, q1, k0, k1, batch=batch, device=device)
+        return (x & y) if self.op == "&" else (x | y)
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        x = self.a.tile(length_q, length_k, q0, q1, batch=batch)
+        y = self.b.tile(length_q, length_k, q0, q1, batch=batch)
+        full = TileKind.FULL
+        if self.op == "&":
+            if TileKind.EMPTY in (x.kind, y.kind):
+                return _EMPTY
+            return _tile(max(x.start, y.start), min(x.stop, y.stop), x.kind == y.kind == full)
+        if x.kind == TileKind.EMPTY:
+            return y
+        if y.kind == TileKind.EMPTY:
+            return x
+        start, stop = min(x.start, y.start), max(x.stop, y.stop)
+        covers = any(t.kind == full and t.start == start and t.stop == stop for t in (x, y))
+        # two fully visible ranges that touch or overlap leave no gap
+        joined = x.kind == y.kind == full and max(x.start, y.start) <= min(x.stop, y.stop)
+        return _tile(start, stop, covers or joined)
+
+    def _describe(self):
+        return f"({self.a._describe()} {self.op} {self.b._describe()})"
+
+    def _natural_size(self):
+        return self.a._natural_size() or self.b._natural_size()
+
+
+def _merge_size(what: str, x: int | None, y: int | None) -> int | None:
+    if x is not None and y is not None and x != y:
+        raise ValueError(f"cannot combine masks with different {what}s. Received: {x} and {y}")
+    return x if x is not None else y
+
+
+class TorchMasks(NamedTuple):
+    """What ``from_torch`` returns: a mask (True = may attend) and an additive bias."""
+
+    mask: Mask | None
+    bias: Tensor | None
+
+
+def from_torch(
+    attn_mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    *,
+    num_heads: int | None = None,
+) -> TorchMasks:
+    """Convert ``torch.nn.MultiheadAttention`` masks to this library's convention.
+
+    In torch a bool ``True`` means *blocked* and a float mask is *added* to the scores. Here a
+    bool True means *may attend* and additive terms travel separately as ``bias``. A float
+    ``-inf`` becomes a masked position; other float values become the bias.
+
+    Args:
+        attn_mask: (L, S) or (B * H, L, S), bool or float. The 3-D form needs ``num_heads``.
+        key_padding_mask: (B, S), bool (True = padding) or float (added to every query row).
+        num_heads: H, needed to unpack a 3-D ``attn_mask``.
+
+    Returns:
+        ``TorchMasks(mask, bias)``; either may be None. Use as
+        ``m, bias = masks.from_torch(...); attention(q, k, v, m, bias=bias)``.
+    """
+    parts: list[Mask] = []
+    biases: list[Tensor] = []
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or attn_mask.dim() not in (2, 3):
+            shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
+            raise ValueError(
+                f"attn_mask must be a 2-D (L, S) or 3-D (B * H, L, S) tensor. Received: {shape}"
+            )
+        if attn_mask.dim() == 3:
+            if num_heads is None:
+                raise ValueError(
+                    "a 3-D attn_mask is laid out (B * H, L, S); pass num_heads=H to unpack it. "
+                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads=None"
+                )
+            if attn_mask.shape[0] % num_heads:
+                raise ValueError(
+                    "the first dimension of a 3-D attn_mask must be B * num_heads. "
+                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads={num_heads}"
+                )
+            attn_mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])
+        else:
+            attn_mask = attn_mask[None, None]
+        parts, biases = _split_torch_mask(attn_mask, "attn_mask", parts, biases)
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dim() != 2:
+            raise ValueError(
+                "key_padding_mask must be a 2-D (B, S) tensor. "
+                f"Received: {getattr(key_padding_mask, 'shape', type(key_padding_mask))}"
+            )
+        if key_padding_mask.dtype == torch.bool:
+            parts.append(key_padding(~key_padding_mask))
+        else:
+            parts, biases = _split_torch_mask(
+                key_padding_mask[:, None, None, :], "key_padding_mask", parts, biases
+            )
+    mask = None
+    for p in parts:
+        mask = p if mask is None else mask & p
+    bias = None
+    for b in biases:
+        bias = b if bias is None else bias + b
+    return TorchMasks(mask, bias)
+
+
+def _split_torch_mask(
+    t: Tensor, name: str, parts: list[Mask], biases: list[Tensor]
+) -> tuple[list[Mask], list[Tensor]]:
+    if t.dtype == torch.bool:
+        return parts + [dense(~t)], biases
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = blocked) or float (additive), as in "
+            f"torch.nn.MultiheadAttention. Received: {name}.dtype={t.dtype}"
+        )
+    if torch.isnan(t).any() or torch.isposinf(t).any():
+        raise ValueError(f"{name} may hold finite values and -inf only. Received: NaN or +inf")
+    blocked = torch.isneginf(t)
+    if blocked.any():
+        parts = parts + [dense(~blocked)]
+    return parts, biases + [torch.where(blocked, torch.zeros((), dtype=t.dtype), t)]
+
+
+def from_keras(attention_mask: Tensor) -> Mask:
+    """Convert a Keras ``MultiHeadAttention`` ``attention_mask`` (B, L, S), 1 = attend."""
+    if not isinstance(attention_mask, Tensor):
+        attention_mask = torch.as_tensor(attention_mask)
+    if attention_mask.dim() != 3:
+        raise ValueError(
+            "a Keras attention_mask has shape (B, L, S). "
+            f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
+        )
+    if attention_mask.is_floating_point():
+        raise TypeError(
+            "a Keras attention_mask must be bool or integer (1 = attend). "
+            f"Received: attention_mask.dtype={attention_mask.dtype}"
+        )
+    return dense((attention_mask != 0)[:, None])

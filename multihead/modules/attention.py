@@ -1,0 +1,222 @@
+"""``MultiHeadAttention``: project, split into heads, attend, merge, project back.
+
+The module holds parameters and reshapes; all attention math lives in ``multihead.attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .. import _validation as V
+from ..functional import attention
+from ..masks import Mask
+
+__all__ = ["MultiHeadAttention", "merge_heads", "split_heads"]
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    """(B, L, H * D) -> (B, H, L, D): view the last dim as H heads, then put heads first.
+
+    Example with B=1, L=3, H=2, D=2: position 0 holds ``[1, 2, 3, 4]``; head 0 gets ``[1, 2]``
+    and head 1 gets ``[3, 4]``.
+    """
+    V.check_rank("x", x, 3, "(B, L, H * D)")
+    V.check_positive_int("num_heads", num_heads)
+    b, length, width = x.shape
+    if width % num_heads:
+        raise ValueError(
+            "the last dimension of x must be divisible by num_heads. "
+            f"Received: x.shape={tuple(x.shape)}, num_heads={num_heads}"
+        )
+    return x.view(b, length, num_heads, width // num_heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, L, D) -> (B, L, H * D): the inverse of ``split_heads`` (concatenate the heads)."""
+    V.check_rank("x", x, 4, "(B, H, L, D)")
+    b, h, length, d = x.shape
+    return x.transpose(1, 2).reshape(b, length, h * d)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention on batch-first (B, L, E) tensors.
+
+    ``q = split_heads(q_proj(query))``, the same for key and value with H_kv heads, then
+    ``out_proj(merge_heads(attention(q, k, v, mask)))``.
+
+    Args:
+        embed_dim: E, the query (and output) width; divisible by ``num_heads``.
+        num_heads: H query heads, each of dim D = E / H.
+        kdim: width of the key input (default E).
+        vdim: width of the value input (default E).
+        num_kv_heads: H_kv key/value heads for grouped-query attention (default H); divides H.
+        bias: whether the four projections have biases.
+        dropout: dropout on the attention weights while training, in [0, 1).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.kdim = embed_dim if kdim is None else V.check_positive_int("kdim", kdim)
+        self.vdim = embed_dim if vdim is None else V.check_positive_int("vdim", vdim)
+        self.head_dim = embed_dim // num_heads
+        self.dropout = V.check_dropout(dropout, "dropout")
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}"
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Tensor | None = None,
+        return_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
+
+        Args:
+            query: (B, L, E).
+            key: (B, S, kdim); defaults to ``query``.
+            value: (B, S, vdim); defaults to ``key``.
+            mask: a ``multihead.masks.Mask`` or bool tensor, True = may attend.
+            bias: additive scores broadcastable to (B, H, L, S).
+            return_weights: also return per-head weights (B, H, L, S).
+
+        Returns:
+            (B, L, E), or ``(output, weights)`` when ``return_weights=True``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, t, width, letters in (
+            ("query", query, self.embed_dim, "(B, L, E)"),
+            ("key", key, self.kdim, "(B, S, kdim)"),
+            ("value", value, self.vdim, "(B, S, vdim)"),
+        ):
+            V.check_rank(name, t, 3, letters)
+            if t.shape[-1] != width:
+                raise ValueError(
+                    f"{name} must have last dimension {width} {letters}. "
+                    f"Received: {name}.shape={tuple(t.shape)}"
+                )
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(
+                "query, key and value must share the batch size B, and key and value the length "
+                f"S. Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
+                f"value.shape={tuple(value.shape)}"
+            )
+        q = split_heads(self.q_proj(query), self.num_heads)  # [B, H, L, D]
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # [B, H_kv, S, D]
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D]
+        result = attention(
+            q,
+            k,
+            v,
+            mask,
+            bias=bias,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+        )
+        if return_weights:
+            out, weights = result
+            return self.out_proj(merge_heads(out)), weights
+        return self.out_proj(merge_heads(result))
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention`` (packed or separate projection weights).
+
+        The result takes batch-first inputs whatever the source's ``batch_first`` was.
+        """
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(
+                "from_torch expects a torch.nn.MultiheadAttention. "
+                f"Received: {type(module).__name__}"
+            )
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "add_bias_kv and add_zero_attn have no counterpart here; append the extra key "
+                "to the key/value inputs instead. Received: "
+                f"add_bias_kv={module.bias_k is not None}, add_zero_attn={module.add_zero_attn}"
+            )
+        has_bias = module.in_proj_bias is not None
+        new = cls(
+            module.embed_dim,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=has_bias,
+            dropout=module.dropout,
+        )
+        ref = module.out_proj.weight
+        new.to(device=ref.device, dtype=ref.dtype)
+        if module._qkv_same_embed_dim:
+            weights = module.in_proj_weight.chunk(3)
+        else:
+            weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        projections = (new.q_proj, new.k_proj, new.v_proj)
+        with torch.no_grad():
+            for proj, w in zip(projections, weights):
+                proj.weight.copy_(w)
+            new.out_proj.weight.copy_(module.out_proj.weight)
+            if has_bias:
+                for proj, b in zip(projections, module.in_proj_bias.chunk(3)):
+                    proj.bias.copy_(b)
+                new.out_proj.bias.copy_(module.out_proj.bias)
+        return new.train(module.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """Copy into a ``torch.nn.MultiheadAttention`` with ``batch_first=True``."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                "torch.nn.MultiheadAttention has no grouped-query attention; only modules with "
+                f"num_kv_heads == num_heads convert. Received: num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        ref = self.out_proj.weight
+        has_bias = self.out_proj.bias is not None
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=has_bias,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=True,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+            else:
+                for target, p in zip(
+                    (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight), projections
+                ):
+                    target.copy_(p.weight)
+            module.out_proj.weight.copy_(self.out_proj.weight)
+            if has_bias:
+                module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
+                module.out_proj.bias.copy_(self.out_proj.bias)
+        return module.train(self.training)
