@@ -49,14 +49,18 @@ def dense_keep(call: Call) -> Tensor | None:
 
 
 def drop_dead_keys(keep: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero key/value rows that no query of any head may see.
+    """Zero key/value rows that no query may see.
 
     Padding often holds garbage (even NaN); a weight of 0 times NaN is still NaN inside a matmul,
-    so keys that are invisible everywhere must not be read at all.
+    so keys that are invisible to every query must not be read at all. When the mask differs
+    per head, key/value are first expanded from H_kv to H heads so each head drops its own.
     """
-    live = keep.any(dim=2).any(dim=1)  # [B|1, S]
+    live = keep.any(dim=2)  # [B|1, H|1, S]
     if bool(live.all()):
         return key, value
-    live = live[:, None, :, None]  # [B|1, 1, S, 1]
+    if live.shape[1] not in (1, key.shape[1]):
+        groups = live.shape[1] // key.shape[1]
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    live = live[..., None]  # [B|1, H|1, S, 1]
     zero = torch.zeros((), dtype=key.dtype, device=key.device)
     return torch.where(live, key, zero), torch.where(live, value, zero)

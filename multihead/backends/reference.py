@@ -13,14 +13,14 @@ from ._call import Call, dense_keep, drop_dead_keys, repeat_kv
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
-    _, h, h_kv, _, _, _ = call.shape
+    h = call.query.shape[1]
     dtype = call.query.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     q, k, v = (t.to(work) for t in (call.query, call.key, call.value))
     keep = dense_keep(call)
     if keep is not None:
         k, v = drop_dead_keys(keep, k, v)
-    k, v = repeat_kv(k, h // h_kv), repeat_kv(v, h // h_kv)
+    k, v = repeat_kv(k, h // k.shape[1]), repeat_kv(v, h // v.shape[1])
 
     scores = (q @ k.transpose(-2, -1)) * call.scale  # [B, H, L, S]
     if call.bias is not None:

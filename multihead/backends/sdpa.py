@@ -34,12 +34,13 @@ def _is_plain_causal(call: Call) -> bool:
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
-    gqa = q.shape[1] != k.shape[1]
-    common = dict(dropout_p=call.dropout_p, scale=call.scale, enable_gqa=gqa)
+    common = dict(dropout_p=call.dropout_p, scale=call.scale)
     if call.mask is None or _is_plain_causal(call):
         attn = None if call.bias is None else call.bias.to(q.dtype)
+        causal = call.mask is not None
+        gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn, is_causal=call.mask is not None, **common
+            q, k, v, attn_mask=attn, is_causal=causal, enable_gqa=gqa, **common
         )
         return out, None
 
@@ -51,5 +52,6 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         attn: Tensor = shown
     else:
         attn = call.bias.to(q.dtype).masked_fill(~shown, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, **common)
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, enable_gqa=gqa, **common)
     return torch.where(row_any, out, 0.0), None

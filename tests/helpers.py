@@ -1,0 +1,200 @@
+"""Independent ground truth for the tests: a naive attention formula and mask cases.
+
+Nothing here calls the library's own lowering: every expected mask is written out from the
+definitions in DESIGN.md with numpy index arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from multihead import masks
+
+
+def naive_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None = None,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(D) + bias) V written out, in the dtype of the inputs.
+
+    ``keep`` (bool, broadcastable to (B, H, L, S)) hides keys; rows with no visible key give 0.
+    GQA: key/value head h // (H / H_kv) serves query head h.
+    """
+    h, h_kv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // h_kv, dim=1)
+    v = v.repeat_interleave(h // h_kv, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bhld,bhsd->bhls", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if keep is None:
+        keep = torch.ones(s.shape, dtype=torch.bool)
+    keep = keep.expand(s.shape)
+    s = torch.where(keep, s, torch.full_like(s, -torch.inf))
+    row_max = s.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.where(keep, torch.exp(s - row_max), torch.zeros_like(s))
+    total = e.sum(dim=-1, keepdim=True)
+    w = torch.where(total > 0, e / torch.where(total > 0, total, torch.ones_like(total)), 0.0)
+    return torch.einsum("bhls,bhsd->bhld", w, v), w
+
+
+@dataclass
+class Case:
+    """A mask and its expected visibility (B, H, L, S), built independently."""
+
+    mask: masks.Mask | None
+    keep: Tensor  # bool [B, H|1, L, S]
+
+
+def _band(length_q, length_k, before, after, offset):
+    i = np.arange(length_q)[:, None] + offset
+    j = np.arange(length_k)[None, :]
+    ok = np.ones((length_q, length_k), dtype=bool)
+    if before is not None:
+        ok &= j >= i - before
+    if after is not None:
+        ok &= j <= i + after
+    return ok
+
+
+def _lens(rng, b, length_k):
+    out = rng.integers(0, length_k + 1, size=b)
+    out[0] = length_k  # one full row
+    if b > 1:
+        out[-1] = 0  # one entry with nothing visible
+    return out
+
+
+def _doc_ids(rng, b, n):
+    rows = []
+    for _ in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, n), size=min(3, max(n - 1, 0)), replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(n), side="right"))
+    return np.stack(rows)
+
+
+def make_case(name: str, b: int, h: int, length_q: int, length_k: int, seed: int = 0) -> Case:
+    rng = np.random.default_rng(seed)
+    br = length_k - length_q
+
+    def band(before, after, offset):
+        return _band(length_q, length_k, before, after, offset)[None, None]
+
+    def t(a):
+        return torch.as_tensor(np.ascontiguousarray(a))
+
+    if name == "none":
+        return Case(None, torch.ones(1, 1, length_q, length_k, dtype=torch.bool))
+    if name == "causal":
+        return Case(masks.causal(), t(band(None, 0, br)))
+    if name == "causal_top_left":
+        return Case(masks.causal(align="top_left"), t(band(None, 0, 0)))
+    if name == "window":
+        return Case(masks.sliding_window(3), t(band(3, 0, br)))
+    if name == "window_both":
+        return Case(masks.sliding_window(2, 4), t(band(2, 4, br)))
+    if name == "window_top_left":
+        return Case(masks.sliding_window(1, 1, align="top_left"), t(band(1, 1, 0)))
+    if name == "lengths":
+        n = _lens(rng, b, length_k)
+        keep = np.arange(length_k)[None, None, None, :] < n[:, None, None, None]
+        return Case(masks.lengths(t(n)), t(keep))
+    if name == "lengths_per_query":
+        n = rng.integers(0, length_k + 1, size=(b, length_q))
+        keep = np.arange(length_k)[None, None, None, :] < n[:, None, :, None]
+        return Case(masks.lengths(t(n)), t(keep))
+    if name == "key_padding":
+        kp = rng.random((b, length_k)) < 0.6
+        if b > 1:
+            kp[-1] = False
+        return Case(masks.key_padding(t(kp)), t(kp[:, None, None, :]))
+    if name == "documents":
+        ids = _doc_ids(rng, b, length_q)
+        if length_q != length_k:
+            kid = _doc_ids(rng, b, length_k)
+            keep = ids[:, None, :, None] == kid[:, None, None, :]
+            return Case(masks.documents(t(ids), t(kid)), t(keep))
+        keep = ids[:, None, :, None] == ids[:, None, None, :]
+        return Case(masks.documents(t(ids)), t(keep))
+    if name == "dense":
+        keep = rng.random((b, h, length_q, length_k)) < 0.5
+        return Case(masks.dense(t(keep)), t(keep))
+    if name == "dense_2d":
+        keep = rng.random((length_q, length_k)) < 0.7
+        return Case(masks.dense(t(keep)), t(keep[None, None]))
+    if name in COMBOS:
+        left, op, right = COMBOS[name]
+        x = make_case(left, b, h, length_q, length_k, seed)
+        y = make_case(right, b, h, length_q, length_k, seed + 1)
+        if op == "&":
+            return Case(x.mask & y.mask, x.keep & y.keep)
+        return Case(x.mask | y.mask, x.keep | y.keep)
+    raise KeyError(name)
+
+
+COMBOS: dict[str, tuple[str, str, str]] = {
+    "causal&lengths": ("causal", "&", "lengths"),
+    "documents&causal": ("documents", "&", "causal"),
+    "window|key_padding": ("window", "|", "key_padding"),
+    "dense&window_both": ("dense", "&", "window_both"),
+    "causal_top_left|documents": ("causal_top_left", "|", "documents"),
+}
+
+MASK_KINDS = [
+    "none",
+    "causal",
+    "causal_top_left",
+    "window",
+    "window_both",
+    "window_top_left",
+    "lengths",
+    "lengths_per_query",
+    "key_padding",
+    "documents",
+    "dense",
+    "dense_2d",
+    *COMBOS,
+]
+
+
+def qkv(
+    b: int,
+    h: int,
+    h_kv: int,
+    length_q: int,
+    length_k: int,
+    d: int,
+    d_v: int | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (
+            torch.randn(*shape, generator=g, dtype=torch.float64)
+            .to(dtype)
+            .requires_grad_(requires_grad)
+        )
+
+    return (
+        r(b, h, length_q, d),
+        r(b, h_kv, length_k, d),
+        r(b, h_kv, length_k, d if d_v is None else d_v),
+    )
+
+
+Maker = Callable[..., Case]
