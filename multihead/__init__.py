@@ -11,7 +11,7 @@ Masks use one polarity everywhere: True = may attend.
 """
 
 from . import masks
-from .functional import attention, explain_backend
+from .functional import attention, attention_weights, explain_backend
 from .modules import MultiHeadAttention, merge_heads, split_heads
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MultiHeadAttention",
     "attention",
+    "attention_weights",
     "explain_backend",
     "masks",
     "merge_heads",

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import _validation as V
-from .backends import registry
+from .backends import registry, tiled
 from .backends._call import Call
 from .masks import Mask, dense
 
-__all__ = ["attention", "explain_backend"]
+__all__ = ["attention", "attention_weights", "explain_backend"]
 
 
 def _prepare(
@@ -87,7 +88,8 @@ def attention(
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         return_weights: also return the softmax weights (before dropout).
-        backend: "auto" (fastest backend that honours the call), "sdpa" or "reference".
+        backend: "auto" (fastest backend that honours the call), "tiled", "sdpa" or
+            "reference".
             ``explain_backend`` says why each backend was or was not chosen.
 
     Returns:
@@ -124,3 +126,49 @@ def explain_backend(
     """
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
     return registry.explain(call)
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    heads: slice | list[int] | None = None,
+) -> Tensor:
+    """Softmax attention weights (B, H, L, S), computed tile by tile; no values needed.
+
+    Tiles the mask hides are never computed and stay 0; a query with no visible key has
+    all-zero weights.
+
+    Args:
+        query: (B, H, L, D).
+        key: (B, H_kv, S, D).
+        mask, bias, scale: as in ``attention``.
+        heads: only these query heads (a slice or list of indices); the matching key heads
+            are picked for grouped-query attention. The result then has len(heads) heads.
+    """
+    V.check_rank("query", query, 4, "(B, H, L, D)")
+    V.check_rank("key", key, 4, "(B, H_kv, S, D)")
+    if heads is not None:
+        h, h_kv = query.shape[1], key.shape[1]
+        index = torch.arange(h)[heads] if isinstance(heads, slice) else torch.as_tensor(heads)
+        if index.dim() != 1 or index.numel() == 0 or not bool(((index >= 0) & (index < h)).all()):
+            raise ValueError(
+                f"heads must select query heads in [0, {h}). Received: heads={heads!r}"
+            )
+        if h_kv and h % h_kv == 0:
+            key = key[:, index // (h // h_kv)]
+        query = query[:, index]
+        if (isinstance(mask, Mask) and mask.num_heads is not None) or (
+            isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] != 1
+        ):
+            raise ValueError(
+                "heads= cannot be combined with a mask that differs per head; slice the mask "
+                "yourself. Received: a per-head mask"
+            )
+        if bias is not None and bias.dim() == 4 and bias.shape[1] != 1:
+            bias = bias[:, index.to(bias.device)]
+    call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
+    return tiled.weights(call)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import reference, sdpa
+from ..masks import Mask, _Combine, _Dense
+from . import reference, sdpa, tiled
 from ._call import Call
 
 
@@ -19,7 +20,6 @@ class Backend:
     name: str
     run: Callable[[Call], tuple[Tensor, Tensor | None]]
     unsupported: Callable[[Call], str | None]  # why this call cannot run here, or None
-    preference: int  # lower runs first among backends that can honour a call
 
 
 @dataclass(frozen=True)
@@ -42,24 +42,46 @@ def _always(call: Call) -> str | None:
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("sdpa", sdpa.run, sdpa.unsupported, preference=0),
-        Backend("reference", reference.run, _always, preference=9),
+        Backend("tiled", tiled.run, tiled.unsupported),
+        Backend("sdpa", sdpa.run, sdpa.unsupported),
+        Backend("reference", reference.run, _always),
     )
 }
 
 
+def _has_dense(mask: Mask) -> bool:
+    if isinstance(mask, _Combine):
+        return _has_dense(mask.a) or _has_dense(mask.b)
+    return isinstance(mask, _Dense)
+
+
+def _ranking(call: Call) -> tuple[list[str], str]:
+    """Backends from fastest expected to slowest for this call, and why the first leads."""
+    if call.return_weights:
+        return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
+    if call.query.device.type != "cpu":
+        return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
+    if call.mask is None:
+        return ["sdpa", "tiled", "reference"], "with no mask there is nothing to skip"
+    if sdpa.is_plain_causal(call):
+        return ["sdpa", "tiled", "reference"], "torch's is_causal kernel skips the same tiles"
+    if _has_dense(call.mask):
+        return ["sdpa", "tiled", "reference"], "an arbitrary dense mask has little to skip"
+    return ["tiled", "sdpa", "reference"], "it skips the tiles the mask hides"
+
+
 def explain(call: Call) -> Choice:
-    ranked = sorted(BACKENDS.values(), key=lambda b: b.preference)
+    order, why_first = _ranking(call)
     reasons: dict[str, str] = {}
     chosen = None
-    for b in ranked:
-        why = b.unsupported(call)
+    for name in order:
+        why = BACKENDS[name].unsupported(call)
         if why is not None:
-            reasons[b.name] = why
+            reasons[name] = why
         elif chosen is None:
-            chosen = b.name
+            chosen = name
         else:
-            reasons[b.name] = f"supported, but {chosen} is expected to be faster for this call"
+            reasons[name] = f"supported, but {chosen} is expected to be faster: {why_first}"
     assert chosen is not None, "the reference backend supports every call"
     return Choice(chosen, reasons)
 

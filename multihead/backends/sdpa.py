@@ -21,7 +21,8 @@ def unsupported(call: Call) -> str | None:
     return None
 
 
-def _is_plain_causal(call: Call) -> bool:
+def is_plain_causal(call: Call) -> bool:
+    """True when torch's ``is_causal`` expresses the mask exactly."""
     _, _, _, length_q, length_k, _ = call.shape
     m = call.mask
     return (
@@ -35,7 +36,7 @@ def _is_plain_causal(call: Call) -> bool:
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
     common = dict(dropout_p=call.dropout_p, scale=call.scale)
-    if call.mask is None or _is_plain_causal(call):
+    if call.mask is None or is_plain_causal(call):
         attn = None if call.bias is None else call.bias.to(q.dtype)
         causal = call.mask is not None
         gqa = q.shape[1] != k.shape[1]

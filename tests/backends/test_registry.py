@@ -2,41 +2,61 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers import qkv
+from helpers import MASK_KINDS, make_case, qkv
 
 import multihead as mh
 from multihead import masks
 from multihead.backends import registry
+from multihead.functional import _prepare
 
 
-def test_auto_prefers_sdpa_and_explains_the_reference():
-    q, k, v = qkv(1, 2, 2, 3, 4, 5)
-    choice = mh.explain_backend(q, k, v, masks.causal())
-    assert choice.backend == "sdpa"
-    assert choice.reasons == {
-        "reference": "supported, but sdpa is expected to be faster for this call"
-    }
-    assert str(choice).splitlines()[0] == "chosen: sdpa"
+@pytest.mark.parametrize(
+    "mask,expected",
+    [
+        (None, "sdpa"),
+        (masks.causal(), "sdpa"),  # L == S: torch's is_causal is exact
+        (masks.sliding_window(2), "tiled"),
+        (masks.lengths(torch.tensor([3, 1])), "tiled"),
+        (masks.dense(torch.ones(4, 4, dtype=torch.bool)), "sdpa"),
+    ],
+    ids=["none", "causal", "window", "lengths", "dense"],
+)
+def test_auto_choice_and_reasons(mask, expected):
+    q, k, v = qkv(2, 2, 2, 4, 4, 5)
+    choice = mh.explain_backend(q, k, v, mask)
+    assert choice.backend == expected
+    assert set(choice.reasons) == {"tiled", "sdpa", "reference"} - {expected}
+    assert all(
+        r.startswith(f"supported, but {expected} is expected to be faster: ")
+        for r in choice.reasons.values()
+    )
+    assert str(choice).splitlines()[0] == f"chosen: {expected}"
 
 
-def test_auto_falls_back_when_weights_are_requested():
+def test_bottom_right_causal_with_fewer_queries_goes_to_tiled():
+    q, k, v = qkv(1, 2, 2, 3, 8, 5)
+    assert mh.explain_backend(q, k, v, masks.causal()).backend == "tiled"
+    assert mh.explain_backend(q, k, v, masks.causal(align="top_left")).backend == "sdpa"
+
+
+def test_auto_with_weights_uses_tiled_and_says_why_not_sdpa():
     q, k, v = qkv(1, 2, 2, 3, 4, 5)
     choice = mh.explain_backend(q, k, v, return_weights=True)
-    assert choice.backend == "reference"
+    assert choice.backend == "tiled"
     assert "does not return attention weights" in choice.reasons["sdpa"]
 
 
-def test_auto_never_picks_an_unsupported_backend():
-    q, k, v = qkv(1, 2, 2, 3, 4, 5)
-    for return_weights in (False, True):
-        choice = mh.explain_backend(q, k, v, return_weights=return_weights)
-        assert (
-            registry.BACKENDS[choice.backend].unsupported(
-                registry.Call(q, k, v, None, None, 1.0, 0.0, return_weights)
-            )
-            is None
-        )
+@pytest.mark.parametrize("return_weights", [False, True])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_auto_never_picks_an_unsupported_backend(kind, return_weights):
+    q, k, v = qkv(2, 2, 2, 5, 6, 3)
+    mask = make_case(kind, 2, 2, 5, 6).mask
+    for bias in (None, torch.zeros(5, 6, dtype=torch.float64, requires_grad=True)):
+        call = _prepare(q, k, v, mask, bias, None, 0.0, return_weights)
+        chosen = registry.explain(call).backend
+        assert registry.BACKENDS[chosen].unsupported(call) is None
 
 
 def test_sdpa_uses_is_causal_only_when_equivalent(monkeypatch):

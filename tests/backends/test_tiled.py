@@ -1,0 +1,144 @@
+"""The tiled backend: exact under every tile size, on both per-chunk kernels, without ever
+building an L x S mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import MASK_KINDS, make_case, naive_attention, qkv
+
+import multihead as mh
+from multihead import masks
+from multihead.backends import tiled
+
+
+def _forward_backward(backend, q, k, v, mask, grad_out, **kw):
+    out = mh.attention(q, k, v, mask, backend=backend, **kw)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+@pytest.mark.parametrize("tile", [1, 3, 7, 16], ids=lambda t: f"tile{t}")
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_tile_boundaries_cut_through_every_structure(monkeypatch, kind, tile):
+    """Small odd tiles cut documents, windows and padding at every possible place."""
+    monkeypatch.setattr(tiled, "query_tile", lambda call: tile)
+    monkeypatch.setattr(tiled, "_MIN_FULL_RUN", 2)  # also split ranges into many chunks
+    b, h, h_kv, length_q, length_k, d = 3, 4, 2, 23, 29, 5
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, d, requires_grad=True)
+    case = make_case(kind, b, h, length_q, length_k, seed=tile)
+    grad_out = torch.randn(b, h, length_q, d, dtype=torch.float64)
+    want = _forward_backward("reference", q, k, v, case.mask, grad_out)
+    got = _forward_backward("tiled", q, k, v, case.mask, grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_plain_torch_chunk_kernel_matches_reference(monkeypatch, kind):
+    """The path used on other devices and for dropout, forced on CPU."""
+    monkeypatch.setattr(tiled._Ctx, "use_flash", lambda self, q, v: False)
+    monkeypatch.setattr(tiled, "query_tile", lambda call: 8)
+    b, h, h_kv, length_q, length_k, d = 2, 4, 2, 21, 19, 6
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        q, k, v = qkv(b, h, h_kv, length_q, length_k, d, requires_grad=True)
+        lo = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        case = make_case(kind, b, h, length_q, length_k)
+        grad_out = torch.randn(b, h, length_q, d, dtype=torch.float64)
+        want = _forward_backward("reference", q, k, v, case.mask, grad_out)
+        got = _forward_backward("tiled", *lo, case.mask, grad_out.to(dtype))
+        for g, w in zip(got, want):
+            assert (g.double() - w).abs().max() <= tol
+
+
+def test_dropout_pattern_is_identical_in_forward_and_backward():
+    q, k, v = qkv(2, 2, 1, 9, 11, 4, requires_grad=True, seed=5)
+    mask = masks.sliding_window(3, 2) & masks.lengths(torch.tensor([11, 6]))
+
+    def f(q, k, v):
+        torch.manual_seed(1234)  # the same draw on every call makes the function deterministic
+        return mh.attention(q, k, v, mask, dropout_p=0.3, backend="tiled")
+
+    assert torch.equal(f(q, k, v), f(q, k, v))
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    torch.manual_seed(1)
+    other = mh.attention(q, k, v, mask, dropout_p=0.3, backend="tiled")
+    assert not torch.equal(f(q, k, v), other)
+
+
+def test_structured_masks_are_never_materialized(monkeypatch):
+    """Sliding window over L = S = 2**15: a dense bool mask would be 1 GiB. Every block the
+    kernel asks for is a small tile."""
+    length = 2**15
+    seen = []
+    band = type(masks.sliding_window(1))
+    band_block = band.block
+
+    def guarded(self, length_q, length_k, q0, q1, k0, k1, **kw):
+        seen.append((q1 - q0) * (k1 - k0))
+        if (q1 - q0) * (k1 - k0) > 2**20:
+            raise AssertionError(f"block of {(q1 - q0)} x {(k1 - k0)} requested")
+        return band_block(self, length_q, length_k, q0, q1, k0, k1, **kw)
+
+    monkeypatch.setattr(band, "block", guarded)
+    q, k, v = qkv(1, 1, 1, length, length, 4, dtype=torch.float32, requires_grad=True)
+    out = mh.attention(q, k, v, masks.sliding_window(256), backend="tiled")
+    out.sum().backward()
+    assert seen and max(seen) <= 2**20
+    # spot-check a few rows against the formula on their own window
+    for i in (0, 300, length - 1):
+        lo = max(0, i - 256)
+        want, _ = naive_attention(
+            q[:, :, i : i + 1].double(), k[:, :, lo : i + 1].double(), v[:, :, lo : i + 1].double()
+        )
+        assert (out[:, :, i : i + 1].double() - want).abs().max() <= 1e-5
+
+
+def test_empty_tiles_are_skipped():
+    mask = masks.lengths(torch.tensor([0, 300])) & masks.causal()
+    items = tiled.plan(mask, 2, 600, 600, 100, "cpu")
+    # batch 0 sees nothing; batch 1 sees keys < 300, so queries < 300 have a causal triangle
+    assert {item.batch.start for item in items} == {1}
+    visible = sum((item.q1 - item.q0) * (c.stop - c.start) for item in items for c in item.chunks)
+    assert visible < 600 * 300
+
+
+def test_return_weights_keeps_fast_output_and_matches_reference():
+    q, k, v = qkv(2, 4, 2, 37, 41, 8)
+    case = make_case("documents&causal", 2, 4, 37, 41)
+    out, w = mh.attention(q, k, v, case.mask, return_weights=True)
+    assert mh.explain_backend(q, k, v, case.mask, return_weights=True).backend == "tiled"
+    ref_out, ref_w = mh.attention(q, k, v, case.mask, return_weights=True, backend="reference")
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "lengths", "key_padding", "documents", "dense"])
+def test_attention_weights_function(kind):
+    b, h, h_kv, length_q, length_k = 2, 6, 3, 13, 17
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, 5)
+    case = make_case(kind, b, h, length_q, length_k)
+    _, want = naive_attention(q, k, v, case.keep)
+    torch.testing.assert_close(mh.attention_weights(q, k, case.mask), want, rtol=0, atol=1e-12)
+    if kind != "dense":
+        part = mh.attention_weights(q, k, case.mask, heads=slice(1, 5, 2))
+        torch.testing.assert_close(part, want[:, 1:5:2], rtol=0, atol=1e-12)
+        torch.testing.assert_close(mh.attention_weights(q, k, case.mask, heads=[5]), want[:, [5]])
+
+
+def test_attention_weights_errors():
+    q, k, _ = qkv(1, 4, 2, 3, 3, 2)
+    with pytest.raises(ValueError, match=r"heads must select query heads in \[0, 4\)"):
+        mh.attention_weights(q, k, heads=[4])
+    keep = torch.ones(1, 4, 3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask that differs per head"):
+        mh.attention_weights(q, k, keep, heads=[1])
+
+
+def test_bias_gradients_are_left_to_other_backends():
+    q, k, v = qkv(1, 2, 2, 4, 4, 3)
+    bias = torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"tiled does not compute gradients for bias"):
+        mh.attention(q, k, v, masks.sliding_window(1), bias=bias, backend="tiled")
+    choice = mh.explain_backend(q, k, v, masks.sliding_window(1), bias=bias)
+    assert choice.backend == "sdpa"
+    assert choice.reasons["tiled"] == "tiled does not compute gradients for bias"
