@@ -272,10 +272,21 @@ def sliding_window(before: int, after: int = 0, *, align: str = "bottom_right") 
 
 
 class _Lengths(Mask):
-    def __init__(self, valid_lens: Tensor) -> None:
+    def __init__(self, valid_lens: Tensor, query_lens: Tensor | None) -> None:
         self.valid_lens = V.check_index_tensor("valid_lens", valid_lens, (1, 2), "(B,) or (B, L)")
         self.batch_size = self.valid_lens.shape[0]
         self._host = self.valid_lens.detach().cpu().tolist()
+        self.query_lens = None
+        self._host_q: list[int] | None = None
+        if query_lens is not None:
+            self.query_lens = V.check_index_tensor("query_lens", query_lens, (1,), "(B,)")
+            if self.query_lens.shape[0] != self.batch_size:
+                raise ValueError(
+                    "query_lens must have one entry per batch element, like valid_lens. "
+                    f"Received: query_lens.shape={tuple(self.query_lens.shape)}, "
+                    f"valid_lens.shape={tuple(self.valid_lens.shape)}"
+                )
+            self._host_q = self.query_lens.detach().cpu().tolist()
 
     def check(self, batch, heads, length_q, length_k):
         if self.batch_size != batch:
@@ -294,6 +305,11 @@ class _Lengths(Mask):
                 f"valid_lens must be in [0, S] with S={length_k} keys. "
                 f"Received: valid_lens min={int(flat.min())}, max={int(flat.max())}"
             )
+        if self._host_q is not None and (min(self._host_q) < 0 or max(self._host_q) > length_q):
+            raise ValueError(
+                f"query_lens must be in [0, L] with L={length_q} queries. "
+                f"Received: query_lens min={min(self._host_q)}, max={max(self._host_q)}"
+            )
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
         lens = _batch_slice(self.valid_lens, batch).to(device)
@@ -301,9 +317,19 @@ class _Lengths(Mask):
             lens = lens[:, None, None, None]  # [b, 1, 1, 1]
         else:
             lens = lens[:, None, q0:q1, None]  # [b, 1, l, 1]
-        return _arange(k0, k1, lens.device)[None, None, None, :] < lens
+        keep = _arange(k0, k1, lens.device)[None, None, None, :] < lens
+        if self.query_lens is not None:
+            ql = _batch_slice(self.query_lens, batch).to(lens.device)[:, None, None, None]
+            keep = keep & (_arange(q0, q1, lens.device)[None, None, :, None] < ql)
+        return keep
 
     def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        if self._host_q is not None:
+            if q0 >= self._host_q[batch]:
+                return _EMPTY
+            if q1 > self._host_q[batch]:  # the tile runs into query padding
+                inner = self.tile(length_q, length_k, q0, self._host_q[batch], batch=batch)
+                return _tile(inner.start, inner.stop, False)
         if q1 <= q0:
             return _EMPTY
         row = self._host[batch]
@@ -313,17 +339,27 @@ class _Lengths(Mask):
         return _tile(0, max(window), min(window) == max(window))
 
     def _describe(self):
-        return f"lengths(valid_lens={self._host})"
+        extra = "" if self._host_q is None else f", query_lens={self._host_q}"
+        return f"lengths(valid_lens={self._host}{extra})"
 
 
-def lengths(valid_lens: Tensor) -> Mask:
+def lengths(valid_lens: Tensor, query_lens: Tensor | None = None) -> Mask:
     """Key-length mask (d2l's ``valid_lens``): keys at positions >= the valid length are hidden.
 
     Args:
         valid_lens: integer tensor (B,) (one length per batch entry, every query) or (B, L)
             (one length per query). Values in [0, S]; 0 hides every key, so those rows output 0.
+        query_lens: optional integer tensor (B,): queries at positions >= it are padding and see
+            no key (they output 0 and cost nothing). For a padded self-attention batch pass
+            the same lengths twice: ``lengths(n, query_lens=n)``. For ``lengths([3, 2])`` and
+            L = S = 4, batch entry 1, with and without ``query_lens=[3, 2]``::
+
+                # # . .        # # . .
+                # # . .        # # . .
+                # # . .        . . . .
+                # # . .        . . . .
     """
-    return _Lengths(valid_lens)
+    return _Lengths(valid_lens, query_lens)
 
 
 class _KeyPadding(Mask):

@@ -110,6 +110,13 @@ def make_case(name: str, b: int, h: int, length_q: int, length_k: int, seed: int
         n = _lens(rng, b, length_k)
         keep = np.arange(length_k)[None, None, None, :] < n[:, None, None, None]
         return Case(masks.lengths(t(n)), t(keep))
+    if name == "lengths_padded_queries":
+        n = _lens(rng, b, length_k)
+        nq = rng.integers(0, length_q + 1, size=b)
+        keep = (np.arange(length_k)[None, None, None, :] < n[:, None, None, None]) & (
+            np.arange(length_q)[None, None, :, None] < nq[:, None, None, None]
+        )
+        return Case(masks.lengths(t(n), query_lens=t(nq)), t(keep))
     if name == "lengths_per_query":
         n = rng.integers(0, length_k + 1, size=(b, length_q))
         keep = np.arange(length_k)[None, None, None, :] < n[:, None, :, None]
@@ -160,6 +167,7 @@ MASK_KINDS = [
     "window_top_left",
     "lengths",
     "lengths_per_query",
+    "lengths_padded_queries",
     "key_padding",
     "documents",
     "dense",

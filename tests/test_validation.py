@@ -138,6 +138,10 @@ def test_valid_lens_out_of_range_or_wrong_length():
         ValueError, match=r"one entry per batch element, B=2. Received: valid_lens.shape=\(3,\)"
     ):
         mh.attention(q, k, v, masks.lengths(torch.tensor([1, 2, 3])))
+    with pytest.raises(ValueError, match=r"query_lens must be in \[0, L\] with L=3 queries"):
+        mh.attention(q, k, v, masks.lengths(torch.tensor([1, 2]), query_lens=torch.tensor([4, 0])))
+    with pytest.raises(ValueError, match=r"query_lens must have one entry per batch element"):
+        masks.lengths(torch.tensor([1, 2]), query_lens=torch.tensor([1]))
     with pytest.raises(ValueError, match=r"per-query valid_lens must have shape \(B, L\)=\(2, 3\)"):
         mh.attention(q, k, v, masks.lengths(torch.ones(2, 4, dtype=torch.long)))
 

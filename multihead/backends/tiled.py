@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..masks import Mask, TileKind
+from ..masks import Mask, TileKind, _Band, _Combine, _KeyPadding, _Lengths
 from ._call import Call, repeat_kv
 
 __all__ = ["plan", "run", "unsupported", "weights"]
@@ -37,6 +37,11 @@ class Chunk:
     stop: int
     keep: Tensor | None  # bool [b|1, H|1, rows, stop - start]
     live: Tensor | None = None  # bool [b|1, H|1, stop - start, 1]: keys some row sees; None = all
+    # "tril": a square lower triangle (row a sees columns <= a), which torch's flash kernel runs
+    # with is_causal and no mask; "triu": the mirror image (columns >= a), run the same way on
+    # rows and keys in reverse order
+    pattern: str | None = None
+    seen: Tensor | None = None  # bool [b|1, H|1, rows]: rows that see a key here; None = all
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,12 @@ def query_tile(call: Call) -> int:
     amortize the per-call cost."""
     _, _, _, length_q, _, _ = call.shape
     mask = call.mask
+    if isinstance(mask, _KeyPadding) or (isinstance(mask, _Lengths) and mask.valid_lens.dim() == 1):
+        return max(length_q, 1)  # every query row of a batch entry sees the same keys
     window = getattr(mask, "before", None)
     if window is not None and getattr(mask, "after", None) is not None:
-        return max(32, min(256, (window + mask.after) // 2))
+        # one tile per window width: its keys split into two triangles (see _chunks)
+        return max(32, min(512, window + mask.after))
     return 256 if length_q > 256 else max(length_q, 1)
 
 
@@ -78,32 +86,94 @@ def _runs(flags: Tensor) -> list[tuple[int, int, bool]]:
     ]
 
 
+def _pattern(block: Tensor) -> str | None:
+    """'tril' / 'triu' when a shared square block is exactly that triangle, else None."""
+    rows, cols = block.shape[-2:]
+    if rows != cols or block.shape[0] != 1 or block.shape[1] != 1 or rows < _MIN_FULL_RUN:
+        return None
+    tri = torch.ones(rows, cols, dtype=torch.bool, device=block.device).tril()
+    if torch.equal(block[0, 0], tri):
+        return "tril"
+    if torch.equal(block[0, 0], tri.T):
+        return "triu"
+    return None
+
+
 def _chunks(keep: Tensor, start: int) -> list[Chunk]:
-    """Split a partly visible block into fully visible runs (no mask) and masked runs."""
-    rows = keep.shape[2]
-    full_cols = keep.expand(-1, -1, rows, -1).all(dim=2).all(dim=1).all(dim=0)  # [cols]
-    pieces: list[tuple[int, int, bool]] = []
-    for a, b, full in _runs(full_cols):
-        full = full and b - a >= _MIN_FULL_RUN
-        if pieces and not full and not pieces[-1][2]:
-            pieces[-1] = (pieces[-1][0], b, False)  # merge neighbouring masked runs
+    """Split a partly visible block into key blocks the width of the tile, anchored at its right
+    end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
+    causal squares, empty blocks are dropped, and the rest is merged into masked chunks."""
+    rows, width = keep.shape[2], keep.shape[3]
+    keep = keep.expand(-1, -1, rows, -1)
+    step = max(rows, _MIN_FULL_RUN)
+    edges = sorted({0, *range(width, 0, -step)})
+    pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
+    for a, b in itertools.pairwise([*edges, width]):
+        block = keep[..., a:b]
+        if not bool(block.any()):
+            kind = "empty"
+        elif bool(block.all()) and b - a >= _MIN_FULL_RUN:
+            kind = "full"
         else:
-            pieces.append((a, b, full))
+            kind = _pattern(block) or "mask"
+        if kind == "empty":
+            continue
+        if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
+            pieces[-1] = (pieces[-1][0], b, kind)  # merge neighbours of the same kind
+        else:
+            pieces.append((a, b, kind))
     chunks = []
-    for a, b, full in pieces:
-        if full:
+    for a, b, kind in pieces:
+        if kind == "full":
             chunks.append(Chunk(start + a, start + b, None))
             continue
         block = keep[..., a:b]
-        live = block.any(dim=2)[..., None]
-        chunks.append(Chunk(start + a, start + b, block, None if bool(live.all()) else live))
+        if kind == "mask":
+            live, seen = block.any(dim=2)[..., None], block.any(dim=-1)
+            live = None if bool(live.all()) else live
+            seen = None if bool(seen.all()) else seen
+            chunks.append(Chunk(start + a, start + b, block, live, None, seen))
+        else:  # a triangle: every row and every key of the square takes part
+            chunks.append(Chunk(start + a, start + b, block, None, kind, None))
     return chunks
+
+
+def _structure(mask: Mask | None) -> tuple | None:
+    """A hashable description of a mask made of bands only (its plan depends on nothing else)."""
+    if isinstance(mask, _Band):
+        return ("band", mask.before, mask.after, mask.align)
+    if isinstance(mask, _Combine):
+        a, b = _structure(mask.a), _structure(mask.b)
+        return None if a is None or b is None else (mask.op, a, b)
+    return None
+
+
+_PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
+_PLAN_CACHE_SIZE = 16
 
 
 def plan(
     mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
 ) -> list[Item]:
-    """The work list: every query tile with its visible key chunks. Empty tiles are left out."""
+    """The work list: every query tile with its visible key chunks. Empty tiles are left out.
+
+    Plans of masks made only of causal/sliding-window bands are cached, so a training loop
+    plans once.
+    """
+    structure = _structure(mask)
+    if structure is None:
+        return _plan(mask, batch, length_q, length_k, tile, device)
+    key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
+    if key not in _PLANS:
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
+    return _PLANS[key]
+
+
+def _plan(
+    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
+) -> list[Item]:
     if length_q == 0 or length_k == 0:
         return []
     if mask is None:
@@ -117,22 +187,54 @@ def plan(
             answer = mask.tile(length_q, length_k, q0, q1, batch=b)
             if answer.kind == TileKind.EMPTY:
                 continue
-            if answer.kind == TileKind.FULL:
-                chunks = [Chunk(answer.start, answer.stop, None)]
-            else:
-                keep = mask.block(
-                    length_q,
-                    length_k,
-                    q0,
-                    q1,
-                    answer.start,
-                    answer.stop,
-                    batch=None if group.start is None else b,
-                    device=device,
-                )
-                chunks = _chunks(keep, answer.start)
-            items.append(Item(group, q0, q1, tuple(chunks)))
+            item = _item(mask, group, b, length_q, length_k, q0, q1, answer, device)
+            if isinstance(item, Item):
+                items.append(item)
+            elif item is not None:
+                items.extend(item)
     return items
+
+
+def _item(mask, group, b, length_q, length_k, q0, q1, answer, device) -> Item | list[Item] | None:
+    """One tile's chunks; query rows at either end that see no key are trimmed off."""
+    if answer.kind == TileKind.FULL:
+        return Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))
+    batch = None if group.start is None else b
+    keep = mask.block(
+        length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
+    )
+    seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
+    if seeing.numel() == 0:
+        return None
+    lo, hi = int(seeing[0]), int(seeing[-1]) + 1
+    if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
+        trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
+        if trimmed.kind == TileKind.EMPTY:
+            return None
+        return _item(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
+    chunks = _chunks(keep, answer.start)
+    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
+    area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
+    if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
+        # mostly hidden masked work (a tile across a document boundary): split the rows
+        mid = (q0 + q1) // 2
+        halves = [
+            _item(mask, group, b, length_q, length_k, lo, hi, ans, device)
+            for lo, hi in ((q0, mid), (mid, q1))
+            if (ans := mask.tile(length_q, length_k, lo, hi, batch=b)).kind != TileKind.EMPTY
+        ]
+        return [
+            h
+            for half in halves
+            if half is not None
+            for h in ([half] if isinstance(half, Item) else half)
+        ]
+    return Item(group, q0, q1, tuple(chunks))
+
+
+def _visible(chunks: list[Chunk]) -> int:
+    """Visible entries of masked chunks, counted once per row and key (heads and batch merged)."""
+    return sum(int(c.keep.any(dim=1).any(dim=0).sum()) for c in chunks)
 
 
 def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -169,13 +271,6 @@ def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, T
     return torch.where(chunk.live, kc, zero), torch.where(chunk.live, vc, zero)
 
 
-def _row_any(chunk: Chunk) -> Tensor | None:
-    """[b|1, H|1, rows] rows that see at least one key of this chunk; None if all do."""
-    if chunk.keep is None:
-        return None
-    return chunk.keep.any(dim=-1)
-
-
 class _Ctx:
     """What the per-chunk kernels need besides the tensors."""
 
@@ -192,9 +287,22 @@ class _Ctx:
         return torch.rand(shape, generator=g, device=device) >= self.dropout_p
 
 
-def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int) -> tuple[Tensor, Tensor]:
-    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows])."""
+def _flip(*tensors: Tensor) -> list[Tensor]:
+    return [t.flip(2) for t in tensors]
+
+
+def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[Tensor, Tensor]:
+    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows]).
+
+    With a triangle ``pattern`` (and no bias) ``add`` is ignored: torch's causal kernel applies
+    it and skips the hidden half.
+    """
     if ctx.use_flash(q, v):
+        if pattern == "tril":
+            return _FLASH(q, k, v, is_causal=True, scale=ctx.scale)
+        if pattern == "triu":
+            o, lse = _FLASH(*_flip(q, k, v), is_causal=True, scale=ctx.scale)
+            return o.flip(2), lse.flip(-1)
         return _FLASH(q, k, v, attn_mask=add, scale=ctx.scale)
     f = _stat(q.dtype)
     s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale  # [b, H, rows, cols]
@@ -207,9 +315,16 @@ def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int) -> tuple[Tensor, Tensor]
     return p.to(v.dtype) @ v, lse
 
 
-def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int):
+def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=None):
     """Gradients of one chunk given the *global* out and log-sum-exp of its rows."""
     if ctx.use_flash(q, v):
+        if pattern == "tril":
+            return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        if pattern == "triu":
+            grads = _FLASH_BACKWARD(
+                *_flip(g, q, k, v, out), lse.flip(-1), 0.0, True, scale=ctx.scale
+            )
+            return [t.flip(2) for t in grads]
         return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
     f = _stat(q.dtype)
     s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale
@@ -252,12 +367,14 @@ def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
         qt = q[item.batch, :, rows]
         acc = total = None
         for chunk in item.chunks:
-            add = _additive(chunk.keep, _bias_block(ctx.bias, item, chunk), q.dtype)
+            bias = _bias_block(ctx.bias, item, chunk)
+            pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
+            add = None if pattern else _additive(chunk.keep, bias, q.dtype)
             kc, vc = _chunk_kv(k, v, item, chunk)
-            o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index)
+            o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern)
             index += 1
             l_c = l_c.to(stat)
-            seen = _row_any(chunk)
+            seen = chunk.seen
             if seen is not None:  # the kernel reports lse = 0 for rows that see nothing
                 l_c = torch.where(seen, l_c, float("-inf"))
                 o = torch.where(seen[..., None], o, 0.0)
@@ -287,9 +404,11 @@ def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item]):
         lt = lse[item.batch, :, rows]
         for chunk in item.chunks:
             cols = slice(chunk.start, chunk.stop)
-            add = _additive(chunk.keep, _bias_block(ctx.bias, item, chunk), q.dtype)
+            bias = _bias_block(ctx.bias, item, chunk)
+            pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
+            add = None if pattern else _additive(chunk.keep, bias, q.dtype)
             kc, vc = _chunk_kv(k, v, item, chunk)
-            a, b, c = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index)
+            a, b, c = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern)
             index += 1
             dq[item.batch, :, rows] += a
             dk[item.batch, :, cols] += b
@@ -322,8 +441,41 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))
     ctx = _Ctx(call.scale, call.dropout_p, seed, call.bias)
-    out = _TiledAttention.apply(q, k, v, items, ctx)
-    return out, (weights(call, items) if call.return_weights else None)
+    if call.needs_grad:
+        out = _TiledAttention.apply(q, k, v, items, ctx)
+        return out, (weights(call, items) if call.return_weights else None)
+    out, lse = _forward(ctx, q, k, v, items)
+    return out, (_weights_from_lse(call, k, items, lse) if call.return_weights else None)
+
+
+def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> Tensor:
+    """Weights exp(s - lse) with the forward pass's log-sum-exp: one exp per visible entry and
+    no second normalization pass. Not differentiable (used when no gradient is needed)."""
+    q = call.query
+    b, h, length_q, _ = q.shape
+    stat = _stat(q.dtype)
+    w = q.new_zeros(b, h, length_q, k.shape[2])
+    lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # rows that see nothing -> 0
+    for item in items:
+        for chunk in item.chunks:
+            kc = _chunk_kv(k, k, item, chunk)[0].to(stat).transpose(-2, -1).contiguous()
+            add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
+            # row blocks of 256 keep the temporaries small when a tile spans every query
+            for r0 in range(item.q0, item.q1, 256):
+                r1 = min(r0 + 256, item.q1)
+                qt = q[item.batch, :, r0:r1].to(stat)
+                nb, rows, cols = qt.shape[0], r1 - r0, kc.shape[-1]
+                # scale * q k^T - lse in one call: [b * H, rows, cols]
+                s = torch.baddbmm(
+                    -lse[item.batch, :, r0:r1, None].reshape(nb * h, rows, 1),
+                    qt.reshape(nb * h, rows, -1),
+                    kc.reshape(nb * h, -1, cols),
+                    alpha=call.scale,
+                ).view(nb, h, rows, cols)
+                if add is not None:
+                    s.add_(add if add.shape[2] == 1 else add[:, :, r0 - item.q0 : r1 - item.q0])
+                torch.exp(s, out=w[item.batch, :, r0:r1, chunk.start : chunk.stop])
+    return w
 
 
 def weights(call: Call, items: list[Item] | None = None) -> Tensor:

@@ -142,3 +142,72 @@ def test_bias_gradients_are_left_to_other_backends():
     choice = mh.explain_backend(q, k, v, masks.sliding_window(1), bias=bias)
     assert choice.backend == "sdpa"
     assert choice.reasons["tiled"] == "tiled does not compute gradients for bias"
+
+
+def test_window_tiles_run_as_two_causal_triangles():
+    items = tiled.plan(masks.sliding_window(256), 1, 2048, 2048, 256, "cpu")
+    inner = items[3]
+    assert [(c.stop - c.start, c.pattern) for c in inner.chunks] == [(256, "triu"), (256, "tril")]
+    assert all(c.keep is None or c.pattern for item in items for c in item.chunks)
+    # the plan of a band-only mask is cached
+    assert tiled.plan(masks.sliding_window(256), 1, 2048, 2048, 256, "cpu") is items
+
+
+def test_triangle_chunks_match_reference_at_real_tile_sizes():
+    q, k, v = qkv(1, 2, 1, 700, 700, 8, requires_grad=True)
+    grad_out = torch.randn(1, 2, 700, 8, dtype=torch.float64)
+    for mask in (
+        masks.sliding_window(100),
+        masks.sliding_window(64, align="top_left"),
+        masks.causal(),
+    ):
+        want = _forward_backward("reference", q, k, v, mask, grad_out)
+        got = _forward_backward("tiled", q, k, v, mask, grad_out)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_tiles_across_document_boundaries_are_split():
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([300, 500, 100, 124]))
+    items = tiled.plan(masks.documents(ids), 1, 1024, 1024, 256, "cpu")
+    masked = sum(
+        (i.q1 - i.q0) * (c.stop - c.start) for i in items for c in i.chunks if c.keep is not None
+    )
+    total = sum((i.q1 - i.q0) * (c.stop - c.start) for i in items for c in i.chunks)
+    visible = int(masks.documents(ids).to_dense(1024, 1024).sum())
+    assert total < 1.1 * visible and masked < 0.1 * total
+
+
+def test_padded_query_rows_are_trimmed():
+    lens = torch.tensor([300, 1000])
+    items = tiled.plan(masks.lengths(lens, query_lens=lens), 2, 1000, 1000, 1000, "cpu")
+    assert [
+        (i.batch.start, i.q0, i.q1, [(c.start, c.stop, c.keep) for c in i.chunks]) for i in items
+    ] == [
+        (0, 0, 300, [(0, 300, None)]),
+        (1, 0, 1000, [(0, 1000, None)]),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kind", ["none", "window_both", "documents&causal", "lengths_padded_queries"]
+)
+def test_weights_with_and_without_gradients_match_reference(kind):
+    q, k, v = qkv(2, 4, 2, 300, 290, 8, requires_grad=True)
+    case = make_case(kind, 2, 4, 300, 290)
+    bias = torch.randn(300, 290, dtype=torch.float64)
+    _, ref_w = mh.attention(q, k, v, case.mask, bias=bias, return_weights=True, backend="reference")
+    _, w = mh.attention(q, k, v, case.mask, bias=bias, return_weights=True, backend="tiled")
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-12)
+    grad = torch.randn_like(w)
+    torch.testing.assert_close(
+        torch.autograd.grad(w, (q, k), grad),
+        torch.autograd.grad(ref_w, (q, k), grad),
+        rtol=0,
+        atol=1e-10,
+    )
+    with torch.no_grad():  # the fast path reuses the forward pass's log-sum-exp
+        _, w_fast = mh.attention(
+            q, k, v, case.mask, bias=bias, return_weights=True, backend="tiled"
+        )
+    torch.testing.assert_close(w_fast, ref_w, rtol=0, atol=1e-12)

@@ -1,0 +1,474 @@
+"""The benchmark suite behind ``multihead bench``.
+
+Every contender runs in this one process on the same inputs; repeats are interleaved (A B C A B
+C ...) so drift in the machine's speed hits all contenders alike, and medians are reported.
+Speed is shown as time, speedup over torch SDPA, and GFLOP/s counting only visible score
+entries, also as a fraction of the fp32 / bf16 matmul peak measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import masks
+from ..functional import attention
+from ..masks import Mask, TileKind
+from ..modules import MultiHeadAttention
+
+__all__ = ["WORKLOADS", "Workload", "run_suite"]
+
+_NAIVE_BUDGET_BYTES = 3 * 2**30  # the naive formula holds the full (B, H, L, S) score tensor
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    title: str
+    b: int
+    h: int
+    length: int
+    d: int = 64
+    dtype: str = "float32"
+    mask: str = "none"  # none | causal | window | ragged | documents
+    train: bool = False  # forward + backward
+    weights: bool = False  # compare return_weights=True against the plain call
+    module: bool = False  # MultiHeadAttention against torch.nn.MultiheadAttention
+    target: str = ""
+
+
+WORKLOADS: dict[str, tuple[Workload, Workload]] = {}  # name -> (full, quick)
+
+
+def _add(full: Workload, **quick: object) -> None:
+    WORKLOADS[full.name] = (full, Workload(**{**asdict(full), **quick}))
+
+
+_add(
+    Workload("dense_fp32", "dense fp32", 4, 8, 2048, target=">= 0.95x SDPA, >= 85% of fp32 peak"),
+    b=1,
+    length=512,
+)
+_add(
+    Workload("dense_bf16", "dense bf16", 4, 8, 2048, dtype="bfloat16", target=">= 2.5x SDPA bf16"),
+    b=1,
+    length=512,
+)
+_add(
+    Workload(
+        "causal_fp32", "causal fp32", 1, 8, 8192, mask="causal", target=">= 1.0x SDPA is_causal"
+    ),
+    length=1024,
+)
+_add(
+    Workload(
+        "causal_bf16",
+        "causal bf16",
+        1,
+        8,
+        8192,
+        dtype="bfloat16",
+        mask="causal",
+        target=">= 2.5x SDPA bf16 is_causal",
+    ),
+    length=1024,
+)
+_add(
+    Workload(
+        "window_fp32",
+        "sliding window 256, fp32",
+        1,
+        8,
+        16384,
+        mask="window",
+        target=">= 20x SDPA with mask, >= 1.0x FlexAttention",
+    ),
+    length=2048,
+)
+_add(
+    Workload(
+        "ragged",
+        "ragged batch, lengths in [L/8, L]",
+        16,
+        8,
+        1024,
+        mask="ragged",
+        target=">= 2.5x SDPA with padding mask",
+    ),
+    b=4,
+    length=256,
+)
+_add(
+    Workload(
+        "documents",
+        "8 packed documents",
+        1,
+        8,
+        8192,
+        mask="documents",
+        target=">= 4x SDPA with block-diagonal mask",
+    ),
+    length=1024,
+)
+_add(
+    Workload(
+        "train_window",
+        "train step, sliding window 256",
+        1,
+        8,
+        4096,
+        mask="window",
+        train=True,
+        target=">= 5x SDPA with mask",
+    ),
+    length=1024,
+)
+_add(
+    Workload(
+        "weights_dense",
+        "return_weights, dense fp32",
+        1,
+        8,
+        2048,
+        weights=True,
+        target="<= 1.5x the time without weights",
+    ),
+    length=512,
+)
+_add(
+    Workload(
+        "module_padding",
+        "module, B=8 E=512 H=8, key padding",
+        8,
+        8,
+        512,
+        mask="ragged",
+        module=True,
+        target="faster than nn.MultiheadAttention",
+    ),
+    b=2,
+    length=128,
+)
+
+
+def _mask(w: Workload, seed: int) -> tuple[Mask | None, Callable | None]:
+    """Our mask and a FlexAttention mask_mod with the same meaning (None = no mask)."""
+    g = torch.Generator().manual_seed(seed)
+    n = w.length
+    if w.mask == "none":
+        return None, None
+    if w.mask == "causal":
+        return masks.causal(), lambda b, h, q, k: k <= q
+    if w.mask == "window":
+        return masks.sliding_window(256), lambda b, h, q, k: (k <= q) & (q - k <= 256)
+    if w.mask == "ragged":
+        lens = torch.randint(n // 8, n + 1, (w.b,), generator=g)
+        if w.module:  # nn.MultiheadAttention has key padding only: queries of padding still run
+            return masks.lengths(lens), lambda b, h, q, k: k < lens[b]
+        return masks.lengths(
+            lens, query_lens=lens
+        ), lambda b, h, q, k: (k < lens[b]) & (q < lens[b])
+    if w.mask == "documents":
+        cuts = torch.sort(torch.randperm(n - 1, generator=g)[:7] + 1).values
+        ids = torch.searchsorted(cuts, torch.arange(n), right=True)
+        return masks.documents(ids), lambda b, h, q, k: ids[q] == ids[k]
+    raise ValueError(f"unknown workload mask {w.mask!r}")
+
+
+def visible_entries(mask: Mask | None, b: int, h: int, length_q: int, length_k: int) -> int:
+    """Score entries some query may see, counted tile by tile (no L x S tensor)."""
+    if mask is None:
+        return b * h * length_q * length_k
+    total = 0
+    groups = range(b) if mask.batch_size is not None else [0]
+    for bi in groups:
+        for q0 in range(0, length_q, 512):
+            q1 = min(q0 + 512, length_q)
+            t = mask.tile(length_q, length_k, q0, q1, batch=bi)
+            if t.kind == TileKind.FULL:
+                total += (q1 - q0) * (t.stop - t.start) * h
+            elif t.kind == TileKind.PARTIAL:
+                keep = mask.block(length_q, length_k, q0, q1, t.start, t.stop, batch=bi)
+                total += int(keep.expand(1, h, q1 - q0, t.stop - t.start).sum())
+    return total * (1 if mask.batch_size is not None else b)
+
+
+def matmul_peak(dtype: torch.dtype, n: int) -> float:
+    """GFLOP/s of an n x n matmul, median of 5."""
+    a, bm = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ bm
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        a @ bm
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def _naive(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
+    """The tutorial formula: softmax(Q K^T / sqrt(D)) V with a masked_fill."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def _contenders(
+    w: Workload, quick: bool, seed: int
+) -> tuple[dict[str, Callable[[], object]], dict, int]:
+    dtype = getattr(torch, w.dtype)
+    g = torch.Generator().manual_seed(seed)
+    mask, mask_mod = _mask(w, seed)
+    notes: dict[str, str] = {}
+    entries = visible_entries(mask, w.b, w.h, w.length, w.length)
+    if w.module:
+        return _module_contenders(w, mask, g), notes, entries
+
+    q, k, v = (torch.randn(w.b, w.h, w.length, w.d, generator=g).to(dtype) for _ in range(3))
+    if w.train:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = None if mask is None else mask.to_dense(w.length, w.length).expand(w.b, 1, -1, -1)
+    causal = w.mask == "causal"
+
+    def step(fn: Callable[[], Tensor]) -> Callable[[], object]:
+        if not w.train:
+            return lambda: fn()
+        return lambda: torch.autograd.grad(fn().sum(), (q, k, v))
+
+    out: dict[str, Callable[[], object]] = {}
+    out["multihead"] = step(lambda: attention(q, k, v, mask))
+    if w.weights:
+        out["multihead+weights"] = step(lambda: attention(q, k, v, mask, return_weights=True))
+    if causal:
+        out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    else:
+        out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+    score_bytes = w.b * w.h * w.length * w.length * 4
+    if score_bytes <= _NAIVE_BUDGET_BYTES:
+        out["naive"] = step(lambda: _naive(q, k, v, keep))
+    else:
+        notes["naive"] = f"skipped: its score tensor would need {score_bytes / 2**30:.0f} GiB"
+    if quick:
+        notes["flex"] = "skipped in --quick (compilation takes minutes)"
+    elif w.train:
+        notes["flex"] = "skipped: FlexAttention has no CPU backward"
+    elif w.weights:
+        notes["flex"] = "skipped: FlexAttention returns no weights"
+    else:
+        flex, compile_s, why = _compile_flex(q, k, v, mask_mod, w)
+        if flex is None:
+            notes["flex"] = f"skipped: {why}"
+        else:
+            out["flex"] = flex
+            notes["flex"] = f"compile + first call {compile_s:.1f} s, not included"
+    return out, notes, entries
+
+
+def _compile_flex(q, k, v, mask_mod, w: Workload):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        t = time.perf_counter()
+        block = None
+        if mask_mod is not None:
+            block = create_block_mask(mask_mod, w.b, None, w.length, w.length, device="cpu")
+        compiled = torch.compile(flex_attention)
+        compiled(q, k, v, block_mask=block)
+        return (lambda: compiled(q, k, v, block_mask=block)), time.perf_counter() - t, ""
+    except Exception as e:  # FlexAttention is optional: report why it could not run
+        return None, 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _module_contenders(w: Workload, mask: Mask, g: torch.Generator) -> dict[str, Callable]:
+    e = w.h * w.d
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(e, w.h).eval()
+    theirs = ours.to_torch().eval()
+    x = torch.randn(w.b, w.length, e, generator=g)
+    padding = ~mask.to_dense(w.length, w.length)[:, 0, 0, :]  # [B, S] True = padding
+    return {
+        "multihead": lambda: ours(x, mask=mask),
+        "nn.MultiheadAttention": lambda: theirs(
+            x, x, x, key_padding_mask=padding, need_weights=False
+        ),
+    }
+
+
+def _time(contenders: dict[str, Callable], repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    with torch.inference_mode(False):
+        for fn in contenders.values():
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory. Linux's VmHWM belongs to the current program image;
+    ru_maxrss would also count the parent's peak inherited across fork and exec."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _memory_child(length: int) -> None:
+    """Run sliding-window forward + backward at ``length`` and print peak RSS in MiB."""
+    q, k, v = (torch.randn(1, 8, length, 64, requires_grad=True) for _ in range(3))
+    before = _peak_rss_mib()
+    t = time.perf_counter()
+    out = attention(q, k, v, masks.sliding_window(256))
+    out.sum().backward()
+    seconds = time.perf_counter() - t
+    peak = _peak_rss_mib()
+    print(json.dumps({"peak_rss_mib": peak, "rss_before_mib": before, "seconds": seconds}))
+
+
+def _memory(length: int) -> dict:
+    code = f"from multihead.bench.suite import _memory_child; _memory_child({length})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    dense_gib = length * length / 2**30
+    return {
+        "name": "memory_window",
+        "title": f"sliding window 256 fwd+bwd, B=1 H=8 L=S={length} fp32",
+        "target": "< 3 GB peak resident memory",
+        "dense_bool_mask_gib": dense_gib,
+        **result,
+    }
+
+
+@dataclass
+class Report:
+    machine: dict = field(default_factory=dict)
+    peak_gflops: dict = field(default_factory=dict)
+    workloads: list = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+    command: str = ""
+
+
+def run_suite(
+    *,
+    quick: bool = False,
+    only: list[str] | None = None,
+    repeats: int | None = None,
+    out_dir: Path | str = "bench-results",
+    say: Callable[[str], None] = print,
+) -> Report:
+    """Run the workloads, print a table, write ``results.json`` and ``results.png``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    repeats = repeats or (3 if quick else 5)
+    names = only or list(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
+    if unknown:
+        raise ValueError(
+            f"unknown workloads {unknown}; choose from {[*WORKLOADS, 'memory_window']}"
+        )
+    report = Report(
+        machine={
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(),
+        },
+        command="multihead bench" + (" --quick" if quick else ""),
+    )
+    n = 1024 if quick else 2048
+    report.peak_gflops = {
+        "float32": matmul_peak(torch.float32, n),
+        "bfloat16": matmul_peak(torch.bfloat16, n),
+    }
+    say(
+        f"matmul peak: fp32 {report.peak_gflops['float32']:.0f} GFLOP/s, "
+        f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s ({report.machine['threads']} threads)"
+    )
+    for name in names:
+        if name == "memory_window":
+            continue
+        full, small = WORKLOADS[name]
+        w = small if quick else full
+        report.workloads.append(_run_workload(w, quick, repeats, report.peak_gflops, say))
+    if "memory_window" in names or only is None:
+        report.memory = _memory(4096 if quick else 65536)
+        m = report.memory
+        if "peak_rss_mib" in m:
+            say(
+                f"\n{m['title']}: peak RSS {m['peak_rss_mib']:.0f} MiB in {m['seconds']:.1f} s "
+                f"(a dense bool mask alone: {m['dense_bool_mask_gib']:.2f} GiB)"
+            )
+        else:
+            say(f"\nmemory workload failed: {m.get('error')}")
+    (out_dir / "results.json").write_text(json.dumps(asdict(report), indent=2))
+    from .chart import write_chart
+
+    chart = write_chart(report, out_dir / "results.png")
+    say(f"\nwrote {out_dir / 'results.json'}" + (f" and {chart}" if chart else ""))
+    return report
+
+
+def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
+    contenders, notes, entries = _contenders(w, quick, seed=0)
+    times = _time(contenders, repeats)
+    flops_per_entry = 4 * w.d * (3.5 if w.train else 1.0)
+    peak = peaks.get(w.dtype, peaks["float32"])
+    base = "nn.MultiheadAttention" if w.module else "sdpa"
+    base_median = statistics.median(times[base])
+    rows = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        gflops = entries * flops_per_entry / med / 1e9
+        rows[name] = {
+            "median_s": med,
+            "times_s": ts,
+            "speedup_vs_" + base: base_median / med,
+            "gflops": None if w.module else gflops,
+            "fraction_of_peak": None if w.module else gflops / peak,
+        }
+    result = {
+        **asdict(w),
+        "visible_entries": entries,
+        "baseline": base,
+        "contenders": rows,
+        "notes": notes,
+    }
+    if w.weights:
+        result["weights_overhead"] = (
+            rows["multihead+weights"]["median_s"] / rows["multihead"]["median_s"]
+        )
+    say(
+        f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"
+        f"{' fwd+bwd' if w.train else ''}  (target {w.target})"
+    )
+    for name, r in rows.items():
+        extra = (
+            ""
+            if r["gflops"] is None
+            else f"  {r['gflops']:7.1f} GFLOP/s  {r['fraction_of_peak']:5.0%} of peak"
+        )
+        speedup = r["speedup_vs_" + base]
+        say(f"  {name:24s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
+    for name, note in notes.items():
+        say(f"  {name:24s} {note}")
+    return result

@@ -1,0 +1,57 @@
+"""`multihead bench --quick` runs end to end and writes a complete JSON report and a chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from multihead import cli, masks
+from multihead.bench import WORKLOADS
+from multihead.bench.suite import visible_entries
+
+
+def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
+    assert cli.main(["bench", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["peak_gflops"]["float32"] > 0 and report["peak_gflops"]["bfloat16"] > 0
+    assert [w["name"] for w in report["workloads"]] == list(WORKLOADS)
+    for w in report["workloads"]:
+        base = w["baseline"]
+        expected = {"multihead", base}
+        if not w["module"]:
+            expected |= {"naive"}
+            assert w["notes"]["flex"].startswith("skipped in --quick")
+        if w["weights"]:
+            expected.add("multihead+weights")
+            assert w["weights_overhead"] > 0
+        assert set(w["contenders"]) == expected, w["name"]
+        for name, row in w["contenders"].items():
+            assert row["median_s"] > 0 and len(row["times_s"]) == 1, (w["name"], name)
+            assert row["speedup_vs_" + base] == pytest.approx(
+                w["contenders"][base]["median_s"] / row["median_s"]
+            )
+            if not w["module"]:
+                assert (
+                    0
+                    < row["fraction_of_peak"]
+                    == pytest.approx(row["gflops"] / report["peak_gflops"][w["dtype"]])
+                )
+    assert report["memory"]["peak_rss_mib"] > 0
+    png = (tmp_path / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    out = capsys.readouterr().out
+    assert "matmul peak" in out and "x vs sdpa" in out
+
+
+def test_visible_entries_counts_exactly():
+    assert visible_entries(None, 2, 3, 4, 5) == 2 * 3 * 4 * 5
+    assert visible_entries(masks.causal(), 1, 2, 1000, 1000) == 2 * 1000 * 1001 // 2
+    lens = torch.tensor([10, 700])
+    assert visible_entries(masks.lengths(lens, query_lens=lens), 2, 1, 1000, 1000) == 100 + 700**2
+
+
+def test_unknown_workload_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown workloads \['nope'\]"):
+        cli.main(["bench", "--only", "nope", "--out", str(tmp_path)])
