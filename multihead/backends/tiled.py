@@ -26,7 +26,7 @@ __all__ = ["plan", "run", "unsupported", "weights"]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_MIN_FULL_RUN = 32  # a shorter run of fully visible key columns is not worth its own call
+_MIN_FULL_RUN = 32  # narrowest key block worth its own kernel call
 
 
 @dataclass(frozen=True)
@@ -72,18 +72,6 @@ def query_tile(call: Call) -> int:
         # one tile per window width: its keys split into two triangles (see _chunks)
         return max(32, min(512, window + mask.after))
     return 256 if length_q > 256 else max(length_q, 1)
-
-
-def _runs(flags: Tensor) -> list[tuple[int, int, bool]]:
-    """Split a 1-D bool tensor into maximal runs: (start, stop, value)."""
-    n = flags.numel()
-    edges = torch.nonzero(flags[1:] != flags[:-1]).flatten().add(1).tolist()
-    bounds = [0, *edges, n]
-    first = bool(flags[0])
-    return [
-        (a, b, first if i % 2 == 0 else not first)
-        for i, (a, b) in enumerate(itertools.pairwise(bounds))
-    ]
 
 
 def _pattern(block: Tensor) -> str | None:

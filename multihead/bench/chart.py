@@ -30,7 +30,7 @@ def write_chart(report, path: Path) -> Path | None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels([w["title"] for w in workloads], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over baseline (SDPA; nn.MultiheadAttention for modules)")
+    ax.set_ylabel("speedup over baseline (log scale)")
     machine = report.machine
     ax.set_title(
         f"multihead bench (medians), {machine['threads']} threads, torch {machine['torch']}"

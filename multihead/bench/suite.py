@@ -1,7 +1,8 @@
 """The benchmark suite behind ``multihead bench``.
 
-Every contender runs in this one process on the same inputs; repeats are interleaved (A B C A B
-C ...) so drift in the machine's speed hits all contenders alike, and medians are reported.
+Every contender runs in this one process on the same inputs; repeats are interleaved (A B C,
+B C A, C A B, ...) so drift in the machine's speed hits all contenders alike, and medians are
+reported.
 Speed is shown as time, speedup over torch SDPA, and GFLOP/s counting only visible score
 entries, also as a fraction of the fp32 / bf16 matmul peak measured in the same run.
 """
@@ -312,10 +313,13 @@ def _time(contenders: dict[str, Callable], repeats: int) -> dict[str, list[float
     with torch.inference_mode(False):
         for fn in contenders.values():
             fn()  # warm-up
-        for _ in range(repeats):
-            for name, fn in contenders.items():
+        names = list(contenders)
+        for r in range(repeats):
+            # rotate the order so no contender always runs first (right after another's
+            # large temporaries were freed) or last
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 t = time.perf_counter()
-                fn()
+                contenders[name]()
                 times[name].append(time.perf_counter() - t)
     return times
 
