@@ -479,13 +479,13 @@ def weights(call: Call, items: list[Item] | None = None) -> Tensor:
         rows = slice(item.q0, item.q1)
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
         qt = q[item.batch, :, rows].to(stat)
-        parts = []
+        # chunks may leave gaps (key blocks no row sees): those stay -inf
+        s = torch.full((*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device)
         for chunk in item.chunks:
             kc, _ = _chunk_kv(k, k, item, chunk)
             sc = (qt @ kc.to(stat).transpose(-2, -1)) * call.scale
             add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
-            parts.append(sc if add is None else sc + add)
-        s = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+            s[..., chunk.start - lo : chunk.stop - lo] = sc if add is None else sc + add
         # rows that see nothing in this tile keep weight 0 instead of softmax(-inf row) = NaN
         top = s.amax(dim=-1, keepdim=True)
         e = torch.exp(s - torch.where(torch.isfinite(top), top, 0.0))

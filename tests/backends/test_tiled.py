@@ -211,3 +211,18 @@ def test_weights_with_and_without_gradients_match_reference(kind):
             q, k, v, case.mask, bias=bias, return_weights=True, backend="tiled"
         )
     torch.testing.assert_close(w_fast, ref_w, rtol=0, atol=1e-12)
+
+
+def test_weights_when_a_key_block_inside_the_range_is_hidden():
+    """A tile of document 0 spans document 1's keys, whose blocks are all hidden and dropped:
+    the chunks have a gap that the weights must leave at 0."""
+    ids = torch.tensor([0] * 256 + [1] * 600 + [0] * 256)
+    length = ids.numel()
+    q, k, v = qkv(1, 2, 2, length, length, 4, requires_grad=True)
+    mask = masks.documents(ids)
+    items = tiled.plan(mask, 1, length, length, 256, "cpu")
+    assert any(a.stop < b.start for i in items for a, b in zip(i.chunks, i.chunks[1:]))
+    _, want = mh.attention(q, k, v, mask, return_weights=True, backend="reference")
+    torch.testing.assert_close(mh.attention_weights(q, k, mask), want, rtol=0, atol=1e-12)
+    _, got = mh.attention(q, k, v, mask, return_weights=True, backend="tiled")  # with grad
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
