@@ -67,10 +67,9 @@ def query_tile(call: Call) -> int:
     mask = call.mask
     if isinstance(mask, _KeyPadding) or (isinstance(mask, _Lengths) and mask.valid_lens.dim() == 1):
         return max(length_q, 1)  # every query row of a batch entry sees the same keys
-    window = getattr(mask, "before", None)
-    if window is not None and getattr(mask, "after", None) is not None:
+    if isinstance(mask, _Band) and mask.before is not None and mask.after is not None:
         # one tile per window width: its keys split into two triangles (see _chunks)
-        return max(32, min(512, window + mask.after))
+        return max(32, min(512, mask.before + mask.after))
     return 256 if length_q > 256 else max(length_q, 1)
 
 
@@ -175,49 +174,41 @@ def _plan(
             answer = mask.tile(length_q, length_k, q0, q1, batch=b)
             if answer.kind == TileKind.EMPTY:
                 continue
-            item = _item(mask, group, b, length_q, length_k, q0, q1, answer, device)
-            if isinstance(item, Item):
-                items.append(item)
-            elif item is not None:
-                items.extend(item)
+            items += _items(mask, group, b, length_q, length_k, q0, q1, answer, device)
     return items
 
 
-def _item(mask, group, b, length_q, length_k, q0, q1, answer, device) -> Item | list[Item] | None:
-    """One tile's chunks; query rows at either end that see no key are trimmed off."""
+def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[Item]:
+    """The work for one query tile: usually one item; none when no row sees a key; several
+    when the tile is split. Query rows at either end that see no key are trimmed off."""
     if answer.kind == TileKind.FULL:
-        return Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))
+        return [Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))]
     batch = None if group.start is None else b
     keep = mask.block(
         length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
     )
     seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
     if seeing.numel() == 0:
-        return None
+        return []
     lo, hi = int(seeing[0]), int(seeing[-1]) + 1
     if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
         trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
         if trimmed.kind == TileKind.EMPTY:
-            return None
-        return _item(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
+            return []
+        return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
     chunks = _chunks(keep, answer.start)
     masked = [c for c in chunks if c.keep is not None and c.pattern is None]
     area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
     if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
         # mostly hidden masked work (a tile across a document boundary): split the rows
         mid = (q0 + q1) // 2
-        halves = [
-            _item(mask, group, b, length_q, length_k, lo, hi, ans, device)
+        return [
+            piece
             for lo, hi in ((q0, mid), (mid, q1))
             if (ans := mask.tile(length_q, length_k, lo, hi, batch=b)).kind != TileKind.EMPTY
+            for piece in _items(mask, group, b, length_q, length_k, lo, hi, ans, device)
         ]
-        return [
-            h
-            for half in halves
-            if half is not None
-            for h in ([half] if isinstance(half, Item) else half)
-        ]
-    return Item(group, q0, q1, tuple(chunks))
+    return [Item(group, q0, q1, tuple(chunks))]
 
 
 def _visible(chunks: list[Chunk]) -> int:
@@ -246,6 +237,15 @@ def _bias_block(bias: Tensor | None, item: Item, chunk: Chunk) -> Tensor | None:
     if bias.shape[3] != 1:
         bias = bias[..., chunk.start : chunk.stop]
     return bias
+
+
+def _chunk_inputs(ctx: _Ctx, q, k, v, item: Item, chunk: Chunk):
+    """(keys, values, additive mask or None, triangle pattern or None) for one chunk, the same
+    in the forward and the backward pass."""
+    bias = _bias_block(ctx.bias, item, chunk)
+    pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
+    add = None if pattern else _additive(chunk.keep, bias, q.dtype)
+    return (*_chunk_kv(k, v, item, chunk), add, pattern)
 
 
 def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -355,10 +355,7 @@ def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
         qt = q[item.batch, :, rows]
         acc = total = None
         for chunk in item.chunks:
-            bias = _bias_block(ctx.bias, item, chunk)
-            pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
-            add = None if pattern else _additive(chunk.keep, bias, q.dtype)
-            kc, vc = _chunk_kv(k, v, item, chunk)
+            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
             o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern)
             index += 1
             l_c = l_c.to(stat)
@@ -392,10 +389,7 @@ def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item]):
         lt = lse[item.batch, :, rows]
         for chunk in item.chunks:
             cols = slice(chunk.start, chunk.stop)
-            bias = _bias_block(ctx.bias, item, chunk)
-            pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
-            add = None if pattern else _additive(chunk.keep, bias, q.dtype)
-            kc, vc = _chunk_kv(k, v, item, chunk)
+            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
             a, b, c = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern)
             index += 1
             dq[item.batch, :, rows] += a
