@@ -149,17 +149,14 @@ def attention_weights(
         heads: only these query heads (a slice or list of indices); the matching key heads
             are picked for grouped-query attention. The result then has len(heads) heads.
     """
-    V.check_rank("query", query, 4, "(B, H, L, D)")
-    V.check_rank("key", key, 4, "(B, H_kv, S, D)")
+    _, h, h_kv, _, _, _ = V.check_qkv(query, key, key)  # before slicing: messages name all heads
     if heads is not None:
-        h, h_kv = query.shape[1], key.shape[1]
         index = torch.arange(h)[heads] if isinstance(heads, slice) else torch.as_tensor(heads)
         if index.dim() != 1 or index.numel() == 0 or not bool(((index >= 0) & (index < h)).all()):
             raise ValueError(
                 f"heads must select query heads in [0, {h}). Received: heads={heads!r}"
             )
-        if h_kv and h % h_kv == 0:
-            key = key[:, index // (h // h_kv)]
+        key = key[:, index // (h // h_kv)]
         query = query[:, index]
         if (isinstance(mask, Mask) and mask.num_heads is not None) or (
             isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] != 1

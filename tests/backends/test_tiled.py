@@ -132,6 +132,8 @@ def test_attention_weights_errors():
     keep = torch.ones(1, 4, 3, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"mask that differs per head"):
         mh.attention_weights(q, k, keep, heads=[1])
+    with pytest.raises(ValueError, match=r"Received: query heads H=4, key/value heads H_kv=3"):
+        mh.attention_weights(q, torch.cat([k, k[:, :1]], dim=1), heads=[1])
 
 
 def test_bias_gradients_are_left_to_other_backends():
