@@ -12,12 +12,26 @@ Masks use one polarity everywhere: True = may attend.
 
 from . import masks
 from .functional import attention, attention_weights, explain_backend
-from .modules import MultiHeadAttention, merge_heads, split_heads
+from .modules import (
+    FeedForward,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    SinusoidalPositionalEncoding,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+    merge_heads,
+    split_heads,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FeedForward",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "SinusoidalPositionalEncoding",
+    "TransformerEncoder",
+    "TransformerEncoderLayer",
     "attention",
     "attention_weights",
     "explain_backend",
