@@ -448,6 +448,18 @@ class _Documents(Mask):
                 }
             )
 
+    def runs(self, batch: int = 0) -> list[tuple[int, int, tuple[int, int, int] | None]]:
+        """Maximal runs of equal query ids in one batch row: (q0, q1, key span of that id as
+        (first, last + 1, count), or None when no key has it)."""
+        row = self._host_q[batch if self._q.shape[0] > 1 else 0]
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        stops = torch.cumsum(counts, 0).tolist()
+        spans = self._key_spans[batch if self._k.shape[0] > 1 else 0]
+        return [
+            (stop - count, stop, spans.get(i))
+            for i, count, stop in zip(ids.tolist(), counts.tolist(), stops)
+        ]
+
     def check(self, batch, heads, length_q, length_k):
         for name, t, want in (("query_ids", self._q, length_q), ("key_ids", self._k, length_k)):
             _check_batch(name, t.shape[0], batch)

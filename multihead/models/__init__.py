@@ -1,0 +1,1 @@
+"""Loaders for real pretrained checkpoints, built from multihead's own modules."""

