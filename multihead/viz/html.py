@@ -1,0 +1,278 @@
+"""A self-contained HTML head view: every script, style and number inline, no network at all.
+
+Open the file from disk in any browser, offline. Pick a layer and any set of heads (each in its
+own colour), hover over a query token to see its attention lines, click to pin it; the weights
+and each head's statistics are listed beside the drawing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import Tensor
+
+from ..inspect import HeadStats, _check, head_stats
+
+__all__ = ["MAX_TOKENS", "MIN_WEIGHT", "head_view", "save_head_view"]
+
+MAX_TOKENS = 256  # layers x H x L x L numbers are embedded; beyond this the page gets too heavy
+MIN_WEIGHT = 0.01  # lines below this weight are not drawn (listed weights are all exact)
+_DIGITS = 5  # weights are embedded rounded to 1e-5
+
+# 12 distinguishable colours (Tableau-like), cycled for more heads
+_COLOURS = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+    "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a",
+]  # fmt: skip
+
+
+def head_view(
+    weights: Tensor,
+    tokens: Sequence[str],
+    *,
+    special: Sequence[bool] | None = None,
+    stats: HeadStats | None = None,
+    focus: int | None = None,
+    title: str = "attention head view",
+) -> str:
+    """The page as a string.
+
+    Args:
+        weights: (layers, H, L, L) of one sequence, L <= ``MAX_TOKENS``.
+        tokens: the L token labels.
+        special: (L,) flags of special tokens (for the statistics and the styling).
+        stats: precomputed ``head_stats``; computed from ``weights`` when None.
+        focus: query position selected when the page opens (default: none, all lines faint).
+        title: page heading.
+    """
+    w = _check(weights).detach().float().cpu()
+    layers, heads, n, _ = w.shape
+    if len(tokens) != n:
+        raise ValueError(f"tokens must have one label per position ({n}). Received: {len(tokens)}")
+    if n > MAX_TOKENS:
+        raise ValueError(
+            f"the head view embeds every weight; keep inputs to {MAX_TOKENS} tokens. "
+            f"Received: {n} tokens"
+        )
+    if focus is not None and not 0 <= focus < n:
+        raise ValueError(f"focus must be a position in [0, {n}). Received: focus={focus}")
+    special = [False] * n if special is None else [bool(s) for s in special]
+    stats = head_stats(w, special) if stats is None else stats
+    data = {
+        "title": title,
+        "tokens": list(tokens),
+        "special": special,
+        "weights": w.double().round(decimals=_DIGITS).tolist(),  # short decimals in JSON
+        "stats": {k: [[round(x, 4) for x in row] for row in v] for k, v in stats.as_dict().items()},
+        "focus": focus,
+        "colours": [_COLOURS[h % len(_COLOURS)] for h in range(heads)],
+        "minWeight": MIN_WEIGHT,
+        "layers": layers,
+        "heads": heads,
+    }
+    # "</" inside a script element would end it early
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return (
+        _PAGE.replace("/*TITLE*/", html.escape(title))
+        .replace("/*STYLE*/", _STYLE)
+        .replace("/*DATA*/", payload)
+        .replace("/*SCRIPT*/", _SCRIPT)
+    )
+
+
+def save_head_view(path: str | Path, weights: Tensor, tokens: Sequence[str], **kwargs) -> Path:
+    """Write ``head_view(weights, tokens, **kwargs)`` to ``path`` (UTF-8) and return the path."""
+    path = Path(path)
+    path.write_text(head_view(weights, tokens, **kwargs), encoding="utf-8")
+    return path
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; \
+script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<title>/*TITLE*/</title>
+<style>/*STYLE*/</style>
+</head>
+<body>
+<h1>/*TITLE*/</h1>
+<div id="controls">
+  <label>Layer <select id="layer"></select></label>
+  <span id="heads"></span>
+  <button id="all-heads" type="button">all heads</button>
+  <button id="no-heads" type="button">no heads</button>
+  <button id="unpin" type="button">show every token</button>
+</div>
+<p class="hint">Hover over a token on the left to see where it looks; click to pin it.
+Line opacity and width follow the weight; lines under <span id="min-weight"></span> are not
+drawn.</p>
+<div id="main">
+  <svg id="view" role="img" aria-label="attention lines"></svg>
+  <div id="side">
+    <h2 id="weights-title">Weights</h2>
+    <table id="weights"></table>
+    <h2>Head statistics, layer <span id="stats-layer"></span></h2>
+    <table id="stats"></table>
+    <p class="hint">entropy in nats; distance in tokens; the other columns are shares of
+    the weight (special tokens, the token itself, the previous and the next token).</p>
+  </div>
+</div>
+<script id="data" type="application/json">/*DATA*/</script>
+<script>/*SCRIPT*/</script>
+</body>
+</html>
+"""
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1em 2em; color: #222; }
+h1 { font-size: 1.3em; } h2 { font-size: 1em; margin: 1em 0 0.3em; }
+#controls { display: flex; flex-wrap: wrap; gap: 0.6em; align-items: center; }
+#heads label { display: inline-block; padding: 0.1em 0.4em; border-radius: 4px; color: #fff;
+  font-size: 0.85em; cursor: pointer; }
+#heads input { margin: 0 0.2em 0 0; vertical-align: middle; }
+#main { display: flex; gap: 2em; align-items: flex-start; margin-top: 0.5em; }
+svg text { font-size: 13px; cursor: pointer; dominant-baseline: middle; }
+svg text.special { fill: #888; }
+svg text.selected { font-weight: bold; fill: #c00; }
+table { border-collapse: collapse; font-size: 0.85em; }
+td, th { padding: 0.15em 0.5em; text-align: right; border-bottom: 1px solid #eee; }
+th { background: #f4f4f4; } td.tok { text-align: left; }
+.hint { color: #666; font-size: 0.85em; }
+.swatch { display: inline-block; width: 0.8em; height: 0.8em; border-radius: 2px; }
+"""
+
+_SCRIPT = """
+"use strict";
+const data = JSON.parse(document.getElementById("data").textContent);
+const state = { layer: 0, heads: new Set(), query: data.focus, pinned: data.focus !== null };
+for (let h = 0; h < data.heads; h++) state.heads.add(h);
+const ROW = 22, LEFT = 150, GAP = 260, TOP = 10;
+const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;",
+  ">": "&gt;", "\\"": "&quot;"}[c]));
+
+function setup() {
+  const layer = document.getElementById("layer");
+  for (let l = 0; l < data.layers; l++) layer.add(new Option(String(l), String(l)));
+  layer.addEventListener("change", () => { state.layer = Number(layer.value); render(); });
+  const heads = document.getElementById("heads");
+  heads.innerHTML = data.colours.map((c, h) => `<label style="background:${c}">` +
+    `<input type="checkbox" id="head-${h}" data-head="${h}" checked>${h}</label>`).join("");
+  heads.addEventListener("change", (e) => {
+    const h = Number(e.target.dataset.head);
+    if (e.target.checked) state.heads.add(h); else state.heads.delete(h);
+    render();
+  });
+  const setAll = (on) => {
+    for (let h = 0; h < data.heads; h++) {
+      document.getElementById("head-" + h).checked = on;
+      if (on) state.heads.add(h); else state.heads.delete(h);
+    }
+    render();
+  };
+  document.getElementById("all-heads").onclick = () => setAll(true);
+  document.getElementById("no-heads").onclick = () => setAll(false);
+  document.getElementById("unpin").onclick = () => {
+    state.query = null; state.pinned = false; render();
+  };
+  document.getElementById("min-weight").textContent = data.minWeight;
+  const svg = document.getElementById("view");
+  svg.setAttribute("width", LEFT * 2 + GAP);
+  svg.setAttribute("height", TOP * 2 + ROW * data.tokens.length);
+  svg.addEventListener("click", (e) => {
+    const t = e.target.closest("text.query");
+    if (!t) return;
+    const q = Number(t.dataset.index);
+    if (state.pinned && state.query === q) { state.pinned = false; state.query = null; }
+    else { state.pinned = true; state.query = q; }
+    render();
+  });
+  svg.addEventListener("mouseover", (e) => {
+    const t = e.target.closest("text.query");
+    if (!t || state.pinned || state.query === Number(t.dataset.index)) return;
+    state.query = Number(t.dataset.index); render();
+  });
+  svg.addEventListener("mouseleave", () => {
+    if (!state.pinned && state.query !== null) { state.query = null; render(); }
+  });
+}
+
+function lines() {
+  const out = [], W = data.weights[state.layer];
+  const queries = state.query === null ? data.tokens.map((_, i) => i) : [state.query];
+  const x1 = LEFT + 6, x2 = LEFT + GAP - 6;
+  for (const h of [...state.heads].sort((a, b) => a - b)) {
+    for (const q of queries) {
+      const row = W[h][q];
+      for (let k = 0; k < row.length; k++) {
+        const w = row[k];
+        if (w < data.minWeight) continue;
+        const op = state.query === null ? w * 0.5 : Math.min(1, 0.15 + w);
+        out.push(`<line class="attn" x1="${x1}" y1="${TOP + ROW * q + ROW / 2}" x2="${x2}" ` +
+          `y2="${TOP + ROW * k + ROW / 2}" stroke="${data.colours[h]}" ` +
+          `stroke-opacity="${op.toFixed(3)}" stroke-width="${(1 + 5 * w).toFixed(2)}" ` +
+          `data-head="${h}" data-query="${q}" data-key="${k}" data-weight="${w}">` +
+          `<title>head ${h}: ${esc(data.tokens[q])} -> ${esc(data.tokens[k])} ` +
+          `${(100 * w).toFixed(1)}%</title></line>`);
+      }
+    }
+  }
+  return out.join("");
+}
+
+function tokens() {
+  return data.tokens.map((t, i) => {
+    const cls = (data.special[i] ? " special" : "") + (state.query === i ? " selected" : "");
+    const y = TOP + ROW * i + ROW / 2;
+    return `<text class="token query${cls}" x="${LEFT}" y="${y}" text-anchor="end" ` +
+      `data-index="${i}" id="query-${i}">${esc(t)}</text>` +
+      `<text class="token key${data.special[i] ? " special" : ""}" x="${LEFT + GAP}" ` +
+      `y="${y}" data-index="${i}" id="key-${i}">${esc(t)}</text>`;
+  }).join("");
+}
+
+function weightTable() {
+  const table = document.getElementById("weights");
+  const title = document.getElementById("weights-title");
+  const heads = [...state.heads].sort((a, b) => a - b);
+  if (state.query === null || heads.length === 0) {
+    title.textContent = "Weights (pick a token and at least one head)";
+    table.innerHTML = ""; return;
+  }
+  title.textContent = `Weights from "${data.tokens[state.query]}" (position ${state.query})`;
+  const W = data.weights[state.layer];
+  let s = "<tr><th>key</th>" + heads.map((h) =>
+    `<th><span class="swatch" style="background:${data.colours[h]}"></span> ${h}</th>`)
+    .join("") + "</tr>";
+  data.tokens.forEach((t, k) => {
+    s += `<tr><td class="tok">${k} ${esc(t)}</td>` + heads.map((h) =>
+      `<td data-head="${h}" data-key="${k}">${(100 * W[h][state.query][k]).toFixed(1)}%</td>`)
+      .join("") + "</tr>";
+  });
+  table.innerHTML = s;
+}
+
+function statsTable() {
+  document.getElementById("stats-layer").textContent = state.layer;
+  const cols = ["entropy", "distance", "special", "itself", "previous", "next"];
+  let s = "<tr><th>head</th>" + cols.map((c) => `<th>${c}</th>`).join("") + "</tr>";
+  for (let h = 0; h < data.heads; h++) {
+    s += `<tr><td><span class="swatch" style="background:${data.colours[h]}"></span> ${h}</td>` +
+      cols.map((c) => `<td>${data.stats[c][state.layer][h].toFixed(2)}</td>`).join("") + "</tr>";
+  }
+  document.getElementById("stats").innerHTML = s;
+}
+
+function render() {
+  document.getElementById("view").innerHTML = `<g id="lines">${lines()}</g>` + tokens();
+  weightTable();
+  statsTable();
+}
+
+setup();
+render();
+"""
