@@ -1,28 +1,37 @@
 # Two entry points, both starting from nothing but python3 and pip:
-#   make demo   create .venv, install, run the main job
-#   make test   create .venv, install with the test extra, lint, run the whole test suite
+#   make demo   create .venv, install, run the main job (explain a sentence on a real model)
+#   make test   create .venv, install with the test extra and Debian's chromium, lint, run the
+#               whole test suite
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
+DEMO_TEXT := "The animal didn't cross the street because it was too tired"
 
-.PHONY: demo test install install-test lint
+.PHONY: demo test install install-test browser lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(PIP) -e .
+	$(PIP) -e ".[pretrained,viz]"
 
 install-test: $(BIN)/python
 	$(PIP) -e ".[test]"
 
+# the browser tests drive Debian's chromium (never a downloaded browser)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; }
+
 demo: install
-	$(BIN)/multihead demo
+	$(BIN)/multihead explain $(DEMO_TEXT) --focus it
 
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest

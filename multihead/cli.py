@@ -20,6 +20,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain(args: argparse.Namespace) -> int:
+    from .explain import run
+
+    run(args.text, focus=args.focus, out_dir=args.out, model_path=args.model)
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    from .embed import run
+
+    run(args.file, args.out, model_path=args.model, max_tokens=args.max_tokens)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multihead", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -35,12 +49,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=None, help="timed repeats per contender")
     bench.add_argument("--out", default="bench-results", help="folder for results.json/.png")
     bench.set_defaults(func=_bench)
+    explain = commands.add_parser(
+        "explain", help="show what every head of a pretrained model attends to in TEXT"
+    )
+    explain.add_argument("text", metavar="TEXT", help="the sentence to explain")
+    explain.add_argument("--focus", metavar="WORD", help="the word to follow (default: last)")
+    explain.add_argument("--out", default="explain-out", metavar="DIR", help="folder for figures")
+    explain.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    explain.set_defaults(func=_explain)
+    embed = commands.add_parser("embed", help="sentence embeddings, one per line of FILE")
+    embed.add_argument("file", metavar="FILE", help="UTF-8 text, one sentence per line")
+    embed.add_argument("--out", required=True, metavar="OUT.npy", help="where to save them")
+    embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    embed.add_argument(
+        "--max-tokens", type=int, default=8192, help="tokens per packed row (default 8192)"
+    )
+    embed.set_defaults(func=_embed)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"multihead {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

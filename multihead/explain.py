@@ -1,0 +1,144 @@
+"""``multihead explain``: what every head of a real model looks at, for one text and one word.
+
+Runs the text through the model with weights on, prints each head's most attended token from the
+focus word and the attention rollout, and writes the figures and the HTML head view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from .inspect import HeadStats, for_text, head_stats, rollout, top_tokens
+
+__all__ = ["Explained", "find_focus", "run"]
+
+
+@dataclass
+class Explained:
+    """What ``run`` computed, for callers and tests."""
+
+    tokens: list[str]
+    focus: int
+    weights: Tensor  # (layers, H, L, L)
+    stats: HeadStats
+    rollout: Tensor  # (L, L)
+    head: tuple[int, int]  # (layer, head) drawn alone: the one most fixed on one other word
+    files: dict[str, Path]
+
+
+def find_focus(tokens: list[str], special: list[bool], word: str | None) -> int:
+    """Position of ``word`` (its first word piece, case-insensitive); default: the last word."""
+    if word is None:
+        return max(i for i, s in enumerate(special) if not s)
+    wanted = word.strip().lower()
+    for i, token in enumerate(tokens):
+        if not special[i] and token.lower() == wanted:
+            return i
+    pieces = [t for t, s in zip(tokens, special) if not s]
+    for i, token in enumerate(tokens):  # a word split into pieces: its first piece
+        if not special[i] and wanted.startswith(token.lower()) and len(token) > 1:
+            return i
+    raise ValueError(
+        f"the focus word is not among the text's tokens {pieces}. Received: --focus {word!r}"
+    )
+
+
+def _pick_head(weights: Tensor, focus: int, special: list[bool]) -> tuple[int, int]:
+    """The head with the strongest link from the focus token to a real token at least two
+    positions away (neighbour links are positional heads, not meaning)."""
+    w = weights[:, :, focus].clone()  # [layers, H, L]
+    w[..., max(0, focus - 1) : focus + 2] = 0
+    for i, s in enumerate(special):
+        if s:
+            w[..., i] = 0
+    best = int(w.amax(-1).flatten().argmax())
+    return divmod(best, weights.shape[1])
+
+
+def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) -> None:
+    layers, heads = len(top), len(top[0])
+    width = max(12, max(len(t) for t in tokens) + 6)
+    say(f"Most attended token from '{tokens[focus]}' for every head (rows) and layer (columns):")
+    say("head " + "".join(f"{'layer ' + str(layer):>{width}}" for layer in range(layers)))
+    for h in range(heads):
+        cells = [f"{top[layer][h][0].token} {100 * top[layer][h][0].weight:.0f}%" for layer in
+                 range(layers)]  # fmt: skip
+        say(f"{h:>4} " + "".join(f"{c:>{width}}" for c in cells))
+
+
+def run(
+    text: str,
+    *,
+    focus: str | None = None,
+    out_dir: str | Path = "explain-out",
+    model_path: str | Path | None = None,
+    say: Callable[[str], None] = print,
+) -> Explained:
+    """Explain ``text``; see the module docstring. Returns what was computed and written."""
+    from .models import bert
+    from .viz import head_heatmap, heatmap_grid, surface
+    from .viz.html import save_head_view
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
+    model = bert.load(model_path)
+    batch, out = model([text], return_weights=True)
+    tokens, special = batch.tokens[0], batch.special[0]
+    weights = for_text(out.weights, 0, int(batch.lengths[0]))
+    position = find_focus(tokens, special, focus)
+    stats = head_stats(weights, special)
+    flow = rollout(weights)
+    layer, head = _pick_head(weights, position, special)
+    layers, heads = weights.shape[:2]
+
+    say(f"model: {model.path} ({layers} layers x {heads} heads)")
+    say(f"tokens: {' '.join(tokens)}")
+    say(f"focus: '{tokens[position]}' (position {position})\n")
+    top = top_tokens(weights, tokens, position, k=3)
+    _grid(top, tokens, position, say)
+    say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5):")
+    from_focus = weights[:, :, position].flatten(0, 1)  # [layers * H, L]
+    best, where = from_focus.max(0)
+    real = [i for i in range(len(tokens)) if not special[i] and i != position]
+    for i in sorted(real, key=lambda i: -float(best[i]))[:5]:
+        lay, hd = divmod(int(where[i]), heads)
+        say(f"  {tokens[i]:>12}  {100 * float(best[i]):3.0f}%  layer {lay} head {hd}")
+    ranked = flow[position].argsort(descending=True)[:5].tolist()
+    say(
+        f"Rollout (Abnar & Zuidema 2020) for '{tokens[position]}': "
+        + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
+    )
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    title = f"layer {layer} head {head}"
+    files = {
+        "grid": folder / "heads_grid.png",
+        "head": folder / "head.png",
+        "surface": folder / "head_surface.png",
+        "html": folder / "attention.html",
+    }
+    for name, fig in (
+        ("grid", heatmap_grid(weights, tokens)),
+        ("head", head_heatmap(weights[layer, head], tokens, title=title)),
+        ("surface", surface(weights[layer, head], tokens, title=title)),
+    ):
+        fig.savefig(files[name], dpi=110)
+    save_head_view(
+        files["html"],
+        weights,
+        tokens,
+        special=special,
+        stats=stats,
+        focus=position,
+        title=f"attention: {text}",
+    )
+    say("\nwrote:")
+    for path in files.values():
+        say(f"  {path}")
+    say(f"open {files['html']} in a browser (works offline) to click through every head.")
+    return Explained(tokens, position, weights, stats, flow, (layer, head), files)

@@ -1,0 +1,83 @@
+"""`multihead explain` and `multihead embed` end to end on the default model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from multihead import cli, explain
+
+TEXT = "The animal didn't cross the street because it was too tired"
+
+
+def test_explain_end_to_end(tmp_path, capsys):
+    assert cli.main(["explain", TEXT, "--focus", "it", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "focus: 'it' (position 10)" in printed
+    assert "Rollout (Abnar & Zuidema 2020) for 'it':" in printed
+    assert printed.count("\n   ") >= 12  # a row per head
+    for name in ("heads_grid.png", "head.png", "head_surface.png", "attention.html"):
+        path = tmp_path / name
+        assert path.stat().st_size > 5_000, name
+        assert str(path) in printed
+
+
+def test_explain_values(tmp_path):
+    lines = []
+    got = explain.run(TEXT, focus="animal", out_dir=tmp_path, say=lines.append)
+    assert got.tokens[got.focus] == "animal"
+    assert got.weights.shape == (6, 12, 15, 15)
+    torch.testing.assert_close(got.weights.sum(-1), torch.ones(6, 12, 15))
+    # the printed grid cell of layer 3 head 1 is that head's top token and weight
+    w = got.weights[3, 1, got.focus]
+    token = got.tokens[int(w.argmax())]
+    row = next(line for line in lines if line.startswith("   1 "))
+    assert f"{token} {100 * float(w.max()):.0f}%" in row
+    layer, head = got.head
+    assert 0 <= layer < 6 and 0 <= head < 12
+
+
+def test_default_focus_is_last_word(tmp_path):
+    got = explain.run("cats chase mice", out_dir=tmp_path, say=lambda s: None)
+    assert got.tokens[got.focus] == "mice"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "   "], "the text to explain is empty"),
+        (["explain", "word " * 600], "602 tokens but the model has 512 positions"),
+        (["explain", TEXT, "--focus", "zebra"], "focus word is not among the text's tokens"),
+        (["explain", TEXT, "--model", "no/such/dir"], "model directory not found"),
+        (["embed", "no/such/file.txt", "--out", "x.npy"], "no such input file"),
+    ],
+    ids=["empty", "too_long", "focus", "model", "file"],
+)
+def test_cli_errors(tmp_path, capsys, argv, message):
+    argv = [a if a != "x.npy" else str(tmp_path / "x.npy") for a in argv]
+    assert cli.main([*argv, "--out", str(tmp_path)] if argv[0] == "explain" else argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_embed_file(tmp_path, pretrained, capsys):
+    lines = ["The cat sat on the mat.", "", "A second, longer sentence about a dog in the rain."]
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out" / "emb.npy"
+    assert cli.main(["embed", str(source), "--out", str(out)]) == 0
+    saved = np.load(out)
+    assert saved.shape == (3, 384) and saved.dtype == np.float32
+    np.testing.assert_allclose(saved, pretrained.embed(lines).numpy(), rtol=0, atol=1e-6)
+    assert "wrote 3 embeddings of size 384" in capsys.readouterr().out
+
+
+def test_embed_progress_bar_on_long_inputs(tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(f"sentence number {i}" for i in range(300)), encoding="utf-8")
+    assert cli.main(["embed", str(source), "--out", str(tmp_path / "e.npy")]) == 0
+    assert "300/300" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    assert cli.main(["embed", str(empty), "--out", str(tmp_path / "f.npy")]) == 2
+    assert "no lines to embed" in capsys.readouterr().err
