@@ -14,6 +14,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.embed:
+        from .bench.embed import run_embed_bench
+
+        run_embed_bench(count=args.sentences, repeats=args.repeats or 3, out_dir=args.out)
+        return 0
     from .bench import run_suite
 
     run_suite(quick=args.quick, only=args.only, repeats=args.repeats, out_dir=args.out)
@@ -48,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     bench.add_argument("--repeats", type=int, default=None, help="timed repeats per contender")
     bench.add_argument("--out", default="bench-results", help="folder for results.json/.png")
+    bench.add_argument(
+        "--embed",
+        action="store_true",
+        help="instead: sentence-embedding throughput against sentence-transformers",
+    )
+    bench.add_argument(
+        "--sentences", type=int, default=2000, help="sentences for --embed (default 2000)"
+    )
     bench.set_defaults(func=_bench)
     explain = commands.add_parser(
         "explain", help="show what every head of a pretrained model attends to in TEXT"
@@ -62,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--out", required=True, metavar="OUT.npy", help="where to save them")
     embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
     embed.add_argument(
-        "--max-tokens", type=int, default=8192, help="tokens per packed row (default 8192)"
+        "--max-tokens", type=int, default=1536, help="tokens per packed row (default 1536)"
     )
     embed.set_defaults(func=_embed)
     return parser

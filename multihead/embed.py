@@ -18,7 +18,7 @@ def run(
     out: str | Path,
     *,
     model_path: str | Path | None = None,
-    max_tokens: int = 8192,
+    max_tokens: int = 1536,
     say: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Embed each line of ``file`` (UTF-8; an empty line embeds as empty text) into ``out``.

@@ -310,7 +310,7 @@ class Pretrained:
         self,
         texts: Sequence[str],
         *,
-        max_tokens: int = 8192,
+        max_tokens: int = 1536,
         progress: Callable[[int], None] | None = None,
     ) -> Tensor:
         """Sentence embeddings (N, E): mean of the last hidden states over each text's tokens,

@@ -1,0 +1,30 @@
+"""`multihead bench --embed` end to end on a few sentences."""
+
+from __future__ import annotations
+
+import json
+
+from multihead import cli
+from multihead.bench.texts import sentences
+
+
+def test_embed_bench_runs_and_reports(tmp_path, capsys):
+    args = ["bench", "--embed", "--sentences", "12", "--repeats", "1", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    report = json.loads((tmp_path / "embed.json").read_text())
+    assert report["sentences"] == 12 and report["tokens"] > 12 * 3
+    assert set(report["median_s"]) == {"multihead embed", "sentence-transformers encode"}
+    assert report["max_abs_diff"] <= 1e-5
+    ratio = (
+        report["median_s"]["sentence-transformers encode"] / report["median_s"]["multihead embed"]
+    )
+    assert abs(report["speedup"] - ratio) < 1e-9
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_generated_sentences():
+    texts = sentences(50, min_words=3, max_words=200, seed=0)
+    assert texts == sentences(50, min_words=3, max_words=200, seed=0)  # deterministic
+    counts = [len(t.split()) for t in texts]
+    assert min(counts) >= 3 and max(counts) <= 200
+    assert len(set(texts)) == 50 and all(t[-1] in ".?!" for t in texts)
