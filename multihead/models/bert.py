@@ -21,7 +21,12 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..masks import Mask
-from ..modules import LearnedPositionalEncoding, TransformerEncoder, TransformerEncoderLayer
+from ..modules import (
+    EncoderOutput,
+    LearnedPositionalEncoding,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 
 __all__ = [
     "DEFAULT_PACKAGE",
@@ -207,16 +212,13 @@ class Bert(nn.Module):
                 raise ValueError("pass lengths or mask, not both. Received: both")
             mask = masks.lengths(lengths.to(input_ids.device))
         x = self.embeddings(input_ids, token_type_ids, positions)
-        out = self.encoder(x, mask=mask, return_weights=return_weights, return_hidden=True)
+        out = self.encoder(x, mask=mask, return_weights=return_weights, return_hidden=return_hidden)
+        if isinstance(out, Tensor):  # neither asked for: the encoder kept no layer outputs
+            out = EncoderOutput(out, None, None)
         pooled = None
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(out.output[:, 0]))
-        return BertOutput(
-            out.output,
-            pooled,
-            out.hidden_states if return_hidden else None,
-            out.weights,
-        )
+        return BertOutput(out.output, pooled, out.hidden_states, out.weights)
 
 
 class Tokenized(NamedTuple):
@@ -273,8 +275,7 @@ class Pretrained:
                         f"{texts[i][:40]!r}..."
                     )
         lengths = torch.tensor([len(e.ids) for e in encodings], dtype=torch.long)
-        ids = torch.zeros(len(texts), int(lengths.max()), dtype=torch.long)
-        ids.fill_(self.config.pad_token_id)
+        ids = torch.full((len(texts), int(lengths.max())), self.config.pad_token_id)
         for i, e in enumerate(encodings):
             ids[i, : len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
         return Tokenized(

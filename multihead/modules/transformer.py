@@ -139,20 +139,14 @@ class TransformerEncoderLayer(nn.Module):
             (B, L, E), or ``(output, weights)`` with per-head weights (B, H, L, L) when
             ``return_weights=True``; the output is computed on the same fast path either way.
         """
-        weights = None
-
-        def attend(h: Tensor) -> Tensor:
-            nonlocal weights
-            out = self.self_attn(h, mask=mask, bias=bias, return_weights=return_weights)
-            if return_weights:
-                out, weights = out
-            return self.dropout(out)
-
+        h = self.norm1(x) if self.norm_first else x
+        attended = self.self_attn(h, mask=mask, bias=bias, return_weights=return_weights)
+        attended, weights = attended if return_weights else (attended, None)
         if self.norm_first:
-            x = x + attend(self.norm1(x))
+            x = x + self.dropout(attended)
             x = x + self.dropout(self.feed_forward(self.norm2(x)))
         else:
-            x = self.norm1(x + attend(x))
+            x = self.norm1(x + self.dropout(attended))
             x = self.norm2(x + self.dropout(self.feed_forward(x)))
         return (x, weights) if return_weights else x
 
