@@ -30,33 +30,21 @@ class Explained:
     files: dict[str, Path]
 
 
-def find_focus(tokens: list[str], special: list[bool], word: str | None) -> int:
-    """Position of ``word`` (its first word piece, case-insensitive); default: the last word."""
+def find_focus(
+    tokens: list[str], special: list[bool], word: str | None, pieces: list[str] | None
+) -> int:
+    """Position of the first word piece of ``word``, whose pieces (as the model's tokenizer
+    splits it) must appear in a row among ``tokens``; default: the last word."""
     if word is None:
         return max(i for i, s in enumerate(special) if not s)
-    wanted = word.strip().lower()
-    for i, token in enumerate(tokens):
-        if not special[i] and token.lower() == wanted:
+    n = len(pieces or [])
+    for i in range(len(tokens) - n + 1):
+        if n and not special[i] and tokens[i : i + n] == pieces:
             return i
-    pieces = [t for t, s in zip(tokens, special) if not s]
-    for i, token in enumerate(tokens):  # a word split into pieces: its first piece
-        if not special[i] and wanted.startswith(token.lower()) and len(token) > 1:
-            return i
+    real = [t for t, s in zip(tokens, special) if not s]
     raise ValueError(
-        f"the focus word is not among the text's tokens {pieces}. Received: --focus {word!r}"
+        f"the focus word is not among the text's tokens {real}. Received: --focus {word!r}"
     )
-
-
-def _pick_head(weights: Tensor, focus: int, special: list[bool]) -> tuple[int, int]:
-    """The head with the strongest link from the focus token to a real token at least two
-    positions away (neighbour links are positional heads, not meaning)."""
-    w = weights[:, :, focus].clone()  # [layers, H, L]
-    w[..., max(0, focus - 1) : focus + 2] = 0
-    for i, s in enumerate(special):
-        if s:
-            w[..., i] = 0
-    best = int(w.amax(-1).flatten().argmax())
-    return divmod(best, weights.shape[1])
 
 
 def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) -> None:
@@ -89,21 +77,24 @@ def run(
     batch, out = model([text], return_weights=True)
     tokens, special = batch.tokens[0], batch.special[0]
     weights = for_text(out.weights, 0, int(batch.lengths[0]))
-    position = find_focus(tokens, special, focus)
+    pieces = None if focus is None else model.tokenizer.encode(focus, add_special_tokens=False)
+    position = find_focus(tokens, special, focus, None if pieces is None else pieces.tokens)
     stats = head_stats(weights, special)
     flow = rollout(weights)
-    layer, head = _pick_head(weights, position, special)
     layers, heads = weights.shape[:2]
+    # for every key: the strongest weight any head puts on it from the focus, and that head
+    best, where = weights[:, :, position].flatten(0, 1).max(0)
+    real = [i for i in range(len(tokens)) if not special[i] and i != position]
+    # the head drawn alone: strongest link to a real token at least two positions away
+    # (neighbour links come from positional heads, not meaning)
+    far = [i for i in real if abs(i - position) > 1] or real
+    layer, head = divmod(int(where[max(far, key=lambda i: float(best[i]))]), heads)
 
     say(f"model: {model.path} ({layers} layers x {heads} heads)")
     say(f"tokens: {' '.join(tokens)}")
     say(f"focus: '{tokens[position]}' (position {position})\n")
-    top = top_tokens(weights, tokens, position, k=3)
-    _grid(top, tokens, position, say)
+    _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
     say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5):")
-    from_focus = weights[:, :, position].flatten(0, 1)  # [layers * H, L]
-    best, where = from_focus.max(0)
-    real = [i for i in range(len(tokens)) if not special[i] and i != position]
     for i in sorted(real, key=lambda i: -float(best[i]))[:5]:
         lay, hd = divmod(int(where[i]), heads)
         say(f"  {tokens[i]:>12}  {100 * float(best[i]):3.0f}%  layer {lay} head {hd}")

@@ -81,3 +81,9 @@ def test_embed_progress_bar_on_long_inputs(tmp_path, capsys):
     empty.write_text("", encoding="utf-8")
     assert cli.main(["embed", str(empty), "--out", str(tmp_path / "f.npy")]) == 2
     assert "no lines to embed" in capsys.readouterr().err
+
+
+def test_focus_on_a_word_split_into_pieces(tmp_path):
+    got = explain.run("Tokenization matters", focus="Tokenization", out_dir=tmp_path, say=print)
+    assert got.tokens[got.focus : got.focus + 2] == ["token", "##ization"]
+    assert explain.find_focus(["[CLS]", "an", "animal", "[SEP]"], [1, 0, 0, 1], "x", ["an"]) == 1

@@ -38,6 +38,11 @@ def _check(weights: Tensor) -> Tensor:
     return weights[None] if weights.dim() == 3 else weights
 
 
+def _check_tokens(tokens: Sequence[str], n: int) -> None:
+    if len(tokens) != n:
+        raise ValueError(f"tokens must have one label per position ({n}). Received: {len(tokens)}")
+
+
 @dataclass(frozen=True)
 class HeadStats:
     """One value per (layer, head), each a (layers, H) tensor averaged over query tokens.
@@ -112,10 +117,7 @@ def top_tokens(
     as ``result[layer][head] = [Top, ...]`` (heaviest first)."""
     w = _check(weights)
     n = w.shape[-1]
-    if len(tokens) != n:
-        raise ValueError(
-            f"tokens must have one entry per position ({n}). Received: {len(tokens)} tokens"
-        )
+    _check_tokens(tokens, n)
     if not 0 <= query < n:
         raise ValueError(f"query must be a position in [0, {n}). Received: query={query}")
     values, indices = w[:, :, query].topk(min(k, n), dim=-1)

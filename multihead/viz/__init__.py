@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from ..inspect import _check
+from ..inspect import _check, _check_tokens
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,11 +43,6 @@ def _square(weights: Tensor, tokens: Sequence[str]) -> Tensor:
         raise ValueError(f"weights must be one head's (L, L). Received: weights.shape={shape}")
     _check_tokens(tokens, weights.shape[-1])
     return weights.detach().float().cpu()
-
-
-def _check_tokens(tokens: Sequence[str], n: int) -> None:
-    if len(tokens) != n:
-        raise ValueError(f"tokens must have one label per position ({n}). Received: {len(tokens)}")
 
 
 def _label(ax, tokens: Sequence[str], *, rows: bool = True, cols: bool = True, size=7) -> None:

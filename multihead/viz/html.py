@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..inspect import HeadStats, _check, head_stats
+from ..inspect import HeadStats, _check, _check_tokens, head_stats
 
 __all__ = ["MAX_TOKENS", "MIN_WEIGHT", "head_view", "save_head_view"]
 
@@ -50,8 +50,7 @@ def head_view(
     """
     w = _check(weights).detach().float().cpu()
     layers, heads, n, _ = w.shape
-    if len(tokens) != n:
-        raise ValueError(f"tokens must have one label per position ({n}). Received: {len(tokens)}")
+    _check_tokens(tokens, n)
     if n > MAX_TOKENS:
         raise ValueError(
             f"the head view embeds every weight; keep inputs to {MAX_TOKENS} tokens. "

@@ -58,7 +58,7 @@ def test_top_tokens():
     assert len(top[0][0]) == 2
     with pytest.raises(ValueError, match=r"query must be a position in \[0, 6\)"):
         top_tokens(w, tokens, query=6)
-    with pytest.raises(ValueError, match="one entry per position"):
+    with pytest.raises(ValueError, match=r"one label per position \(6\)"):
         top_tokens(w, tokens[:3], query=0)
 
 
