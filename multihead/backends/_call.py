@@ -56,8 +56,7 @@ def drop_dead_keys(keep: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Te
     per head, key/value are first expanded from H_kv to H heads so each head drops its own.
     """
     live = keep.any(dim=2)  # [B|1, H|1, S]
-    if bool(live.all()):
-        return key, value
+    # no early exit when every key is live: a data-dependent branch would stop torch.export
     if live.shape[1] not in (1, key.shape[1]):
         groups = live.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from ..masks import Mask, _Combine, _Dense
@@ -57,6 +58,11 @@ def _has_dense(mask: Mask) -> bool:
 
 def _ranking(call: Call) -> tuple[list[str], str]:
     """Backends from fastest expected to slowest for this call, and why the first leads."""
+    if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        return (
+            ["reference", "sdpa", "tiled"],
+            "an exported graph needs plain ops without data-dependent branches",
+        )
     if call.return_weights:
         return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
     if call.query.device.type != "cpu":

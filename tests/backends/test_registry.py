@@ -73,3 +73,22 @@ def test_sdpa_uses_is_causal_only_when_equivalent(monkeypatch):
     mh.attention(q[:, :, :2], k, v, masks.causal(align="top_left"), backend="sdpa")
     mh.attention(q[:, :, :2], k, v, masks.causal(), backend="sdpa")  # bottom-right, L != S
     assert seen == [(True, True), (True, True), (False, False)]
+
+
+def test_auto_picks_the_branch_free_reference_while_exporting(monkeypatch):
+    q, k, v = qkv(1, 2, 2, 4, 4, 5)
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    choice = mh.explain_backend(q, k, v, masks.sliding_window(2))
+    assert choice.backend == "reference"
+    assert "exported graph" in choice.reasons["tiled"]
+
+
+def test_reference_exports_with_a_dense_mask():
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            return mh.attention(q, k, v, masks.dense(keep[:, None, None, :]))
+
+    q, k, v = qkv(2, 2, 2, 5, 5, 4)
+    keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    program = torch.export.export(Attend(), (q, k, v, keep))
+    torch.testing.assert_close(program.module()(q, k, v, keep), Attend()(q, k, v, keep))
