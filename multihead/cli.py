@@ -39,6 +39,25 @@ def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .apps import Options, run
+
+    options = Options(
+        out=args.out,
+        quick=args.quick,
+        data=args.data,
+        seed=args.seed,
+        precision=args.precision,
+        compile=args.compile,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        baselines=not args.no_baselines,
+        progress=not args.no_progress,
+    )
+    run(args.task, options)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="multihead", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +97,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=1536, help="tokens per packed row (default 1536)"
     )
     embed.set_defaults(func=_embed)
+    train = commands.add_parser(
+        "train",
+        help="train an application (sentiment, forecast, crossmodal) with baselines; "
+        "runs under torchrun for several processes",
+    )
+    train.add_argument("task", choices=("sentiment", "forecast", "crossmodal"))
+    train.add_argument("--out", required=True, metavar="DIR", help="folder for model and metrics")
+    train.add_argument("--quick", action="store_true", help="a small version, seconds long")
+    train.add_argument(
+        "--data",
+        metavar="PATH",
+        help="sentiment: a folder of *_GroundTruth.txt files or one such file "
+        "(default ../shared/data/vader-sentiment)",
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed for data, init and order")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                       help="autocast dtype (fp16 on CUDA only)")  # fmt: skip
+    train.add_argument("--compile", action="store_true", help="torch.compile the train step")
+    train.add_argument("--epochs", type=int, help="override the task's number of epochs")
+    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    train.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
     return parser
 
 
