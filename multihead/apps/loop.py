@@ -100,6 +100,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     precision: str = "fp32"
     compile: bool = False
+    compile_backend: str = "inductor"  # tests use "aot_eager": same graphs, no C++ build
     seed: int = 0
     max_steps: int | None = None  # stop early (smoke tests, throughput runs)
     progress: bool = True
@@ -233,7 +234,7 @@ def fit(
     compile_report = None
     step_fn: Callable[[nn.Module, Any], Tensor] = step_loss
     if config.compile:
-        step_fn = torch.compile(step_loss)
+        step_fn = torch.compile(step_loss, backend=config.compile_backend)
     scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
 
     losses: list[float] = []
