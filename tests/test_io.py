@@ -231,7 +231,8 @@ def test_unknown_class_and_bad_arguments(saved):
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ValueError,
-        match=r"model.class names a class that is not registered.*Received: model.class='somewhere.Nope'",
+        match=r"model.class names a class that is not registered.*"
+        r"Received: model.class='somewhere.Nope'",
     ):
         mh.load(saved)
     config["model"] = {
@@ -250,13 +251,13 @@ def test_missing_files_and_foreign_folders(tmp_path, saved):
     with pytest.raises(FileNotFoundError, match="model folder not found"):
         mh.load(tmp_path / "nowhere")
     (saved / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="the weights file model.safetensors is missing"):
+    with pytest.raises(FileNotFoundError, match=r"the weights file model\.safetensors is missing"):
         mh.load(saved)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"hidden_size": 4}')
     with pytest.raises(ValueError, match="the field format_version is missing"):
         mh.load(tmp_path / "other")
-    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         mh.load(tmp_path)
 
 
