@@ -132,3 +132,13 @@ def test_precision_errors():
         ValueError, match=r"precision must be one of fp32, bf16, fp16. Received: precision='int8'"
     ):
         autocast("int8", torch.device("cpu"))
+
+
+def test_optional_dependencies_stay_lazy():
+    code = (
+        "import sys, multihead, multihead.apps, multihead.io\n"
+        "heavy = ('sklearn', 'statsmodels', 'vaderSentiment', 'matplotlib', 'safetensors')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
