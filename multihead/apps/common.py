@@ -96,6 +96,7 @@ def figure(**kwargs: Any) -> Figure:
     need("matplotlib", "figures")
     from matplotlib.figure import Figure
 
+    kwargs.setdefault("layout", "constrained")  # titles and axis labels never overlap
     return Figure(**kwargs)
 
 

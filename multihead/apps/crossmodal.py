@@ -337,8 +337,8 @@ def _attention_figure(model, qs, ids, lengths, image, images, pixels, prob, path
         n = int(lengths[i])
         heat = wi[:, :n].mean(dim=(0, 1)).reshape(side, side).numpy()
         big = np.kron(heat, np.ones((PATCH, PATCH)))
-        ax.imshow(pixels[images[i]], cmap="gray_r")
-        ax.imshow(big, cmap="magma", alpha=0.55)
+        ax.imshow(big, cmap="magma")  # the weights, with the digit's strokes outlined
+        ax.contour(pixels[images[i]], levels=[6.0], colors="cyan", linewidths=1.2)
         answer = "yes" if qs.answer[i] else "no"
         ax.set_title(f"{' '.join(qs.words[i])}\ntruth {answer}, p(yes)={prob[i]:.2f}", fontsize=8)
         ax.set_xticks([])

@@ -86,6 +86,10 @@ class CausalForecaster(nn.Module):
         num_layers: encoder layers (pre-norm, with a final LayerNorm).
         ff_dim: feed-forward width.
         dropout: dropout in every layer, in [0, 1).
+        ar_lags: when > 0, a linear autoregressive term is added to every position's
+            prediction: a linear map of the last ``ar_lags`` levels (relative to the current
+            one; the first value repeated before the window starts), so the attention layers
+            learn what a linear model misses. Causal like the rest.
     """
 
     def __init__(
@@ -98,9 +102,10 @@ class CausalForecaster(nn.Module):
         num_layers: int = 2,
         ff_dim: int = 128,
         dropout: float = 0.0,
+        ar_lags: int = 0,
     ) -> None:
         super().__init__()
-        self.horizon = horizon
+        self.horizon, self.ar_lags = horizon, ar_lags
         self.embed = nn.Linear(in_features, embed_dim)
         self.position = SinusoidalPositionalEncoding(embed_dim)
         self.encoder = TransformerEncoder(
@@ -113,6 +118,7 @@ class CausalForecaster(nn.Module):
             norm=nn.LayerNorm(embed_dim),
         )
         self.head = nn.Linear(embed_dim, horizon)
+        self.ar = nn.Linear(ar_lags, horizon) if ar_lags > 0 else None
 
     def forward(
         self, x: Tensor, *, return_weights: bool = False
@@ -120,9 +126,14 @@ class CausalForecaster(nn.Module):
         """x: (B, L, F). Returns (B, L, horizon), with every layer's weights (B, H, L, L)."""
         h = self.position(self.embed(x))
         out = self.encoder(h, mask=masks.causal(), return_weights=return_weights)
-        if return_weights:
-            return self.head(out.output), out.weights
-        return self.head(out)
+        hidden, weights = (out.output, out.weights) if return_weights else (out, None)
+        pred = self.head(hidden)
+        if self.ar is not None:
+            level = x[..., 0]  # [B, L]: differences of it are changes / scale
+            padded = nn.functional.pad(level[:, None], (self.ar_lags, 0), mode="replicate")[:, 0]
+            window = padded.unfold(1, self.ar_lags + 1, 1)  # [B, L, lags + 1]: t - lags .. t
+            pred = pred + self.ar(window[..., :-1] - window[..., -1:])
+        return (pred, weights) if return_weights else pred
 
 
 def features(window: Tensor, scale: float, diff_scale: float) -> Tensor:
