@@ -206,10 +206,12 @@ def _train_one(
     s = _scales(train)
     context, horizon, period = series.context, series.horizon, series.period
     if options.quick:
-        model = CausalForecaster(horizon, embed_dim=16, num_heads=2, num_layers=1, ff_dim=32)
+        model = CausalForecaster(
+            horizon, embed_dim=16, num_heads=2, num_layers=1, ff_dim=32, ar_lags=2 * period
+        )
         config = options.train_config(epochs=1, batch_size=16, lr=3e-3)
     else:
-        model = CausalForecaster(horizon)
+        model = CausalForecaster(horizon, ar_lags=2 * period)
         epochs = 20 if series.name == "co2" else 150
         config = options.train_config(epochs=epochs, batch_size=32, lr=1e-3)
     if options.quick and config.max_steps is None:

@@ -3,6 +3,7 @@ global batch, bf16 autocast, the compiled train step and its graph-break report.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -54,9 +55,9 @@ def test_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     metrics = (tmp_path / "two" / "metrics.json").read_text()
     assert '"processes": 2' in metrics and '"steps": 3' in metrics
     first = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
-    torch.manual_seed(0)  # the run's seed: the initial weights, which 3 steps must have moved
-    initial = mh.load(tmp_path / "one" / "model").__class__(104, embed_dim=16, num_heads=2,
-                                                              num_layers=1, ff_dim=32)  # fmt: skip
+    spec = json.loads((tmp_path / "one" / "model" / "config.json").read_text())["model"]
+    torch.manual_seed(0)  # the run's seed: its initial weights, which 3 steps must have moved
+    initial = mh.io.build(spec)
     moved = max((first[k] - v).abs().max().item() for k, v in initial.state_dict().items())
     assert moved > 1e-4
 
@@ -142,3 +143,14 @@ def test_optional_dependencies_stay_lazy():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_option_errors(tmp_path):
+    from multihead.apps import Options, run
+
+    with pytest.raises(ValueError, match=r"epochs must be a positive int. Received: epochs=0"):
+        Options(out=tmp_path, epochs=0)
+    with pytest.raises(ValueError, match=r"precision must be one of fp32, bf16, fp16"):
+        Options(out=tmp_path, precision="fp8")
+    with pytest.raises(ValueError, match=r"task must be one of sentiment, forecast, crossmodal"):
+        run("translation", Options(out=tmp_path))
