@@ -443,9 +443,9 @@ def _confusion_figure(confusion: dict[str, tuple[np.ndarray, np.ndarray]], path:
                 ax.text(j, i, str(table[i, j]), ha="center", va="center", fontsize=8)
         ax.set_xticks(range(3), names)
         ax.set_yticks(range(3), names)
-        ax.set_xlabel("model")
-        ax.set_ylabel("people (sign of the mean rating)")
+        ax.set_xlabel("model (score, +-0.05)")
         ax.set_title(domain, fontsize=9)
+    axes[0].set_ylabel("people (sign of the mean rating)")
     return save_figure(fig, path)
 
 
