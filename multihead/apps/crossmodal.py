@@ -256,7 +256,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
             epochs=1 if options.quick else 20, batch_size=32 if options.quick else 64, lr=2e-3
         )
         if options.quick and config.max_steps is None:
-            config.max_steps = 10
+            config.max_steps = 6
         fitted[name] = fit(m, len(answers), collate, loss_fn, config, info, desc=name)
     if not info.main:
         return {}

@@ -19,6 +19,7 @@ P(positive) - P(negative)) and the seed's from-scratch ``AttentionClassifier``.
 
 from __future__ import annotations
 
+import functools
 import html
 import time
 import zlib
@@ -323,9 +324,14 @@ def _tfidf(train_texts: list[str], train_y: np.ndarray, test_texts: list[str], q
     return pos - neg
 
 
+@functools.cache
+def _analyzer() -> Any:
+    """VADER's analyzer; it reads its lexicon when built, so it is built once."""
+    return need("vaderSentiment.vaderSentiment", "the VADER baseline").SentimentIntensityAnalyzer()
+
+
 def _vader(texts: list[str]) -> np.ndarray:
-    module = need("vaderSentiment.vaderSentiment", "the VADER baseline")
-    analyzer = module.SentimentIntensityAnalyzer()
+    analyzer = _analyzer()
     return np.array([analyzer.polarity_scores(t)["compound"] for t in texts])
 
 
@@ -413,7 +419,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
     training_curve(fitted, out / "training_curve.png", "sentiment: MSE on rating / 4")
     _confusion_figure(confusion, out / "confusion.png")
     example = min(corpora[0].texts, key=lambda t: abs(len(t) - 60))
-    _attention_figure(model, pretrained, example, out / "attention.png")
+    _attention_figure(model, pretrained, example, out / "attention.png", options.quick)
     summary = {
         "task": "sentiment",
         "protocol": "per domain: a seeded random half trains, the other half tests; one model "
@@ -449,8 +455,11 @@ def _confusion_figure(confusion: dict[str, tuple[np.ndarray, np.ndarray]], path:
     return save_figure(fig, path)
 
 
-def _attention_figure(model: SentimentRegressor, pretrained: Any, text: str, path: Path) -> Path:
-    """Every layer and head of the fine-tuned encoder on one test text."""
+def _attention_figure(
+    model: SentimentRegressor, pretrained: Any, text: str, path: Path, quick: bool
+) -> Path:
+    """Every layer and head of the fine-tuned encoder on one text (``quick``: the last layer,
+    as 72 panels take matplotlib seconds)."""
     from ..inspect import for_text
     from ..viz import heatmap_grid
 
@@ -461,6 +470,6 @@ def _attention_figure(model: SentimentRegressor, pretrained: Any, text: str, pat
             batch.input_ids.to(device), lengths=batch.lengths.to(device), return_weights=True
         )
     weights = for_text([w.cpu() for w in out.weights], 0, int(batch.lengths[0]))
-    fig = heatmap_grid(weights, batch.tokens[0])
+    fig = heatmap_grid(weights, batch.tokens[0], layers=[len(weights) - 1] if quick else None)
     fig.suptitle(f"fine-tuned encoder on: {text[:70]}", fontsize=9)
     return save_figure(fig, path)

@@ -16,16 +16,19 @@ from torch import nn
 
 import multihead as mh
 from multihead.apps.loop import Dist, TrainConfig, _batches, autocast, fit
+from multihead.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _train(out: Path, processes: int) -> None:
-    args = ["-m", "multihead.cli", "train", "forecast", "--quick", "--max-steps", "3",
-            "--no-baselines", "--no-progress", "--out", str(out)]  # fmt: skip
-    if processes > 1:
-        args = ["-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={processes}", *args]  # fmt: skip
+    args = ["train", "forecast", "--quick", "--max-steps", "3", "--no-baselines",
+            "--no-progress", "--out", str(out)]  # fmt: skip
+    if processes == 1:  # in this process: the same code path without a second interpreter
+        assert main(args) == 0
+        return
+    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            "-m", "multihead.cli", *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
