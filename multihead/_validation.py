@@ -7,6 +7,7 @@ Messages say what was expected, what was received, and how to fix it. They end w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -27,6 +28,12 @@ def check_positive_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int. Received: {name}={value!r}")
     if value <= 0:
         raise ValueError(f"{name} must be a positive int. Received: {name}={value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
     return value
 
 
@@ -210,3 +217,67 @@ def check_index_tensor(name: str, t: object, ranks: tuple[int, ...], letters: st
     if t.dim() not in ranks:
         raise ValueError(f"{name} must have shape {letters}. Received: {name}.shape={_shape(t)}")
     return t
+
+
+def _blocking_ancestor(path: Path) -> Path | None:
+    """The first existing ancestor of ``path`` (itself included) that is not a folder."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def check_out_dir(name: str, path: str | Path) -> Path:
+    """An output folder that can be created, checked before any long work starts."""
+    folder = Path(path)
+    blocker = _blocking_ancestor(folder)
+    if blocker is not None:
+        raise ValueError(
+            f"{name} must be a folder, but {blocker} is an existing file; choose another "
+            f"folder. Received: {name}={str(path)!r}"
+        )
+    return folder
+
+
+def check_out_file(name: str, path: str | Path, suffix: str) -> Path:
+    """An output file path ending in ``suffix`` whose folder can be created."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(
+            f"{name} must be a file path ending in {suffix}, but it is an existing folder; "
+            f"give a file name, e.g. {target / ('embeddings' + suffix)}. "
+            f"Received: {name}={str(path)!r}"
+        )
+    if target.suffix != suffix:
+        raise ValueError(
+            f"{name} must end in {suffix} (the file written is exactly this path). "
+            f"Received: {name}={str(path)!r}"
+        )
+    check_out_dir(name, target.parent)
+    return target
+
+
+def check_utf8_text(name: str, text: str) -> str:
+    """Reject text that is not valid Unicode (command-line bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} is not valid UTF-8 text (byte {err.start} cannot be decoded); re-encode it "
+            f"as UTF-8, e.g. with iconv. Received: {name}={text!r}"
+        ) from None
+    return text
+
+
+def read_utf8_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, with an error naming the file and the bad byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path} is not UTF-8 text: byte {err.start} (line {line}) is "
+            f"{data[err.start : err.start + 1]!r}; convert the file to UTF-8 (e.g. "
+            f"iconv -f latin1 -t utf-8). Received: {path}"
+        ) from None

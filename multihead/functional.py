@@ -8,7 +8,7 @@ from torch import Tensor
 from . import _validation as V
 from .backends import registry, tiled
 from .backends._call import Call
-from .masks import Mask, dense
+from .masks import Mask, TorchMasks, dense
 
 __all__ = ["attention", "attention_weights", "explain_backend"]
 
@@ -24,12 +24,18 @@ def _prepare(
     return_weights: bool,
 ) -> Call:
     b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
+    if isinstance(mask, TorchMasks):  # from masks.from_torch: visibility plus additive part
+        mask, extra = mask
+        if extra is not None:
+            extra = extra.to(device=query.device)
+            bias = extra if bias is None else _add_bias(bias, extra)
     if isinstance(mask, Tensor):
         V.check_mask_tensor_dtype("mask", mask)
         mask = dense(mask)
     elif mask is not None and not isinstance(mask, Mask):
         raise TypeError(
-            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend) or None. "
+            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend), the result "
+            "of masks.from_torch(...) or None. "
             f"Received: mask of type {type(mask).__name__}"
         )
     if mask is not None:
@@ -42,8 +48,17 @@ def _prepare(
         bias=V.check_bias(bias, query, b, h, length_q, length_k),
         scale=V.check_scale(scale, d),
         dropout_p=V.check_dropout(dropout_p),
-        return_weights=bool(return_weights),
+        return_weights=V.check_bool("return_weights", return_weights),
     )
+
+
+def _add_bias(bias: object, extra: Tensor) -> Tensor:
+    """The user's bias plus the additive part of a ``from_torch`` mask (2-D biases are (L, S))."""
+    if not isinstance(bias, Tensor):
+        return bias  # check_bias reports the wrong type
+    if bias.dim() == 2:
+        bias = bias[None, None]
+    return bias + extra
 
 
 def attention(

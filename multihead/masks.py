@@ -669,9 +669,9 @@ class TorchMasks(NamedTuple):
 
 
 def from_torch(
+    *args: object,
     attn_mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
-    *,
     num_heads: int | None = None,
 ) -> TorchMasks:
     """Convert ``torch.nn.MultiheadAttention`` masks to this library's convention.
@@ -686,9 +686,20 @@ def from_torch(
         num_heads: H, needed to unpack a 3-D ``attn_mask``.
 
     Returns:
-        ``TorchMasks(mask, bias)``; either may be None. Use as
-        ``m, bias = masks.from_torch(...); attention(q, k, v, m, bias=bias)``.
+        ``TorchMasks(mask, bias)``; either may be None. Pass it whole where a mask is taken
+        (``attention(q, k, v, masks.from_torch(...))``, ``mha(x, mask=masks.from_torch(...))``)
+        or unpack it: ``m, bias = masks.from_torch(...); attention(q, k, v, m, bias=bias)``.
+
+    Raises:
+        TypeError: positional arguments. Both masks are keyword-only because a (B, S)
+            ``key_padding_mask`` passed first would be read as an (L, S) ``attn_mask``.
     """
+    if args:
+        raise TypeError(
+            "from_torch takes keyword arguments only: from_torch(attn_mask=..., "
+            "key_padding_mask=...), because a (B, S) key_padding_mask and an (L, S) attn_mask "
+            f"are easy to swap. Received: {len(args)} positional argument(s)"
+        )
     parts: list[Mask] = []
     biases: list[Tensor] = []
     if attn_mask is not None:
@@ -752,12 +763,18 @@ def _split_torch_mask(
 
 
 def from_keras(attention_mask: Tensor) -> Mask:
-    """Convert a Keras ``MultiHeadAttention`` ``attention_mask`` (B, L, S), 1 = attend."""
+    """Convert a Keras mask (True / 1 = attend) to a mask.
+
+    Args:
+        attention_mask: Keras ``MultiHeadAttention``'s ``attention_mask`` (B, L, S), or a
+            (B, S) padding mask such as an ``Embedding(mask_zero=True)`` produces, which
+            becomes ``key_padding`` (every query sees the same keys).
+    """
     if not isinstance(attention_mask, Tensor):
         attention_mask = torch.as_tensor(attention_mask)
-    if attention_mask.dim() != 3:
+    if attention_mask.dim() not in (2, 3):
         raise ValueError(
-            "a Keras attention_mask has shape (B, L, S). "
+            "a Keras mask has shape (B, L, S) (attention_mask) or (B, S) (padding). "
             f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
         )
     if attention_mask.is_floating_point():
@@ -765,4 +782,6 @@ def from_keras(attention_mask: Tensor) -> Mask:
             "a Keras attention_mask must be bool or integer (1 = attend). "
             f"Received: attention_mask.dtype={attention_mask.dtype}"
         )
+    if attention_mask.dim() == 2:
+        return key_padding(attention_mask != 0)
     return dense((attention_mask != 0)[:, None])

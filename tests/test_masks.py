@@ -154,8 +154,8 @@ def test_from_keras():
     km = torch.tensor([[[1, 0, 1], [1, 1, 0]]])
     keep = masks.from_keras(km).to_dense(2, 3)
     assert torch.equal(keep, km.bool()[:, None])
-    with pytest.raises(ValueError, match=r"\(B, L, S\)"):
-        masks.from_keras(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"\(B, L, S\) \(attention_mask\) or \(B, S\)"):
+        masks.from_keras(torch.ones(3, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"bool or integer"):
         masks.from_keras(torch.ones(1, 2, 3))
 

@@ -39,6 +39,41 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, length, h * d)
 
 
+# torch.nn.MultiheadAttention keywords -> what to do here instead
+_TORCH_STYLE = {
+    "attn_mask": "pass mask=masks.from_torch(attn_mask=...) (True there means blocked; here "
+    "True means may attend)",
+    "key_padding_mask": "pass mask=masks.from_torch(key_padding_mask=...) or "
+    "mask=masks.key_padding(keep) with keep True for real tokens",
+    "need_weights": "pass return_weights=True (weights are per head, never averaged)",
+    "average_attn_weights": "weights are always per head (B, H, L, S); average with .mean(1)",
+    "is_causal": "pass mask=masks.causal()",
+    "batch_first": "modules here are always batch-first: (B, L, E) in and out; transpose "
+    "(L, B, E) inputs with .transpose(0, 1)",
+    "add_bias_kv": "append the extra key/value to the key and value inputs",
+    "add_zero_attn": "append a zero key/value to the key and value inputs",
+}
+
+
+def _reject_torch_style(where: str, unexpected: dict[str, object]) -> None:
+    """A clear TypeError for keywords of torch.nn.MultiheadAttention (or typos)."""
+    if not unexpected:
+        return
+    name, value = next(iter(unexpected.items()))
+    received = (
+        f"{name} of shape {tuple(value.shape)}"
+        if isinstance(value, Tensor)
+        else f"{name}={value!r}"
+    )
+    hint = _TORCH_STYLE.get(name)
+    if hint is None:
+        raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")
+    raise TypeError(
+        f"{where} does not take torch.nn.MultiheadAttention's {name!r}: {hint}. "
+        f"Received: {received}"
+    )
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention on batch-first (B, L, E) tensors.
 
@@ -65,8 +100,10 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        **unexpected: object,
     ) -> None:
         super().__init__()
+        _reject_torch_style("MultiHeadAttention()", unexpected)
         self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.kdim = embed_dim if kdim is None else V.check_positive_int("kdim", kdim)
@@ -92,21 +129,32 @@ class MultiHeadAttention(nn.Module):
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
         return_weights: bool = False,
+        **unexpected: object,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
+        """Attend from ``query`` to ``key``/``value`` (self-attention when both are omitted).
 
         Args:
             query: (B, L, E).
-            key: (B, S, kdim); defaults to ``query``.
+            key: (B, S, kdim); defaults to ``value`` when only ``value`` is given (as in Keras,
+                ``mha(query=q, value=context)`` attends to ``context``), else to ``query``.
             value: (B, S, vdim); defaults to ``key``.
-            mask: a ``multihead.masks.Mask`` or bool tensor, True = may attend.
+            mask: a ``multihead.masks.Mask``, a bool tensor (True = may attend) or the result
+                of ``masks.from_torch(...)`` (its additive part joins ``bias``).
             bias: additive scores broadcastable to (B, H, L, S).
             return_weights: also return per-head weights (B, H, L, S).
 
         Returns:
             (B, L, E), or ``(output, weights)`` when ``return_weights=True``.
+
+        Raises:
+            TypeError: torch-style keywords (``attn_mask``, ``key_padding_mask``,
+                ``need_weights``), non-float inputs or inputs of another dtype than the
+                parameters (outside autocast).
         """
-        key = query if key is None else key
+        _reject_torch_style("MultiHeadAttention.forward()", unexpected)
+        V.check_bool("return_weights", return_weights)
+        if key is None:
+            key = query if value is None else value
         value = key if value is None else value
         for name, t, width, letters in (
             ("query", query, self.embed_dim, "(B, L, E)"),
@@ -114,6 +162,7 @@ class MultiHeadAttention(nn.Module):
             ("value", value, self.vdim, "(B, S, vdim)"),
         ):
             V.check_rank(name, t, 3, letters)
+            self._check_dtype(name, t)
             if t.shape[-1] != width:
                 raise ValueError(
                     f"{name} must have last dimension {width} {letters}. "
@@ -141,6 +190,21 @@ class MultiHeadAttention(nn.Module):
             out, weights = result
             return self.out_proj(merge_heads(out)), weights
         return self.out_proj(merge_heads(result))
+
+    def _check_dtype(self, name: str, t: Tensor) -> None:
+        want = self.q_proj.weight.dtype
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point (B, L, E) tensor of embeddings; token ids go "
+                f"through an nn.Embedding first, other values need .to({want}). "
+                f"Received: {name}.dtype={t.dtype}"
+            )
+        if t.dtype != want and not torch.is_autocast_enabled(t.device.type):
+            raise TypeError(
+                f"{name} must have the dtype of the module's parameters, {want}: cast the input "
+                f"with .to({want}) or the module with .to({t.dtype}) (or run under "
+                f"torch.autocast). Received: {name}.dtype={t.dtype}"
+            )
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
