@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _validation as V
 from .. import masks
 from ..functional import attention
 from ..masks import Mask, TileKind
@@ -381,9 +382,9 @@ def run_suite(
     say: Callable[[str], None] = print,
 ) -> Report:
     """Run the workloads, print a table, write ``results.json`` and ``results.png``."""
-    out_dir = Path(out_dir)
+    out_dir = V.check_out_dir("--out", out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    repeats = repeats or (3 if quick else 5)
+    repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
     names = only or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
     if unknown:
