@@ -7,7 +7,8 @@ from torch import Tensor
 
 from . import _validation as V
 from .backends import registry, tiled
-from .backends._call import Call
+from .backends._call import Call, stat_dtype
+from .backends._nonfinite import run_guarded
 from .masks import Mask, TorchMasks, dense
 
 __all__ = ["attention", "attention_weights", "explain_backend"]
@@ -40,12 +41,15 @@ def _prepare(
         )
     if mask is not None:
         mask.check(b, h, length_q, length_k)
+    bias = V.check_bias(bias, query, b, h, length_q, length_k)
     return Call(
         query=query,
         key=key,
         value=value,
         mask=mask,
-        bias=V.check_bias(bias, query, b, h, length_q, length_k),
+        # the bias rule: added in the precision of the softmax statistics, never rounded to
+        # a half-precision input dtype (bf16 cannot hold 32895; fp16 overflows at 65504)
+        bias=None if bias is None else bias.to(stat_dtype(query.dtype)),
         scale=V.check_scale(scale, d),
         dropout_p=V.check_dropout(dropout_p),
         return_weights=V.check_bool("return_weights", return_weights),
@@ -100,6 +104,8 @@ def attention(
             ``masks.dense(tensor)``), or None for no mask.
         bias: additive float scores broadcastable to (B, H, L, S) (relative positions, ALiBi);
             2-D bias must be exactly (L, S). Must be finite: blocking is the mask's job.
+            It is added in float32 beside float32/bf16/fp16 inputs (float64 beside float64)
+            on every backend, never rounded to a half-precision input dtype.
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         return_weights: also return the softmax weights (before dropout).
@@ -110,8 +116,10 @@ def attention(
     Returns:
         The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when
         ``return_weights=True``. A query row with no visible key outputs exactly 0, its weights
-        are all 0 and its gradients are 0. Keys that no query may see are never read, so padding
-        may hold NaN. L = 0 or S = 0 are allowed.
+        are all 0 and its gradients are 0. NaN or Inf in a query row, or in a key or value
+        that row may see, makes that row's output and weights NaN (corrupt data never looks
+        healthy); non-finite values that no query may see never reach a result, so padding
+        may hold garbage. L = 0 or S = 0 are allowed.
 
     Raises:
         TypeError: non-float inputs, int/float masks, mixed dtypes.
@@ -119,7 +127,7 @@ def attention(
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
-    out, weights = registry.select(call, backend).run(call)
+    out, weights = run_guarded(registry.select(call, backend).run, call)
     return (out, weights) if call.return_weights else out
 
 
@@ -183,4 +191,4 @@ def attention_weights(
         if bias is not None and bias.dim() == 4 and bias.shape[1] != 1:
             bias = bias[:, index.to(bias.device)]
     call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
-    return tiled.weights(call)
+    return run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1]

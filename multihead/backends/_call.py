@@ -35,6 +35,16 @@ class Call:
         return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def exporting() -> bool:
+    """True while torch.export or the ONNX exporter traces: no data-dependent branches then."""
+    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and biases: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def repeat_kv(t: Tensor, groups: int) -> Tensor:
     """[B, H_kv, S, D] -> [B, H_kv * groups, S, D]; query head h reads kv head h // groups."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)

@@ -8,12 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from ..masks import Mask, _Combine, _Dense
 from . import reference, sdpa, tiled
-from ._call import Call
+from ._call import Call, exporting
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ def _has_dense(mask: Mask) -> bool:
 
 def _ranking(call: Call) -> tuple[list[str], str]:
     """Backends from fastest expected to slowest for this call, and why the first leads."""
-    if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+    if exporting():
         return (
             ["reference", "sdpa", "tiled"],
             "an exported graph needs plain ops without data-dependent branches",

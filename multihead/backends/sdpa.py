@@ -37,8 +37,12 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
     common = dict(dropout_p=call.dropout_p, scale=call.scale)
     if call.mask is None or is_plain_causal(call):
-        attn = None if call.bias is None else call.bias.to(q.dtype)
+        attn = call.bias  # float32 beside half inputs: torch's kernels accept it
         causal = call.mask is not None
+        if causal and q.shape[2] < k.shape[2]:
+            # top-left causal with L < S: keys L.. are hidden from every query; never read
+            # them (a preallocated cache may hold garbage there)
+            k, v = k[:, :, : q.shape[2]], v[:, :, : q.shape[2]]
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn, is_causal=causal, enable_gqa=gqa, **common
@@ -52,7 +56,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if call.bias is None:
         attn: Tensor = shown
     else:
-        attn = call.bias.to(q.dtype).masked_fill(~shown, float("-inf"))
+        attn = call.bias.masked_fill(~shown, float("-inf"))
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, enable_gqa=gqa, **common)
     return torch.where(row_any, out, 0.0), None

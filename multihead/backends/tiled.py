@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind, _Band, _Combine, _Documents, _KeyPadding, _Lengths
-from ._call import Call, repeat_kv
+from ._call import Call, repeat_kv, stat_dtype
 
 __all__ = ["plan", "run", "unsupported", "weights"]
 
@@ -207,6 +207,9 @@ def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[I
     keep = mask.block(
         length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
     )
+    # a mask that does not depend on the key gives a block one column wide: widen it, or only
+    # the first key would be read
+    keep = keep.expand(*keep.shape[:3], answer.stop - answer.start)
     seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
     if seeing.numel() == 0:
         return []
@@ -264,7 +267,8 @@ def _chunk_inputs(ctx: _Ctx, q, k, v, item: Item, chunk: Chunk):
     in the forward and the backward pass."""
     bias = _bias_block(ctx.bias, item, chunk)
     pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
-    add = None if pattern else _additive(chunk.keep, bias, q.dtype)
+    # float32 beside half inputs (the bias rule); torch's flash kernel accepts it
+    add = None if pattern else _additive(chunk.keep, bias, stat_dtype(q.dtype))
     return (*_chunk_kv(k, v, item, chunk), add, pattern)
 
 
@@ -312,8 +316,9 @@ def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[T
             o, lse = _FLASH(*_flip(q, k, v), is_causal=True, scale=ctx.scale)
             return o.flip(2), lse.flip(-1)
         return _FLASH(q, k, v, attn_mask=add, scale=ctx.scale)
-    f = _stat(q.dtype)
-    s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale  # [b, H, rows, cols]
+    f = stat_dtype(q.dtype)
+    # scores in float32 for half inputs: a half matmul overflows for finite inputs
+    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale  # [b, H, rows, cols]
     if add is not None:
         s = s + add.to(f)
     lse = torch.logsumexp(s, dim=-1)
@@ -334,8 +339,8 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=No
             )
             return [t.flip(2) for t in grads]
         return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
-    f = _stat(q.dtype)
-    s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale
+    f = stat_dtype(q.dtype)
+    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale
     if add is not None:
         s = s + add.to(f)
     p = torch.exp(s - lse[..., None].to(f))
@@ -353,11 +358,6 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=No
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _stat(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _finite(lse: Tensor) -> Tensor:
     return torch.where(
         torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device)
@@ -366,7 +366,7 @@ def _finite(lse: Tensor) -> Tensor:
 
 def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
     b, h, length_q, _ = q.shape
-    stat = _stat(q.dtype)
+    stat = stat_dtype(q.dtype)
     # heads-inner memory layout, so merging heads afterwards (B, L, H * D_v) is a free view
     out = q.new_zeros(b, length_q, h, v.shape[-1]).transpose(1, 2)
     lse = torch.full((b, h, length_q), float("-inf"), dtype=stat, device=q.device)
@@ -465,7 +465,7 @@ def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> 
     of an eager softmax. Not differentiable (used when no gradient is needed)."""
     q = call.query
     b, h, length_q, _ = q.shape
-    stat = _stat(q.dtype)
+    stat = stat_dtype(q.dtype)
     w = q.new_zeros(b, h, length_q, k.shape[2])
     lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # rows that see nothing -> 0
     for item in items:
@@ -498,7 +498,7 @@ def weights(call: Call, items: list[Item] | None = None) -> Tensor:
     if items is None:
         items = plan(call.mask, b, length_q, length_k, query_tile(call), q.device)
     w = q.new_zeros(b, h, length_q, length_k)
-    stat = _stat(q.dtype)
+    stat = stat_dtype(q.dtype)
     for item in items:
         rows = slice(item.q0, item.q1)
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
