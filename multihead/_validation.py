@@ -281,3 +281,38 @@ def read_utf8_lines(path: Path) -> list[str]:
             f"{data[err.start : err.start + 1]!r}; convert the file to UTF-8 (e.g. "
             f"iconv -f latin1 -t utf-8). Received: {path}"
         ) from None
+
+
+# keywords of torch.nn.MultiheadAttention and scaled_dot_product_attention -> what to do here
+_FOREIGN_KEYWORDS = {
+    "attn_mask": "an nn.MultiheadAttention mask (True = blocked) goes in as "
+    "mask=masks.from_torch(attn_mask=...); a scaled_dot_product_attention bool mask (True = "
+    "may attend, as here) as mask=..., a float one as bias=...",
+    "key_padding_mask": "pass mask=masks.from_torch(key_padding_mask=...) or "
+    "mask=masks.key_padding(keep) with keep True for real tokens",
+    "need_weights": "pass return_weights=True (weights are per head, never averaged)",
+    "average_attn_weights": "weights are always per head (B, H, L, S); average with .mean(1)",
+    "is_causal": "pass mask=masks.causal(align='top_left') (torch's is_causal is top-left "
+    "aligned; masks.causal() is bottom-right aligned, as in FlashAttention)",
+    "enable_gqa": "nothing to pass: grouped-query attention follows from key.shape[1] (H_kv)",
+    "batch_first": "modules here are always batch-first: (B, L, E) in and out; transpose "
+    "(L, B, E) inputs with .transpose(0, 1)",
+    "add_bias_kv": "append the extra key/value to the key and value inputs",
+    "add_zero_attn": "append a zero key/value to the key and value inputs",
+}
+
+
+def reject_foreign_keywords(where: str, unexpected: dict[str, object]) -> None:
+    """A TypeError that names this library's equivalent of a torch keyword (or the typo)."""
+    if not unexpected:
+        return
+    name, value = next(iter(unexpected.items()))
+    received = (
+        f"{name} of shape {tuple(value.shape)}"
+        if isinstance(value, Tensor)
+        else f"{name}={value!r}"
+    )
+    hint = _FOREIGN_KEYWORDS.get(name)
+    if hint is None:
+        raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")
+    raise TypeError(f"{where} does not take torch's {name!r}: {hint}. Received: {received}")

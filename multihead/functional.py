@@ -76,6 +76,7 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
+    **unexpected: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention for every mask, on any backend.
 
@@ -122,10 +123,13 @@ def attention(
         may hold garbage. L = 0 or S = 0 are allowed.
 
     Raises:
-        TypeError: non-float inputs, int/float masks, mixed dtypes.
+        TypeError: non-float inputs, int/float masks, mixed dtypes, a non-bool
+            ``return_weights``, and SDPA keywords (``attn_mask``, ``is_causal``,
+            ``enable_gqa``), each with the equivalent to use here.
         ValueError: shapes that do not fit, a mask or bias that does not fit (B, H, L, S),
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
+    V.reject_foreign_keywords("attention()", unexpected)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
     out, weights = run_guarded(registry.select(call, backend).run, call)
     return (out, weights) if call.return_weights else out
@@ -141,12 +145,14 @@ def explain_backend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    **unexpected: object,
 ) -> registry.Choice:
     """Which backend ``attention(..., backend="auto")`` would run, and why not the others.
 
     Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
     line per backend.
     """
+    V.reject_foreign_keywords("explain_backend()", unexpected)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
     return registry.explain(call)
 

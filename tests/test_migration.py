@@ -77,15 +77,15 @@ def test_return_weights_takes_bools_only():
 @pytest.mark.parametrize(
     "keyword,hint",
     [
-        ("attn_mask", r"masks.from_torch\(attn_mask=...\)"),
+        ("attn_mask", r"mask=masks.from_torch\(attn_mask=...\)"),
         ("key_padding_mask", r"masks.key_padding\(keep\)"),
         ("need_weights", r"return_weights=True"),
-        ("is_causal", r"masks.causal\(\)"),
+        ("is_causal", r"masks.causal\(align='top_left'\)"),
     ],
 )
 def test_torch_keywords_in_forward_point_to_the_equivalent(keyword, hint):
     mha = MultiHeadAttention(4, 2)
-    with pytest.raises(TypeError, match=rf"does not take torch.nn.MultiheadAttention's.*{hint}"):
+    with pytest.raises(TypeError, match=rf"does not take torch's.*{hint}"):
         mha(torch.randn(1, 2, 4), **{keyword: torch.zeros(2, 2, dtype=torch.bool)})
 
 
@@ -113,3 +113,21 @@ def test_keras_style_call_attends_to_the_value():
     q, context = torch.randn(1, 2, 4), torch.randn(1, 3, 4)
     torch.testing.assert_close(mha(query=q, value=context), mha(q, context, context))
     assert mha(query=q, value=context).shape == (1, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "keyword,hint",
+    [
+        ("attn_mask", r"scaled_dot_product_attention bool mask \(True = may attend, as here\)"),
+        ("is_causal", r"top-left aligned; masks.causal\(\) is bottom-right"),
+        ("enable_gqa", r"follows from key.shape\[1\]"),
+    ],
+)
+def test_sdpa_keywords_in_attention_point_to_the_equivalent(keyword, hint):
+    q = k = v = torch.randn(1, 1, 2, 4)
+    with pytest.raises(
+        TypeError, match=rf"attention\(\) does not take torch's '{keyword}'.*{hint}"
+    ):
+        mh.attention(q, k, v, **{keyword: True})
+    with pytest.raises(TypeError, match=r"explain_backend\(\) got an unexpected keyword"):
+        mh.explain_backend(q, k, v, mask_mod=None)

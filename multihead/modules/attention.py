@@ -39,41 +39,6 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, length, h * d)
 
 
-# torch.nn.MultiheadAttention keywords -> what to do here instead
-_TORCH_STYLE = {
-    "attn_mask": "pass mask=masks.from_torch(attn_mask=...) (True there means blocked; here "
-    "True means may attend)",
-    "key_padding_mask": "pass mask=masks.from_torch(key_padding_mask=...) or "
-    "mask=masks.key_padding(keep) with keep True for real tokens",
-    "need_weights": "pass return_weights=True (weights are per head, never averaged)",
-    "average_attn_weights": "weights are always per head (B, H, L, S); average with .mean(1)",
-    "is_causal": "pass mask=masks.causal()",
-    "batch_first": "modules here are always batch-first: (B, L, E) in and out; transpose "
-    "(L, B, E) inputs with .transpose(0, 1)",
-    "add_bias_kv": "append the extra key/value to the key and value inputs",
-    "add_zero_attn": "append a zero key/value to the key and value inputs",
-}
-
-
-def _reject_torch_style(where: str, unexpected: dict[str, object]) -> None:
-    """A clear TypeError for keywords of torch.nn.MultiheadAttention (or typos)."""
-    if not unexpected:
-        return
-    name, value = next(iter(unexpected.items()))
-    received = (
-        f"{name} of shape {tuple(value.shape)}"
-        if isinstance(value, Tensor)
-        else f"{name}={value!r}"
-    )
-    hint = _TORCH_STYLE.get(name)
-    if hint is None:
-        raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")
-    raise TypeError(
-        f"{where} does not take torch.nn.MultiheadAttention's {name!r}: {hint}. "
-        f"Received: {received}"
-    )
-
-
 class MultiHeadAttention(nn.Module):
     """Multi-head attention on batch-first (B, L, E) tensors.
 
@@ -103,7 +68,7 @@ class MultiHeadAttention(nn.Module):
         **unexpected: object,
     ) -> None:
         super().__init__()
-        _reject_torch_style("MultiHeadAttention()", unexpected)
+        V.reject_foreign_keywords("MultiHeadAttention()", unexpected)
         self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.kdim = embed_dim if kdim is None else V.check_positive_int("kdim", kdim)
@@ -151,7 +116,7 @@ class MultiHeadAttention(nn.Module):
                 ``need_weights``), non-float inputs or inputs of another dtype than the
                 parameters (outside autocast).
         """
-        _reject_torch_style("MultiHeadAttention.forward()", unexpected)
+        V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected)
         V.check_bool("return_weights", return_weights)
         if key is None:
             key = query if value is None else value
