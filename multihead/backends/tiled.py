@@ -13,230 +13,76 @@ each chunk from the saved output and log-sum-exp: only O(L) state is kept, never
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..masks import Mask, TileKind, _Band, _Combine, _Documents, _KeyPadding, _Lengths
 from ._call import Call, repeat_kv, stat_dtype
+from ._plan import Chunk, Item, plan, query_tile
 
 __all__ = ["plan", "run", "unsupported", "weights"]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_MIN_FULL_RUN = 32  # narrowest key block worth its own kernel call
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Keys ``[start, stop)`` of one query tile; ``keep`` is None when fully visible."""
-
-    start: int
-    stop: int
-    keep: Tensor | None  # bool [b|1, H|1, rows, stop - start]
-    live: Tensor | None = None  # bool [b|1, H|1, stop - start, 1]: keys some row sees; None = all
-    # "tril": a square lower triangle (row a sees columns <= a), which torch's flash kernel runs
-    # with is_causal and no mask; "triu": the mirror image (columns >= a), run the same way on
-    # rows and keys in reverse order
-    pattern: str | None = None
-    seen: Tensor | None = None  # bool [b|1, H|1, rows]: rows that see a key here; None = all
-
-
-@dataclass(frozen=True)
-class Item:
-    """One query tile ``[q0, q1)`` of the batch entries ``batch`` (a slice)."""
-
-    batch: slice
-    q0: int
-    q1: int
-    chunks: tuple[Chunk, ...]
 
 
 def unsupported(call: Call) -> str | None:
-    if call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled():
-        return "tiled does not compute gradients for bias"
     return None
 
 
-def query_tile(call: Call) -> int:
-    """Rows per query tile: small enough to follow a band's diagonal closely, large enough to
-    amortize the per-call cost."""
-    _, _, _, length_q, _, _ = call.shape
-    mask = call.mask
-    if isinstance(mask, _KeyPadding) or (isinstance(mask, _Lengths) and mask.valid_lens.dim() == 1):
-        return max(length_q, 1)  # every query row of a batch entry sees the same keys
-    if isinstance(mask, _Band) and mask.before is not None and mask.after is not None:
-        # one tile per window width: its keys split into two triangles (see _chunks)
-        return max(32, min(512, mask.before + mask.after))
-    return 256 if length_q > 256 else max(length_q, 1)
+class _Ctx:
+    """What the per-chunk kernels need besides q, k and v."""
 
+    def __init__(self, call: Call, seed: int = 0) -> None:
+        _, _, _, self.length_q, self.length_k, _ = call.shape
+        self.scale, self.dropout_p, self.seed = call.scale, call.dropout_p, seed
+        self.bias = call.bias
+        self.device = call.query.device
+        self.stat = stat_dtype(call.query.dtype)
+        # a bias that learns needs each chunk's score gradient, which only the eager kernel
+        # exposes
+        self.bias_grad = call.bias is not None and call.needs_grad and call.bias.requires_grad
 
-def _pattern(block: Tensor) -> str | None:
-    """'tril' / 'triu' when a shared square block is exactly that triangle, else None."""
-    rows, cols = block.shape[-2:]
-    if rows != cols or block.shape[0] != 1 or block.shape[1] != 1 or rows < _MIN_FULL_RUN:
-        return None
-    tri = torch.ones(rows, cols, dtype=torch.bool, device=block.device).tril()
-    if torch.equal(block[0, 0], tri):
-        return "tril"
-    if torch.equal(block[0, 0], tri.T):
-        return "triu"
-    return None
+    def use_flash(self, q: Tensor, v: Tensor) -> bool:
+        # torch's CPU flash kernel: no dropout, and one head dim for queries and values
+        return q.device.type == "cpu" and self.dropout_p == 0.0 and q.shape[-1] == v.shape[-1]
 
+    def keep_draw(self, shape, index: int, device) -> Tensor:
+        """Dropout's keep pattern for chunk ``index``, identical in forward and backward."""
+        g = torch.Generator(device=device).manual_seed(self.seed + index)
+        return torch.rand(shape, generator=g, device=device) >= self.dropout_p
 
-def _chunks(keep: Tensor, start: int) -> list[Chunk]:
-    """Split a partly visible block into key blocks the width of the tile, anchored at its right
-    end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
-    causal squares, empty blocks are dropped, and the rest is merged into masked chunks."""
-    rows, width = keep.shape[2], keep.shape[3]
-    keep = keep.expand(-1, -1, rows, -1)
-    step = max(rows, _MIN_FULL_RUN)
-    edges = sorted({0, *range(width, 0, -step)})
-    pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
-    for a, b in itertools.pairwise([*edges, width]):
-        block = keep[..., a:b]
-        if not bool(block.any()):
-            kind = "empty"
-        elif bool(block.all()) and b - a >= _MIN_FULL_RUN:
-            kind = "full"
-        else:
-            kind = _pattern(block) or "mask"
-        if kind == "empty":
-            continue
-        if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
-            pieces[-1] = (pieces[-1][0], b, kind)  # merge neighbours of the same kind
-        else:
-            pieces.append((a, b, kind))
-    chunks = []
-    for a, b, kind in pieces:
-        if kind == "full":
-            chunks.append(Chunk(start + a, start + b, None))
-            continue
-        block = keep[..., a:b]
-        if kind == "mask":
-            live, seen = block.any(dim=2)[..., None], block.any(dim=-1)
-            live = None if bool(live.all()) else live
-            seen = None if bool(seen.all()) else seen
-            chunks.append(Chunk(start + a, start + b, block, live, None, seen))
-        else:  # a triangle: every row and every key of the square takes part
-            chunks.append(Chunk(start + a, start + b, block, None, kind, None))
-    return chunks
+    def bias_block(self, item: Item, chunk: Chunk) -> Tensor | None:
+        """The bias on this chunk, (b|1, H|1, rows|1, cols|1), in the statistics dtype."""
+        if self.bias is None:
+            return None
+        return self.bias.block(
+            self.length_q,
+            self.length_k,
+            item.q0,
+            item.q1,
+            chunk.start,
+            chunk.stop,
+            batch=item.batch.start,
+            device=self.device,
+            dtype=self.stat,
+        )
 
-
-def _structure(mask: Mask | None) -> tuple | None:
-    """A hashable description of a mask made of bands only (its plan depends on nothing else)."""
-    if isinstance(mask, _Band):
-        return ("band", mask.before, mask.after, mask.align)
-    if isinstance(mask, _Combine):
-        a, b = _structure(mask.a), _structure(mask.b)
-        return None if a is None or b is None else (mask.op, a, b)
-    return None
-
-
-_PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
-_PLAN_CACHE_SIZE = 16
-
-
-def plan(
-    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
-) -> list[Item]:
-    """The work list: every query tile with its visible key chunks. Empty tiles are left out.
-
-    Plans of masks made only of causal/sliding-window bands are cached, so a training loop
-    plans once.
-    """
-    structure = _structure(mask)
-    if structure is None:
-        return _plan(mask, batch, length_q, length_k, tile, device)
-    key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
-    if key not in _PLANS:
-        if len(_PLANS) >= _PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
-    return _PLANS[key]
-
-
-def _plan(
-    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
-) -> list[Item]:
-    if length_q == 0 or length_k == 0:
-        return []
-    if mask is None:
-        return [Item(slice(None), 0, length_q, (Chunk(0, length_k, None),))]
-    groups = [slice(None)] if mask.batch_size is None else [slice(b, b + 1) for b in range(batch)]
-    if isinstance(mask, _Documents):
-        items = _document_items(mask, groups)
-        if items is not None:
-            return items
-    items = []
-    for group in groups:
-        b = group.start or 0
-        for q0 in range(0, length_q, tile):
-            q1 = min(q0 + tile, length_q)
-            answer = mask.tile(length_q, length_k, q0, q1, batch=b)
-            if answer.kind == TileKind.EMPTY:
-                continue
-            items += _items(mask, group, b, length_q, length_k, q0, q1, answer, device)
-    return items
-
-
-def _document_items(mask: _Documents, groups: list[slice]) -> list[Item] | None:
-    """Packed sequences whose documents' keys are contiguous: one fully visible item per run of
-    equal query ids, however short, so packing many small texts costs one kernel call each and
-    no mask at all. None when some document's keys are interleaved with another's."""
-    items = []
-    for group in groups:
-        for q0, q1, span in mask.runs(group.start or 0):
-            if span is None:
-                continue  # no key shares this id: the rows see nothing
-            first, stop, count = span
-            if count != stop - first:
-                return None
-            items.append(Item(group, q0, q1, (Chunk(first, stop, None),)))
-    return items
-
-
-def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[Item]:
-    """The work for one query tile: usually one item; none when no row sees a key; several
-    when the tile is split. Query rows at either end that see no key are trimmed off."""
-    if answer.kind == TileKind.FULL:
-        return [Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))]
-    batch = None if group.start is None else b
-    keep = mask.block(
-        length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
-    )
-    # a mask that does not depend on the key gives a block one column wide: widen it, or only
-    # the first key would be read
-    keep = keep.expand(*keep.shape[:3], answer.stop - answer.start)
-    seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
-    if seeing.numel() == 0:
-        return []
-    lo, hi = int(seeing[0]), int(seeing[-1]) + 1
-    if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
-        trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
-        if trimmed.kind == TileKind.EMPTY:
-            return []
-        return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
-    chunks = _chunks(keep, answer.start)
-    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
-    area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
-    if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
-        # mostly hidden masked work (a tile across a document boundary): split the rows
-        mid = (q0 + q1) // 2
-        return [
-            piece
-            for lo, hi in ((q0, mid), (mid, q1))
-            if (ans := mask.tile(length_q, length_k, lo, hi, batch=b)).kind != TileKind.EMPTY
-            for piece in _items(mask, group, b, length_q, length_k, lo, hi, ans, device)
-        ]
-    return [Item(group, q0, q1, tuple(chunks))]
-
-
-def _visible(chunks: list[Chunk]) -> int:
-    """Visible entries of masked chunks, counted once per row and key (heads and batch merged)."""
-    return sum(int(c.keep.any(dim=1).any(dim=0).sum()) for c in chunks)
+    def diagonal_view(self, item: Item, chunk: Chunk) -> Tensor | None:
+        """For a bias that depends only on the distance j - i: the chunk's bias as a strided
+        view of one (H, rows + cols - 1) table, rows in reverse order (a view of j - i needs a
+        negative stride otherwise). Nothing of size rows x cols is built. None when the bias is
+        not of that kind."""
+        rows, cols = item.q1 - item.q0, chunk.stop - chunk.start
+        off = self.bias.offset(self.length_q, self.length_k)
+        lo = chunk.start - (item.q1 - 1) - off  # distance of reversed row 0, column 0
+        table = self.bias.diagonals(
+            self.length_q, self.length_k, lo, lo + rows + cols - 1, device=self.device,
+            dtype=self.stat,
+        )  # fmt: skip
+        if table is None:
+            return None
+        table = table.contiguous()
+        return table.as_strided((1, table.shape[0], rows, cols), (0, table.stride(0), 1, 1))
 
 
 def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -248,28 +94,22 @@ def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> T
     return block if bias is None else block + bias.to(dtype)
 
 
-def _bias_block(bias: Tensor | None, item: Item, chunk: Chunk) -> Tensor | None:
-    if bias is None:
-        return None
-    if bias.dim() == 2:
-        bias = bias[None, None]
-    if bias.shape[0] != 1:
-        bias = bias[item.batch]
-    if bias.shape[2] != 1:
-        bias = bias[:, :, item.q0 : item.q1]
-    if bias.shape[3] != 1:
-        bias = bias[..., chunk.start : chunk.stop]
-    return bias
+def _chunk_inputs(ctx: _Ctx, k, v, item: Item, chunk: Chunk, flash: bool):
+    """(keys, values, additive block or None, pattern or None) for one chunk, the same in the
+    forward and the backward pass.
 
-
-def _chunk_inputs(ctx: _Ctx, q, k, v, item: Item, chunk: Chunk):
-    """(keys, values, additive mask or None, triangle pattern or None) for one chunk, the same
-    in the forward and the backward pass."""
-    bias = _bias_block(ctx.bias, item, chunk)
-    pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
+    Patterns: "tril"/"triu" run a triangle on torch's causal kernel (which masks it; the block
+    is then only the bias); "rev" runs the rows in reverse order against a strided bias view.
+    """
+    kc, vc = _chunk_kv(k, v, item, chunk)
+    if flash and chunk.pattern is not None:
+        return kc, vc, ctx.bias_block(item, chunk), chunk.pattern
+    if chunk.keep is None and ctx.bias is not None:
+        view = ctx.diagonal_view(item, chunk)
+        if view is not None:
+            return kc, vc, view, "rev"
     # float32 beside half inputs (the bias rule); torch's flash kernel accepts it
-    add = None if pattern else _additive(chunk.keep, bias, stat_dtype(q.dtype))
-    return (*_chunk_kv(k, v, item, chunk), add, pattern)
+    return kc, vc, _additive(chunk.keep, ctx.bias_block(item, chunk), ctx.stat), None
 
 
 def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -283,44 +123,35 @@ def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, T
     return torch.where(chunk.live, kc, zero), torch.where(chunk.live, vc, zero)
 
 
-class _Ctx:
-    """What the per-chunk kernels need besides the tensors."""
-
-    def __init__(self, scale: float, dropout_p: float, seed: int, bias: Tensor | None) -> None:
-        self.scale, self.dropout_p, self.seed, self.bias = scale, dropout_p, seed, bias
-
-    def use_flash(self, q: Tensor, v: Tensor) -> bool:
-        # torch's CPU flash kernel: no dropout, and one head dim for queries and values
-        return q.device.type == "cpu" and self.dropout_p == 0.0 and q.shape[-1] == v.shape[-1]
-
-    def keep_draw(self, shape, index: int, device) -> Tensor:
-        """Dropout's keep pattern for chunk ``index``, identical in forward and backward."""
-        g = torch.Generator(device=device).manual_seed(self.seed + index)
-        return torch.rand(shape, generator=g, device=device) >= self.dropout_p
-
-
 def _flip(*tensors: Tensor) -> list[Tensor]:
     return [t.flip(2) for t in tensors]
 
 
-def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[Tensor, Tensor]:
-    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows]).
+def _flip_block(add: Tensor | None) -> Tensor | None:
+    return None if add is None else add.flip(-2, -1)
 
-    With a triangle ``pattern`` (and no bias) ``add`` is ignored: torch's causal kernel applies
-    it and skips the hidden half.
-    """
-    if ctx.use_flash(q, v):
+
+def _chunk_forward(
+    ctx: _Ctx, q, k, v, add, index: int, pattern: str | None, flash: bool
+) -> tuple[Tensor, Tensor]:
+    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows])."""
+    if pattern == "rev":
+        o, lse = _chunk_forward(ctx, q.flip(2), k, v, add, index, None, flash)
+        return o.flip(2), lse.flip(-1)
+    if flash:
         if pattern == "tril":
-            return _FLASH(q, k, v, is_causal=True, scale=ctx.scale)
+            return _FLASH(q, k, v, is_causal=True, attn_mask=add, scale=ctx.scale)
         if pattern == "triu":
-            o, lse = _FLASH(*_flip(q, k, v), is_causal=True, scale=ctx.scale)
+            o, lse = _FLASH(
+                *_flip(q, k, v), is_causal=True, attn_mask=_flip_block(add), scale=ctx.scale
+            )
             return o.flip(2), lse.flip(-1)
         return _FLASH(q, k, v, attn_mask=add, scale=ctx.scale)
-    f = stat_dtype(q.dtype)
+    f = ctx.stat
     # scores in float32 for half inputs: a half matmul overflows for finite inputs
     s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale  # [b, H, rows, cols]
     if add is not None:
-        s = s + add.to(f)
+        s = s + add
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     if ctx.dropout_p > 0.0:
@@ -328,21 +159,37 @@ def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[T
     return p.to(v.dtype) @ v, lse
 
 
-def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=None):
-    """Gradients of one chunk given the *global* out and log-sum-exp of its rows."""
-    if ctx.use_flash(q, v):
+def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern, flash: bool):
+    """Gradients of one chunk given the *global* out and log-sum-exp of its rows:
+    (dq, dk, dv, d scores before scaling or None). The last is the bias's gradient on this
+    chunk; only the eager kernel gives it (``flash=False``)."""
+    if pattern == "rev":
+        dq, dk, dv, ds = _chunk_backward(
+            ctx, *_flip(g, q), k, v, out.flip(2), lse.flip(-1), add, index, None, flash
+        )
+        return dq.flip(2), dk, dv, (None if ds is None else ds.flip(2))
+    if flash:
         if pattern == "tril":
-            return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
-        if pattern == "triu":
+            grads = _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True, attn_mask=add, scale=ctx.scale)
+        elif pattern == "triu":
             grads = _FLASH_BACKWARD(
-                *_flip(g, q, k, v, out), lse.flip(-1), 0.0, True, scale=ctx.scale
+                *_flip(g, q, k, v, out),
+                lse.flip(-1),
+                0.0,
+                True,
+                attn_mask=_flip_block(add),
+                scale=ctx.scale,
             )
-            return [t.flip(2) for t in grads]
-        return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
-    f = stat_dtype(q.dtype)
+            grads = [t.flip(2) for t in grads]
+        else:
+            grads = _FLASH_BACKWARD(
+                g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale
+            )
+        return (*grads, None)
+    f = ctx.stat
     s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale
     if add is not None:
-        s = s + add.to(f)
+        s = s + add
     p = torch.exp(s - lse[..., None].to(f))
     g32 = g.to(f)
     dp = g32 @ v.to(f).transpose(-2, -1)
@@ -351,11 +198,12 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=No
         z = ctx.keep_draw(p.shape, index, p.device) / (1.0 - ctx.dropout_p)
         pd, dp = p * z, dp * z
     row = (g32 * out.to(f)).sum(dim=-1, keepdim=True)
-    ds = p * (dp - row) * ctx.scale
+    d_scores = p * (dp - row)  # gradient of the scores after scaling: the bias's gradient
+    ds = d_scores * ctx.scale
     dq = ds @ k.to(f)
     dk = ds.transpose(-2, -1) @ q.to(f)
     dv = pd.transpose(-2, -1) @ g32
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_scores
 
 
 def _finite(lse: Tensor) -> Tensor:
@@ -370,14 +218,15 @@ def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
     # heads-inner memory layout, so merging heads afterwards (B, L, H * D_v) is a free view
     out = q.new_zeros(b, length_q, h, v.shape[-1]).transpose(1, 2)
     lse = torch.full((b, h, length_q), float("-inf"), dtype=stat, device=q.device)
+    flash = ctx.use_flash(q, v)
     index = 0
     for item in items:
         rows = slice(item.q0, item.q1)
         qt = q[item.batch, :, rows]
         acc = total = None
         for chunk in item.chunks:
-            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
-            o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern)
+            kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
+            o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern, flash)
             index += 1
             l_c = l_c.to(stat)
             seen = chunk.seen
@@ -399,10 +248,13 @@ def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item]):
+def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item], bias_tensors):
+    """(dq, dk, dv, gradient of every bias tensor or None)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    d_bias = [torch.zeros_like(t) if t.requires_grad else None for t in bias_tensors]
     # rows that saw nothing: +inf makes every recomputed probability exactly 0
     lse = torch.where(torch.isfinite(lse), lse, float("inf"))
+    flash = ctx.use_flash(q, v) and not ctx.bias_grad
     index = 0
     for item in items:
         rows = slice(item.q0, item.q1)
@@ -410,28 +262,48 @@ def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item]):
         lt = lse[item.batch, :, rows]
         for chunk in item.chunks:
             cols = slice(chunk.start, chunk.stop)
-            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
-            a, b, c = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern)
+            kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
+            a, b, c, ds = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern, flash)
             index += 1
             dq[item.batch, :, rows] += a
             dk[item.batch, :, cols] += b
             dv[item.batch, :, cols] += c
-    return dq, dk, dv
+            if ctx.bias_grad:
+                _bias_backward(ctx, item, chunk, ds, bias_tensors, d_bias)
+    return dq, dk, dv, d_bias
+
+
+def _bias_backward(ctx: _Ctx, item, chunk, ds: Tensor, tensors, d_bias: list) -> None:
+    """Push one chunk's score gradient through the bias's own formula to its tensors (a T5
+    table, ALiBi slopes, a tensor bias): rebuild that block with autograd on and pull back."""
+    wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+    with torch.enable_grad():
+        block = ctx.bias_block(item, chunk)
+        if not block.requires_grad:
+            return
+        grads = torch.autograd.grad(
+            block, [tensors[i] for i in wanted], ds.sum_to_size(block.shape), allow_unused=True
+        )
+    for i, grad in zip(wanted, grads):
+        if grad is not None:
+            d_bias[i] += grad
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, items, ctx):
+    def forward(fctx, q, k, v, items, ctx, *bias_tensors):
         out, lse = _forward(ctx, q, k, v, items)
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.items, fctx.ctx = items, ctx
+        fctx.items, fctx.ctx, fctx.bias_tensors = items, ctx, bias_tensors
         return out
 
     @staticmethod
     def backward(fctx, g):
         q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = _backward(fctx.ctx, g.contiguous(), q, k, v, out, lse, fctx.items)
-        return dq, dk, dv, None, None
+        dq, dk, dv, d_bias = _backward(
+            fctx.ctx, g.contiguous(), q, k, v, out, lse, fctx.items, fctx.bias_tensors
+        )
+        return dq, dk, dv, None, None, *d_bias
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -450,9 +322,9 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     seed = 0
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))
-    ctx = _Ctx(call.scale, call.dropout_p, seed, call.bias)
+    ctx = _Ctx(call, seed)
     if call.needs_grad:
-        out = _TiledAttention.apply(q, k, v, items, ctx)
+        out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
         return out, (weights(call, items) if call.return_weights else None)
     out, lse = _forward(ctx, q, k, v, items)
     return out, (_weights_from_lse(call, k, items, lse) if call.return_weights else None)
@@ -465,13 +337,14 @@ def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> 
     of an eager softmax. Not differentiable (used when no gradient is needed)."""
     q = call.query
     b, h, length_q, _ = q.shape
-    stat = stat_dtype(q.dtype)
+    ctx = _Ctx(call)
+    stat = ctx.stat
     w = q.new_zeros(b, h, length_q, k.shape[2])
     lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # rows that see nothing -> 0
     for item in items:
         for chunk in item.chunks:
             kc = _chunk_kv(k, k, item, chunk)[0].to(stat).transpose(-2, -1).contiguous()
-            add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
+            add = _additive(chunk.keep, ctx.bias_block(item, chunk), stat)
             # row blocks of 256 keep the temporaries small when a tile spans every query
             for r0 in range(item.q0, item.q1, 256):
                 r1 = min(r0 + 256, item.q1)
@@ -498,7 +371,8 @@ def weights(call: Call, items: list[Item] | None = None) -> Tensor:
     if items is None:
         items = plan(call.mask, b, length_q, length_k, query_tile(call), q.device)
     w = q.new_zeros(b, h, length_q, length_k)
-    stat = stat_dtype(q.dtype)
+    ctx = _Ctx(call)
+    stat = ctx.stat
     for item in items:
         rows = slice(item.q0, item.q1)
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
@@ -508,7 +382,7 @@ def weights(call: Call, items: list[Item] | None = None) -> Tensor:
         for chunk in item.chunks:
             kc, _ = _chunk_kv(k, k, item, chunk)
             sc = (qt @ kc.to(stat).transpose(-2, -1)) * call.scale
-            add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
+            add = _additive(chunk.keep, ctx.bias_block(item, chunk), stat)
             s[..., chunk.start - lo : chunk.stop - lo] = sc if add is None else sc + add
         # rows that see nothing in this tile keep weight 0 instead of softmax(-inf row) = NaN
         top = s.amax(dim=-1, keepdim=True)
