@@ -147,46 +147,6 @@ def check_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def check_bias(bias: object, query: Tensor, b: int, h: int, l_q: int, s: int) -> Tensor | None:
-    if bias is None:
-        return None
-    if not isinstance(bias, Tensor):
-        raise TypeError(
-            f"bias must be a tensor or None. Received: bias of type {type(bias).__name__}"
-        )
-    if not bias.is_floating_point():
-        raise TypeError(
-            "bias must be a floating-point tensor of additive score terms; boolean "
-            "visibility belongs in mask=. "
-            f"Received: bias.dtype={bias.dtype}"
-        )
-    if bias.dim() not in (2, 4):
-        raise ValueError(
-            "bias must be 2-D (L, S) or 4-D (B or 1, H or 1, L or 1, S or 1). "
-            f"Received: bias.shape={_shape(bias)} for (B, H, L, S)={(b, h, l_q, s)}"
-        )
-    target = (l_q, s) if bias.dim() == 2 else (b, h, l_q, s)
-    letters = "(L, S)" if bias.dim() == 2 else "(B, H, L, S)"
-    exact = bias.dim() == 2
-    if not _fits(tuple(bias.shape), target, allow_one=not exact):
-        raise ValueError(
-            f"bias does not fit {letters}={target}; a 2-D bias must be exactly (L, S) and a 4-D "
-            "bias may use size 1 only to broadcast. "
-            f"Received: bias.shape={_shape(bias)}"
-        )
-    if bias.device != query.device:
-        raise ValueError(
-            "bias must be on the same device as query. "
-            f"Received: bias.device={bias.device}, query.device={query.device}"
-        )
-    if not bool(torch.isfinite(bias).all()):
-        raise ValueError(
-            "bias must be finite: express blocked positions with mask= (True = may attend), "
-            "which never produces NaN. Received: a bias with inf or NaN entries"
-        )
-    return bias
-
-
 def _fits(shape: tuple[int, ...], target: tuple[int, ...], *, allow_one: bool) -> bool:
     return len(shape) == len(target) and all(
         got == want or (allow_one and got == 1) for got, want in zip(shape, target)

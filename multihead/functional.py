@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
+from . import bias as _bias
 from .backends import registry, tiled
-from .backends._call import Call, stat_dtype
+from .backends._call import Call
 from .backends._nonfinite import run_guarded
 from .masks import Mask, TorchMasks, dense
 
@@ -19,17 +20,18 @@ def _prepare(
     key: Tensor,
     value: Tensor,
     mask: Mask | Tensor | None,
-    bias: Tensor | None,
+    bias: Tensor | _bias.ScoreModifier | None,
     scale: float | None,
     dropout_p: float,
     return_weights: bool,
 ) -> Call:
     b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
+    modifier = _bias.as_modifier(bias)
     if isinstance(mask, TorchMasks):  # from masks.from_torch: visibility plus additive part
         mask, extra = mask
         if extra is not None:
-            extra = extra.to(device=query.device)
-            bias = extra if bias is None else _add_bias(bias, extra)
+            extra = _bias.as_modifier(extra.to(query.device))
+            modifier = extra if modifier is None else modifier + extra
     if isinstance(mask, Tensor):
         V.check_mask_tensor_dtype("mask", mask)
         mask = dense(mask)
@@ -41,28 +43,24 @@ def _prepare(
         )
     if mask is not None:
         mask.check(b, h, length_q, length_k)
-    bias = V.check_bias(bias, query, b, h, length_q, length_k)
+    if modifier is not None:
+        modifier.check(b, h, length_q, length_k)
+        for t in modifier.tensors():
+            if t.device != query.device:
+                raise ValueError(
+                    "bias must be on the same device as query. "
+                    f"Received: bias on {t.device}, query.device={query.device}"
+                )
     return Call(
         query=query,
         key=key,
         value=value,
         mask=mask,
-        # the bias rule: added in the precision of the softmax statistics, never rounded to
-        # a half-precision input dtype (bf16 cannot hold 32895; fp16 overflows at 65504)
-        bias=None if bias is None else bias.to(stat_dtype(query.dtype)),
+        bias=modifier,
         scale=V.check_scale(scale, d),
         dropout_p=V.check_dropout(dropout_p),
         return_weights=V.check_bool("return_weights", return_weights),
     )
-
-
-def _add_bias(bias: object, extra: Tensor) -> Tensor:
-    """The user's bias plus the additive part of a ``from_torch`` mask (2-D biases are (L, S))."""
-    if not isinstance(bias, Tensor):
-        return bias  # check_bias reports the wrong type
-    if bias.dim() == 2:
-        bias = bias[None, None]
-    return bias + extra
 
 
 def attention(
@@ -71,7 +69,7 @@ def attention(
     value: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -103,8 +101,10 @@ def attention(
         value: (B, H_kv, S, D_v).
         mask: a ``multihead.masks.Mask`` (True = may attend), a bool tensor (same as
             ``masks.dense(tensor)``), or None for no mask.
-        bias: additive float scores broadcastable to (B, H, L, S) (relative positions, ALiBi);
-            2-D bias must be exactly (L, S). Must be finite: blocking is the mask's job.
+        bias: additive scores: a float tensor broadcastable to (B, H, L, S) (2-D must be
+            exactly (L, S)), or a score modifier from ``multihead.bias`` (``alibi``,
+            ``relative_buckets``, sums of them and tensors) that the fast backends compute
+            per tile, never as an L x S tensor. Must be finite: blocking is the mask's job.
             It is added in float32 beside float32/bf16/fp16 inputs (float64 beside float64)
             on every backend, never rounded to a half-precision input dtype.
         scale: multiplies the scores; default 1 / sqrt(D).
@@ -141,7 +141,7 @@ def explain_backend(
     value: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
@@ -162,7 +162,7 @@ def attention_weights(
     key: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     heads: slice | list[int] | None = None,
 ) -> Tensor:
@@ -194,7 +194,7 @@ def attention_weights(
                 "heads= cannot be combined with a mask that differs per head; slice the mask "
                 "yourself. Received: a per-head mask"
             )
-        if bias is not None and bias.dim() == 4 and bias.shape[1] != 1:
-            bias = bias[:, index.to(bias.device)]
+        if bias is not None:
+            bias = _bias.as_modifier(bias).heads(index)
     call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
     return run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1]
