@@ -81,8 +81,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         super().__init__(*args, **kwargs)
         check_supported(
             attention_axes=self._attention_axes,
-            use_gate=self._use_gate,
-            sliding_window=self._sliding_window,
+            use_gate=getattr(self, "_use_gate", False),
+            sliding_window=getattr(self, "_sliding_window", None),
             output_shape=self._output_shape,
         )
 
