@@ -16,12 +16,11 @@ Every layer here is registered with ``keras.saving.register_keras_serializable(p
 """
 
 from .encoder import EncoderLayer, TokenAndPositionEmbedding, text_classifier
-from .layers import MultiHeadAttention, keras_mask
+from .layers import MultiHeadAttention
 
 __all__ = [
     "EncoderLayer",
     "MultiHeadAttention",
     "TokenAndPositionEmbedding",
-    "keras_mask",
     "text_classifier",
 ]

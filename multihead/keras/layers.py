@@ -19,14 +19,14 @@ from ..functional import attention
 from ._backend import import_keras
 from .convert import check_supported
 
-__all__ = ["MultiHeadAttention", "keras_mask"]
+__all__ = ["MultiHeadAttention"]
 
 keras = import_keras()
 # the mask Keras attaches to a tensor (Embedding(mask_zero=True)); not in Keras' public API
 from keras.src.backend import get_keras_mask, set_keras_mask  # noqa: E402
 
 
-def keras_mask(attention_mask: Tensor) -> masks.Mask:
+def _attention_mask(attention_mask: Tensor) -> masks.Mask:
     """A Keras ``attention_mask`` (1 / True = attend) as a ``multihead.masks`` mask.
 
     Shapes as Keras broadcasts them onto the (B, H, L, S) scores: (L, S), (B, L, S) or
@@ -67,10 +67,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
 
     Call arguments as in Keras: ``query, value, key=None, query_mask=None, value_mask=None,
     key_mask=None, attention_mask=None, return_attention_scores=False, training=None,
-    use_causal_mask=False``. ``attention_mask`` is a Keras mask (1 / True = attend; see
-    ``keras_mask`` for the shapes) or any ``multihead.masks`` mask. Keras' implicit masks (from
-    ``Embedding(mask_zero=True)``) hide padded keys and give padded queries an all-zero row;
-    ``use_causal_mask`` is Keras' top-left aligned causal mask, ``masks.causal(align="top_left")``.
+    use_causal_mask=False``. ``attention_mask`` is a Keras mask (bool or int, 1 / True =
+    attend) of shape (L, S), (B, L, S) or (B, H, L, S), each dimension equal or 1, or any
+    ``multihead.masks`` mask. Keras' implicit masks (from ``Embedding(mask_zero=True)``) hide
+    padded keys and give padded queries an all-zero row; ``use_causal_mask`` is Keras'
+    top-left aligned causal mask, ``masks.causal(align="top_left")``.
     The scores, when returned, are the per-head softmax weights (B, H, L, S) before dropout.
 
     Registered as ``multihead>MultiHeadAttention``: once ``multihead.keras`` is imported, a
@@ -124,7 +125,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             parts.append(masks.causal(align="top_left"))  # Keras: query i sees keys j <= i
         if attention_mask is not None:
             is_mask = isinstance(attention_mask, masks.Mask)
-            parts.append(attention_mask if is_mask else keras_mask(attention_mask))
+            parts.append(attention_mask if is_mask else _attention_mask(attention_mask))
         mask = functools.reduce(operator.and_, parts) if parts else None
 
         # the projections get mask-free views: the masks are handled here, and a masked input
