@@ -131,6 +131,13 @@ class Mask:
         """True when the mask is exactly torch's ``is_causal=True`` (top-left) for (L, S)."""
         return False
 
+    def visible_distances(
+        self, length_q: int, length_k: int
+    ) -> tuple[int | None, int | None] | None:
+        """``(lo, hi)`` when query i sees key j exactly if lo <= j - i <= hi (None: unbounded)
+        for every batch entry and head, as for causal and sliding-window bands; else None."""
+        return None
+
     def check(self, batch: int, heads: int, length_q: int, length_k: int) -> None:
         """Raise ValueError if this mask cannot be used with (B, H, L, S)."""
         raise NotImplementedError
@@ -261,6 +268,13 @@ class _Band(Mask):
 
     def torch_is_causal(self, length_q, length_k):
         return self.is_causal and (self.align == "top_left" or length_q == length_k)
+
+    def visible_distances(self, length_q, length_k):
+        off = self._offset(length_q, length_k)
+        return (
+            None if self.before is None else off - self.before,
+            None if self.after is None else off + self.after,
+        )
 
     def mask_mod(self, length_q, length_k, *, device=None):
         off, before, after = self._offset(length_q, length_k), self.before, self.after
@@ -758,6 +772,15 @@ class _Combine(Mask):
     def structure_key(self):
         a, b = self.a.structure_key, self.b.structure_key
         return None if a is None or b is None else (self.op, a, b)
+
+    def visible_distances(self, length_q, length_k):
+        x = self.a.visible_distances(length_q, length_k)
+        y = self.b.visible_distances(length_q, length_k)
+        if self.op != "&" or x is None or y is None:
+            return None
+        lo = [v for v in (x[0], y[0]) if v is not None]
+        hi = [v for v in (x[1], y[1]) if v is not None]
+        return (max(lo) if lo else None, min(hi) if hi else None)
 
     def mask_mod(self, length_q, length_k, *, device=None):
         x = self.a.mask_mod(length_q, length_k, device=device)

@@ -302,20 +302,36 @@ def test_attention_weights_selects_the_modifiers_heads():
     torch.testing.assert_close(part, full[:, [3, 1]], rtol=0, atol=1e-12)
 
 
-def test_strided_view_is_used_and_never_copied(monkeypatch):
-    """A full chunk with ALiBi runs on a view of one (H, rows + cols - 1) table."""
-    calls = []
-    original = tiled._Ctx.diagonal_view
+@pytest.mark.parametrize("mask", [None, masks.causal(), masks.lengths(torch.tensor([600]))])
+def test_strided_view_is_used_and_never_copied(monkeypatch, mask):
+    """Chunks with ALiBi run on views of one (H, rows + cols - 1) table per chunk."""
+    sizes = []
+    original = tiled._Ctx.table_view
 
-    def spy(self, item, chunk):
-        view = original(self, item, chunk)
-        calls.append(view.untyped_storage().nbytes() // view.element_size())
+    def spy(self, item, chunk, *, band):
+        view = original(self, item, chunk, band=band)
+        sizes.append(view.untyped_storage().nbytes() // view.element_size())
         return view
 
-    monkeypatch.setattr(tiled._Ctx, "diagonal_view", spy)
+    monkeypatch.setattr(tiled._Ctx, "table_view", spy)
     q, k, v = qkv(1, 2, 2, 600, 600, 4, dtype=torch.float32)
+    mh.attention(q, k, v, mask, bias=mb.alibi(2))
+    assert sizes and max(sizes) <= 2 * (600 + 600)  # H x (rows + cols - 1), not rows x cols
+
+
+def test_band_masks_with_a_relative_bias_run_one_call_per_tile(monkeypatch):
+    calls = []
+    original = tiled._chunk_forward
+
+    def spy(ctx, q, k, v, add, index, pattern, flash):
+        calls.append((q.shape[2], k.shape[2], pattern))
+        return original(ctx, q, k, v, add, index, pattern, flash)
+
+    monkeypatch.setattr(tiled, "_chunk_forward", spy)
+    q, k, v = qkv(1, 2, 2, 3000, 3000, 4, dtype=torch.float32)
     mh.attention(q, k, v, masks.causal(), bias=mb.alibi(2))
-    assert calls and max(calls) <= 2 * (600 + 600)  # H x (rows + cols - 1), not rows x cols
+    # 1024-row tiles, each against every key up to its last row, bias and mask in one table
+    assert calls == [(1024, 1024, "table"), (1024, 2048, "table"), (952, 3000, "table")]
 
 
 def test_modifier_errors():

@@ -221,3 +221,18 @@ def test_masks_describe_themselves_to_planners():
     ids = torch.tensor([0, 0, 1, 1, 1])
     assert masks.documents(ids).blocks(5, 5) == [(0, 2, 0, 2), (2, 5, 2, 5)]
     assert masks.causal().blocks(5, 5) is None
+
+
+def test_band_masks_report_their_visible_distances():
+    assert masks.causal().visible_distances(3, 7) == (None, 4)
+    assert masks.causal(align="top_left").visible_distances(3, 7) == (None, 0)
+    assert masks.sliding_window(2, 1).visible_distances(5, 5) == (-2, 1)
+    both = masks.causal() & masks.sliding_window(3, 5)
+    assert both.visible_distances(4, 4) == (-3, 0)
+    assert (masks.causal() | masks.sliding_window(3)).visible_distances(4, 4) is None
+    assert masks.lengths(torch.tensor([2])).visible_distances(4, 4) is None
+    for m in (masks.causal(), masks.sliding_window(2, 1), both):
+        lo, hi = m.visible_distances(5, 7)
+        d = torch.arange(7)[None, :] - torch.arange(5)[:, None]
+        want = (d >= (lo if lo is not None else -99)) & (d <= (hi if hi is not None else 99))
+        assert torch.equal(m.to_dense(5, 7)[0, 0], want)
