@@ -121,6 +121,13 @@ class ScoreModifier:
     def requires_grad(self) -> bool:
         return any(t.requires_grad for t in self.tensors())
 
+    def crop(
+        self, length_q: int, length_k: int, q0: int, q1: int, k0: int, k1: int
+    ) -> ScoreModifier:
+        """The values for queries [q0, q1) and keys [k0, k1) of an (L, S) problem, as a modifier
+        of its own for a (q1 - q0, k1 - k0) problem (one shard of a longer sequence)."""
+        return _Crop(self, length_q, length_k, q0, q1, k0, k1)
+
     def __add__(self, other: object) -> ScoreModifier:
         return _Sum((self, as_modifier(other)))
 
@@ -214,6 +221,62 @@ class _TensorBias(ScoreModifier):
 
     def __repr__(self):
         return f"tensor bias of shape {tuple(self.bias.shape)}"
+
+
+class _Crop(ScoreModifier):
+    def __init__(self, parent: ScoreModifier, length_q, length_k, q0, q1, k0, k1) -> None:
+        self.parent, self.size = parent, (length_q, length_k)
+        self.q0, self.q1, self.k0, self.k1 = q0, q1, k0, k1
+        self.batch_size, self.num_heads = parent.batch_size, parent.num_heads
+        self.computed = parent.computed
+
+    def check(self, batch, heads, length_q, length_k):
+        if (length_q, length_k) != (self.q1 - self.q0, self.k1 - self.k0):
+            raise ValueError(
+                f"this cropped bias is for (L, S)={(self.q1 - self.q0, self.k1 - self.k0)}. "
+                f"Received: (L, S)={(length_q, length_k)}"
+            )
+        self.parent.check(batch, heads, *self.size)
+
+    def tensors(self):
+        return self.parent.tensors()
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None, dtype=None):
+        return self.parent.block(
+            *self.size,
+            self.q0 + q0,
+            self.q0 + q1,
+            self.k0 + k0,
+            self.k0 + k1,
+            batch=batch,
+            device=device,
+            dtype=dtype,
+        )
+
+    def offset(self, length_q, length_k):
+        # the aligned distance j - (i + offset) of the whole, in the crop's own indices
+        return self.parent.offset(*self.size) + self.q0 - self.k0
+
+    def diagonals(self, length_q, length_k, lo, hi, *, device=None, dtype=torch.float32):
+        return self.parent.diagonals(*self.size, lo, hi, device=device, dtype=dtype)
+
+    def score_mod(self, length_q, length_k, *, device=None):
+        mod, q0, k0 = self.parent.score_mod(*self.size, device=device), self.q0, self.k0
+        return lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_idx + q0, kv_idx + k0)
+
+    def heads(self, index):
+        return _Crop(self.parent.heads(index), *self.size, self.q0, self.q1, self.k0, self.k1)
+
+    @property
+    def structure_key(self):
+        key = self.parent.structure_key
+        return None if key is None else ("crop", key, self.size, self.q0, self.q1, self.k0, self.k1)
+
+    def __repr__(self):
+        return (
+            f"crop of {self.parent!r} to queries [{self.q0}, {self.q1}) and keys "
+            f"[{self.k0}, {self.k1})"
+        )
 
 
 class _Sum(ScoreModifier):

@@ -138,6 +138,12 @@ class Mask:
         for every batch entry and head, as for causal and sliding-window bands; else None."""
         return None
 
+    def crop(self, length_q: int, length_k: int, q0: int, q1: int, k0: int, k1: int) -> Mask:
+        """The part of this mask for queries [q0, q1) and keys [k0, k1) of an (L, S) problem,
+        as a mask of its own for a (q1 - q0, k1 - k0) problem: one shard of a longer sequence
+        (context parallelism) sees exactly what it sees in the whole."""
+        return _Crop(self, length_q, length_k, q0, q1, k0, k1)
+
     def check(self, batch: int, heads: int, length_q: int, length_k: int) -> None:
         """Raise ValueError if this mask cannot be used with (B, H, L, S)."""
         raise NotImplementedError
@@ -821,6 +827,88 @@ class _Combine(Mask):
 
     def _natural_size(self):
         return self.a._natural_size() or self.b._natural_size()
+
+
+class _Crop(Mask):
+    def __init__(self, parent: Mask, length_q, length_k, q0, q1, k0, k1) -> None:
+        if not (0 <= q0 <= q1 <= length_q and 0 <= k0 <= k1 <= length_k):
+            raise ValueError(
+                f"a crop must lie inside (L, S)={(length_q, length_k)}. "
+                f"Received: queries [{q0}, {q1}), keys [{k0}, {k1})"
+            )
+        self.parent, self.size = parent, (length_q, length_k)
+        self.q0, self.q1, self.k0, self.k1 = q0, q1, k0, k1
+        self.batch_size, self.num_heads = parent.batch_size, parent.num_heads
+        self.arbitrary = parent.arbitrary
+
+    def check(self, batch, heads, length_q, length_k):
+        if (length_q, length_k) != (self.q1 - self.q0, self.k1 - self.k0):
+            raise ValueError(
+                f"this cropped mask is for (L, S)={(self.q1 - self.q0, self.k1 - self.k0)}. "
+                f"Received: (L, S)={(length_q, length_k)}"
+            )
+        self.parent.check(batch, heads, *self.size)
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        return self.parent.block(
+            *self.size,
+            self.q0 + q0,
+            self.q0 + q1,
+            self.k0 + k0,
+            self.k0 + k1,
+            batch=batch,
+            device=device,
+        )
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        t = self.parent.tile(*self.size, self.q0 + q0, self.q0 + q1, batch=batch)
+        if t.kind == TileKind.EMPTY:
+            return _EMPTY
+        start, stop = max(t.start, self.k0), min(t.stop, self.k1)
+        return _tile(start - self.k0, stop - self.k0, t.kind == TileKind.FULL)
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        mod, q0, k0 = self.parent.mask_mod(*self.size, device=device), self.q0, self.k0
+        return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q0, kv_idx + k0)
+
+    @property
+    def structure_key(self):
+        key = self.parent.structure_key
+        return None if key is None else ("crop", key, self.size, self.q0, self.q1, self.k0, self.k1)
+
+    def tile_rows(self, length_q, length_k):
+        return self.parent.tile_rows(*self.size)
+
+    def blocks(self, length_q, length_k, *, batch=0):
+        rects = self.parent.blocks(*self.size, batch=batch)
+        if rects is None:
+            return None
+        out = []
+        for a, b, c, d in rects:
+            a, b = max(a, self.q0), min(b, self.q1)
+            c, d = max(c, self.k0), min(d, self.k1)
+            if a < b and c < d:
+                out.append((a - self.q0, b - self.q0, c - self.k0, d - self.k0))
+        return out
+
+    def visible_distances(self, length_q, length_k):
+        band = self.parent.visible_distances(*self.size)
+        if band is None:
+            return None
+        shift = self.k0 - self.q0  # j - i in the whole is (j' - i') + shift
+        return tuple(None if x is None else x - shift for x in band)
+
+    def torch_is_causal(self, length_q, length_k):
+        return self.visible_distances(length_q, length_k) == (None, 0)
+
+    def _describe(self):
+        return (
+            f"crop of {self.parent._describe()} to queries [{self.q0}, {self.q1}) and keys "
+            f"[{self.k0}, {self.k1}) of (L, S)={self.size}"
+        )
+
+    def _natural_size(self):
+        return self.q1 - self.q0, self.k1 - self.k0
 
 
 def _merge_size(what: str, x: int | None, y: int | None) -> int | None:

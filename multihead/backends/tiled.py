@@ -19,7 +19,7 @@ from torch import Tensor
 from ._call import Call, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
 
-__all__ = ["plan", "run", "unsupported", "weights"]
+__all__ = ["backward_with_lse", "forward_with_lse", "plan", "run", "unsupported", "weights"]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -354,7 +354,8 @@ def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def run(call: Call) -> tuple[Tensor, Tensor | None]:
+def _prepare(call: Call, seed: int = 0):
+    """(q, k, v with H heads, the context, the plan) for one call."""
     b, h, h_kv, length_q, length_k, _ = call.shape
     # the kernels take any strides with a unit last one; (B, L, H, D) views from a projection
     # need no copy
@@ -362,9 +363,6 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         _unit_last(t)
         for t in (call.query, repeat_kv(call.key, h // h_kv), repeat_kv(call.value, h // h_kv))
     )
-    seed = 0
-    if call.dropout_p > 0.0:
-        seed = int(torch.randint(0, 2**62, (), device="cpu"))
     ctx = _Ctx(call, seed)
     tile = query_tile(call)
     if ctx.band is not None and call.mask.tile_rows(length_q, length_k) is None:
@@ -372,12 +370,52 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         # 256-row query blocks (measured 1.09x an exact causal kernel at L = 8192, against
         # 1.3x with 256-row tiles, whose kernel blocks are 64 rows)
         tile = max(tile, min(length_q, _TABLE_TILE))
-    items = plan(call.mask, b, length_q, length_k, tile, q.device)
+    return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device)
+
+
+def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    seed = 0
+    if call.dropout_p > 0.0:
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
+    q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
         out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
         return out, (weights(call, items) if call.return_weights else None)
     out, lse = _forward(ctx, q, k, v, items)
     return out, (_weights_from_lse(call, k, items, lse) if call.return_weights else None)
+
+
+def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
+    """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
+    have out 0 and lse -inf. Partial results over disjoint key sets merge exactly through
+    their log-sum-exp (context parallelism sends key shards around a ring this way)."""
+    if call.dropout_p > 0.0:
+        raise ValueError(
+            "forward_with_lse computes no dropout (its draws would differ per shard). "
+            f"Received: dropout_p={call.dropout_p}"
+        )
+    q, k, v, ctx, items = _prepare(call)
+    with torch.no_grad():
+        return _forward(ctx, q, k, v, items)
+
+
+def backward_with_lse(
+    call: Call, grad_out: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """Gradients of this call's keys and queries given the *final* ``out`` and ``lse`` of its
+    query rows (which may include keys of other calls): (dq, dk, dv with H_kv heads, gradient
+    of each of ``call.bias.tensors()`` or None)."""
+    _, h, h_kv, _, _, _ = call.shape
+    q, k, v, ctx, items = _prepare(call)
+    ctx.bias_grad = call.bias is not None and call.bias.requires_grad
+    with torch.no_grad():
+        dq, dk, dv, d_bias = _backward(
+            ctx, grad_out.contiguous(), q, k, v, out, lse, items, call.bias_tensors
+        )
+    if h != h_kv:  # sum each group of query heads back onto its key/value head
+        dk = dk.unflatten(1, (h_kv, h // h_kv)).sum(2)
+        dv = dv.unflatten(1, (h_kv, h // h_kv)).sum(2)
+    return dq, dk, dv, d_bias
 
 
 def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> Tensor:
