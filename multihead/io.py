@@ -98,13 +98,15 @@ def _record_init(cls: type) -> None:
     if getattr(init, "_multihead_records", False):
         return
     signature = inspect.signature(init)
+    extra = None  # a **kwargs parameter: its entries are recorded as keyword arguments
     for p in signature.parameters.values():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        if p.kind == p.VAR_POSITIONAL:
             raise TypeError(
-                f"register needs a constructor with named arguments only (no *args/**kwargs) to "
-                f"record them; pass describe= and build= instead. Received: "
-                f"{cls.__name__}{signature}"
+                f"register needs a constructor without *args to record its arguments by name; "
+                f"pass describe= and build= instead. Received: {cls.__name__}{signature}"
             )
+        if p.kind == p.VAR_KEYWORD:
+            extra = p.name
 
     @functools.wraps(init)
     def wrapped(self, *args: Any, **kwargs: Any) -> None:
@@ -114,6 +116,8 @@ def _record_init(cls: type) -> None:
             bound.apply_defaults()
             values = dict(bound.arguments)
             values.pop(next(iter(signature.parameters)))  # self
+            if extra is not None:
+                values.update(values.pop(extra, {}))
             object.__setattr__(self, _INIT_ARGS, values)
 
     wrapped._multihead_records = True  # type: ignore[attr-defined]
