@@ -61,6 +61,7 @@ def _embed(args: argparse.Namespace) -> int:
         ray=args.ray,
         workers=args.workers,
         ray_address=args.ray_address,
+        ray_batch_size=args.ray_batch_size,
     )
     return 0
 
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--workers", type=int, default=2, help="Ray actors (default 2)")
     embed.add_argument(
         "--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start one here)"
+    )
+    embed.add_argument(
+        "--ray-batch-size", type=int, default=256, help="lines per Ray batch (default 256)"
     )
     embed.set_defaults(func=_embed)
     export = commands.add_parser("export", help="export a model for other runtimes")

@@ -30,6 +30,7 @@ def run(
     ray: bool = False,
     workers: int = 2,
     ray_address: str | None = None,
+    ray_batch_size: int = RAY_BATCH,
     say: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Embed each line of ``file`` (UTF-8; an empty line embeds as empty text) into ``out``.
@@ -53,6 +54,7 @@ def run(
             model_path=model_path,
             workers=workers,
             max_tokens=max_tokens,
+            batch_size=ray_batch_size,
             address=ray_address,
         )
     else:
@@ -146,7 +148,7 @@ def embed_on_ray(
             },
             batch_size=batch_size,
             batch_format="numpy",
-            concurrency=workers,
+            compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,
         )
         index, vectors = [], []

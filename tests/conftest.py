@@ -16,3 +16,12 @@ def pretrained():
     from multihead.models import bert
 
     return bert.load()
+
+
+@pytest.fixture(scope="session")
+def minilm_onnx(tmp_path_factory, pretrained):
+    """all-MiniLM-L6-v2 exported once per session with its attention weights (about 15 s);
+    shared by the export and serve tests."""
+    from multihead.export import to_onnx
+
+    return to_onnx(pretrained, tmp_path_factory.mktemp("onnx") / "minilm.onnx", weights=True)

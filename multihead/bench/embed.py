@@ -122,6 +122,7 @@ def run_embed_bench(
             f"  {name:30} median {med[name]:7.2f} s  {count / med[name]:7.1f} sentences/s  "
             f"{base / med[name]:5.2f}x sentence-transformers"
         )
+    say(f"  speedup {report['speedup']:.2f}x (multihead embed over sentence-transformers)")
     for name, diff in diffs.items():
         say(f"  {name}: max |difference| from sentence-transformers {diff:.1e}")
     if int8_cosine is not None:

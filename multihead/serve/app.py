@@ -27,6 +27,8 @@ from .metrics import Metrics
 
 __all__ = ["ClientError", "Limits", "create_app"]
 
+# how much of a too-large body is read and dropped before the 413 (see _Guard._read)
+_DRAIN_FACTOR = 8
 ROUTES = ("/embed", "/v1/embeddings", "/attention", "/view", "/health", "/info", "/metrics")
 
 
@@ -413,22 +415,29 @@ class _Guard:
             self.metrics.observe(endpoint, status["code"], time.perf_counter() - start)
 
     async def _read(self, scope: dict, receive: Callable) -> bytes | None:
-        """The whole body, or None once it passes the limit (declared or actual)."""
+        """The whole body, or None once it passes the limit (declared or actual).
+
+        A body over the limit is still read to its end (and dropped), up to ``_DRAIN_FACTOR``
+        times the limit: answering while the client is still sending would reset the
+        connection, and the client would see a broken pipe instead of the 413.
+        """
+        declared = None
         for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.payload_limit:
-                return None
+            if name == b"content-length" and value.isdigit():
+                declared = int(value)
+        too_large = declared is not None and declared > self.payload_limit
         chunks, size, more = [], 0, True
-        while more:
+        while more and size <= _DRAIN_FACTOR * self.payload_limit:
             message = await receive()
             if message["type"] != "http.request":  # the client left
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.payload_limit:
-                return None
-            chunks.append(chunk)
+            too_large = too_large or size > self.payload_limit
+            if not too_large:
+                chunks.append(chunk)
             more = message.get("more_body", False)
-        return b"".join(chunks)
+        return None if too_large else b"".join(chunks)
 
     async def _too_large(self, path: str, send: Callable) -> None:
         message = (

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +44,8 @@ def load_engine(
 
     from ..models import bert
 
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {list(RUNTIMES)}. Received: runtime={runtime!r}")
-    if onnx_path is not None and runtime != "onnx":
-        raise ValueError(
-            f"an ONNX file is only used with runtime 'onnx'. Received: runtime={runtime!r}"
-        )
+    _check(runtime, onnx_path, threads)
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
         torch.set_num_threads(threads)
     pretrained = bert.load(model_path)
     if runtime == "torch":
@@ -64,6 +59,19 @@ def load_engine(
         graph = to_onnx(pretrained, Path(folder) / "model.onnx", weights=True)
         onnx = OnnxBert(graph, pretrained, threads=threads)  # sessions hold the graph in memory
     return Engine(pretrained, onnx=onnx)
+
+
+def _check(runtime: str, onnx_path: str | Path | None, threads: int | None) -> None:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {list(RUNTIMES)}. Received: runtime={runtime!r}")
+    if onnx_path is not None and runtime != "onnx":
+        raise ValueError(
+            f"an ONNX file is only used with runtime 'onnx'. Received: runtime={runtime!r}"
+        )
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -108,6 +116,7 @@ def run(
 ) -> None:
     """Serve until SIGINT/SIGTERM; the requests in flight then finish before it returns."""
     limits = limits or Limits()
+    _check(runtime, onnx_path, threads)  # before taking the port or loading anything
     sock = bind(host, port)
     try:
         engine = load_engine(
@@ -119,10 +128,37 @@ def run(
             f"multihead serve: {engine.model_id} on {engine.runtime}, listening on "
             f"http://{shown}:{sock.getsockname()[1]} (Ctrl-C to stop)"
         )
-        server.run(sockets=[sock])
+        with _stop_quietly():
+            server.run(sockets=[sock])
     finally:
         sock.close()
     say("multihead serve: stopped")
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT, raised once uvicorn has finished its graceful shutdown."""
+
+
+@contextmanager
+def _stop_quietly() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the
+    handlers it found. Finding these, the process returns normally (exit 0) instead of
+    dying from SIGTERM or printing a KeyboardInterrupt traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Background:
