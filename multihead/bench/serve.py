@@ -37,6 +37,7 @@ OURS, BASELINE = "multihead serve", "FastAPI + sentence-transformers encode"
 GOAL = 2.0  # throughput over the baseline at the largest client count
 _TOLERANCE = 1e-5  # embeddings of the two servers (both fp32 of the same weights)
 _START_TIMEOUT_S = 120
+_WARM_UP = 8  # untimed requests per server before the first level
 
 
 def baseline_app(model_path: str | Path | None = None) -> Any:
@@ -223,9 +224,8 @@ def run_serve_bench(
             for server in servers.values():
                 server.wait_for_url()
             names = list(commands)
-            warm = texts[: max(clients)]
             for name in names:  # first-call costs (thread pools, allocator) out of the timings
-                asyncio.run(drive(servers[name].url, warm, clients=1, requests=len(warm)))
+                asyncio.run(drive(servers[name].url, texts, clients=4, requests=_WARM_UP))
             for level, count in enumerate(clients):
                 for name in names[level % 2 :] + names[: level % 2]:  # alternate who goes first
                     row = asyncio.run(

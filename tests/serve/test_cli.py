@@ -45,8 +45,8 @@ def test_serve_on_onnx_stops_after_answering_requests_in_flight(pretrained, mini
     try:
         url = _url(process)
         assert url.startswith("http://127.0.0.1:")
-        # two requests of 16 texts near 200 tokens: a few seconds of model time on one thread
-        texts = [sentences(16, min_words=150, max_words=190, seed=s) for s in (1, 2)]
+        # two requests of 8 texts near 150 tokens: about a second of model time on one thread
+        texts = [sentences(8, min_words=100, max_words=140, seed=s) for s in (1, 2)]
         with ThreadPoolExecutor(2) as pool:
             futures = [
                 pool.submit(httpx.post, url + "/embed", json={"inputs": t}, timeout=120)
