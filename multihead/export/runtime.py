@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._extras import require
-from ..models.bert import Pretrained, _check_texts
+from ..models.bert import Pretrained
 
 __all__ = ["OnnxBert", "quantize_int8", "session"]
 
@@ -163,18 +162,8 @@ class OnnxBert:
     ) -> np.ndarray:
         """``Pretrained.embed`` on onnxruntime: same tokenizer, same truncation (with the same
         warning), same pooling; padded batches instead of packed rows."""
-        texts = _check_texts(texts, allow_empty=True)
-        encodings = self.pretrained._encode(texts, self.pretrained.embed_length)
-        truncated = sum(e.overflowing != [] for e in encodings)
-        if truncated:
-            warnings.warn(
-                f"{truncated} of {len(texts)} texts were longer than "
-                f"{self.pretrained.embed_length} tokens and were truncated",
-                stacklevel=2,
-            )
-        return self.embed_ids(
-            [e.ids for e in encodings], max_tokens=max_tokens, normalize=normalize
-        )
+        ids = self.pretrained.embedding_ids(texts)
+        return self.embed_ids(ids, max_tokens=max_tokens, normalize=normalize)
 
     def attention(self, ids: Sequence[int]) -> np.ndarray:
         """Per-layer, per-head weights (layers, H, L, L) of one tokenized text."""

@@ -352,20 +352,23 @@ class Pretrained:
                 f"max_tokens must be at least embed_length={self.embed_length} so every text "
                 f"fits in a row. Received: max_tokens={max_tokens}"
             )
+        return self.embed_ids(
+            self.embedding_ids(texts), max_tokens=max_tokens, progress=progress, normalize=normalize
+        )
+
+    def embedding_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids as ``embed`` uses them: cut to ``embed_length`` tokens, with
+        one warning saying how many texts were cut (also for other runtimes, e.g. ONNX)."""
+        texts = _check_texts(texts, allow_empty=True)
         encodings = self._encode(texts, self.embed_length)
         truncated = sum(e.overflowing != [] for e in encodings)
         if truncated:
             warnings.warn(
                 f"{truncated} of {len(texts)} texts were longer than {self.embed_length} tokens "
                 "and were truncated (as sentence-transformers does)",
-                stacklevel=2,
+                stacklevel=3,
             )
-        return self.embed_ids(
-            [e.ids for e in encodings],
-            max_tokens=max_tokens,
-            progress=progress,
-            normalize=normalize,
-        )
+        return [list(e.ids) for e in encodings]
 
     @torch.inference_mode()
     def embed_ids(

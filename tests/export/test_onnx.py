@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import multihead as mh
 from multihead import cli, masks
@@ -183,30 +180,6 @@ def test_bad_arguments(tmp_path, minilm_onnx, pretrained, mha_graph):
     too_long = [[101] * 513]
     with pytest.raises(ValueError, match=r"ids\[0\] must hold 1 to 512 token ids"):
         OnnxBert(minilm_onnx, pretrained).embed_ids(too_long)
-
-
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory, pretrained):
-    """A two-layer BERT (E=32) in the Hugging Face layout, with MiniLM's tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    config = {
-        "model_type": "bert",
-        "vocab_size": pretrained.config.vocab_size,
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 64,
-        "max_position_embeddings": 64,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
-    shutil.copy(pretrained.path / "tokenizer.json", folder / "tokenizer.json")
-    torch.manual_seed(2)
-    model = bert.Bert(bert.BertConfig.from_dict(config), pooler=False)
-    names = bert._hf_names(model.config, False)
-    state = {names[k]: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"))
-    return folder
 
 
 def test_cli_exports_a_model_folder(tiny_bert, tmp_path, capsys):

@@ -14,6 +14,7 @@ import pytest
 
 from multihead import cli
 from multihead.bench.texts import sentences
+from multihead.serve import load_engine
 
 FP32 = 1e-5  # onnxruntime fp32 against torch fp32 (tests/export)
 
@@ -77,3 +78,18 @@ def test_serve_bad_flags(capsys):
     assert "port must be an int in [0, 65535]" in capsys.readouterr().err
     assert cli.main(["serve", "--threads", "0"]) == 2
     assert "threads must be a positive int" in capsys.readouterr().err
+
+
+def test_onnx_runtime_exports_at_start_up(tiny_bert):
+    """--runtime onnx without --onnx: the model is exported when the server starts."""
+    said: list[str] = []
+    engine = load_engine(tiny_bert, runtime="onnx", threads=1, say=said.append)
+    assert engine.runtime == "onnx" and engine.onnx.has_weights
+    assert "exporting the model to ONNX" in said[0]
+    assert engine.model_id == tiny_bert.name and engine.max_input_length == 48
+    texts = ["a short text", " ".join(["word"] * 30)]
+    tokens = engine.tokenize(texts, truncate=False)
+    expected = engine.pretrained.embed(texts, normalize=False).numpy()
+    assert np.abs(engine.embed([t.ids for t in tokens]) - expected).max() <= FP32
+    with pytest.raises(ValueError, match=r"runtime must be one of \['torch', 'onnx'\]"):
+        load_engine(tiny_bert, runtime="tensorrt")
