@@ -155,6 +155,14 @@ class _Process:
         tail = self.log.read_text()[-2000:]
         raise RuntimeError(f"{self.name} did not start. Received: {tail}")
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time the server process has used (Linux /proc), or None."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()  # SIGTERM: uvicorn finishes what is in flight
@@ -228,6 +236,7 @@ def run_serve_bench(
                 asyncio.run(drive(servers[name].url, texts, clients=4, requests=_WARM_UP))
             for level, count in enumerate(clients):
                 for name in names[level % 2 :] + names[: level % 2]:  # alternate who goes first
+                    cpu = servers[name].cpu_seconds()
                     row = asyncio.run(
                         drive(
                             servers[name].url,
@@ -238,11 +247,24 @@ def run_serve_bench(
                             keep=vectors[name],
                         )
                     )
+                    used = servers[name].cpu_seconds()
+                    # CPU time per answered request: how much work each server spends, which a
+                    # busy machine disturbs far less than it disturbs throughput
+                    row["server_cpu_ms_per_request"] = (
+                        None
+                        if cpu is None or used is None or not row["answered"]
+                        else 1000 * (used - cpu) / row["answered"]
+                    )
                     results[name].append(row)
                     say(
                         f"  {name:40} {count:3} clients: {row['requests_per_s']:7.1f} req/s, "
                         f"p50 {row['p50_ms']:7.1f} ms, p99 {row['p99_ms']:7.1f} ms, "
                         f"{row['errors']} errors"
+                        + (
+                            ""
+                            if row["server_cpu_ms_per_request"] is None
+                            else f", server CPU {row['server_cpu_ms_per_request']:.1f} ms/request"
+                        )
                     )
         finally:
             for server in servers.values():

@@ -20,6 +20,7 @@ def test_serve_bench_runs_both_servers_and_agrees(tmp_path, capsys):
         assert all(r["answered"] == 16 and r["errors"] == 0 for r in rows)
         assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in rows)
         assert all(r["requests_per_s"] > 0 for r in rows)
+        assert all(r["server_cpu_ms_per_request"] > 0 for r in rows)  # read from /proc
     ours, theirs = (
         report["results"][k] for k in ("multihead serve", "FastAPI + sentence-transformers encode")
     )
