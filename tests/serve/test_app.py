@@ -307,3 +307,10 @@ def test_generated_load_texts_fit_the_service(engine):
     """The bench's texts (3 to 60 words) never need truncation, so both servers see them whole."""
     texts = sentences(64, min_words=3, max_words=60)
     assert max(len(t.ids) for t in engine.tokenize(texts, truncate=False)) <= 256
+
+
+def test_engine_refuses_sequences_the_model_cannot_hold(engine):
+    with pytest.raises(ValueError, match=r"ids\[1\] must hold 1 to 512 token ids.*Received: 0 ids"):
+        engine.embed([[101, 102], []])
+    with pytest.raises(ValueError, match=r"ids\[0\] must hold 1 to 512 token ids.*Received: 600"):
+        engine.embed([[101] * 600])
