@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _validation as V
 from ._extras import require
 
 __all__ = ["PROGRESS_FROM", "RAY_BATCH", "embed_on_ray", "run"]
@@ -42,10 +43,12 @@ def run(
     """
     from .models import bert
 
+    target = V.check_out_file("--out", out, ".npy")
+    V.check_positive_int("max_tokens", max_tokens)
     source = Path(file)
     if not source.is_file():
         raise FileNotFoundError(f"no such input file. Received: {source}")
-    lines = source.read_text(encoding="utf-8").splitlines()
+    lines = V.read_utf8_lines(source)
     if not lines:
         raise ValueError(f"the input file has no lines to embed. Received: {source}")
     if ray:
@@ -71,7 +74,6 @@ def run(
             if bar is not None:
                 bar.close()
     array = array.astype(np.float32)
-    target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     np.save(target, array)
     say(f"wrote {array.shape[0]} embeddings of size {array.shape[1]} to {target}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from . import _validation as V
 from .inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
 __all__ = ["Explained", "find_focus", "run"]
@@ -73,6 +74,10 @@ def run(
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
+    V.check_utf8_text("TEXT", text)
+    if focus is not None:
+        V.check_utf8_text("--focus", focus)
+    folder = V.check_out_dir("--out", out_dir)
     model = bert.load(model_path)
     batch, out = model([text], return_weights=True)
     tokens, special = batch.tokens[0], batch.special[0]
@@ -104,7 +109,6 @@ def run(
         + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
     )
 
-    folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     title = f"layer {layer} head {head}"
     files = {

@@ -45,10 +45,15 @@ def run_embed_bench(
     """
     from sentence_transformers import SentenceTransformer
 
+    from .. import _validation as V
     from ..models import bert
 
+    V.check_out_dir("--out", out_dir)
+    V.check_positive_int("count", count)
+    V.check_positive_int("repeats", repeats)
+
     if threads is not None:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(V.check_positive_int("threads", threads))
     threads = torch.get_num_threads()
     texts = sentences(count, min_words=3, max_words=200, seed=0)
     ours = bert.load(model_path)

@@ -211,6 +211,10 @@ def run_serve_bench(
         raise ValueError(f"requests must be a positive int. Received: requests={requests!r}")
     if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
         raise ValueError(f"clients must be positive ints. Received: clients={list(clients)!r}")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
     texts = list(texts) if texts is not None else sentences(512, min_words=3, max_words=60)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,3 +28,12 @@ def test_serve_bench_runs_both_servers_and_agrees(tmp_path, capsys):
         assert abs(report["speedup"][level] - a["requests_per_s"] / b["requests_per_s"]) < 1e-9
     assert (tmp_path / "serve.png").stat().st_size > 10_000
     assert "the baseline's throughput" in capsys.readouterr().out
+
+
+def test_serve_bench_bad_arguments(capsys):
+    assert cli.main(["bench", "--serve", "--clients", "0"]) == 2
+    assert "clients must be positive ints. Received: clients=[0]" in capsys.readouterr().err
+    assert cli.main(["bench", "--serve", "--threads", "0"]) == 2
+    assert "threads must be a positive int. Received: threads=0" in capsys.readouterr().err
+    assert cli.main(["bench", "--serve", "--requests", "0"]) == 2
+    assert "requests must be a positive int" in capsys.readouterr().err
