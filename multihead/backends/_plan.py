@@ -41,12 +41,26 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Item:
-    """One query tile ``[q0, q1)`` of the batch entries ``batch`` (a slice)."""
+    """One query tile ``[q0, q1)`` of the batch entries ``batch`` (a slice).
+
+    ``stack > 1``: the rows are that many equal documents back to back, each seeing exactly its
+    own rows as keys (one chunk spans them all); a kernel may run them as one batched call.
+    """
 
     batch: slice
     q0: int
     q1: int
     chunks: tuple[Chunk, ...]
+    stack: int = 1
+
+    def unstacked(self) -> list[Item]:
+        """The documents of a stacked item as items of their own."""
+        if self.stack == 1:
+            return [self]
+        n = (self.q1 - self.q0) // self.stack
+        return [
+            Item(self.batch, a, a + n, (Chunk(a, a + n, None),)) for a in range(self.q0, self.q1, n)
+        ]
 
 
 def query_tile(call: Call) -> int:
@@ -116,16 +130,25 @@ _PLAN_CACHE_SIZE = 16
 
 
 def plan(
-    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
+    mask: Mask | None,
+    batch: int,
+    length_q: int,
+    length_k: int,
+    tile: int,
+    device,
+    *,
+    stack: bool = False,
 ) -> list[Item]:
     """The work list: every query tile with its visible key chunks. Empty tiles are left out.
+    With ``stack``, runs of equal packed documents come as stacked items (see ``Item``).
 
     Plans of masks whose pattern depends only on (L, S) (their ``structure_key``; causal and
     sliding-window bands) are cached, so a training loop plans once.
     """
     structure = None if mask is None else mask.structure_key
     if structure is None:
-        return _plan(mask, batch, length_q, length_k, tile, device)
+        items = _plan(mask, batch, length_q, length_k, tile, device)
+        return _stacked(items, batch) if stack and mask is not None else items
     key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
     if key not in _PLANS:
         if len(_PLANS) >= _PLAN_CACHE_SIZE:
@@ -170,6 +193,37 @@ def _rectangle_items(
             return None
         items += [Item(group, q0, q1, (Chunk(k0, k1, None),)) for q0, q1, k0, k1 in rects]
     return items
+
+
+def _stacked(items: list[Item], batch: int) -> list[Item]:
+    """Runs of consecutive equal self-attention documents (the usual result of packing texts
+    sorted by length) merged into stacked items: one kernel call instead of one per text."""
+    out: list[Item] = []
+    for item in items:
+        if len(item.chunks) != 1:
+            out.append(item)
+            continue
+        (chunk,) = item.chunks
+        n = item.q1 - item.q0
+        own = (chunk.start, chunk.stop) == (item.q0, item.q1) and chunk.keep is None
+        one_row = item.batch.start is not None or batch == 1
+        prev = out[-1] if out else None
+        if (
+            own
+            and one_row
+            and prev is not None
+            and prev.batch == item.batch
+            and prev.q1 == item.q0
+            and prev.chunks[0].stop == item.q0
+            and (prev.q1 - prev.q0) // prev.stack == n
+            and prev.chunks[0].start == prev.q0
+        ):
+            out[-1] = Item(
+                item.batch, prev.q0, item.q1, (Chunk(prev.q0, item.q1, None),), prev.stack + 1
+            )
+        else:
+            out.append(item)
+    return out
 
 
 def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[Item]:

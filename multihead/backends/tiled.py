@@ -52,6 +52,8 @@ class _Ctx:
         if self.relative and call.mask is not None:
             self.band = call.mask.visible_distances(self.length_q, self.length_k)
         self.reversed_kv: tuple[Tensor, Tensor] | None = None
+        # stacked documents run as one batched call; a bias would need per-document views
+        self.stacks = call.bias is None
 
     def use_flash(self, q: Tensor, v: Tensor) -> bool:
         # torch's CPU flash kernel: no dropout, and one head dim for queries and values
@@ -65,6 +67,8 @@ class _Ctx:
     def units(self, items: list[Item]) -> list[tuple[Item, Chunk]]:
         """The kernel calls: every chunk of every item, or one "table" call per item when a
         band mask meets a relative bias."""
+        if not self.stacks:
+            items = [part for item in items for part in item.unstacked()]
         if self.band is None:
             return [(item, chunk) for item in items for chunk in item.chunks]
         return [
@@ -162,6 +166,16 @@ def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, T
         return kc, vc
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     return torch.where(chunk.live, kc, zero), torch.where(chunk.live, vc, zero)
+
+
+def _stack(t: Tensor, count: int) -> Tensor:
+    """(1, H, count * n, ...) -> (count, H, n, ...): equal documents as a batch (a view)."""
+    return t.unflatten(2, (count, -1)).transpose(1, 2).flatten(0, 1)
+
+
+def _unstack(t: Tensor, count: int) -> Tensor:
+    """The inverse of ``_stack``: (count, H, n, ...) -> (1, H, count * n, ...)."""
+    return t.unflatten(0, (-1, count)).transpose(1, 2).flatten(2, 3)
 
 
 def _flip(*tensors: Tensor) -> list[Tensor]:
@@ -265,7 +279,12 @@ def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
             break
         qt = q[item.batch, :, item.q0 : item.q1]
         kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
+        c = item.stack
+        if c > 1:
+            qt, kc, vc = (_stack(t, c) for t in (qt, kc, vc))
         o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern, flash)
+        if c > 1:
+            o, l_c = _unstack(o, c), _unstack(l_c, c)
         index += 1
         l_c = l_c.to(stat)
         seen = chunk.seen
@@ -298,7 +317,13 @@ def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item], bias_tensors):
         qt, gt, ot = (t[item.batch, :, rows] for t in (q, g, out))
         lt = lse[item.batch, :, rows]
         kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
-        a, b, c, ds = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern, flash)
+        if item.stack > 1:
+            n = item.stack
+            stacked = [_stack(t, n) for t in (gt, qt, kc, vc, ot, lt)]
+            a, b, c, ds = _chunk_backward(ctx, *stacked, add, index, pattern, flash)
+            a, b, c = (_unstack(t, n) for t in (a, b, c))
+        else:
+            a, b, c, ds = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern, flash)
         dq[item.batch, :, rows] += a
         if pattern == "table":
             if dk_rev is None:
@@ -371,7 +396,7 @@ def _prepare(call: Call, seed: int = 0):
         # 256-row query blocks (measured 1.09x an exact causal kernel at L = 8192, against
         # 1.3x with 256-row tiles, whose kernel blocks are 64 rows)
         tile = max(tile, min(length_q, _TABLE_TILE))
-    return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device)
+    return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device, stack=True)
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:

@@ -277,3 +277,31 @@ def test_returned_weights_as_accurate_as_eager_softmax_for_large_scores():
     eager_error = (eager.double() - exact).abs().max()
     assert eager_error > 1e-6  # the case is hard enough to tell the two apart
     assert (got.double() - exact).abs().max() <= 2 * eager_error
+
+
+@pytest.mark.parametrize("batched_ids", [False, True], ids=["shared_ids", "per_row_ids"])
+def test_equal_packed_documents_run_as_one_batched_call(monkeypatch, batched_ids):
+    """Texts packed after sorting by length: runs of equal lengths become one kernel call."""
+    sizes = [3, 3, 3, 5, 5, 2, 7, 7, 7, 7]
+    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    b = 2 if batched_ids else 1
+    if batched_ids:
+        ids = torch.stack([ids, ids.flip(0)])  # the second row has the runs in reverse
+    mask = masks.documents(ids)
+    length = len(ids[0]) if batched_ids else len(ids)
+    calls = []
+    original = tiled._chunk_forward
+
+    def spy(ctx, q, k, v, *args):
+        calls.append(q.shape[0])
+        return original(ctx, q, k, v, *args)
+
+    monkeypatch.setattr(tiled, "_chunk_forward", spy)
+    q, k, v = qkv(b, 2, 2, length, length, 4, requires_grad=True)
+    grad_out = torch.randn(b, 2, length, 4, dtype=torch.float64)
+    got = _forward_backward("tiled", q, k, v, mask, grad_out)
+    # stacked batches of 3, 2, 1 and 4 documents (the second row has them in reverse order)
+    assert calls == ([3, 2, 1, 4, 4, 1, 2, 3] if batched_ids else [3, 2, 1, 4])
+    want = _forward_backward("reference", q, k, v, mask, grad_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
