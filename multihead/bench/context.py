@@ -166,11 +166,20 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
     try:
         while len(got) < world:
             try:
-                rank, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+                rank, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise RuntimeError(
-                    f"{world} processes did not finish within {timeout_s:.0f} s"
-                ) from None
+                # a rank that died before reporting (killed, or failed to start) never will
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {dead} of {world} exited without a result "
+                        f"(exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{world} processes did not finish within {timeout_s:.0f} s"
+                    ) from None
+                continue
             if isinstance(value, str):
                 raise RuntimeError(f"rank {rank} of {world} failed: {value}")
             got[rank] = value

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import _validation as V
+from .. import masks
 from ..backends import tiled
 from ..backends._call import Call, stat_dtype
 from ..bias import ScoreModifier
@@ -146,35 +147,137 @@ class _Ring:
 
 
 @dataclass(frozen=True)
+class _Piece:
+    """Rows [r0, r1) of this rank's queries against keys [c0, c1) of one key shard (both in
+    shard coordinates); ``full``: every pair is visible, so the kernel runs without a mask."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    full: bool
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Everything both ring passes need besides the tensors."""
 
     ring: _Ring
     whole: Call  # mask, bias and scale of the whole (L, S) problem (placeholder tensors)
     visible: tuple[bool, ...]  # key shard j is computed by this rank
+    split: dict[int, list[_Piece]] = field(default_factory=dict, compare=False)
 
-    def call(self, q: Tensor, k: Tensor, v: Tensor, j: int) -> Call:
-        """This rank's queries against key shard j: the mask and bias cropped to that block."""
-        ring, whole = self.ring, self.whole
-        size = (ring.query_cuts[-1], ring.key_cuts[-1])
-        box = (*ring.query_cuts[ring.rank : ring.rank + 2], *ring.key_cuts[j : j + 2])
-        mask = None if whole.mask is None else whole.mask.crop(*size, *box)
-        if mask is not None and _fully_visible(mask, box[1] - box[0], box[3] - box[2]):
-            # one unmasked kernel call instead of a plan whose every tile is found full
-            mask = None
-        bias = None if whole.bias is None else whole.bias.crop(*size, *box)
-        return replace(whole, query=q, key=k, value=v, mask=mask, bias=bias)
+    def box(self, j: int) -> tuple[int, int, int, int]:
+        """(q0, q1, k0, k1): this rank's queries and shard j's keys in the whole."""
+        ring = self.ring
+        return (*ring.query_cuts[ring.rank : ring.rank + 2], *ring.key_cuts[j : j + 2])
+
+    def pieces(self, j: int) -> list[_Piece]:
+        """The kernel calls for key shard j, worked out once for both passes."""
+        if j not in self.split:
+            q0, q1, k0, k1 = self.box(j)
+            rows, cols = q1 - q0, k1 - k0
+            mask = self.whole.mask
+            band = None
+            if mask is not None:
+                band = mask.crop(*self.size, q0, q1, k0, k1).visible_distances(rows, cols)
+            if mask is None:
+                self.split[j] = [_Piece(0, rows, 0, cols, True)]
+            elif band is None:  # documents, padding, dense: the kernel plans the whole block
+                self.split[j] = [_Piece(0, rows, 0, cols, False)]
+            else:
+                self.split[j] = _band_pieces(*band, rows, cols, _BAND_ROWS, _MIN_FULL)
+        return self.split[j]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.ring.query_cuts[-1], self.ring.key_cuts[-1]
+
+    def call(self, q: Tensor, k: Tensor, v: Tensor, j: int, piece: _Piece) -> Call:
+        """One piece of this rank's queries against key shard j, with the mask and bias
+        cropped to it (no mask where every pair is visible)."""
+        q0, _, k0, _ = self.box(j)
+        box = (q0 + piece.r0, q0 + piece.r1, k0 + piece.c0, k0 + piece.c1)
+        whole = self.whole
+        mask = None if piece.full else whole.mask.crop(*self.size, *box)
+        if mask is not None:
+            mask = _same_band(mask, piece.r1 - piece.r0, piece.c1 - piece.c0) or mask
+        bias = None if whole.bias is None else whole.bias.crop(*self.size, *box)
+        cols = slice(piece.c0, piece.c1)
+        return replace(
+            whole,
+            query=q[:, :, piece.r0 : piece.r1],
+            key=k[:, :, cols],
+            value=v[:, :, cols],
+            mask=mask,
+            bias=bias,
+        )
 
 
-def _fully_visible(mask: Mask, rows: int, cols: int) -> bool:
-    """True when a band mask (causal, sliding window) shows every entry of a (rows, cols) block,
-    as a causal mask shows every shard below the diagonal. Tile answers cannot say so: a tile's
-    rows near the diagonal see less than the rows below them in the whole."""
+# A band mask (causal, sliding window) over a long shard is cut into blocks of query rows, each
+# with its fully visible key range as one unmasked kernel call and only the strips along the
+# band's edges left to the tiled kernel's planner, which lowers partly visible ranges to bool
+# blocks: handing it a whole causal shard costs O(L_r * S_r) bool work before any compute.
+_BAND_ROWS = 1024  # query rows per block
+_MIN_FULL = 256  # narrowest fully visible key range worth a kernel call of its own
+
+
+def _same_band(mask: Mask, rows: int, cols: int) -> Mask | None:
+    """A causal or sliding-window mask with exactly the pattern ``mask`` has on a (rows, cols)
+    block, or None. A crop's structure key holds its offsets, so the tiled kernel would plan
+    every block anew; the plain band's key depends on its distances alone, so every block of
+    the same shape (one per row block of a long shard) shares one cached plan."""
     band = mask.visible_distances(rows, cols)
-    if band is None:
-        return False
-    lo, hi = band  # query i sees key j exactly when lo <= j - i <= hi
-    return (lo is None or lo <= -(rows - 1)) and (hi is None or hi >= cols - 1)
+    if band is None or band[1] is None:
+        return None
+    lo, hi = band
+    if lo is None:
+        candidates = [masks.causal(), masks.causal(align="top_left")]
+    else:
+        candidates = []
+        for align, offset in (("top_left", 0), ("bottom_right", cols - rows)):
+            before, after = offset - lo, hi - offset
+            if before >= 0 and after >= 0:
+                candidates.append(masks.sliding_window(before, after, align=align))
+    for candidate in candidates:  # the mask's own description decides, not its class
+        if candidate.visible_distances(rows, cols) == band:
+            return candidate
+    return None
+
+
+def _band_pieces(
+    lo: int | None, hi: int | None, rows: int, cols: int, block_rows: int, min_full: int
+) -> list[_Piece]:
+    """The pieces of a (rows, cols) block in which query i sees key j exactly when
+    lo <= j - i <= hi (None: unbounded), in order of rows."""
+
+    def clip(x: int) -> int:
+        return min(max(x, 0), cols)
+
+    pieces: list[_Piece] = []
+    for r0 in range(0, rows, block_rows):
+        r1 = min(r0 + block_rows, rows)
+        # some row of the block sees [first, stop); every row sees [every0, every1)
+        first = 0 if lo is None else clip(r0 + lo)
+        stop = cols if hi is None else clip(r1 + hi)
+        if first >= stop:
+            continue
+        every0 = 0 if lo is None else clip(r1 - 1 + lo)
+        every1 = cols if hi is None else clip(r0 + hi + 1)
+        whole_block = (every0, every1) == (first, stop)
+        if every1 - every0 < min_full and not whole_block:
+            pieces.append(_Piece(r0, r1, first, stop, False))
+            continue
+        last = pieces[-1] if pieces else None
+        if last and last.full and (last.c0, last.c1, last.r1) == (every0, every1, r0):
+            pieces[-1] = _Piece(last.r0, r1, every0, every1, True)  # one call for both blocks
+        else:
+            pieces.append(_Piece(r0, r1, every0, every1, True))
+        if first < every0:
+            pieces.append(_Piece(r0, r1, first, every0, False))
+        if every1 < stop:
+            pieces.append(_Piece(r0, r1, every1, stop, False))
+    return pieces
 
 
 def context_attention(
@@ -472,8 +575,10 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
             k_next, v_next = _kv_buffers(ring, k, v, ring.source(step + 1))
             works = ring.exchange([k_cur, v_cur], [k_next, v_next], _KV_TAG)
         if plan.visible[j]:
-            out, lse = tiled.forward_with_lse(plan.call(q, k_cur, v_cur, j))
-            _merge_into(acc, total, out, lse)
+            for piece in plan.pieces(j):
+                out, lse = tiled.forward_with_lse(plan.call(q, k_cur, v_cur, j, piece))
+                rows = slice(piece.r0, piece.r1)
+                _merge_into(acc[:, :, rows], total[:, :, rows], out, lse)
         for w in works:
             w.wait()
         k_cur, v_cur = k_next, v_next
@@ -504,11 +609,18 @@ def _backward(plan: _Plan, g: Tensor, q, k, v, out, lse):
         if step < ring.world - 1:
             k_next, v_next = _kv_buffers(ring, k, v, ring.source(step + 1))
             kv_works = ring.exchange([k_cur, v_cur], [k_next, v_next], _KV_TAG)
-        grads = None
-        if plan.visible[j]:
-            grads = tiled.backward_with_lse(plan.call(q, k_cur, v_cur, j), g, out, lse)
-            dq += grads[0]
-            for i, grad in enumerate(grads[3]):
+        parts = []  # (piece, dk, dv) of the pieces computed here
+        for piece in plan.pieces(j) if plan.visible[j] else []:
+            rows = slice(piece.r0, piece.r1)
+            a, dk, dv, db = tiled.backward_with_lse(
+                plan.call(q, k_cur, v_cur, j, piece),
+                g[:, :, rows],
+                out[:, :, rows],
+                lse[:, :, rows],
+            )
+            dq[:, :, rows] += a
+            parts.append((piece, dk, dv))
+            for i, grad in enumerate(db):
                 if grad is not None:
                     d_bias[i] = grad if d_bias[i] is None else d_bias[i] + grad
         # shard j's dK/dV accumulator: fresh at its owner (step 0), else it arrived from the
@@ -522,9 +634,9 @@ def _backward(plan: _Plan, g: Tensor, q, k, v, out, lse):
             )
         else:
             acc = acc_in
-        if grads is not None:
-            acc[0].add_(grads[1])
-            acc[1].add_(grads[2])
+        for piece, dk, dv in parts:
+            acc[0][:, :, piece.c0 : piece.c1] += dk
+            acc[1][:, :, piece.c0 : piece.c1] += dv
         if ring.world == 1:
             acc_in = acc
             break

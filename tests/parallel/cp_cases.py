@@ -104,6 +104,19 @@ def run_shard(rank: int, world: int, spec: Spec) -> dict:
     return result
 
 
+def run_split(rank: int, world: int, spec: Spec) -> dict:
+    """run_shard with band shards cut into blocks of 5 query rows and full ranges of 2 keys
+    or more run unmasked, so that short test sequences go through every kind of piece."""
+    from multihead.parallel import context
+
+    saved = context._BAND_ROWS, context._MIN_FULL
+    context._BAND_ROWS, context._MIN_FULL = 5, 2
+    try:
+        return run_shard(rank, world, spec)
+    finally:
+        context._BAND_ROWS, context._MIN_FULL = saved
+
+
 def count_kernel_calls(rank: int, world: int, spec: Spec) -> dict:
     """How many times this rank ran the tiled kernel forward and backward (one call per key
     shard it computes), with the real entry points wrapped for the duration."""

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cp_cases import Spec, call_with, count_kernel_calls, run_shard, subgroup, whole
+from cp_cases import Spec, call_with, count_kernel_calls, run_shard, run_split, subgroup, whole
 from cp_pool import Pool
 
 import multihead as mh
 from multihead.parallel import ProcessGroupError, context_attention, visible_shards
-from multihead.parallel.context import _check_device, _fully_visible
+from multihead.parallel.context import _band_pieces, _check_device, _Piece, _same_band
 
 
 @pytest.fixture(scope="module")
@@ -132,19 +132,89 @@ def test_visible_shards_from_tile_answers():
     assert visible_shards(keep, [3, 3]) == [[False, False], [True, False]]
 
 
-def test_fully_visible_blocks_run_without_a_mask():
-    causal = mh.masks.causal()
-    # a shard below the diagonal: every query sees every key
-    assert _fully_visible(causal.crop(16, 16, 8, 12, 0, 8), 4, 8)
-    # the diagonal block and a block reaching past the first query are not
-    assert not _fully_visible(causal.crop(16, 16, 8, 12, 8, 12), 4, 4)
-    assert not _fully_visible(causal.crop(16, 16, 8, 12, 0, 10), 4, 10)
-    window = mh.masks.sliding_window(6)  # keys i - 6 ... i
-    assert _fully_visible(window.crop(16, 16, 8, 12, 6, 9), 4, 3)
-    assert not _fully_visible(window.crop(16, 16, 8, 12, 4, 9), 4, 5)
-    # masks that are no band never claim it
-    ids = torch.zeros(1, 16, dtype=torch.long)
-    assert not _fully_visible(mh.masks.documents(ids).crop(16, 16, 0, 8, 8, 16), 8, 8)
+def test_band_blocks_split_into_unmasked_calls_and_edge_strips():
+    def p(r0, r1, c0, c1, full):
+        return _Piece(r0, r1, c0, c1, full)
+
+    # causal on the diagonal (query i sees keys j <= i), 4-row blocks, full ranges of >= 2 keys
+    assert _band_pieces(None, 0, 10, 10, 4, 2) == [
+        p(0, 4, 0, 4, False),  # the fully visible range [0, 1) is too narrow to run alone
+        p(4, 8, 0, 5, True),
+        p(4, 8, 5, 8, False),
+        p(8, 10, 0, 9, True),
+        p(8, 10, 9, 10, False),
+    ]
+    # a shard below the diagonal: one unmasked call for all its rows
+    assert _band_pieces(None, 20, 10, 8, 4, 2) == [p(0, 10, 0, 8, True)]
+    # sliding_window(3) (-3 <= j - i <= 0): strips on both sides of the full range
+    assert _band_pieces(-3, 0, 10, 10, 4, 2) == [
+        p(0, 4, 0, 4, False),
+        p(4, 8, 1, 8, False),
+        p(8, 10, 6, 9, True),
+        p(8, 10, 5, 6, False),
+        p(8, 10, 9, 10, False),
+    ]
+    # a band that misses the block entirely
+    assert _band_pieces(-100, -50, 10, 8, 4, 2) == []
+
+
+@pytest.mark.parametrize(
+    ("whole", "box"),
+    [
+        (mh.masks.causal(), (1, 8)),  # a causal strip: row i' sees keys j' < i'
+        (mh.masks.sliding_window(5), (-5, 8)),  # a window's block: 0 <= j' - i' <= 5
+        (mh.masks.sliding_window(3, 2, align="top_left"), (-3, 10)),
+    ],
+)
+def test_blocks_of_one_band_share_one_plan(whole, box):
+    keys = set()
+    for r0 in (8, 16, 40):
+        crop = whole.crop(64, 64, r0, r0 + 8, r0 + box[0], r0 + box[1])
+        rows, cols = 8, box[1] - box[0]
+        same = _same_band(crop, rows, cols)
+        assert torch.equal(
+            same.to_dense(rows, cols)[0, 0].expand(rows, cols), crop.to_dense(rows, cols)[0, 0]
+        )
+        keys.add(same.structure_key)
+    assert len(keys) == 1  # the tiled kernel caches plans under this key
+    # masks that are no band have no stand-in
+    ids = torch.zeros(1, 64, dtype=torch.long)
+    assert _same_band(mh.masks.documents(ids).crop(64, 64, 0, 8, 0, 8), 8, 8) is None
+
+
+def _covered(pieces, rows, cols):
+    """How many pieces cover each (row, col) of the block."""
+    count = np.zeros((rows, cols), dtype=int)
+    for piece in pieces:
+        count[piece.r0 : piece.r1, piece.c0 : piece.c1] += 1
+    return count
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "rows", "cols"),
+    [(None, 0, 37, 37), (None, 5, 30, 41), (-9, 0, 37, 37), (-4, 6, 33, 29), (3, None, 20, 31)],
+)
+def test_band_pieces_cover_every_visible_pair_once(lo, hi, rows, cols):
+    i, j = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    visible = np.ones((rows, cols), dtype=bool)
+    if lo is not None:
+        visible &= j - i >= lo
+    if hi is not None:
+        visible &= j - i <= hi
+    pieces = _band_pieces(lo, hi, rows, cols, 8, 3)
+    count = _covered(pieces, rows, cols)
+    assert (count[visible] == 1).all() and (count <= 1).all()
+    for piece in pieces:  # an unmasked piece holds visible pairs only
+        if piece.full:
+            assert visible[piece.r0 : piece.r1, piece.c0 : piece.c1].all()
+
+
+def test_split_shards_match_single_process_attention(pools):
+    # long shards are cut into row blocks; small blocks here put every cut inside the test
+    for kind in ("causal", "window", "window_both"):
+        spec = Spec(kind, (23, 9, 30, 17), bias="alibi+t5", dtype="float64", seed=11)
+        results = pools(4).run(run_split, spec)
+        _check(spec, results, out_tol=1e-12, grad_tol=1e-12)  # float64, as above
 
 
 def test_visible_shards_errors():
