@@ -43,6 +43,7 @@ class Whole:
     mask: object
     bias: object
     table: Tensor | None  # the T5 table, a leaf that requires grad
+    keep: Tensor  # the mask written out independently, bool [B, H|1, L, S]
 
 
 def whole(spec: Spec) -> Whole:
@@ -58,14 +59,14 @@ def whole(spec: Spec) -> Whole:
     k = randn(spec.b, spec.h_kv, length_k, spec.d)
     v = randn(spec.b, spec.h_kv, length_k, spec.d)
     grad_out = randn(spec.b, spec.h, length_q, spec.d)
-    mask = make_case(spec.kind, spec.b, spec.h, length_q, length_k, seed=spec.seed).mask
+    case = make_case(spec.kind, spec.b, spec.h, length_q, length_k, seed=spec.seed)
     table, bias = None, None
     if spec.bias != "none":
         bias = mb.alibi(spec.h)
     if spec.bias == "alibi+t5":
         table = randn(16, spec.h).requires_grad_()
         bias = bias + mb.relative_buckets(table, max_distance=20)
-    return Whole(q, k, v, grad_out, mask, bias, table)
+    return Whole(q, k, v, grad_out, case.mask, bias, table, case.keep)
 
 
 def _cuts(lengths) -> list[int]:
@@ -97,11 +98,16 @@ def run_shard(rank: int, world: int, spec: Spec) -> dict:
     with torch.no_grad():
         plain = context_attention(q, k, v, t.mask, bias=t.bias)
     result = {
-        name: x.detach().numpy()
-        for name, x in zip(["out", "dq", "dk", "dv", "dtable"], [out, *grads])
+        name: _numpy(x) for name, x in zip(["out", "dq", "dk", "dv", "dtable"], [out, *grads])
     }
-    result["no_grad_out"] = plain.numpy()
+    result["no_grad_out"] = _numpy(plain)
     return result
+
+
+def _numpy(x: Tensor):
+    """numpy has no bfloat16: those travel as float32, which holds them exactly."""
+    x = x.detach()
+    return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
 
 def run_split(rank: int, world: int, spec: Spec) -> dict:

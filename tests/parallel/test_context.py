@@ -9,6 +9,7 @@ import pytest
 import torch
 from cp_cases import Spec, call_with, count_kernel_calls, run_shard, run_split, subgroup, whole
 from cp_pool import Pool
+from helpers import naive_attention
 
 import multihead as mh
 from multihead.parallel import ProcessGroupError, context_attention, visible_shards
@@ -82,6 +83,18 @@ def test_float64_is_exact_and_t5_table_gradient_is_summed_over_ranks(pools, kind
     # float64: the only difference from one process is the order of the log-sum-exp merges
     # and of the gradient sums, worth a few ulps of values of order 1
     _check(spec, pools(4).run(run_shard, spec), out_tol=1e-12, grad_tol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["causal", "documents"])
+def test_bfloat16_within_twice_the_naive_formula_error(pools, kind):
+    spec = Spec(kind, (20, 11, 0, 30), dtype="bfloat16", d=16, seed=9)
+    t = whole(spec)
+    ref, _ = naive_attention(t.q.double(), t.k.double(), t.v.double(), t.keep)
+    naive_err = (naive_attention(t.q, t.k, t.v, t.keep)[0].double() - ref).abs().max()
+    got = np.concatenate([r["out"] for r in pools(4).run(run_shard, spec)], axis=2)
+    # FlashAttention's rule (DESIGN.md): at most 2x the naive bf16 formula's error, + 1 ulp
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().max()
+    assert (torch.from_numpy(got).double() - ref).abs().max() <= 2 * naive_err + ulp
 
 
 def test_key_shards_of_other_lengths_than_query_shards(pools):
