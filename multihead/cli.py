@@ -36,6 +36,13 @@ def _bench(args: argparse.Namespace) -> int:
             out_dir=args.out,
         )
         return 0 if report["ok"] else 1
+    if args.context_parallel:
+        from .bench.context import run_context_bench
+
+        run_context_bench(
+            quick=args.quick, processes=args.processes, repeats=args.repeats, out_dir=args.out
+        )
+        return 0
     if args.embed:
         from .bench.embed import run_embed_bench
 
@@ -172,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--onnx", metavar="FILE.onnx", help="--embed: time this exported graph (default: export)"
+    )
+    bench.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="instead: one L=131072 sequence across 1, 2, 4 processes (memory and time)",
+    )
+    bench.add_argument(
+        "--processes",
+        type=_positive_int,
+        nargs="+",
+        default=[1, 2, 4],
+        metavar="P",
+        help="process counts for --context-parallel (default 1 2 4)",
     )
     bench.set_defaults(func=_bench)
     explain = commands.add_parser(
