@@ -42,14 +42,14 @@ __all__ = [
     "unsupported",
 ]
 
-BLOCK = 128  # query rows and keys per sparse block: FlexAttention's default, measured best here
+BLOCK = 128  # query rows and keys per sparse block: FlexAttention's default (64 ran no faster)
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Inductor's CPU template
 _KERNELS_KEPT = 32  # compiled kernels kept per process (least recently used dropped first)
 _BLOCK_MASKS_KEPT = 16  # block masks of (L, S)-only structures kept for reuse
 
 # auto on CPU (README, "FlexAttention backend"): measured in one process against tiled, B=1,
-# H=8, D=64, float32, the compiled kernel ran 1.1-1.2x faster on sliding windows of 256 and 512
-# keys for L = 4096 to 32768, even at 1024 keys, and 0.8x in bfloat16
+# H=8, D=64, the compiled kernel ran 1.07-1.28x faster on float32 sliding windows of 256 and
+# 512 keys for L = 4096 to 32768, 1.0x at 1024 keys, 0.8x in bfloat16
 _CPU_MIN_ROWS = 4096
 _CPU_MAX_SPAN = 512  # before + after of the window
 
@@ -117,7 +117,7 @@ def unsupported(call: Call) -> str | None:
                 "FlexAttention has no CPU backward (Inductor compiles it on CPU for inference "
                 "only); call under torch.no_grad() or use tiled for training"
             )
-    failure = _failures.get(_structure(call))
+    failure = _failures.get(_structure(call)) if _failures else None
     if failure is not None:
         return (
             f"Inductor failed to compile FlexAttention for this mask and bias earlier ({failure})"
@@ -147,7 +147,7 @@ def block_mask(
     *,
     batch_size: int = 1,
     device: torch.device | str | None = None,
-    block_size: int = BLOCK,
+    block_size: int | None = None,
     q_blocks: bool = True,
 ):
     """The mask as a FlexAttention ``BlockMask`` for (L, S), built from its own answers.
@@ -162,6 +162,7 @@ def block_mask(
         mask: any ``multihead.masks.Mask``.
         batch_size: B; the block mask has B rows when the mask depends on the batch entry,
             else one that broadcasts.
+        block_size: query rows and keys per block (default ``BLOCK``, 128).
         q_blocks: also build the transposed index the backward pass needs.
 
     Returns:
@@ -170,6 +171,7 @@ def block_mask(
     """
     from torch.nn.attention.flex_attention import BlockMask
 
+    block_size = BLOCK if block_size is None else block_size
     rows = list(range(batch_size)) if mask.batch_size is not None else [0]
     n_q, n_k = math.ceil(length_q / block_size), math.ceil(length_k / block_size)
     partial = torch.zeros(len(rows), 1, n_q, n_k, dtype=torch.int32)
@@ -282,7 +284,7 @@ def _fall_back(call: Call, why: str) -> tuple[Tensor, Tensor | None]:
         f"FlexAttention could not be compiled for this mask and bias ({why}); this call and "
         f"later ones run on {other!r}. explain_backend() gives the reason.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,  # the caller of attention()
     )
     return registry.BACKENDS[other].run(call)
 
@@ -296,9 +298,7 @@ def _cached_block_mask(call: Call):
     key = (structure, length_q, length_k, str(device), grad, BLOCK)
     found = _block_masks.get(key)
     if found is None:
-        found = block_mask(
-            call.mask, length_q, length_k, device=device, block_size=BLOCK, q_blocks=grad
-        )
+        found = block_mask(call.mask, length_q, length_k, device=device, q_blocks=grad)
         _block_masks[key] = found
         while len(_block_masks) > _BLOCK_MASKS_KEPT:
             _block_masks.popitem(last=False)
@@ -329,7 +329,8 @@ def _kernel_key(call: Call) -> Hashable:
 
 def _describe(call: Call) -> str:
     b, h, h_kv, length_q, length_k, d = call.shape
-    mask = "no mask" if call.mask is None else call.mask._describe()
+    # a mask's repr may go on with a small picture of itself: keep its first line
+    mask = "no mask" if call.mask is None else repr(call.mask).splitlines()[0]
     bias = "" if call.bias is None else f", bias {call.bias!r}"
     kv = f"{h_kv} kv heads, " if h_kv != h else ""
     return (
@@ -355,7 +356,13 @@ def _signature(obj: object, sizes: bool = True, depth: int = 0) -> Hashable:
     if isinstance(obj, dict):
         return tuple((k, inner(v)) for k, v in sorted(obj.items(), key=str))
     if isinstance(obj, types.FunctionType):
-        return (obj.__code__, tuple(inner(c.cell_contents) for c in obj.__closure__ or ()))
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(inner(cell.cell_contents))
+            except ValueError:  # a cell not yet bound
+                cells.append(("unbound",))
+        return (obj.__code__, tuple(cells))
     if isinstance(obj, types.MethodType):
         return ("method", obj.__func__.__code__, inner(obj.__self__))
     if hasattr(obj, "__dict__"):

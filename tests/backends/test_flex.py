@@ -12,6 +12,7 @@ blocks with it, everything else hidden). One test compiles for real.
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -23,8 +24,6 @@ from multihead import bias as mb
 from multihead import masks
 from multihead.backends import flex, registry
 from multihead.masks import TileKind
-
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 FP32_OUT = 1e-5  # DESIGN.md: float32 outputs within 1e-5 of the float64 reference
 
@@ -86,6 +85,10 @@ def _eager_kernel(query, key, value, score_mod, blocks, scale, enable_gqa):
 def eager(monkeypatch):
     """Run the backend on eager FlexAttention with compiled-kernel block semantics."""
     monkeypatch.setattr(flex, "_compile", lambda tag: _eager_kernel)
+    with warnings.catch_warnings():
+        # eager FlexAttention advises torch.compile: here eager is the point
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        yield
 
 
 # ---------------------------------------------------------------- Mask.rect_kind
