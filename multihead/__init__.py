@@ -12,6 +12,7 @@ Masks use one polarity everywhere: True = may attend.
 
 from . import masks
 from .functional import attention, attention_weights, explain_backend
+from .io import load, save
 from .modules import (
     FeedForward,
     LearnedPositionalEncoding,
@@ -35,7 +36,9 @@ __all__ = [
     "attention",
     "attention_weights",
     "explain_backend",
+    "load",
     "masks",
     "merge_heads",
+    "save",
     "split_heads",
 ]

@@ -25,10 +25,28 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from .bench.serve import run_serve_bench
+
+        report = run_serve_bench(
+            requests=args.requests,
+            clients=args.clients,
+            threads=args.threads,
+            model_path=args.model,
+            out_dir=args.out,
+        )
+        return 0 if report["ok"] else 1
     if args.embed:
         from .bench.embed import run_embed_bench
 
-        run_embed_bench(count=args.sentences, repeats=args.repeats or 3, out_dir=args.out)
+        run_embed_bench(
+            count=args.sentences,
+            repeats=args.repeats or 3,
+            out_dir=args.out,
+            model_path=args.model,
+            onnx_path=args.onnx,
+            threads=args.threads,
+        )
         return 0
     from .bench import run_suite
 
@@ -46,7 +64,68 @@ def _explain(args: argparse.Namespace) -> int:
 def _embed(args: argparse.Namespace) -> int:
     from .embed import run
 
-    run(args.file, args.out, model_path=args.model, max_tokens=args.max_tokens)
+    run(
+        args.file,
+        args.out,
+        model_path=args.model,
+        max_tokens=args.max_tokens,
+        ray=args.ray,
+        workers=args.workers,
+        ray_address=args.ray_address,
+        ray_batch_size=args.ray_batch_size,
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import to_onnx
+    from .models import bert
+
+    path = to_onnx(bert.load(args.model), args.out, weights=args.weights, opset=args.opset)
+    outputs = "last_hidden_state" + (", attention_weights" if args.weights else "")
+    print(f"wrote {path} (inputs input_ids, attention_mask; outputs {outputs}); onnx.checker: ok")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import Limits, run
+
+    limits = Limits(
+        max_batch_tokens=args.max_batch_tokens,
+        max_wait_ms=args.max_wait_ms,
+        max_client_batch_size=args.max_client_batch_size,
+        max_concurrent_requests=args.max_concurrent_requests,
+        payload_limit=args.payload_limit,
+    )
+    run(
+        model_path=args.model,
+        runtime=args.runtime,
+        onnx_path=args.onnx,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        threads=args.threads,
+        say=lambda line: print(line, flush=True),
+    )
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .apps import Options, run
+
+    options = Options(
+        out=args.out,
+        quick=args.quick,
+        data=args.data,
+        seed=args.seed,
+        precision=args.precision,
+        compile=args.compile,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        baselines=not args.no_baselines,
+        progress=not args.no_progress,
+    )
+    run(args.task, options)
     return 0
 
 
@@ -74,6 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sentences", type=_positive_int, default=2000, help="sentences for --embed (default 2000)"
     )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: load-test multihead serve against a FastAPI + sentence-transformers server",
+    )
+    bench.add_argument(
+        "--requests", type=int, default=512, help="requests per client count for --serve"
+    )
+    bench.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients (--serve)"
+    )
+    bench.add_argument(
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (--embed, --serve)"
+    )
+    bench.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (--embed, --serve)"
+    )
+    bench.add_argument(
+        "--onnx", metavar="FILE.onnx", help="--embed: time this exported graph (default: export)"
+    )
     bench.set_defaults(func=_bench)
     explain = commands.add_parser(
         "explain", help="show what every head of a pretrained model attends to in TEXT"
@@ -93,7 +192,81 @@ def build_parser() -> argparse.ArgumentParser:
         default=1536,
         help="tokens per packed row (default 1536)",
     )
+    embed.add_argument(
+        "--ray", action="store_true", help="run on Ray Data: an actor pool, each with the model"
+    )
+    embed.add_argument("--workers", type=int, default=2, help="Ray actors (default 2)")
+    embed.add_argument(
+        "--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start one here)"
+    )
+    embed.add_argument(
+        "--ray-batch-size", type=int, default=256, help="lines per Ray batch (default 256)"
+    )
     embed.set_defaults(func=_embed)
+    train = commands.add_parser(
+        "train",
+        help="train an application (sentiment, forecast, crossmodal) with baselines; "
+        "runs under torchrun for several processes",
+    )
+    train.add_argument("task", choices=("sentiment", "forecast", "crossmodal"))
+    train.add_argument("--out", required=True, metavar="DIR", help="folder for model and metrics")
+    train.add_argument("--quick", action="store_true", help="a small version, seconds long")
+    train.add_argument(
+        "--data",
+        metavar="PATH",
+        help="sentiment: a folder of *_GroundTruth.txt files or one such file "
+        "(default ../shared/data/vader-sentiment)",
+    )
+    train.add_argument("--seed", type=int, default=0, help="seed for data, init and order")
+    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                       help="autocast dtype (fp16 on CUDA only)")  # fmt: skip
+    train.add_argument("--compile", action="store_true", help="torch.compile the train step")
+    train.add_argument("--epochs", type=int, help="override the task's number of epochs")
+    train.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    train.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(func=_train)
+    export = commands.add_parser("export", help="export a model for other runtimes")
+    formats = export.add_subparsers(dest="format", required=True)
+    onnx = formats.add_parser(
+        "onnx", help="BERT-family model -> ONNX with dynamic batch and sequence axes"
+    )
+    onnx.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    onnx.add_argument("--out", required=True, metavar="FILE.onnx", help="where to write it")
+    onnx.add_argument(
+        "--weights", action="store_true", help="also output every layer's per-head weights"
+    )
+    onnx.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
+    onnx.set_defaults(func=_export)
+    serve = commands.add_parser(
+        "serve", help="HTTP service: embeddings (TEI and OpenAI formats), attention, metrics"
+    )
+    serve.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    serve.add_argument("--runtime", choices=["torch", "onnx"], default="torch")
+    serve.add_argument(
+        "--onnx",
+        metavar="FILE.onnx",
+        help="with --runtime onnx: a graph from 'export onnx --weights' (default: export now)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    serve.add_argument(
+        "--max-batch-tokens", type=int, default=16384, help="most tokens in one model batch"
+    )
+    serve.add_argument(
+        "--max-wait-ms", type=float, default=2.0, help="how long a request waits for company"
+    )
+    serve.add_argument(
+        "--max-client-batch-size", type=int, default=32, help="most texts in one request"
+    )
+    serve.add_argument(
+        "--max-concurrent-requests", type=int, default=512, help="more at once get 429"
+    )
+    serve.add_argument(
+        "--payload-limit", type=int, default=2_000_000, help="most bytes per body (else 413)"
+    )
+    serve.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
+    serve.set_defaults(func=_serve)
     return parser
 
 

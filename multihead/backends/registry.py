@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import flex, reference, sdpa, tiled
+from . import _half, flex, reference, sdpa, tiled
 from ._call import Call, exporting
 
 
@@ -89,6 +89,12 @@ def _ranking_without_flex(call: Call) -> tuple[list[str], str]:
         return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
     if _device(call) != "cpu":
         return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
+    if _half.fast(call):
+        return (
+            ["tiled", "sdpa", "reference"],
+            "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "
+            "instructions; torch's CPU flash kernel computes half inputs in float32",
+        )
     if call.bias is not None and call.bias.computed:
         return (
             ["tiled", "sdpa", "reference"],

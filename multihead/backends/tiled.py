@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _half
 from ._call import Call, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
 
@@ -374,15 +375,19 @@ def _prepare(call: Call, seed: int = 0):
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    if _half.fast(call):
+        return _half.run(call), None
     seed = 0
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))
+    if call.return_weights and call.dropout_p == 0.0:
+        return _one_pass(call, output=True)
     q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
         out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
-        return out, (weights(call, items) if call.return_weights else None)
-    out, lse = _forward(ctx, q, k, v, items)
-    return out, (_weights_from_lse(call, k, items, lse) if call.return_weights else None)
+        return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
+    out, _ = _forward(ctx, q, k, v, items)
+    return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
 
 
 def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
@@ -418,63 +423,83 @@ def backward_with_lse(
     return dq, dk, dv, d_bias
 
 
-def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> Tensor:
-    """Weights exp(s - lse) with the forward pass's log-sum-exp as the stabilizer, then each row
-    divided by its sum. The division matters: the fused kernel rounds its scores differently,
-    so exp(s - lse) alone sums to 1 only up to ulp(s), which for scores near 200 is 5x the error
-    of an eager softmax. Not differentiable (used when no gradient is needed)."""
-    q = call.query
-    b, h, length_q, _ = q.shape
-    ctx = _Ctx(call)
-    stat = ctx.stat
-    w = q.new_zeros(b, h, length_q, k.shape[2])
-    lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # rows that see nothing -> 0
-    for item in items:
-        for chunk in item.chunks:
-            kc = _chunk_kv(k, k, item, chunk)[0].to(stat).transpose(-2, -1).contiguous()
-            add = _additive(chunk.keep, ctx.bias_block(item, chunk), stat)
-            # row blocks of 256 keep the temporaries small when a tile spans every query
-            for r0 in range(item.q0, item.q1, 256):
-                r1 = min(r0 + 256, item.q1)
-                qt = q[item.batch, :, r0:r1].to(stat)
-                nb, rows, cols = qt.shape[0], r1 - r0, kc.shape[-1]
-                # scale * q k^T - lse in one call: [b * H, rows, cols]
-                s = torch.baddbmm(
-                    -lse[item.batch, :, r0:r1, None].reshape(nb * h, rows, 1),
-                    qt.reshape(nb * h, rows, -1),
-                    kc.reshape(nb * h, -1, cols),
-                    alpha=call.scale,
-                ).view(nb, h, rows, cols)
-                if add is not None:
-                    s.add_(add if add.shape[2] == 1 else add[:, :, r0 - item.q0 : r1 - item.q0])
-                torch.exp(s, out=w[item.batch, :, r0:r1, chunk.start : chunk.stop])
-    return w.div_(w.sum(-1, keepdim=True).clamp_min_(torch.finfo(w.dtype).tiny))
+_WEIGHT_ROWS = 256  # query rows per block of weights: bounds the temporaries
 
 
-def weights(call: Call, items: list[Item] | None = None) -> Tensor:
-    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
+def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
+    """Weights (B, H, L, S) and, with ``output``, the output computed from them: per block of
+    query rows the scores of the visible key range are computed once, normalized in place into
+    the returned weights, and multiplied by V. The output is exactly ``weights @ V``; rows that
+    see nothing have zero weights. Differentiable when gradients are enabled (the weights are
+    returned anyway, so keeping them for backward costs no extra order of memory)."""
     b, h, h_kv, length_q, length_k, _ = call.shape
-    q = call.query
-    k = repeat_kv(call.key, h // h_kv)
-    if items is None:
-        items = plan(call.mask, b, length_q, length_k, query_tile(call), q.device)
-    w = q.new_zeros(b, h, length_q, length_k)
     ctx = _Ctx(call)
+    items = plan(call.mask, b, length_q, length_k, query_tile(call), call.query.device)
     stat = ctx.stat
+    grad = call.needs_grad
+    q = call.query * call.scale  # [B, H, L, D]: the scale folded into the small operand
+    k = repeat_kv(call.key, h // h_kv)
+    v = repeat_kv(call.value, h // h_kv) if output else None
+    # every entry is written when nothing is masked; otherwise hidden blocks stay 0
+    w = q.new_empty if call.mask is None else q.new_zeros
+    w = w(b, h, length_q, length_k)
+    out = None
+    if output:
+        out = q.new_zeros(b, h, length_q, v.shape[-1])
+    if grad:
+        # every input takes part in the graph even where the mask hides everything, so its
+        # gradient is 0 rather than missing
+        inputs = (call.query, call.key, *((call.value,) if output else ()), *call.bias_tensors)
+        anchor = sum(t.sum() for t in inputs) * 0
+        w = w + anchor.to(w.dtype)
+        out = None if out is None else out + anchor.to(out.dtype)
     for item in items:
-        rows = slice(item.q0, item.q1)
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
-        qt = q[item.batch, :, rows].to(stat)
-        # chunks may leave gaps (key blocks no row sees): those stay -inf
-        s = torch.full((*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device)
-        for chunk in item.chunks:
-            kc, _ = _chunk_kv(k, k, item, chunk)
-            sc = (qt @ kc.to(stat).transpose(-2, -1)) * call.scale
-            add = _additive(chunk.keep, ctx.bias_block(item, chunk), stat)
-            s[..., chunk.start - lo : chunk.stop - lo] = sc if add is None else sc + add
-        # rows that see nothing in this tile keep weight 0 instead of softmax(-inf row) = NaN
-        top = s.amax(dim=-1, keepdim=True)
-        e = torch.exp(s - torch.where(torch.isfinite(top), top, 0.0))
-        total = e.sum(dim=-1, keepdim=True)
-        w[item.batch, :, rows, lo:hi] = (e / torch.where(total > 0, total, 1.0)).to(w.dtype)
-    return w
+        adds = [ctx.bias_block(item, c) for c in item.chunks]
+        keys = [k[item.batch, :, c.start : c.stop].to(stat).transpose(-2, -1) for c in item.chunks]
+        masked = any(c.keep is not None for c in item.chunks)
+        for r0 in range(item.q0, item.q1, _WEIGHT_ROWS):
+            r1 = min(r0 + _WEIGHT_ROWS, item.q1)
+            rel = slice(r0 - item.q0, r1 - item.q0)
+            qt = q[item.batch, :, r0:r1].to(stat)
+            if len(item.chunks) == 1:
+                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad)
+            else:  # chunks may leave gaps (key blocks no row sees): those stay -inf
+                s = torch.full(
+                    (*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device
+                )
+                for chunk, kt, bias in zip(item.chunks, keys, adds):
+                    s[..., chunk.start - lo : chunk.stop - lo] = _scores(
+                        qt, kt, bias, chunk, rel, grad
+                    )
+            if grad:
+                p = torch.softmax(s, dim=-1)
+                if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
+                    p = torch.where(torch.isnan(p), 0.0, p)
+            else:  # in place: one buffer holds scores, then weights
+                p = torch.ops.aten._softmax.out(s, -1, False, out=s)
+                if masked:
+                    p.nan_to_num_(0.0)
+            w[item.batch, :, r0:r1, lo:hi] = p.to(w.dtype)
+            if output:
+                vt = v[item.batch, :, lo:hi]
+                o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
+                out[item.batch, :, r0:r1] = o.to(out.dtype)
+    return out, w
+
+
+def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) -> Tensor:
+    """Scaled scores of a block of rows against one chunk, bias added, hidden entries -inf."""
+    s = qt @ kt
+    if bias is not None:
+        bias = bias if bias.shape[2] == 1 else bias[:, :, rel]
+        s = s + bias if grad else s.add_(bias)
+    if chunk.keep is not None:
+        hidden = ~(chunk.keep if chunk.keep.shape[2] == 1 else chunk.keep[:, :, rel])
+        s = s.masked_fill(hidden, float("-inf")) if grad else s.masked_fill_(hidden, float("-inf"))
+    return s
+
+
+def weights(call: Call) -> Tensor:
+    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
+    return _one_pass(call, output=False)[1]

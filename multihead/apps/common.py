@@ -1,0 +1,158 @@
+"""What every application shares: its options, the run folder, metrics.json and the training
+curve figure. Needs the ``train`` extra (matplotlib for figures)."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .loop import PRECISIONS, Dist, FitResult, TrainConfig
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["Options", "figure", "need", "save_figure", "seed_everything", "training_curve"]
+
+
+@dataclass
+class Options:
+    """The command-line options of ``multihead train`` (see ``multihead train --help``)."""
+
+    out: Path
+    quick: bool = False
+    data: Path | None = None
+    seed: int = 0
+    precision: str = "fp32"
+    compile: bool = False
+    epochs: int | None = None
+    max_steps: int | None = None
+    baselines: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.out = Path(self.out)
+        if self.data is not None:
+            self.data = Path(self.data)
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)}. "
+                f"Received: precision={self.precision!r}"
+            )
+        for name in ("epochs", "max_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+
+    def train_config(self, *, epochs: int, **kwargs: Any) -> TrainConfig:
+        """The task's training settings with the command line's overrides applied."""
+        return TrainConfig(
+            epochs=self.epochs or epochs,
+            precision=self.precision,
+            compile=self.compile,
+            seed=self.seed,
+            max_steps=self.max_steps,
+            progress=self.progress,
+            **kwargs,
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["out"] = str(self.out)
+        out["data"] = None if self.data is None else str(self.data)
+        return out
+
+
+def need(module: str, feature: str) -> Any:
+    """Import an optional dependency, or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"{feature} needs the package that provides {module}; install it with "
+            f"pip install 'multihead[train]'. Received: ImportError({err})"
+        ) from err
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (baselines and data generation use the same seed)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def figure(**kwargs: Any) -> Figure:
+    """A matplotlib Figure without pyplot state (Agg canvas on save)."""
+    need("matplotlib", "figures")
+    from matplotlib.figure import Figure
+
+    kwargs.setdefault("layout", "constrained")  # titles and axis labels never overlap
+    return Figure(**kwargs)
+
+
+def save_figure(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def training_curve(curves: dict[str, FitResult], path: Path, title: str) -> Path:
+    """Loss after every step for each trained model, one panel each (log scale)."""
+    fig = figure(figsize=(4.2 * len(curves), 3.2))
+    axes = fig.subplots(1, len(curves), squeeze=False)[0]
+    for ax, (name, result) in zip(axes, curves.items()):
+        steps = np.arange(1, len(result.losses) + 1)
+        ax.plot(steps, result.losses, lw=0.8, color="tab:blue", alpha=0.5, label="step")
+        window = max(1, len(steps) // 25)
+        if window > 1:
+            smooth = np.convolve(result.losses, np.ones(window) / window, mode="valid")
+            ax.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"mean of {window}")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def finish(metrics: dict[str, Any], options: Options, info: Dist, started: float) -> dict[str, Any]:
+    """Add what every metrics.json holds (seed, options, wall time, machine) and write it."""
+    metrics = {
+        **metrics,
+        "seed": options.seed,
+        "options": options.as_json(),
+        "processes": info.world,
+        "wall_seconds": round(time.perf_counter() - started, 2),
+        "machine": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": str(info.device),
+            "python": platform.python_version(),
+        },
+    }
+    path = options.out / "metrics.json"
+    path.write_text(json.dumps(_clean(metrics), indent=2) + "\n")
+    return metrics
+
+
+def _clean(value: Any) -> Any:
+    """JSON without NaN (written as null) and with NumPy scalars as Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

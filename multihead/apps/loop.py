@@ -1,0 +1,312 @@
+"""The training loop shared by the applications: seeded batches, AdamW with warm-up, mixed
+precision, ``torch.compile`` and DistributedDataParallel under ``torchrun``.
+
+Every process draws the same seeded order of examples and cuts each *global* batch into one
+contiguous slice per process. Each process's loss is its slice's summed per-example loss times
+``world_size / global_batch``; DDP averages gradients over processes, so the update is the one a
+single process computes on the whole global batch (what the two-process test checks).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PRECISIONS", "Dist", "FitResult", "TrainConfig", "autocast", "fit", "setup"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process runs: its rank among ``world`` processes and its device."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+def setup() -> Dist:
+    """Join the process group when started by ``torchrun`` (WORLD_SIZE > 1), else run alone.
+
+    gloo on CPU, nccl on CUDA; on CUDA each process takes the GPU of its LOCAL_RANK.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if world <= 1:
+        return Dist(device=device)
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def teardown(info: Dist) -> None:
+    if info.world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
+    """bf16 autocast on CPU; bf16 or fp16 on CUDA; nothing for fp32.
+
+    Attention keeps its softmax statistics (running max and log-sum-exp) in fp32 for bf16 and
+    fp16 inputs on every backend, so only the matmul inputs are rounded.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}. Received: precision={precision!r}"
+        )
+    if precision == "fp32":
+        return nullcontext()
+    if precision == "fp16" and device.type == "cpu":
+        raise ValueError(
+            "fp16 autocast is for CUDA; on CPU use --precision bf16. Received: precision='fp16' "
+            "on cpu"
+        )
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@dataclass
+class TrainConfig:
+    """How to train. ``batch_size`` is the global batch, split over all processes."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: float = 0.1  # fraction of all steps with a linearly rising learning rate
+    grad_clip: float | None = 1.0
+    precision: str = "fp32"
+    compile: bool = False
+    compile_backend: str = "inductor"  # tests use "aot_eager": same graphs, no C++ build
+    seed: int = 0
+    max_steps: int | None = None  # stop early (smoke tests, throughput runs)
+    progress: bool = True
+
+
+@dataclass
+class FitResult:
+    """What ``fit`` measured: the loss after every step (averaged over processes), the epoch
+    means, the wall time, the throughput and, with ``compile``, the graph breaks."""
+
+    losses: list[float]
+    epoch_losses: list[float]
+    steps: int
+    samples: int
+    seconds: float
+    samples_per_s: float
+    first_step_s: float
+    compile: dict[str, Any] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        out = {
+            "steps": self.steps,
+            "samples": self.samples,
+            "train_seconds": round(self.seconds, 3),
+            "samples_per_s": round(self.samples_per_s, 2),
+            "first_step_s": round(self.first_step_s, 3),
+            "epoch_losses": [round(x, 6) for x in self.epoch_losses],
+            "final_loss": round(self.losses[-1], 6) if self.losses else None,
+        }
+        if self.compile is not None:
+            out["compile"] = self.compile
+        return out
+
+
+def _explain(step: Callable[..., Tensor], model: nn.Module, batch: Any) -> dict[str, Any]:
+    """Graph count and every graph break with its reason, from ``torch._dynamo.explain``."""
+    import torch._dynamo
+
+    explained = torch._dynamo.explain(step)(model, batch)
+    reasons = []
+    for r in explained.break_reasons:
+        frame = r.user_stack[-1] if r.user_stack else None
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno}" if frame else "?"
+        reasons.append({"reason": str(r.reason).splitlines()[0][:300], "where": where})
+    torch._dynamo.reset()
+    return {
+        "graphs": explained.graph_count,
+        "graph_breaks": explained.graph_break_count,
+        "break_reasons": reasons,
+    }
+
+
+def _batches(count: int, size: int, seed: int, lengths: Sequence[int] | None) -> list[Tensor]:
+    """Seeded global batches of example indices; the same on every process."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(count, generator=generator)
+    if lengths is None:
+        return list(order.split(size))
+    key = torch.as_tensor(lengths)
+    batches = []
+    for pool in order.split(size * 50):
+        pool = pool[torch.argsort(key[pool], stable=True)]
+        batches.extend(pool.split(size))
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in shuffle]
+
+
+def fit(
+    model: nn.Module,
+    count: int,
+    collate: Callable[[Tensor], Any],
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    config: TrainConfig,
+    info: Dist,
+    *,
+    param_groups: Sequence[dict[str, Any]] | None = None,
+    lengths: Sequence[int] | None = None,
+    desc: str = "train",
+) -> FitResult:
+    """Train ``model`` in place on ``count`` examples.
+
+    Args:
+        count: N, the number of training examples; batches are index tensors into them.
+        collate: indices (n,) -> a batch on ``info.device`` (whatever ``loss_fn`` takes).
+        loss_fn: (model, batch) -> per-example losses (n,), computed in the forward pass.
+        param_groups: AdamW parameter groups (e.g. a larger learning rate for a new head),
+            each with an optional ``lr_scale``; default: all parameters at ``config.lr``.
+        lengths: each example's length; when given, batches hold examples of similar length
+            (sorted within pools of 50 batches, batch order shuffled), so less padding is
+            computed.
+    """
+    from tqdm.auto import tqdm
+
+    if count < info.world:
+        raise ValueError(
+            f"need at least one training example per process. Received: {count} examples for "
+            f"{info.world} processes"
+        )
+    if config.batch_size < info.world:
+        raise ValueError(
+            f"the global batch must give every process at least one example. Received: "
+            f"batch_size={config.batch_size}, processes={info.world}"
+        )
+    torch.manual_seed(config.seed)
+    model.to(info.device).train()
+    train_model: nn.Module = model
+    if info.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=ids)
+    groups = param_groups or [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "lr_scale"}, "lr": config.lr * g.get("lr_scale", 1)}
+        for g in groups
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
+    per_epoch = count // config.batch_size + (count % config.batch_size >= info.world)
+    total = per_epoch * config.epochs
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    warm = max(1, int(config.warmup * total))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
+    )
+
+    def step_loss(m: nn.Module, batch: Any) -> Tensor:
+        with autocast(config.precision, info.device):
+            return loss_fn(m, batch).float().sum()
+
+    compile_report = None
+    step_fn: Callable[[nn.Module, Any], Tensor] = step_loss
+    if config.compile:
+        step_fn = torch.compile(step_loss, backend=config.compile_backend)
+    scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
+
+    losses: list[float] = []
+    epoch_losses: list[float] = []
+    seen = 0
+    times: list[float] = []
+    sizes: list[int] = []
+    start = time.perf_counter()
+    step = 0
+    for epoch in range(config.epochs):
+        batches = _batches(count, config.batch_size, config.seed + epoch, lengths)
+        batches = [b for b in batches if len(b) >= info.world]
+        if step + len(batches) > total:
+            batches = batches[: total - step]
+        if not batches:
+            break
+        bar = tqdm(
+            batches,
+            desc=f"{desc} epoch {epoch + 1}/{config.epochs}",
+            unit="step",
+            disable=not (config.progress and info.main),
+            leave=False,
+        )
+        running = []
+        for global_batch in bar:
+            t0 = time.perf_counter()
+            mine = global_batch.tensor_split(info.world)[info.rank]
+            batch = collate(mine)
+            if config.compile and compile_report is None and info.main:
+                compile_report = _explain(step_loss, model, batch)
+            # scaled so that DDP's average over processes is the global batch's mean
+            loss = step_fn(train_model, batch) * (info.world / len(global_batch))
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+            else:
+                loss.backward()
+            if config.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            schedule.step()
+            value = loss.detach() / info.world
+            if info.world > 1:
+                torch.distributed.all_reduce(value)
+            losses.append(float(value))
+            running.append(losses[-1])
+            times.append(time.perf_counter() - t0)
+            sizes.append(len(global_batch))
+            seen += len(global_batch)
+            step += 1
+            if info.main:
+                bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        bar.close()
+        epoch_losses.append(sum(running) / len(running))
+        if step >= total:
+            break
+    seconds = time.perf_counter() - start
+    # throughput without the first steps, which pay for compilation and warm-up
+    skip = min(2, max(0, len(times) - 1))
+    steady = sum(times[skip:]) or float("nan")
+    return FitResult(
+        losses,
+        epoch_losses,
+        step,
+        seen,
+        seconds,
+        sum(sizes[skip:]) / steady if times else 0.0,
+        times[0] if times else 0.0,
+        compile_report,
+    )

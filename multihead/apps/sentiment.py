@@ -1,0 +1,475 @@
+"""``multihead train sentiment``: fine-tune all-MiniLM-L6-v2 with a small regression head on the
+VADER ground truth (Hutto & Gilbert 2014: 23,703 short texts in four domains, each rated by
+about 20 people from -4 to +4).
+
+Protocol (the paper's): per domain, one half trains and the other half tests (a seeded random
+half: the files are ordered). One model is fine-tuned on the four training halves together and
+scored on each domain's test half. Scores are in [-1, 1] (the rating / 4 as target).
+
+- Pearson r of the score against the mean rating.
+- Three-class weighted F1: the human rating classed by its sign (0 = neutral), a model's score
+  by the thresholds +-0.05 (>= 0.05 positive, <= -0.05 negative, else neutral). On the whole
+  files this gives VADER 0.95 / 0.59 / 0.63 / 0.55 (tweets, movies, Amazon, NYT) against the
+  paper's 0.96 / 0.61 / 0.63 / 0.55 (the packaged VADER is a later version).
+
+Baselines in the same run and on the same split: VADER (``vaderSentiment``), TF-IDF + logistic
+regression trained on each domain's half (the paper's machine-learning protocol; score
+P(positive) - P(negative)) and the seed's from-scratch ``AttentionClassifier``.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .. import masks
+from ..io import register, save
+from ..modules import MultiHeadAttention
+from .common import Options, figure, finish, need, save_figure, seed_everything, training_curve
+from .loop import Dist, FitResult, autocast, fit
+
+__all__ = [
+    "DEFAULT_DATA",
+    "PAPER_VADER",
+    "AttentionClassifier",
+    "Corpus",
+    "SentimentRegressor",
+    "classify",
+    "evaluate",
+    "read_corpora",
+    "run",
+    "split",
+]
+
+# relative to the working directory, as seen from a checkout of the repository
+DEFAULT_DATA = Path("../shared/data/vader-sentiment")
+SUFFIX = "_GroundTruth.txt"
+# Hutto & Gilbert (2014), Table 3: VADER's Pearson r and three-class F1 per corpus
+PAPER_VADER = {
+    "tweets": {"r": 0.881, "f1": 0.96},
+    "movieReviewSnippets": {"r": 0.451, "f1": 0.61},
+    "amazonReviewSnippets": {"r": 0.565, "f1": 0.63},
+    "nytEditorialSnippets": {"r": 0.492, "f1": 0.55},
+}
+THRESHOLD = 0.05
+
+
+@dataclass
+class Corpus:
+    """One domain: row ids, mean human ratings (-4..4) and texts (HTML entities decoded)."""
+
+    domain: str
+    ids: list[str]
+    ratings: np.ndarray
+    texts: list[str]
+
+
+def _read_file(path: Path) -> Corpus:
+    ids, ratings, texts = [], [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split("\t", 2)
+        try:
+            if len(parts) != 3:
+                raise ValueError
+            rating = float(parts[1])
+        except ValueError:
+            raise ValueError(
+                f"{path.name}:{number} must be id<TAB>mean_rating<TAB>text with a numeric "
+                f"rating. Received: {line[:80]!r}"
+            ) from None
+        ids.append(parts[0])
+        ratings.append(rating)
+        texts.append(_unescape(parts[2]).strip())
+    if not ids:
+        raise ValueError(f"{path} holds no rows. Received: an empty file")
+    return Corpus(
+        path.name.removesuffix(SUFFIX).removesuffix(".txt"), ids, np.array(ratings), texts
+    )
+
+
+def _unescape(text: str) -> str:
+    """Decode HTML entities; a few texts are escaped twice (``&amp;amp;``)."""
+    for _ in range(3):
+        decoded = html.unescape(text)
+        if decoded == text:
+            break
+        text = decoded
+    return text
+
+
+def read_corpora(path: str | Path | None) -> list[Corpus]:
+    """Read a folder of ``*_GroundTruth.txt`` files (one domain each) or a single such file."""
+    folder = DEFAULT_DATA if path is None else Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(
+            f"sentiment data not found at '{folder}'; pass --data with the folder of VADER "
+            f"ground-truth files (id<TAB>rating<TAB>text) or one such file. Received: "
+            f"--data {'(default) ' if path is None else ''}{folder}"
+        )
+    files = [folder] if folder.is_file() else sorted(folder.glob(f"*{SUFFIX}"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *{SUFFIX} files in '{folder}'. Received: "
+            f"{sorted(p.name for p in folder.iterdir())[:8]}"
+        )
+    return [_read_file(f) for f in files]
+
+
+def split(corpus: Corpus, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded random half of the rows for training, the other half for testing."""
+    rng = np.random.default_rng([seed, zlib.crc32(corpus.domain.encode())])
+    order = rng.permutation(len(corpus.ids))
+    half = len(order) // 2
+    return np.sort(order[:half]), np.sort(order[half:])
+
+
+def classify(score: np.ndarray) -> np.ndarray:
+    """A model's score in [-1, 1] -> 1 / 0 / -1 with the paper's +-0.05 thresholds."""
+    return np.where(score >= THRESHOLD, 1, np.where(score <= -THRESHOLD, -1, 0))
+
+
+def evaluate(score: np.ndarray, rating: np.ndarray) -> dict[str, float]:
+    """Pearson r against the mean rating and weighted three-class F1 (rating classed by sign)."""
+    metrics = need("sklearn.metrics", "sentiment metrics")
+    score = np.asarray(score, dtype=float)
+    r = float(np.corrcoef(score, rating)[0, 1]) if np.std(score) > 0 else float("nan")
+    f1 = metrics.f1_score(
+        np.sign(rating), classify(score), average="weighted", labels=[-1, 0, 1], zero_division=0
+    )
+    return {"r": r, "f1": float(f1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def _write_tokenizer(model: SentimentRegressor, folder: Path) -> None:
+    if model.tokenizer is not None:
+        model.tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def _read_tokenizer(model: SentimentRegressor, folder: Path) -> None:
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        model.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _mean_pool(hidden: Tensor, lengths: Tensor) -> Tensor:
+    """(B, L, E) -> (B, E): the mean over each row's first ``lengths`` tokens."""
+    keep = torch.arange(hidden.shape[1], device=hidden.device)[None] < lengths[:, None]
+    keep = keep.to(hidden.dtype)[..., None]
+    return (hidden * keep).sum(1) / keep.sum(1).clamp_min(1)
+
+
+@register(files=_write_tokenizer, restore=_read_tokenizer)
+class SentimentRegressor(nn.Module):
+    """A BERT encoder, mean pooling over real tokens, then a small head to a score in [-1, 1].
+
+    Args:
+        encoder: a ``multihead.models.bert.Bert`` (its pooler is dropped: unused here).
+        hidden: width of the head's hidden layer.
+        dropout: dropout before the head's output layer.
+        max_tokens: where ``predict`` truncates a text.
+
+    ``tokenizer`` (a ``tokenizers.Tokenizer``) is saved beside the weights as tokenizer.json.
+    """
+
+    def __init__(
+        self, encoder: nn.Module, *, hidden: int = 256, dropout: float = 0.1, max_tokens: int = 128
+    ) -> None:
+        super().__init__()
+        encoder.pooler = None
+        self.encoder = encoder
+        self.max_tokens = max_tokens
+        width = encoder.config.hidden_size
+        self.head = nn.Sequential(
+            nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, 1)
+        )
+        self.tokenizer: Any = None
+
+    def forward(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """input_ids (B, L), lengths (B,) -> scores (B,) in [-1, 1]."""
+        hidden = self.encoder(input_ids, lengths=lengths).last_hidden_state
+        return torch.tanh(self.head(_mean_pool(hidden, lengths))[:, 0])
+
+    def predict(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
+        """Scores in [-1, 1] for texts, with the saved tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "this model has no tokenizer; set model.tokenizer or load a folder with "
+                "tokenizer.json. Received: tokenizer=None"
+            )
+        return _predict(self, encode(self.tokenizer, texts, self.max_tokens), batch_size)
+
+
+@register
+class AttentionClassifier(nn.Module):
+    """The seed's from-scratch model: embedding, one multi-head self-attention layer, mean
+    pooling over real tokens, a dense layer; ``num_outputs=1`` with tanh gives a score.
+
+    Args:
+        vocab_size: token ids are below this.
+        embed_dim: E.
+        num_heads: H.
+        num_outputs: outputs of the dense layer (1: a regression score in [-1, 1]).
+        dropout: dropout on the attention weights and the pooled vector.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        embed_dim: int = 64,
+        num_heads: int = 4,
+        num_outputs: int = 1,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=0)
+        self.attention = MultiHeadAttention(embed_dim, num_heads, dropout=dropout)
+        self.dropout = nn.Dropout(dropout)
+        self.dense = nn.Linear(embed_dim, num_outputs)
+        self.num_outputs = num_outputs
+
+    def forward(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
+        """input_ids (B, L), lengths (B,) -> (B,) scores (one output) or (B, num_outputs)."""
+        x = self.embedding(input_ids)
+        x = self.attention(x, mask=masks.lengths(lengths))
+        out = self.dense(self.dropout(_mean_pool(x, lengths)))
+        return torch.tanh(out[:, 0]) if self.num_outputs == 1 else out
+
+
+def encode(tokenizer: Any, texts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_tokens)
+    return [e.ids for e in tokenizer.encode_batch(list(texts))]
+
+
+def _pad(ids: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    lengths = torch.tensor([len(x) for x in ids])
+    batch = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
+    for i, row in enumerate(ids):
+        batch[i, : len(row)] = torch.tensor(row)
+    return batch.to(device), lengths.to(device)
+
+
+@torch.inference_mode()
+def _predict(
+    model: nn.Module, ids: list[list[int]], batch_size: int, precision: str = "fp32"
+) -> np.ndarray:
+    """Scores for pre-tokenized texts, batched by length so little padding is computed."""
+    model.eval()
+    device = next(model.parameters()).device
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = np.empty(len(ids))
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        x, lengths = _pad([ids[i] for i in rows], device)
+        with autocast(precision, device):
+            out[rows] = model(x, lengths).float().cpu().numpy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def _train(
+    model: nn.Module,
+    ids: list[list[int]],
+    targets: np.ndarray,
+    config: Any,
+    info: Dist,
+    desc: str,
+    param_groups: list[dict[str, Any]] | None = None,
+) -> FitResult:
+    y = torch.as_tensor(targets, dtype=torch.float32)
+
+    def collate(idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x, lengths = _pad([ids[i] for i in idx.tolist()], info.device)
+        return x, lengths, y[idx].to(info.device)
+
+    def loss_fn(m: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        x, lengths, target = batch
+        return (m(x, lengths).float() - target).pow(2)
+
+    return fit(model, len(ids), collate, loss_fn, config, info, desc=desc,
+               param_groups=param_groups, lengths=[len(x) for x in ids])  # fmt: skip
+
+
+def _tfidf(train_texts: list[str], train_y: np.ndarray, test_texts: list[str], quick: bool):
+    fe = need("sklearn.feature_extraction.text", "the TF-IDF baseline")
+    lm = need("sklearn.linear_model", "the TF-IDF baseline")
+    vectorizer = fe.TfidfVectorizer(ngram_range=(1, 2), min_df=1 if quick else 2, sublinear_tf=True)
+    x = vectorizer.fit_transform(train_texts)
+    labels = np.sign(train_y).astype(int)
+    classifier = lm.LogisticRegression(C=4.0, max_iter=2000).fit(x, labels)
+    proba = classifier.predict_proba(vectorizer.transform(test_texts))
+    column = {c: i for i, c in enumerate(classifier.classes_)}
+    pos = proba[:, column[1]] if 1 in column else 0.0
+    neg = proba[:, column[-1]] if -1 in column else 0.0
+    return pos - neg
+
+
+@functools.cache
+def _analyzer() -> Any:
+    """VADER's analyzer; it reads its lexicon when built, so it is built once."""
+    return need("vaderSentiment.vaderSentiment", "the VADER baseline").SentimentIntensityAnalyzer()
+
+
+def _vader(texts: list[str]) -> np.ndarray:
+    analyzer = _analyzer()
+    return np.array([analyzer.polarity_scores(t)["compound"] for t in texts])
+
+
+def run(options: Options, info: Dist) -> dict[str, Any]:
+    """Fine-tune, measure the baselines, write DIR (see the module docstring)."""
+    from ..models import bert
+
+    started = time.perf_counter()
+    seed_everything(options.seed)
+    corpora = read_corpora(options.data)
+    if options.quick:  # a seeded sample of 32 rows per domain
+        rng = np.random.default_rng(options.seed)
+        for c in corpora:
+            keep = np.sort(rng.permutation(len(c.ids))[:32])
+            c.ids = [c.ids[i] for i in keep]
+            c.ratings = c.ratings[keep]
+            c.texts = [c.texts[i] for i in keep]
+    splits = {c.domain: split(c, options.seed) for c in corpora}
+    pretrained = bert.load()
+    max_tokens = 48 if options.quick else 128
+    ids = {c.domain: encode(pretrained.tokenizer, c.texts, max_tokens) for c in corpora}
+    train_ids = [ids[c.domain][i] for c in corpora for i in splits[c.domain][0]]
+    train_y = np.concatenate([np.clip(c.ratings[splits[c.domain][0]] / 4, -1, 1) for c in corpora])
+
+    model = SentimentRegressor(pretrained.model, max_tokens=max_tokens)
+    model.tokenizer = pretrained.tokenizer
+    if options.quick:
+        config = options.train_config(epochs=1, batch_size=8, lr=5e-5)
+    else:
+        config = options.train_config(epochs=2, batch_size=32, lr=5e-5, warmup=0.06)
+    groups = [
+        {"params": list(model.encoder.parameters())},
+        {"params": list(model.head.parameters()), "lr_scale": 20.0},  # a new head learns faster
+    ]
+    fitted = {"model": _train(model, train_ids, train_y, config, info, "MiniLM", groups)}
+    baseline = None
+    if options.baselines:
+        baseline = AttentionClassifier(pretrained.config.vocab_size)
+        small = options.train_config(
+            epochs=1 if options.quick else 8, batch_size=8 if options.quick else 64, lr=2e-3
+        )
+        fitted["attention_classifier"] = _train(
+            baseline, train_ids, train_y, small, info, "AttentionClassifier"
+        )
+    if not info.main:
+        return {}
+
+    out = options.out
+    out.mkdir(parents=True, exist_ok=True)
+    save(model, out / "model")
+    domains: dict[str, Any] = {}
+    confusion: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for c in corpora:
+        train_idx, test_idx = splits[c.domain]
+        truth = c.ratings[test_idx]
+        test_ids = [ids[c.domain][i] for i in test_idx]
+        scores = {"model": _predict(model, test_ids, 128, options.precision)}
+        if options.baselines:
+            scores["vader"] = _vader([c.texts[i] for i in test_idx])
+            scores["tfidf_logreg"] = _tfidf(
+                [c.texts[i] for i in train_idx],
+                c.ratings[train_idx],
+                [c.texts[i] for i in test_idx],
+                options.quick,
+            )
+            scores["attention_classifier"] = _predict(baseline, test_ids, 128, options.precision)
+        metrics = {k: evaluate(v, truth) for k, v in scores.items()}
+        if c.domain in PAPER_VADER:
+            metrics["paper_vader"] = PAPER_VADER[c.domain]
+        domains[c.domain] = {
+            "n_train": len(train_idx),
+            "n_test": len(test_idx),
+            "test_ids": [c.ids[i] for i in test_idx],
+            "metrics": metrics,
+            "first_scores": [round(float(v), 6) for v in scores["model"][:20]],
+        }
+        confusion[c.domain] = (np.sign(truth), classify(scores["model"]))
+    goal = None
+    if options.baselines:
+        goal = all(
+            d["metrics"]["model"][k] > d["metrics"]["vader"][k]
+            for d in domains.values()
+            for k in ("r", "f1")
+        )
+    training_curve(fitted, out / "training_curve.png", "sentiment: MSE on rating / 4")
+    _confusion_figure(confusion, out / "confusion.png")
+    example = min(corpora[0].texts, key=lambda t: abs(len(t) - 60))
+    _attention_figure(model, pretrained, example, out / "attention.png", options.quick)
+    summary = {
+        "task": "sentiment",
+        "protocol": "per domain: a seeded random half trains, the other half tests; one model "
+        "fine-tuned on all training halves; score = tanh output in [-1, 1], target rating / 4",
+        "f1": "weighted three-class F1; rating classed by sign (0 = neutral), score by >= 0.05 "
+        "positive, <= -0.05 negative",
+        "domains": domains,
+        "goal_above_vader_everywhere": goal,
+        "training": {k: v.summary() for k, v in fitted.items()},
+        "model_dir": "model",
+        "figures": ["training_curve.png", "confusion.png", "attention.png"],
+    }
+    return finish(summary, options, info, started)
+
+
+def _confusion_figure(confusion: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> Path:
+    fig = figure(figsize=(3.3 * len(confusion), 3.3))
+    axes = fig.subplots(1, len(confusion), squeeze=False)[0]
+    names = ["neg", "neu", "pos"]
+    for ax, (domain, (truth, pred)) in zip(axes, confusion.items()):
+        table = np.zeros((3, 3), dtype=int)
+        for t, p in zip(truth.astype(int), pred.astype(int)):
+            table[t + 1, p + 1] += 1
+        ax.imshow(table, cmap="Blues")
+        for i in range(3):
+            for j in range(3):
+                ax.text(j, i, str(table[i, j]), ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(3), names)
+        ax.set_yticks(range(3), names)
+        ax.set_xlabel("model (score, +-0.05)")
+        ax.set_title(domain, fontsize=9)
+    axes[0].set_ylabel("people (sign of the mean rating)")
+    return save_figure(fig, path)
+
+
+def _attention_figure(
+    model: SentimentRegressor, pretrained: Any, text: str, path: Path, quick: bool
+) -> Path:
+    """Every layer and head of the fine-tuned encoder on one text (``quick``: the last layer,
+    as 72 panels take matplotlib seconds)."""
+    from ..inspect import for_text
+    from ..viz import heatmap_grid
+
+    batch = pretrained.tokenize([text])
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.encoder(
+            batch.input_ids.to(device), lengths=batch.lengths.to(device), return_weights=True
+        )
+    weights = for_text([w.cpu() for w in out.weights], 0, int(batch.lengths[0]))
+    fig = heatmap_grid(weights, batch.tokens[0], layers=[len(weights) - 1] if quick else None)
+    fig.suptitle(f"fine-tuned encoder on: {text[:70]}", fontsize=9)
+    return save_figure(fig, path)

@@ -1,0 +1,618 @@
+"""Save and load models built from the library: ``config.json`` (the architecture as data, no
+pickle) plus ``model.safetensors`` (the weights).
+
+A saved folder holds::
+
+    config.json         {"format_version": 1, "model": {"class": NAME, "args": {...}}, ...}
+    model.safetensors   the state dict, one tensor per name
+
+``args`` are the constructor arguments. A library module passed as an argument (a layer list,
+an injected attention, feed-forward or norm module) is written the same way, recursively, so a
+decoder layer that takes its parts as arguments needs nothing beyond one ``register`` call::
+
+    multihead.io.register(TransformerDecoderLayer)     # or @register above the class
+
+``register`` records each instance's constructor arguments when it is built, so ``describe`` can
+later write them out. BERT models are saved in the Hugging Face layout (its ``config.json``
+fields and tensor names, with the tokenizer files copied along), so ``transformers`` loads the
+folder too. Needs ``safetensors`` (the ``pretrained`` extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["FORMAT_VERSION", "build", "describe", "load", "register", "registered", "save"]
+
+FORMAT_VERSION = 1
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+_INIT_ARGS = "_multihead_init_args"  # instance attribute holding the recorded arguments
+
+
+@dataclass(frozen=True)
+class _Codec:
+    """How one class is written and rebuilt.
+
+    describe: instance -> constructor arguments (data, or modules described recursively).
+    build: (arguments, folder or None) -> instance; the folder is given at the top level only.
+    module: instance -> the nn.Module whose state dict holds the weights.
+    names: instance -> {state dict name: name in the file} (default: the same names).
+    header: instance -> extra top-level config.json fields (e.g. Hugging Face's).
+    files: (instance, folder) -> None, writes extra files (e.g. a tokenizer).
+    restore: (instance, folder) -> None, reads them back after a top-level build.
+    """
+
+    cls: type
+    name: str
+    describe: Callable[[Any], dict[str, Any]]
+    build: Callable[[dict[str, Any], Path | None], Any]
+    module: Callable[[Any], nn.Module] = lambda obj: obj
+    names: Callable[[Any], dict[str, str]] | None = None
+    header: Callable[[Any], dict[str, Any]] | None = None
+    files: Callable[[Any, Path], None] | None = None
+    restore: Callable[[Any, Path], None] | None = None
+
+
+_BY_NAME: dict[str, _Codec] = {}
+_BY_CLASS: dict[type, _Codec] = {}
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _recorded(obj: Any) -> dict[str, Any]:
+    """The constructor arguments recorded by ``register``; plain attributes of the same name
+    override them, so a value changed after construction (``layer.dropout = 0.2``) is saved."""
+    args = getattr(obj, _INIT_ARGS, None)
+    if args is None:
+        raise ValueError(
+            f"{type(obj).__name__} was built before multihead.io.register({type(obj).__name__}) "
+            "ran, so its constructor arguments were not recorded; register the class before "
+            f"building it. Received: {type(obj).__name__} without recorded arguments"
+        )
+    out = dict(args)
+    for key in out:
+        current = obj.__dict__.get(key)
+        if isinstance(current, (bool, int, float, str)):
+            out[key] = current
+    return out
+
+
+def _record_init(cls: type) -> None:
+    """Wrap ``cls.__init__`` so every instance keeps the arguments it was built with."""
+    init = cls.__init__
+    if getattr(init, "_multihead_records", False):
+        return
+    signature = inspect.signature(init)
+    extra = None  # a **kwargs parameter: its entries are recorded as keyword arguments
+    for p in signature.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            raise TypeError(
+                f"register needs a constructor without *args to record its arguments by name; "
+                f"pass describe= and build= instead. Received: {cls.__name__}{signature}"
+            )
+        if p.kind == p.VAR_KEYWORD:
+            extra = p.name
+
+    @functools.wraps(init)
+    def wrapped(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if type(self) is cls:  # a subclass records its own arguments, or none
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            values.pop(next(iter(signature.parameters)))  # self
+            if extra is not None:
+                values.update(values.pop(extra, {}))
+            object.__setattr__(self, _INIT_ARGS, values)
+
+    wrapped._multihead_records = True  # type: ignore[attr-defined]
+    cls.__init__ = wrapped  # type: ignore[method-assign]
+
+
+def register(
+    cls: type | None = None,
+    *,
+    name: str | None = None,
+    describe: Callable[[Any], dict[str, Any]] | None = None,
+    build: Callable[[dict[str, Any]], Any] | None = None,
+    files: Callable[[Any, Path], None] | None = None,
+    restore: Callable[[Any, Path], None] | None = None,
+) -> Any:
+    """Make a class saveable; usable as ``register(Cls)`` or as a ``@register`` decorator.
+
+    By default the constructor's arguments are recorded on every new instance and the class is
+    rebuilt with ``Cls(**args)``; give ``describe`` (instance -> arguments) and ``build``
+    (arguments -> instance) for classes whose constructor cannot be replayed. The name written
+    to config.json is ``module.QualName`` unless ``name`` is given; classes inside ``multihead``
+    are imported on demand when a folder is loaded, others must be registered before ``load``.
+    ``files(obj, folder)`` writes extra files beside the weights (e.g. a tokenizer) and
+    ``restore(obj, folder)`` reads them back when the object is the folder's top-level model.
+    """
+
+    def apply(target: type) -> type:
+        if not isinstance(target, type):
+            raise TypeError(f"register expects a class. Received: {target!r}")
+        if (describe is None) != (build is None):
+            raise ValueError(
+                "give both describe and build, or neither. Received: "
+                f"describe={describe is not None}, build={build is not None}"
+            )
+        if describe is None:
+            _record_init(target)
+        codec = _Codec(
+            target,
+            name or _qualified(target),
+            describe or _recorded,
+            (lambda args, folder: build(args)) if build else (lambda args, folder: target(**args)),
+            files=files,
+            restore=restore,
+        )
+        _add(codec)
+        return target
+
+    return apply if cls is None else apply(cls)
+
+
+def _add(codec: _Codec) -> None:
+    _BY_NAME[codec.name] = codec
+    _BY_CLASS[codec.cls] = codec
+
+
+def registered() -> list[str]:
+    """The class names ``load`` can build right now."""
+    return sorted(_BY_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# describing and building
+
+
+def _codec_for(obj: Any, where: str) -> _Codec:
+    codec = _BY_CLASS.get(type(obj))
+    if codec is None:
+        raise TypeError(
+            f"{where}: {type(obj).__name__} is not a registered class, so it cannot be written "
+            "as data; call multihead.io.register on it (or on the class that builds it). "
+            f"Received: {_qualified(type(obj))}"
+        )
+    return codec
+
+
+def _encode(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return {"float": str(value)}  # JSON has no NaN or infinity
+        return value
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, (list, tuple)):
+        items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"tuple": items}
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{where}: dict keys must be strings. Received: keys {bad[:3]}")
+        return {"dict": {k: _encode(v, f"{where}.{k}") for k, v in value.items()}}
+    if type(value) in _BY_CLASS:
+        return describe(value, where)
+    if isinstance(value, nn.Module):
+        _codec_for(value, where)  # raises, naming the class
+    raise TypeError(
+        f"{where}: a {type(value).__name__} cannot be written as data (allowed: None, bool, int, "
+        "float, str, torch.dtype, lists, tuples, dicts and registered modules). "
+        f"Received: {where}={value!r}"[:400]
+    )
+
+
+def describe(obj: Any, where: str = "model") -> dict[str, Any]:
+    """``{"class": name, "args": {...}}`` for a registered object, nested modules included."""
+    codec = _codec_for(obj, where)
+    args = codec.describe(obj)
+    return {
+        "class": codec.name,
+        "args": {k: _encode(v, f"{where}.args.{k}") for k, v in args.items()},
+    }
+
+
+def _lookup(name: Any, where: str) -> _Codec:
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.class must be a string. Received: {where}.class={name!r}")
+    if name not in _BY_NAME and name.startswith("multihead."):
+        module = name.rsplit(".", 1)[0]
+        # the library's own classes register themselves when their module is imported
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    if name not in _BY_NAME:
+        raise ValueError(
+            f"{where}.class names a class that is not registered; import the module that "
+            f"registers it before loading. Known: {', '.join(registered())}. "
+            f"Received: {where}.class={name!r}"
+        )
+    return _BY_NAME[name]
+
+
+def _decode(value: Any, where: str) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    if "class" in value:
+        return build(value, where)
+    if len(value) != 1:
+        raise ValueError(
+            f"{where} must be a value, a module {{'class', 'args'}} or one of {{'tuple'}}, "
+            f"{{'dict'}}, {{'dtype'}}, {{'float'}}. Received: keys {sorted(value)}"
+        )
+    ((kind, inner),) = value.items()
+    if kind == "tuple":
+        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(inner))
+    if kind == "dict":
+        return {k: _decode(v, f"{where}.{k}") for k, v in inner.items()}
+    if kind == "float":
+        return float(inner)
+    if kind == "dtype":
+        dtype = getattr(torch, str(inner), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{where}.dtype is not a torch dtype. Received: {inner!r}")
+        return dtype
+    raise ValueError(
+        f"{where} has an unknown tag; expected tuple, dict, dtype or float. Received: {kind!r}"
+    )
+
+
+def build(spec: dict[str, Any], where: str = "model", folder: Path | None = None) -> Any:
+    """Rebuild (with fresh weights) what ``describe`` wrote."""
+    if not isinstance(spec, dict) or "class" not in spec:
+        raise ValueError(
+            f"{where} must be an object with a class field. Received: {where}={spec!r}"[:300]
+        )
+    codec = _lookup(spec["class"], where)
+    raw_args = spec.get("args", {})
+    if not isinstance(raw_args, dict):
+        raise ValueError(f"{where}.args must be an object. Received: {where}.args={raw_args!r}")
+    args = {k: _decode(v, f"{where}.args.{k}") for k, v in raw_args.items()}
+    try:
+        return codec.build(args, folder)
+    except TypeError as err:
+        raise ValueError(
+            f"{where}: {codec.name} cannot be built from the saved arguments ({err}). "
+            f"Received: {where}.args keys {sorted(args)}"
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+
+
+def _unwrap(model: Any) -> Any:
+    """Strip DistributedDataParallel and torch.compile wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def save(model: Any, folder: str | Path) -> Path:
+    """Write ``model`` into ``folder`` (created if needed): config.json and model.safetensors.
+
+    ``model`` is any registered module (MultiHeadAttention, encoder stacks, positional
+    encodings, the application models, ...), a ``models.bert.Bert`` or a ``Pretrained`` (then
+    in the Hugging Face layout, tokenizer files included). DistributedDataParallel and
+    ``torch.compile`` wrappers are removed first. Returns the folder.
+    """
+    from safetensors.torch import save_file
+
+    model = _unwrap(model)
+    codec = _codec_for(model, "model")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    module = codec.module(model)
+    state = module.state_dict()
+    names = codec.names(model) if codec.names else {k: k for k in state}
+    unnamed = sorted(set(state) - set(names))
+    if unnamed:
+        raise ValueError(
+            f"{codec.name} has tensors with no name in the file layout: {unnamed[:5]}. "
+            f"Received: {len(unnamed)} unnamed tensors"
+        )
+    tensors: dict[str, Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for key, value in state.items():
+        t = value.detach().cpu().contiguous()
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if ident in seen:  # tied weights: safetensors refuses shared memory
+            t = t.clone()
+        seen.add(ident)
+        tensors[names[key]] = t
+    config = dict(codec.header(model)) if codec.header else {}
+    config.update(
+        {
+            "format_version": FORMAT_VERSION,
+            "model": describe(model),
+            "weights": WEIGHTS,
+            "multihead_version": _version(),
+        }
+    )
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    if codec.files:
+        codec.files(model, folder)
+    return folder
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def load(folder: str | Path) -> Any:
+    """Rebuild what ``save`` wrote: the same class, arguments and weights, in eval mode.
+
+    A Hugging Face BERT folder without multihead's fields loads as ``models.bert.load`` would.
+
+    Raises:
+        FileNotFoundError: the folder, config.json or the weights file is missing.
+        ValueError: an unknown format version or class, a bad field (named), or weights that do
+            not match the architecture (missing, unexpected or mis-shaped tensors, named).
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
+    config_file = folder / CONFIG
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{CONFIG} is missing from {folder}; multihead.save writes it. "
+            f"Received: {sorted(p.name for p in folder.iterdir())}"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}). Received: broken JSON") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{CONFIG} must hold an object. Received: {type(config).__name__}")
+    if "format_version" not in config:
+        if config.get("model_type") == "bert":
+            from .models import bert
+
+            return bert.load(folder)
+        raise ValueError(
+            f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
+            f"multihead.save. Received: fields {sorted(config)[:10]}"
+        )
+    version = config["format_version"]
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{CONFIG}: format_version {version!r} is not one this multihead reads "
+            f"({FORMAT_VERSION}); a newer multihead may have written it, so upgrade. "
+            f"Received: format_version={version!r}"
+        )
+    if "model" not in config:
+        raise ValueError(f"{CONFIG}: the field model is missing. Received: fields {sorted(config)}")
+    obj = build(config["model"], "model", folder)
+    codec = _codec_for(obj, "model")
+    module = codec.module(obj)
+    weights = folder / str(config.get("weights", WEIGHTS))
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"the weights file {weights.name} is missing from {folder}. "
+            f"Received: {sorted(p.name for p in folder.iterdir())}"
+        )
+    expected = module.state_dict()
+    names = codec.names(obj) if codec.names else {k: k for k in expected}
+    with safe_open(str(weights), framework="pt") as f:
+        stored = set(f.keys())
+        missing = sorted(names[k] for k in expected if names[k] not in stored)
+        unexpected = sorted(stored - set(names.values()))
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors {missing[:5]}")
+            if unexpected:
+                parts.append(f"unexpected tensors {unexpected[:5]}")
+            raise ValueError(
+                f"{weights.name} does not match the architecture in {CONFIG}: "
+                f"{'; '.join(parts)}. Received: {len(missing)} missing, "
+                f"{len(unexpected)} unexpected"
+            )
+        state = {}
+        for key, target in expected.items():
+            t = f.get_tensor(names[key])
+            if t.shape != target.shape:
+                raise ValueError(
+                    f"tensor {names[key]} has shape {tuple(t.shape)} in {weights.name} but the "
+                    f"architecture in {CONFIG} needs {tuple(target.shape)}. "
+                    f"Received: {names[key]}.shape={tuple(t.shape)}"
+                )
+            state[key] = t
+    _match_dtypes(module, state)
+    module.load_state_dict(state, strict=True)
+    module.eval()
+    if codec.restore:
+        codec.restore(obj, folder)
+    return obj
+
+
+def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:
+    """Give each parameter and buffer the dtype it was saved in (a bf16 model stays bf16);
+    tied parameters are one object, so they stay tied."""
+    for key, t in state.items():
+        owner_name, _, attr = key.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        current = getattr(owner, attr)
+        if isinstance(current, Tensor) and current.dtype != t.dtype:
+            current.data = current.data.to(t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the library's own classes and the torch modules they take as parts
+
+
+def _register_library() -> None:
+    from . import modules as m
+
+    for cls in (
+        m.MultiHeadAttention,
+        m.FeedForward,
+        m.TransformerEncoderLayer,
+        m.TransformerEncoder,
+        m.SinusoidalPositionalEncoding,
+        m.LearnedPositionalEncoding,
+    ):
+        register(cls, name=f"multihead.{cls.__name__}")
+
+
+def _torch_module(cls: type, fields: Callable[[Any], dict[str, Any]]) -> None:
+    def build_it(args: dict[str, Any]) -> Any:
+        return cls(**args)
+
+    register(cls, name=f"torch.nn.{cls.__name__}", describe=fields, build=build_it)
+
+
+def _register_torch() -> None:
+    def norm(mod: nn.LayerNorm) -> dict[str, Any]:
+        return {
+            "normalized_shape": list(mod.normalized_shape),
+            "eps": mod.eps,
+            "elementwise_affine": mod.elementwise_affine,
+            "bias": getattr(mod, "bias", None) is not None,
+        }
+
+    _torch_module(nn.LayerNorm, norm)
+    if hasattr(nn, "RMSNorm"):
+        _torch_module(
+            nn.RMSNorm,
+            lambda mod: {
+                "normalized_shape": list(mod.normalized_shape),
+                "eps": mod.eps,
+                "elementwise_affine": mod.elementwise_affine,
+            },
+        )
+    _torch_module(
+        nn.Linear,
+        lambda mod: {
+            "in_features": mod.in_features,
+            "out_features": mod.out_features,
+            "bias": mod.bias is not None,
+        },
+    )
+    _torch_module(
+        nn.Embedding,
+        lambda mod: {
+            "num_embeddings": mod.num_embeddings,
+            "embedding_dim": mod.embedding_dim,
+            "padding_idx": mod.padding_idx,
+        },
+    )
+    _torch_module(nn.Dropout, lambda mod: {"p": mod.p})
+    _torch_module(nn.GELU, lambda mod: {"approximate": mod.approximate})
+    for cls in (nn.ReLU, nn.SiLU, nn.Tanh, nn.Identity):
+        _torch_module(cls, lambda mod: {})
+    _torch_module(nn.ModuleList, lambda mod: {"modules": list(mod)})
+    register(
+        nn.Sequential,
+        name="torch.nn.Sequential",
+        describe=lambda mod: {"modules": list(mod)},
+        build=lambda args: nn.Sequential(*args["modules"]),
+    )
+
+
+def _register_bert() -> None:
+    """BERT in the Hugging Face layout, so ``transformers`` opens the folder too."""
+    from dataclasses import asdict
+
+    from .models import bert
+
+    def header(config: bert.BertConfig) -> dict[str, Any]:
+        return {
+            "architectures": ["BertModel"],
+            "model_type": "bert",
+            "position_embedding_type": "absolute",
+            **asdict(config),
+        }
+
+    def bert_args(model: bert.Bert) -> dict[str, Any]:
+        return {"config": asdict(model.config), "pooler": model.pooler is not None}
+
+    def build_bert(args: dict[str, Any], folder: Path | None) -> bert.Bert:
+        return bert.Bert(bert.BertConfig.from_dict(args["config"]), pooler=args["pooler"])
+
+    def hf_names(model: bert.Bert) -> dict[str, str]:
+        return bert._hf_names(model.config, model.pooler is not None)
+
+    _add(
+        _Codec(
+            bert.Bert,
+            "multihead.models.bert.Bert",
+            bert_args,
+            build_bert,
+            names=hf_names,
+            header=lambda model: header(model.config),
+        )
+    )
+
+    def copy_tokenizer(pre: bert.Pretrained, folder: Path) -> None:
+        for name in _TOKENIZER_FILES:
+            source = pre.path / name
+            if source.is_file() and source.resolve() != (folder / name).resolve():
+                shutil.copyfile(source, folder / name)
+        if not (folder / "tokenizer.json").is_file():  # a Pretrained built in memory
+            pre.tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({"max_seq_length": pre.embed_length, "do_lower_case": False}) + "\n"
+        )
+
+    def build_pretrained(args: dict[str, Any], folder: Path | None) -> bert.Pretrained:
+        if folder is None:
+            raise ValueError(
+                "a Pretrained model can only be loaded as a whole folder (its tokenizer lives "
+                "in files). Received: a nested Pretrained"
+            )
+        return bert.load(folder)
+
+    _add(
+        _Codec(
+            bert.Pretrained,
+            "multihead.models.bert.Pretrained",
+            lambda pre: {},
+            build_pretrained,
+            module=lambda pre: pre.model,
+            names=lambda pre: hf_names(pre.model),
+            header=lambda pre: header(pre.config),
+            files=copy_tokenizer,
+        )
+    )
+
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
+
+_register_library()
+_register_torch()
+_register_bert()

@@ -1,0 +1,285 @@
+"""multihead.save / multihead.load: exact round trips, the Hugging Face layout for BERT (opened
+by transformers itself), and every error naming the tensor or field at fault."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import multihead as mh
+from multihead import io
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype, key
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_attention_round_trip_keeps_every_argument(tmp_path):
+    torch.manual_seed(0)
+    mha = mh.MultiHeadAttention(
+        24, 6, kdim=5, vdim=7, num_kv_heads=2, bias=False, dropout=0.25, head_dim=3, out_dim=10
+    )
+    mh.save(mha, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["format_version"] == io.FORMAT_VERSION
+    assert config["model"] == {
+        "class": "multihead.MultiHeadAttention",
+        "args": {
+            "embed_dim": 24,
+            "num_heads": 6,
+            "kdim": 5,
+            "vdim": 7,
+            "num_kv_heads": 2,
+            "bias": False,
+            "dropout": 0.25,
+            "head_dim": 3,
+            "value_head_dim": 3,  # resolved from head_dim: the same module
+            "out_dim": 10,
+        },
+    }
+    back = mh.load(tmp_path)
+    assert type(back) is mh.MultiHeadAttention and not back.training
+    _same_state(mha, back)
+    q, k, v = torch.randn(2, 9, 24), torch.randn(2, 11, 5), torch.randn(2, 11, 7)
+    mha.eval()
+    assert torch.equal(mha(q, k, v), back(q, k, v))
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_encoder_stack_round_trip(tmp_path, norm_first):
+    torch.manual_seed(1)
+    layers = [
+        mh.TransformerEncoderLayer(
+            16, 4, 40, activation="relu", norm_first=norm_first, layer_norm_eps=1e-6
+        )
+        for _ in range(3)
+    ]
+    encoder = mh.TransformerEncoder(layers, norm=nn.LayerNorm(16) if norm_first else None)
+    mh.save(encoder, tmp_path)
+    back = mh.load(tmp_path)
+    _same_state(encoder, back)
+    assert back.layers[0].norm_first is norm_first
+    assert back.layers[2].norm1.eps == 1e-6
+    x = torch.randn(3, 13, 16)
+    mask = mh.masks.lengths(torch.tensor([13, 5, 9]))
+    assert torch.equal(encoder.eval()(x, mask=mask), back(x, mask=mask))
+
+
+def test_positional_encodings_round_trip(tmp_path):
+    learned = mh.LearnedPositionalEncoding(33, 8)
+    mh.save(learned, tmp_path / "learned")
+    back = mh.load(tmp_path / "learned")
+    _same_state(learned, back)
+    fixed = mh.SinusoidalPositionalEncoding(10, max_len=40, base=500.0)
+    mh.save(fixed, tmp_path / "fixed")
+    assert load_file(str(tmp_path / "fixed" / "model.safetensors")) == {}  # a table, no weights
+    again = mh.load(tmp_path / "fixed")
+    x = torch.randn(2, 50, 10)  # longer than max_len: the table is extended the same way
+    assert torch.equal(fixed(x), again(x))
+    assert again.base == 500.0
+
+
+def test_a_new_class_with_injected_parts_is_one_register_call(tmp_path):
+    """What a decoder layer will need: constructor arguments that are modules (an attention,
+    a norm, a list of feed-forwards), described recursively."""
+
+    class Block(nn.Module):
+        def __init__(self, attention: nn.Module, norm: nn.Module, ffs: list, *, scale=0.5):
+            super().__init__()
+            self.attention, self.norm, self.ffs, self.scale = (
+                attention,
+                norm,
+                nn.ModuleList(ffs),
+                scale,
+            )
+
+        def forward(self, x):
+            x = x + self.scale * self.attention(self.norm(x), mask=mh.masks.causal())
+            for ff in self.ffs:
+                x = x + ff(x)
+            return x
+
+    io.register(Block)
+    torch.manual_seed(2)
+    block = Block(
+        mh.MultiHeadAttention(12, 3, num_kv_heads=1),
+        nn.RMSNorm(12, eps=1e-6),
+        [
+            mh.FeedForward(12, 20, activation="gelu_tanh"),
+            nn.Sequential(nn.Linear(12, 12), nn.SiLU()),
+        ],
+        scale=0.25,
+    )
+    mh.save(block, tmp_path)
+    spec = json.loads((tmp_path / "config.json").read_text())["model"]
+    assert spec["args"]["attention"]["args"]["num_kv_heads"] == 1
+    assert spec["args"]["norm"] == {
+        "class": "torch.nn.RMSNorm",
+        "args": {"normalized_shape": [12], "eps": 1e-6, "elementwise_affine": True},
+    }
+    back = mh.load(tmp_path)
+    _same_state(block, back)
+    x = torch.randn(2, 7, 12)
+    assert torch.equal(block.eval()(x), back(x))
+
+
+def test_values_changed_after_construction_are_saved(tmp_path):
+    mha = mh.MultiHeadAttention(8, 2, dropout=0.1)
+    mha.dropout = 0.3  # as the BERT loader does for attention dropout
+    mh.save(mha, tmp_path)
+    assert mh.load(tmp_path).dropout == 0.3
+
+
+def test_dtype_and_wrappers(tmp_path):
+    mha = mh.MultiHeadAttention(8, 2).to(torch.bfloat16)
+    mh.save(torch.compile(mha), tmp_path)  # the compile wrapper is removed before saving
+    back = mh.load(tmp_path)
+    assert back.q_proj.weight.dtype == torch.bfloat16
+    _same_state(mha, back)
+
+
+def test_bert_folder_opens_in_transformers_and_round_trips(tmp_path, pretrained):
+    """Hugging Face's BertModel, loading our folder by itself, computes the same hidden states
+    as our model (1e-5: the fp32 agreement the BERT parity tests measure, at most 7.8e-6)."""
+    from transformers import AutoTokenizer, BertModel
+
+    mh.save(pretrained, tmp_path)
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.txt"} <= names
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert "encoder.layer.5.attention.self.query.weight" in stored
+
+    back = mh.load(tmp_path)
+    assert type(back).__name__ == "Pretrained" and back.embed_length == pretrained.embed_length
+    _same_state(pretrained.model, back.model)
+
+    hf = BertModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    texts = ["The movie was not good at all.", "A quiet, lovely afternoon by the river!"]
+    hf_tokens = AutoTokenizer.from_pretrained(tmp_path)(texts, padding=True, return_tensors="pt")
+    batch, ours = back(texts)
+    assert torch.equal(hf_tokens["input_ids"], batch.input_ids)
+    with torch.no_grad():
+        theirs = hf(**hf_tokens).last_hidden_state
+    for i, n in enumerate(batch.lengths.tolist()):
+        assert (theirs[i, :n] - ours.last_hidden_state[i, :n]).abs().max() <= 1e-5
+
+    mh.save(pretrained.model, tmp_path / "bare")  # the Bert module alone loads as a Bert
+    bare = mh.load(tmp_path / "bare")
+    assert type(bare).__name__ == "Bert"
+    _same_state(pretrained.model, bare)
+
+
+def test_plain_hugging_face_bert_folder_loads(pretrained):
+    back = mh.load(pretrained.path)  # no multihead fields: read as models.bert.load would
+    _same_state(pretrained.model, back.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return mh.save(mh.MultiHeadAttention(8, 2), tmp_path / "saved")
+
+
+def _edit_weights(folder, change):
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(folder / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(saved):
+    _edit_weights(saved, lambda s: s.pop("k_proj.bias"))
+    with pytest.raises(ValueError, match=r"missing tensors \['k_proj.bias'\]"):
+        mh.load(saved)
+
+
+def test_unexpected_tensor_is_named(saved):
+    _edit_weights(saved, lambda s: s.update(extra=torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['extra'\]"):
+        mh.load(saved)
+
+
+def test_shape_mismatch_is_named(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["model"]["args"]["kdim"] = 5
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"tensor k_proj.weight has shape \(8, 8\).*needs \(8, 5\)"
+    ):
+        mh.load(saved)
+
+
+def test_unknown_format_version(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["format_version"] = 99
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"format_version 99 is not one this multihead reads.*Received: format_version=99",
+    ):
+        mh.load(saved)
+
+
+def test_unknown_class_and_bad_arguments(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["model"]["class"] = "somewhere.Nope"
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"model.class names a class that is not registered.*"
+        r"Received: model.class='somewhere.Nope'",
+    ):
+        mh.load(saved)
+    config["model"] = {
+        "class": "multihead.MultiHeadAttention",
+        "args": {"embed_dim": 8, "heads": 2},
+    }
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"model: multihead.MultiHeadAttention cannot be built from the saved arguments",
+    ):
+        mh.load(saved)
+
+
+def test_missing_files_and_foreign_folders(tmp_path, saved):
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        mh.load(tmp_path / "nowhere")
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"the weights file model\.safetensors is missing"):
+        mh.load(saved)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"hidden_size": 4}')
+    with pytest.raises(ValueError, match="the field format_version is missing"):
+        mh.load(tmp_path / "other")
+    with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
+        mh.load(tmp_path)
+
+
+def test_unregistered_modules_and_non_data_arguments_refuse_to_save(tmp_path):
+    with pytest.raises(
+        TypeError,
+        match=r"model: Conv1d is not a registered class.*Received: torch.nn.modules.conv.Conv1d",
+    ):
+        mh.save(nn.Conv1d(2, 2, 1), tmp_path)
+
+    class Holder(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.table = table
+
+    io.register(Holder)
+    with pytest.raises(TypeError, match=r"model.args.table: a Tensor cannot be written as data"):
+        mh.save(Holder(torch.zeros(2)), tmp_path)
+    with pytest.raises(TypeError, match=r"register needs a constructor without \*args"):
+        io.register(type("Star", (nn.Module,), {"__init__": lambda self, *a: None}))
