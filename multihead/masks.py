@@ -742,12 +742,15 @@ class _Documents(Mask):
 
     def _runs_of(self, batch: int) -> tuple[list[int], list]:
         """``runs(batch)`` and their first rows, cached per batch row (for bisection)."""
-        cache = self.__dict__.setdefault("_runs_cache", {})
         row = batch if self._q.shape[0] > 1 or self._k.shape[0] > 1 else 0
-        if row not in cache:
+        if row not in self._runs_cache:
             runs = self.runs(row)
-            cache[row] = ([r[0] for r in runs], runs)
-        return cache[row]
+            self._runs_cache[row] = ([r[0] for r in runs], runs)
+        return self._runs_cache[row]
+
+    @functools.cached_property
+    def _runs_cache(self) -> dict[int, tuple[list[int], list]]:
+        return {}
 
     @functools.cached_property
     def _host_k(self) -> Tensor:
@@ -869,7 +872,9 @@ class _Dense(Mask):
         if q1 <= q0 or k1 <= k0:
             return TileKind.EMPTY
         keep = self._host[batch if self._host.shape[0] > 1 else 0]  # [H|1, L|1, S|1]
-        keep = keep[:, q0 : q1 if keep.shape[1] > 1 else 1, k0 : k1 if keep.shape[2] > 1 else 1]
+        rows = slice(q0, q1) if keep.shape[1] > 1 else slice(None)  # size 1 broadcasts
+        cols = slice(k0, k1) if keep.shape[2] > 1 else slice(None)
+        keep = keep[:, rows, cols]
         return _kind(bool(keep.any()), bool(keep.all()))
 
     def _describe(self):

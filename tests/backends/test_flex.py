@@ -138,6 +138,16 @@ def test_rect_kind_agrees_with_the_dense_lowering(kind, shape):
         _check_rect_kinds(case.mask, keep, length_q, length_k, kind not in COMBOS, seed)
 
 
+def test_rect_kind_of_broadcast_dense_masks():
+    """Dense masks whose query or key dimension has size 1 (it broadcasts)."""
+    g = torch.Generator().manual_seed(4)
+    per_key = torch.rand(3, 1, 1, 29, generator=g) < 0.5
+    per_query = torch.rand(1, 2, 23, 1, generator=g) < 0.5
+    for keep in (per_key, per_query, per_key & per_query):
+        mask = masks.dense(keep)
+        _check_rect_kinds(mask, keep.expand(3, 2, 23, 29), 23, 29, exact=True)
+
+
 def test_rect_kind_of_interleaved_documents_and_crops():
     """Documents whose keys are not contiguous compare ids; a crop answers as the whole."""
     g = torch.Generator().manual_seed(3)
