@@ -110,9 +110,9 @@ def attention(
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         return_weights: also return the softmax weights (before dropout).
-        backend: "auto" (fastest backend that honours the call), "tiled", "sdpa" or
-            "reference".
-            ``explain_backend`` says why each backend was or was not chosen.
+        backend: "auto" (fastest backend that honours the call), "tiled", "sdpa",
+            "reference" or "flex" (FlexAttention compiled from the mask; inference only on
+            CPU). ``explain_backend`` says why each backend was or was not chosen.
 
     Returns:
         The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when

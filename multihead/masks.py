@@ -19,7 +19,9 @@ the tensors they are used with. Masks built from tensors (``lengths``, ``key_pad
 
 from __future__ import annotations
 
+import bisect
 import enum
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -88,6 +90,7 @@ class Mask:
       FlexAttention's ``mask_mod`` (index tensors broadcast against each other);
     * ``block`` / ``to_dense``: any rectangle lowered to a bool tensor;
     * ``tile``: per query tile, the visible key range and whether it is empty, partial or full;
+    * ``rect_kind``: whether any rectangle (queries x keys) is empty, partial or full;
     * ``structure_key``: a hashable key when the mask's pattern depends only on (L, S) (plans
       can be cached under it), else None;
     * hints for planners: ``tile_rows``, ``blocks``, ``torch_is_causal``, ``arbitrary``.
@@ -171,6 +174,40 @@ class Mask:
         """Visible key range and kind for query rows ``[q0, q1)`` of batch entry ``batch``."""
         raise NotImplementedError
 
+    def rect_kind(
+        self,
+        length_q: int,
+        length_k: int,
+        q0: int,
+        q1: int,
+        k0: int,
+        k1: int,
+        *,
+        batch: int = 0,
+    ) -> TileKind:
+        """How much of queries ``[q0, q1)`` x keys ``[k0, k1)`` of batch entry ``batch`` is
+        visible, over every head, without lowering the rectangle.
+
+        ``EMPTY``: no (query, key) pair is visible; ``FULL``: every pair is; ``PARTIAL``: some
+        are, or the mask cannot tell cheaply. The answer is never wrong in the direction that
+        matters: a rectangle called EMPTY holds nothing visible and one called FULL nothing
+        hidden (block-sparse kernels skip the first and drop the mask on the second).
+
+        The default is exact for bands (``visible_distances``) and otherwise conservative,
+        from ``tile``; masks that can answer exactly and cheaply override it.
+        """
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        band = self.visible_distances(length_q, length_k)
+        if band is not None:
+            return _band_kind(band, q0, q1, k0, k1)
+        t = self.tile(length_q, length_k, q0, q1, batch=batch)
+        if t.kind == TileKind.EMPTY or k1 <= t.start or k0 >= t.stop:
+            return TileKind.EMPTY
+        if t.kind == TileKind.FULL and t.start <= k0 and k1 <= t.stop:
+            return TileKind.FULL
+        return TileKind.PARTIAL
+
     def to_dense(
         self, length_q: int, length_k: int, *, device: torch.device | str | None = None
     ) -> Tensor:
@@ -217,6 +254,24 @@ def _as_mask(m: object) -> Mask:
         "masks combine only with other masks or bool tensors. "
         f"Received: an object of type {type(m).__name__}"
     )
+
+
+def _band_kind(band: tuple[int | None, int | None], q0: int, q1: int, k0: int, k1: int) -> TileKind:
+    """Exact rect_kind of a band (query i sees key j iff lo <= j - i <= hi): the rectangle's
+    distances j - i fill the whole interval [k0 - (q1 - 1), (k1 - 1) - q0]."""
+    lo, hi = band
+    d_min, d_max = k0 - (q1 - 1), (k1 - 1) - q0
+    if (hi is not None and d_min > hi) or (lo is not None and d_max < lo):
+        return TileKind.EMPTY
+    if (lo is None or d_min >= lo) and (hi is None or d_max <= hi):
+        return TileKind.FULL
+    return TileKind.PARTIAL
+
+
+def _kind(any_visible: bool, all_visible: bool) -> TileKind:
+    if not any_visible:
+        return TileKind.EMPTY
+    return TileKind.FULL if all_visible else TileKind.PARTIAL
 
 
 def _arange(a: int, b: int, device: torch.device | str | None) -> Tensor:
@@ -450,6 +505,22 @@ class _Lengths(Mask):
         window = row[q0:q1]
         return _tile(0, max(window), min(window) == max(window))
 
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if self._host_q is not None:
+            q_stop = self._host_q[batch]
+            padded = q1 > q_stop  # some rows are query padding: they see nothing
+            q1 = min(q1, q_stop)
+        else:
+            padded = False
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        row = self._host[batch]
+        if not isinstance(row, int):  # one length per query row
+            row = row[q0:q1]
+        shortest, longest = (row, row) if isinstance(row, int) else (min(row), max(row))
+        # a row sees keys j < its length
+        return _kind(longest > k0, shortest >= k1 and not padded)
+
     def _describe(self):
         extra = "" if self._host_q is None else f", query_lens={self._host_q}"
         return f"lengths(valid_lens={self._host}{extra})"
@@ -517,6 +588,18 @@ class _KeyPadding(Mask):
         if q1 <= q0:
             return _EMPTY
         return _tile(*self._spans[batch])
+
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        seen = self._visible_before[batch]  # seen[j] = visible keys among [0, j)
+        count = int(seen[k1] - seen[k0])
+        return _kind(count > 0, count == k1 - k0)
+
+    @functools.cached_property
+    def _visible_before(self) -> Tensor:
+        keep = self.keep.detach().cpu().long()
+        return torch.nn.functional.pad(keep.cumsum(dim=1), (1, 0))  # [B, S + 1]
 
     def _describe(self):
         return f"key_padding(keep of shape {tuple(self.keep.shape)})"
@@ -634,6 +717,45 @@ class _Documents(Mask):
         full = len(ids) == 1 and spans[0][2] == spans[0][1] - spans[0][0]
         return _tile(start, stop, full)
 
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        starts, runs = self._runs_of(batch)
+        first = max(bisect.bisect_right(starts, q0) - 1, 0)
+        spans = []  # per run of equal query ids among rows [q0, q1): its key span or None
+        for r0, _, span in runs[first:]:
+            if r0 >= q1:
+                break
+            spans.append(span)
+        known = [x for x in spans if x is not None]
+        if any(count != stop - start for start, stop, count in known):
+            # a document's keys are interleaved with another's: compare the ids themselves
+            rows = self._host_q[batch if self._q.shape[0] > 1 else 0, q0:q1]
+            cols = self._host_k[batch if self._k.shape[0] > 1 else 0, k0:k1]
+            hit = torch.isin(cols, rows)
+            return _kind(bool(hit.any()), bool((rows == rows[0]).all() & hit.all()))
+        # contiguous key spans of different documents are disjoint
+        return _kind(
+            any(min(stop, k1) > max(start, k0) for start, stop, _ in known),
+            len(known) == len(spans) and all(a <= k0 and k1 <= b for a, b, _ in known),
+        )
+
+    def _runs_of(self, batch: int) -> tuple[list[int], list]:
+        """``runs(batch)`` and their first rows, cached per batch row (for bisection)."""
+        row = batch if self._q.shape[0] > 1 or self._k.shape[0] > 1 else 0
+        if row not in self._runs_cache:
+            runs = self.runs(row)
+            self._runs_cache[row] = ([r[0] for r in runs], runs)
+        return self._runs_cache[row]
+
+    @functools.cached_property
+    def _runs_cache(self) -> dict[int, tuple[list[int], list]]:
+        return {}
+
+    @functools.cached_property
+    def _host_k(self) -> Tensor:
+        return self._k.detach().cpu()
+
     def _describe(self):
         return f"documents(query_ids of shape {tuple(self.query_ids.shape)})"
 
@@ -746,6 +868,15 @@ class _Dense(Mask):
         start, stop = int(cols[0]), int(cols[-1]) + 1
         return _tile(start, stop, bool(keep[:, :, start:stop].all()))
 
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        keep = self._host[batch if self._host.shape[0] > 1 else 0]  # [H|1, L|1, S|1]
+        rows = slice(q0, q1) if keep.shape[1] > 1 else slice(None)  # size 1 broadcasts
+        cols = slice(k0, k1) if keep.shape[2] > 1 else slice(None)
+        keep = keep[:, rows, cols]
+        return _kind(bool(keep.any()), bool(keep.all()))
+
     def _describe(self):
         shape = tuple(self.keep.shape[2:]) if self._exact else tuple(self.keep.shape)
         return f"dense(keep of shape {shape})"
@@ -821,6 +952,25 @@ class _Combine(Mask):
         # two fully visible ranges that touch or overlap leave no gap
         joined = x.kind == y.kind == full and max(x.start, y.start) <= min(x.stop, y.stop)
         return _tile(start, stop, covers or joined)
+
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if self.visible_distances(length_q, length_k) is not None:  # two bands: exact
+            return super().rect_kind(length_q, length_k, q0, q1, k0, k1, batch=batch)
+        x = self.a.rect_kind(length_q, length_k, q0, q1, k0, k1, batch=batch)
+        y = self.b.rect_kind(length_q, length_k, q0, q1, k0, k1, batch=batch)
+        empty, full = TileKind.EMPTY, TileKind.FULL
+        if self.op == "&":
+            if empty in (x, y):
+                return empty
+            if x == y == full:
+                return full
+        else:
+            if full in (x, y):
+                return full
+            if x == y == empty:
+                return empty
+        # two partial answers may still not meet: the combined tile range can tell
+        return super().rect_kind(length_q, length_k, q0, q1, k0, k1, batch=batch)
 
     def _describe(self):
         return f"({self.a._describe()} {self.op} {self.b._describe()})"
@@ -900,6 +1050,13 @@ class _Crop(Mask):
 
     def torch_is_causal(self, length_q, length_k):
         return self.visible_distances(length_q, length_k) == (None, 0)
+
+    def rect_kind(self, length_q, length_k, q0, q1, k0, k1, *, batch=0):
+        if q1 <= q0 or k1 <= k0:
+            return TileKind.EMPTY
+        return self.parent.rect_kind(
+            *self.size, self.q0 + q0, self.q0 + q1, self.k0 + k0, self.k0 + k1, batch=batch
+        )
 
     def _describe(self):
         return (

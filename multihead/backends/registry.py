@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import _half, reference, sdpa, tiled
+from . import _half, flex, reference, sdpa, tiled
 from ._call import Call, exporting
 
 
@@ -44,12 +44,42 @@ BACKENDS: dict[str, Backend] = {
         Backend("tiled", tiled.run, tiled.unsupported),
         Backend("sdpa", sdpa.run, sdpa.unsupported),
         Backend("reference", reference.run, _always),
+        Backend("flex", flex.run, flex.unsupported),
     )
 }
 
 
 def _ranking(call: Call) -> tuple[list[str], str]:
     """Backends from fastest expected to slowest for this call, and why the first leads."""
+    order, why = _ranking_without_flex(call)
+    device = _device(call)
+    if device == "cuda" and _structured(call) and flex.unsupported(call) is None:
+        # FlexAttention generates one fused kernel that skips the mask's empty blocks, where
+        # tiled's per-chunk torch ops would be many small kernel launches
+        return ["flex", *order], "its one compiled kernel skips the blocks the mask hides"
+    if device == "cpu" and flex.measured_faster(call) and flex.unsupported(call) is None:
+        return (
+            ["flex", *order],
+            "its compiled kernel measured faster than tiled on long sliding windows "
+            "(compiled once per shape, the compile time not counted)",
+        )
+    return [*order, "flex"], why
+
+
+def _device(call: Call) -> str:
+    """The device type the call runs on ("cpu", "cuda", ...); one place, so tests can stand
+    in for a GPU."""
+    return call.query.device.type
+
+
+def _structured(call: Call) -> bool:
+    """A mask or computed bias with structure to exploit (not a dense tensor, not plain causal)."""
+    if call.bias is not None and call.bias.computed:
+        return True
+    return call.mask is not None and not call.mask.arbitrary and not sdpa.is_plain_causal(call)
+
+
+def _ranking_without_flex(call: Call) -> tuple[list[str], str]:
     if exporting():
         return (
             ["reference", "sdpa", "tiled"],
@@ -57,7 +87,7 @@ def _ranking(call: Call) -> tuple[list[str], str]:
         )
     if call.return_weights:
         return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
-    if call.query.device.type != "cpu":
+    if _device(call) != "cpu":
         return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
     if _half.fast(call):
         return (

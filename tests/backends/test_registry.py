@@ -27,10 +27,11 @@ def test_auto_choice_and_reasons(mask, expected):
     q, k, v = qkv(2, 2, 2, 4, 4, 5)
     choice = mh.explain_backend(q, k, v, mask)
     assert choice.backend == expected
-    assert set(choice.reasons) == {"tiled", "sdpa", "reference"} - {expected}
+    assert set(choice.reasons) == {"tiled", "sdpa", "reference", "flex"} - {expected}
     assert all(
         r.startswith(f"supported, but {expected} is expected to be faster: ")
-        for r in choice.reasons.values()
+        for name, r in choice.reasons.items()
+        if name != "flex"  # float64 inputs: flex says why it cannot run them on CPU
     )
     assert str(choice).splitlines()[0] == f"chosen: {expected}"
 
