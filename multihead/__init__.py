@@ -14,9 +14,15 @@ from . import masks
 from .functional import attention, attention_weights, explain_backend
 from .modules import (
     FeedForward,
+    GatedFeedForward,
+    KVCache,
     LearnedPositionalEncoding,
     MultiHeadAttention,
+    RMSNorm,
+    RotaryEmbedding,
     SinusoidalPositionalEncoding,
+    TransformerDecoder,
+    TransformerDecoderLayer,
     TransformerEncoder,
     TransformerEncoderLayer,
     merge_heads,
@@ -27,9 +33,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FeedForward",
+    "GatedFeedForward",
+    "KVCache",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
     "TransformerEncoder",
     "TransformerEncoderLayer",
     "attention",

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("text", metavar="TEXT", help="the sentence to explain")
     explain.add_argument("--focus", metavar="WORD", help="the word to follow (default: last)")
     explain.add_argument("--out", default="explain-out", metavar="DIR", help="folder for figures")
-    explain.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    explain.add_argument(
+        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+    )
     explain.set_defaults(func=_explain)
     embed = commands.add_parser("embed", help="sentence embeddings, one per line of FILE")
     embed.add_argument("file", metavar="FILE", help="UTF-8 text, one sentence per line")
