@@ -14,6 +14,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.decode:
+        from .bench.decode import QUICK, DecodeShape, run_decode_bench
+
+        shape = QUICK if args.quick else DecodeShape()
+        run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
+        return 0
     if args.embed:
         from .bench.embed import run_embed_bench
 
@@ -60,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--sentences", type=int, default=2000, help="sentences for --embed (default 2000)"
+    )
+    bench.add_argument(
+        "--decode",
+        action="store_true",
+        help="instead: greedy decoding tokens/s of a GPT-2-small-shaped model against "
+        "transformers generate() (B=1 and B=8, prompt 128, 128 new tokens)",
     )
     bench.set_defaults(func=_bench)
     explain = commands.add_parser(

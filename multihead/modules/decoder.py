@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import _validation as V
 from .. import masks
 from ..masks import Mask
-from .cache import KVCache
+from .cache import KVCache, LayerCache
 
 __all__ = ["DecoderOutput", "TransformerDecoder", "TransformerDecoderLayer"]
 
@@ -69,7 +69,7 @@ class TransformerDecoderLayer(nn.Module):
         *,
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
-        cache=None,
+        cache: LayerCache | None = None,
         return_weights: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Args:
