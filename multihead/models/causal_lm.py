@@ -115,7 +115,11 @@ class CausalLM(nn.Module):
         return positions if self._attention.rotary is not None else None
 
     def _prepare(
-        self, input_ids: Tensor, lengths: Tensor | None, padding_side: str
+        self,
+        input_ids: Tensor,
+        lengths: Tensor | None,
+        padding_side: str,
+        attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Validate a padded batch; return it right-padded, its lengths (B,) and, for left
         padding, each row's shift (B,) to undo the move."""
@@ -143,6 +147,10 @@ class CausalLM(nn.Module):
                 f"padding_side must be 'right' or 'left'. Received: padding_side={padding_side!r}"
             )
         device = input_ids.device
+        if attention_mask is not None:
+            if lengths is not None:
+                raise ValueError("pass lengths or attention_mask, not both. Received: both")
+            lengths, padding_side = _from_attention_mask(attention_mask, input_ids.shape)
         if lengths is None:
             lengths = torch.full((b,), length, dtype=torch.long, device=device)
         else:
@@ -181,7 +189,12 @@ class CausalLM(nn.Module):
             )
 
     def forward(
-        self, input_ids: Tensor, *, lengths: Tensor | None = None, padding_side: str = "right"
+        self,
+        input_ids: Tensor,
+        *,
+        lengths: Tensor | None = None,
+        padding_side: str = "right",
+        attention_mask: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, L, vocab) of a padded batch.
 
@@ -190,8 +203,13 @@ class CausalLM(nn.Module):
             lengths: (B,) real tokens per row (default: every row is full). The padding of a
                 row sees nothing and is seen by nothing; its logits are meaningless.
             padding_side: "right" (real tokens first) or "left" (real tokens last).
+            attention_mask: instead of ``lengths`` and ``padding_side``, the (B, L) 0/1 mask
+                of transformers (1 = real token); each row's ones must be one block at the
+                start (right padding) or all rows' at the end (left padding).
         """
-        return self.run(input_ids, lengths=lengths, padding_side=padding_side).logits
+        return self.run(
+            input_ids, lengths=lengths, padding_side=padding_side, attention_mask=attention_mask
+        ).logits
 
     def run(
         self,
@@ -199,12 +217,13 @@ class CausalLM(nn.Module):
         *,
         lengths: Tensor | None = None,
         padding_side: str = "right",
+        attention_mask: Tensor | None = None,
         return_weights: bool = False,
         return_hidden: bool = False,
     ) -> CausalLMOutput:
         """``forward`` with more: the per-head weights of every layer (B, H, L, L) and every
         layer's hidden states on request. Always returns a ``CausalLMOutput``."""
-        ids, lengths, shift = self._prepare(input_ids, lengths, padding_side)
+        ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         length = ids.shape[1]
         self._check_length(length, "the input")
         positions = torch.arange(length, device=ids.device)
@@ -258,6 +277,7 @@ class CausalLM(nn.Module):
         top_p: float | None = None,
         generator: torch.Generator | None = None,
         padding_side: str = "right",
+        attention_mask: Tensor | None = None,
         eos_token_id: int | Sequence[int] | None = None,
     ) -> Tensor | str | list[str]:
         """Greedy or sampled continuation of every row, with a ``KVCache``.
@@ -277,6 +297,8 @@ class CausalLM(nn.Module):
             top_p: sample from the smallest set of tokens whose probability reaches p.
             generator: a ``torch.Generator`` for reproducible sampling.
             padding_side: "right" (default) or "left" padding of ``input_ids``.
+            attention_mask: instead of ``lengths`` and ``padding_side``, transformers' (B, L)
+                0/1 mask, as in ``forward``.
             eos_token_id: stop a row at this token (or any of these): its later tokens are
                 ``pad_token_id``. Default: never for ids (every row gets max_new_tokens tokens);
                 the model's end-of-sequence token for texts.
@@ -309,7 +331,7 @@ class CausalLM(nn.Module):
             )
         _check_sampling(do_sample, temperature, top_k, top_p, generator)
         stop = _eos_list(eos_token_id)
-        ids, lengths, shift = self._prepare(input_ids, lengths, padding_side)
+        ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         b = ids.shape[0]
         total = int(lengths.max()) + max_new_tokens
         self._check_length(total, "the longest prompt with its new tokens")
@@ -380,6 +402,28 @@ class CausalLM(nn.Module):
                     break
             decoded.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
         return decoded[0] if single else decoded
+
+
+def _from_attention_mask(mask: Tensor, shape: torch.Size) -> tuple[Tensor, str]:
+    """(lengths, padding side) of a transformers-style (B, L) 0/1 attention mask."""
+    if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(shape) or mask.is_complex():
+        got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(
+            f"attention_mask must be a (B, L) = {tuple(shape)} tensor of 0/1 (1 = real token). "
+            f"Received: {got}"
+        )
+    real = mask.to(torch.long) != 0
+    lengths = real.sum(dim=1)
+    ar = torch.arange(shape[1], device=mask.device)[None]
+    if bool((real == (ar < lengths[:, None])).all()):
+        return lengths, "right"
+    if bool((real == (ar >= shape[1] - lengths[:, None])).all()):
+        return lengths, "left"
+    raise ValueError(
+        "attention_mask must mark each row's real tokens as one block, at the start of every "
+        "row (right padding) or at the end of every row (left padding). "
+        f"Received: attention_mask={real.long().tolist()}"
+    )
 
 
 def _eos_list(eos: int | Sequence[int] | None) -> list[int]:

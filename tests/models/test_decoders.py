@@ -128,6 +128,24 @@ def test_row_in_a_batch_equals_the_row_alone(pair):
             assert torch.equal(tokens[b, start : start + 12], alone[b])
 
 
+def test_transformers_style_attention_mask(pair):
+    """attention_mask (1 = real token) says the same as lengths and padding_side."""
+    _, ours, _ = pair
+    for side in ("right", "left"):
+        ids, lengths = pad(ROWS, side)
+        mask = _real(ids, lengths, side).long()
+        expected = ours(ids, lengths=lengths, padding_side=side)
+        torch.testing.assert_close(ours(ids, attention_mask=mask), expected, rtol=0, atol=0)
+        tokens = ours.generate(ids, 4, lengths=lengths, padding_side=side)
+        assert torch.equal(ours.generate(ids, 4, attention_mask=mask), tokens)
+    holes = torch.ones(3, 5, dtype=torch.long)
+    holes[0, 2] = 0
+    with pytest.raises(ValueError, match="must mark each row's real tokens as one block"):
+        ours(torch.ones(3, 5, dtype=torch.long), attention_mask=holes)
+    with pytest.raises(ValueError, match="pass lengths or attention_mask, not both"):
+        ours(ids, lengths=lengths, attention_mask=mask)
+
+
 def test_seeded_sampling_is_reproducible(pair):
     _, ours, _ = pair
     ids, lengths = pad(ROWS, "right")
