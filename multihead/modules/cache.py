@@ -138,6 +138,13 @@ class KVCache:
         self._host = [0] * batch_size  # lengths on the host: no device sync to plan a step
         self._step: CacheStep | None = None
         self._written: set[int] = set()
+        # the current step: each row's length before it, its width L, where the new tokens
+        # go ((rows, columns, slots), None for one slice), and for a rolling cache the
+        # position held by every key column
+        self._offsets: list[int] = []
+        self._width = 0
+        self._slots: tuple[Tensor, Tensor, Tensor] | None = None
+        self._held: Tensor | None = None
 
     def _empty(self, capacity: int, dim: int) -> Tensor:
         # zeros rather than empty: slots nobody wrote are masked anyway, but stay finite
