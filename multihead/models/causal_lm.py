@@ -20,7 +20,7 @@ from .. import masks
 from ..modules import KVCache, MultiHeadAttention, TransformerDecoder
 from ..modules.decoder import DecoderOutput
 
-__all__ = ["CausalLM", "CausalLMOutput", "filter_top_k", "filter_top_p"]
+__all__ = ["CausalLM", "CausalLMOutput", "decode_layout", "filter_top_k", "filter_top_p"]
 
 _PADDING_SIDES = ("right", "left")
 
@@ -56,6 +56,29 @@ def filter_top_p(scores: Tensor, p: float | None) -> Tensor:
     before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
     drop = (before >= p).scatter(-1, order, before >= p)
     return scores.masked_fill(drop, float("-inf"))
+
+
+def decode_layout(model: nn.Module) -> None:
+    """Store every linear layer's weight transposed in memory: (in, out) contiguous, the layout
+    of transformers' GPT-2 ``Conv1D``. Shapes, values and tying stay as they are; only the
+    strides change (so ``F.linear`` hands the BLAS a contiguous (in, out) matrix).
+
+    Decoding multiplies one row per sequence by every weight matrix, and torch's CPU BLAS
+    streams an (in, out) matrix through such a product about 1.5x faster than an (out, in) one
+    (measured on GPT-2-small shapes: 18 against 12 GB/s); products of many rows (prefill,
+    training) run at the same speed either way. ``state_dict`` tensors are then
+    non-contiguous: call ``.contiguous()`` before writing them with safetensors.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in weights:
+                continue
+            if id(param) not in replaced:
+                stored = param.detach().t().contiguous().t()
+                replaced[id(param)] = nn.Parameter(stored, requires_grad=param.requires_grad)
+            setattr(module, name, replaced[id(param)])
 
 
 def _roll_rows(t: Tensor, shift: Tensor, dim: int) -> Tensor:

@@ -21,7 +21,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput
+from .causal_lm import CausalLM, CausalLMOutput, decode_layout
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
 
@@ -192,5 +192,6 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
         unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
     )
     model.to(dtype).eval()
+    decode_layout(model)
     model.tokenizer, model.path = tokenizer, folder
     return model

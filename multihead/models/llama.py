@@ -24,7 +24,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput
+from .causal_lm import CausalLM, CausalLMOutput, decode_layout
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
@@ -218,5 +218,6 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
         unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
     )
     model.to(dtype).eval()
+    decode_layout(model)
     model.tokenizer, model.path = tokenizer, folder
     return model

@@ -259,6 +259,26 @@ def test_weights_and_hidden_states_equal_transformers(pair):
         assert (mine[~rows.expand_as(mine)] == 0).all()
 
 
+def test_decode_layout_keeps_values_and_ties(pair):
+    """Loaded decoders store linear weights (in, out)-contiguous for one-row products; the
+    parameters keep their shapes, values and tying, and give the same logits (to rounding) as
+    the usual layout."""
+    kind, ours, _ = pair
+    fresh = type(ours)(ours.config).eval()
+    fresh.load_state_dict({k: v.contiguous() for k, v in ours.state_dict().items()})
+    q = ours.decoder.layers[0].self_attn.q_proj.weight
+    assert q.shape == (32, 32) and q.stride() == (1, 32)
+    assert fresh.decoder.layers[0].self_attn.q_proj.weight.stride() == (32, 1)
+    if kind == "gpt2":
+        assert ours.lm_head.weight is ours.wte.weight  # still tied
+    ids, lengths = pad(ROWS, "right")
+    with torch.no_grad():
+        assert (ours(ids, lengths=lengths) - fresh(ids, lengths=lengths)).abs().max() <= 1e-5
+    assert torch.equal(
+        ours.generate(ids, 8, lengths=lengths), fresh.generate(ids, 8, lengths=lengths)
+    )
+
+
 def test_cache_holds_kv_heads_only(pair):
     kind, ours, _ = pair
     cache = ours.new_cache(2, max_length=40)
