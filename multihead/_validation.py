@@ -7,6 +7,7 @@ Messages say what was expected, what was received, and how to fix it. They end w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -27,6 +28,12 @@ def check_positive_int(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an int. Received: {name}={value!r}")
     if value <= 0:
         raise ValueError(f"{name} must be a positive int. Received: {name}={value}")
+    return value
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
     return value
 
 
@@ -140,46 +147,6 @@ def check_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def check_bias(bias: object, query: Tensor, b: int, h: int, l_q: int, s: int) -> Tensor | None:
-    if bias is None:
-        return None
-    if not isinstance(bias, Tensor):
-        raise TypeError(
-            f"bias must be a tensor or None. Received: bias of type {type(bias).__name__}"
-        )
-    if not bias.is_floating_point():
-        raise TypeError(
-            "bias must be a floating-point tensor of additive score terms; boolean "
-            "visibility belongs in mask=. "
-            f"Received: bias.dtype={bias.dtype}"
-        )
-    if bias.dim() not in (2, 4):
-        raise ValueError(
-            "bias must be 2-D (L, S) or 4-D (B or 1, H or 1, L or 1, S or 1). "
-            f"Received: bias.shape={_shape(bias)} for (B, H, L, S)={(b, h, l_q, s)}"
-        )
-    target = (l_q, s) if bias.dim() == 2 else (b, h, l_q, s)
-    letters = "(L, S)" if bias.dim() == 2 else "(B, H, L, S)"
-    exact = bias.dim() == 2
-    if not _fits(tuple(bias.shape), target, allow_one=not exact):
-        raise ValueError(
-            f"bias does not fit {letters}={target}; a 2-D bias must be exactly (L, S) and a 4-D "
-            "bias may use size 1 only to broadcast. "
-            f"Received: bias.shape={_shape(bias)}"
-        )
-    if bias.device != query.device:
-        raise ValueError(
-            "bias must be on the same device as query. "
-            f"Received: bias.device={bias.device}, query.device={query.device}"
-        )
-    if not bool(torch.isfinite(bias).all()):
-        raise ValueError(
-            "bias must be finite: express blocked positions with mask= (True = may attend), "
-            "which never produces NaN. Received: a bias with inf or NaN entries"
-        )
-    return bias
-
-
 def _fits(shape: tuple[int, ...], target: tuple[int, ...], *, allow_one: bool) -> bool:
     return len(shape) == len(target) and all(
         got == want or (allow_one and got == 1) for got, want in zip(shape, target)
@@ -210,3 +177,102 @@ def check_index_tensor(name: str, t: object, ranks: tuple[int, ...], letters: st
     if t.dim() not in ranks:
         raise ValueError(f"{name} must have shape {letters}. Received: {name}.shape={_shape(t)}")
     return t
+
+
+def _blocking_ancestor(path: Path) -> Path | None:
+    """The first existing ancestor of ``path`` (itself included) that is not a folder."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def check_out_dir(name: str, path: str | Path) -> Path:
+    """An output folder that can be created, checked before any long work starts."""
+    folder = Path(path)
+    blocker = _blocking_ancestor(folder)
+    if blocker is not None:
+        raise ValueError(
+            f"{name} must be a folder, but {blocker} is an existing file; choose another "
+            f"folder. Received: {name}={str(path)!r}"
+        )
+    return folder
+
+
+def check_out_file(name: str, path: str | Path, suffix: str) -> Path:
+    """An output file path ending in ``suffix`` whose folder can be created."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(
+            f"{name} must be a file path ending in {suffix}, but it is an existing folder; "
+            f"give a file name, e.g. {target / ('embeddings' + suffix)}. "
+            f"Received: {name}={str(path)!r}"
+        )
+    if target.suffix != suffix:
+        raise ValueError(
+            f"{name} must end in {suffix} (the file written is exactly this path). "
+            f"Received: {name}={str(path)!r}"
+        )
+    check_out_dir(name, target.parent)
+    return target
+
+
+def check_utf8_text(name: str, text: str) -> str:
+    """Reject text that is not valid Unicode (command-line bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} is not valid UTF-8 text (byte {err.start} cannot be decoded); re-encode it "
+            f"as UTF-8, e.g. with iconv. Received: {name}={text!r}"
+        ) from None
+    return text
+
+
+def read_utf8_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, with an error naming the file and the bad byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path} is not UTF-8 text: byte {err.start} (line {line}) is "
+            f"{data[err.start : err.start + 1]!r}; convert the file to UTF-8 (e.g. "
+            f"iconv -f latin1 -t utf-8). Received: {path}"
+        ) from None
+
+
+# keywords of torch.nn.MultiheadAttention and scaled_dot_product_attention -> what to do here
+_FOREIGN_KEYWORDS = {
+    "attn_mask": "an nn.MultiheadAttention mask (True = blocked) goes in as "
+    "mask=masks.from_torch(attn_mask=...); a scaled_dot_product_attention bool mask (True = "
+    "may attend, as here) as mask=..., a float one as bias=...",
+    "key_padding_mask": "pass mask=masks.from_torch(key_padding_mask=...) or "
+    "mask=masks.key_padding(keep) with keep True for real tokens",
+    "need_weights": "pass return_weights=True (weights are per head, never averaged)",
+    "average_attn_weights": "weights are always per head (B, H, L, S); average with .mean(1)",
+    "is_causal": "pass mask=masks.causal(align='top_left') (torch's is_causal is top-left "
+    "aligned; masks.causal() is bottom-right aligned, as in FlashAttention)",
+    "enable_gqa": "nothing to pass: grouped-query attention follows from key.shape[1] (H_kv)",
+    "batch_first": "modules here are always batch-first: (B, L, E) in and out; transpose "
+    "(L, B, E) inputs with .transpose(0, 1)",
+    "add_bias_kv": "append the extra key/value to the key and value inputs",
+    "add_zero_attn": "append a zero key/value to the key and value inputs",
+}
+
+
+def reject_foreign_keywords(where: str, unexpected: dict[str, object]) -> None:
+    """A TypeError that names this library's equivalent of a torch keyword (or the typo)."""
+    if not unexpected:
+        return
+    name, value = next(iter(unexpected.items()))
+    received = (
+        f"{name} of shape {tuple(value.shape)}"
+        if isinstance(value, Tensor)
+        else f"{name}={value!r}"
+    )
+    hint = _FOREIGN_KEYWORDS.get(name)
+    if hint is None:
+        raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")
+    raise TypeError(f"{where} does not take torch's {name!r}: {hint}. Received: {received}")

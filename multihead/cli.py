@@ -6,6 +6,17 @@ import argparse
 import sys
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (0 repeats or sentences would measure nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run
 
@@ -57,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="small sizes, under a minute")
     bench.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
-    bench.add_argument("--repeats", type=int, default=None, help="timed repeats per contender")
+    bench.add_argument(
+        "--repeats", type=_positive_int, default=None, help="timed repeats per contender"
+    )
     bench.add_argument("--out", default="bench-results", help="folder for results.json/.png")
     bench.add_argument(
         "--embed",
@@ -65,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: sentence-embedding throughput against sentence-transformers",
     )
     bench.add_argument(
-        "--sentences", type=int, default=2000, help="sentences for --embed (default 2000)"
+        "--sentences", type=_positive_int, default=2000, help="sentences for --embed (default 2000)"
     )
     bench.add_argument(
         "--decode",
@@ -89,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--out", required=True, metavar="OUT.npy", help="where to save them")
     embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
     embed.add_argument(
-        "--max-tokens", type=int, default=1536, help="tokens per packed row (default 1536)"
+        "--max-tokens",
+        type=_positive_int,
+        default=1536,
+        help="tokens per packed row (default 1536)",
     )
     embed.set_defaults(func=_embed)
     return parser

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _validation as V
+
 __all__ = ["PROGRESS_FROM", "run"]
 
 PROGRESS_FROM = 256  # lines; shorter inputs finish too fast for a progress bar to help
@@ -27,10 +29,12 @@ def run(
     """
     from .models import bert
 
+    target = V.check_out_file("--out", out, ".npy")
+    V.check_positive_int("max_tokens", max_tokens)
     source = Path(file)
     if not source.is_file():
         raise FileNotFoundError(f"no such input file. Received: {source}")
-    lines = source.read_text(encoding="utf-8").splitlines()
+    lines = V.read_utf8_lines(source)
     if not lines:
         raise ValueError(f"the input file has no lines to embed. Received: {source}")
     model = bert.load(model_path)
@@ -45,7 +49,6 @@ def run(
         if bar is not None:
             bar.close()
     array = vectors.numpy().astype(np.float32)
-    target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     np.save(target, array)
     say(f"wrote {array.shape[0]} embeddings of size {array.shape[1]} to {target}")

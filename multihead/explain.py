@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
+from . import _validation as V
 from .inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
 __all__ = ["Explained", "find_focus", "run"]
@@ -130,6 +131,10 @@ def run(
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
+    V.check_utf8_text("TEXT", text)
+    if focus is not None:
+        V.check_utf8_text("--focus", focus)
+    folder = V.check_out_dir("--out", out_dir)
     model, tokens, special, weights, causal = _attend(text, model_path)
     position = _focus(model.tokenizer, tokens, special, focus, causal)
     stats = head_stats(weights, special)
@@ -158,7 +163,6 @@ def run(
         + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
     )
 
-    folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     title = f"layer {layer} head {head}"
     files = {

@@ -6,9 +6,11 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
+from . import bias as _bias
 from .backends import registry, tiled
 from .backends._call import Call
-from .masks import Mask, dense
+from .backends._nonfinite import run_guarded
+from .masks import Mask, TorchMasks, dense
 
 __all__ = ["attention", "attention_weights", "explain_backend"]
 
@@ -18,31 +20,46 @@ def _prepare(
     key: Tensor,
     value: Tensor,
     mask: Mask | Tensor | None,
-    bias: Tensor | None,
+    bias: Tensor | _bias.ScoreModifier | None,
     scale: float | None,
     dropout_p: float,
     return_weights: bool,
 ) -> Call:
     b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
+    modifier = _bias.as_modifier(bias)
+    if isinstance(mask, TorchMasks):  # from masks.from_torch: visibility plus additive part
+        mask, extra = mask
+        if extra is not None:
+            extra = _bias.as_modifier(extra.to(query.device))
+            modifier = extra if modifier is None else modifier + extra
     if isinstance(mask, Tensor):
         V.check_mask_tensor_dtype("mask", mask)
         mask = dense(mask)
     elif mask is not None and not isinstance(mask, Mask):
         raise TypeError(
-            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend) or None. "
+            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend), the result "
+            "of masks.from_torch(...) or None. "
             f"Received: mask of type {type(mask).__name__}"
         )
     if mask is not None:
         mask.check(b, h, length_q, length_k)
+    if modifier is not None:
+        modifier.check(b, h, length_q, length_k)
+        for t in modifier.tensors():
+            if t.device != query.device:
+                raise ValueError(
+                    "bias must be on the same device as query. "
+                    f"Received: bias on {t.device}, query.device={query.device}"
+                )
     return Call(
         query=query,
         key=key,
         value=value,
         mask=mask,
-        bias=V.check_bias(bias, query, b, h, length_q, length_k),
+        bias=modifier,
         scale=V.check_scale(scale, d),
         dropout_p=V.check_dropout(dropout_p),
-        return_weights=bool(return_weights),
+        return_weights=V.check_bool("return_weights", return_weights),
     )
 
 
@@ -52,11 +69,12 @@ def attention(
     value: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
+    **unexpected: object,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention for every mask, on any backend.
 
@@ -83,8 +101,12 @@ def attention(
         value: (B, H_kv, S, D_v).
         mask: a ``multihead.masks.Mask`` (True = may attend), a bool tensor (same as
             ``masks.dense(tensor)``), or None for no mask.
-        bias: additive float scores broadcastable to (B, H, L, S) (relative positions, ALiBi);
-            2-D bias must be exactly (L, S). Must be finite: blocking is the mask's job.
+        bias: additive scores: a float tensor broadcastable to (B, H, L, S) (2-D must be
+            exactly (L, S)), or a score modifier from ``multihead.bias`` (``alibi``,
+            ``relative_buckets``, sums of them and tensors) that the fast backends compute
+            per tile, never as an L x S tensor. Must be finite: blocking is the mask's job.
+            It is added in float32 beside float32/bf16/fp16 inputs (float64 beside float64)
+            on every backend, never rounded to a half-precision input dtype.
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         return_weights: also return the softmax weights (before dropout).
@@ -95,16 +117,21 @@ def attention(
     Returns:
         The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when
         ``return_weights=True``. A query row with no visible key outputs exactly 0, its weights
-        are all 0 and its gradients are 0. Keys that no query may see are never read, so padding
-        may hold NaN. L = 0 or S = 0 are allowed.
+        are all 0 and its gradients are 0. NaN or Inf in a query row, or in a key or value
+        that row may see, makes that row's output and weights NaN (corrupt data never looks
+        healthy); non-finite values that no query may see never reach a result, so padding
+        may hold garbage. L = 0 or S = 0 are allowed.
 
     Raises:
-        TypeError: non-float inputs, int/float masks, mixed dtypes.
+        TypeError: non-float inputs, int/float masks, mixed dtypes, a non-bool
+            ``return_weights``, and SDPA keywords (``attn_mask``, ``is_causal``,
+            ``enable_gqa``), each with the equivalent to use here.
         ValueError: shapes that do not fit, a mask or bias that does not fit (B, H, L, S),
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
+    V.reject_foreign_keywords("attention()", unexpected)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
-    out, weights = registry.select(call, backend).run(call)
+    out, weights = run_guarded(registry.select(call, backend).run, call)
     return (out, weights) if call.return_weights else out
 
 
@@ -114,16 +141,18 @@ def explain_backend(
     value: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_weights: bool = False,
+    **unexpected: object,
 ) -> registry.Choice:
     """Which backend ``attention(..., backend="auto")`` would run, and why not the others.
 
     Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
     line per backend.
     """
+    V.reject_foreign_keywords("explain_backend()", unexpected)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
     return registry.explain(call)
 
@@ -133,7 +162,7 @@ def attention_weights(
     key: Tensor,
     mask: Mask | Tensor | None = None,
     *,
-    bias: Tensor | None = None,
+    bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     heads: slice | list[int] | None = None,
 ) -> Tensor:
@@ -165,7 +194,7 @@ def attention_weights(
                 "heads= cannot be combined with a mask that differs per head; slice the mask "
                 "yourself. Received: a per-head mask"
             )
-        if bias is not None and bias.dim() == 4 and bias.shape[1] != 1:
-            bias = bias[:, index.to(bias.device)]
+        if bias is not None:
+            bias = _bias.as_modifier(bias).heads(index)
     call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
-    return tiled.weights(call)
+    return run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1]

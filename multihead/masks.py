@@ -20,6 +20,7 @@ the tensors they are used with. Masks built from tensors (``lengths``, ``key_pad
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 _ALIGNS = ("bottom_right", "top_left")
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 class TileKind(enum.Enum):
@@ -77,10 +80,69 @@ def _tile(start: int, stop: int, full: bool) -> Tile:
 
 
 class Mask:
-    """Base class of every mask. Subclasses implement ``block``, ``tile`` and ``check``."""
+    """Base class of every mask.
+
+    A mask describes itself, so backends never ask which class they were given:
+
+    * ``mask_mod(L, S)``: the predicate (b, h, q_idx, kv_idx) -> bool, in the form of
+      FlexAttention's ``mask_mod`` (index tensors broadcast against each other);
+    * ``block`` / ``to_dense``: any rectangle lowered to a bool tensor;
+    * ``tile``: per query tile, the visible key range and whether it is empty, partial or full;
+    * ``structure_key``: a hashable key when the mask's pattern depends only on (L, S) (plans
+      can be cached under it), else None;
+    * hints for planners: ``tile_rows``, ``blocks``, ``torch_is_causal``, ``arbitrary``.
+
+    Subclasses implement ``check``, ``mask_mod``, ``block`` and ``tile``; the hints have safe
+    defaults. A new mask kind is one subclass: no backend changes.
+    """
 
     batch_size: int | None = None  # B fixed by the mask's tensors, None = any
     num_heads: int | None = None  # H fixed by the mask's tensor, None = any
+    align: str | None = None  # "bottom_right" / "top_left" for masks tied to the diagonal
+    arbitrary: bool = False  # an unstructured tensor: little to skip, dense kernels suit it
+
+    def mask_mod(
+        self, length_q: int, length_k: int, *, device: torch.device | str | None = None
+    ) -> MaskMod:
+        """The predicate ``(b, h, q_idx, kv_idx) -> bool`` (True = may attend) for (L, S).
+
+        Arguments are integer tensors on ``device`` that broadcast against each other (as
+        FlexAttention passes them); the result has their broadcast shape.
+        """
+        raise NotImplementedError
+
+    @property
+    def structure_key(self) -> Hashable | None:
+        """A hashable description of the pattern when it depends only on (L, S), else None."""
+        return None
+
+    def tile_rows(self, length_q: int, length_k: int) -> int | None:
+        """Query rows per tile that suit this mask (None: no preference)."""
+        return None
+
+    def blocks(
+        self, length_q: int, length_k: int, *, batch: int = 0
+    ) -> list[tuple[int, int, int, int]] | None:
+        """The visible set of batch entry ``batch`` as disjoint fully visible rectangles
+        ``(q0, q1, k0, k1)`` when it is exactly that (packed documents), else None."""
+        return None
+
+    def torch_is_causal(self, length_q: int, length_k: int) -> bool:
+        """True when the mask is exactly torch's ``is_causal=True`` (top-left) for (L, S)."""
+        return False
+
+    def visible_distances(
+        self, length_q: int, length_k: int
+    ) -> tuple[int | None, int | None] | None:
+        """``(lo, hi)`` when query i sees key j exactly if lo <= j - i <= hi (None: unbounded)
+        for every batch entry and head, as for causal and sliding-window bands; else None."""
+        return None
+
+    def crop(self, length_q: int, length_k: int, q0: int, q1: int, k0: int, k1: int) -> Mask:
+        """The part of this mask for queries [q0, q1) and keys [k0, k1) of an (L, S) problem,
+        as a mask of its own for a (q1 - q0, k1 - k0) problem: one shard of a longer sequence
+        (context parallelism) sees exactly what it sees in the whole."""
+        return _Crop(self, length_q, length_k, q0, q1, k0, k1)
 
     def check(self, batch: int, heads: int, length_q: int, length_k: int) -> None:
         """Raise ValueError if this mask cannot be used with (B, H, L, S)."""
@@ -200,6 +262,40 @@ class _Band(Mask):
     def is_causal(self) -> bool:
         return self.before is None and self.after == 0
 
+    @property
+    def structure_key(self) -> Hashable:
+        return ("band", self.before, self.after, self.align)
+
+    def tile_rows(self, length_q, length_k):
+        if self.before is None or self.after is None:
+            return None
+        # one tile per window width: its keys split into two triangles
+        return max(32, min(512, self.before + self.after))
+
+    def torch_is_causal(self, length_q, length_k):
+        return self.is_causal and (self.align == "top_left" or length_q == length_k)
+
+    def visible_distances(self, length_q, length_k):
+        off = self._offset(length_q, length_k)
+        return (
+            None if self.before is None else off - self.before,
+            None if self.after is None else off + self.after,
+        )
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        off, before, after = self._offset(length_q, length_k), self.before, self.after
+
+        def mod(b, h, q_idx, kv_idx):
+            d = kv_idx - (q_idx + off)
+            keep = d == d  # all True, in the broadcast shape
+            if before is not None:
+                keep = keep & (d >= -before)
+            if after is not None:
+                keep = keep & (d <= after)
+            return keep
+
+        return mod
+
     def _offset(self, length_q: int, length_k: int) -> int:
         return length_k - length_q if self.align == "bottom_right" else 0
 
@@ -311,6 +407,22 @@ class _Lengths(Mask):
                 f"Received: query_lens min={min(self._host_q)}, max={max(self._host_q)}"
             )
 
+    def tile_rows(self, length_q, length_k):
+        # one length per batch entry: every query row sees the same keys
+        return max(length_q, 1) if self.valid_lens.dim() == 1 else None
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        lens = self.valid_lens.to(device)
+        query_lens = None if self.query_lens is None else self.query_lens.to(device)
+
+        def mod(b, h, q_idx, kv_idx):
+            keep = kv_idx < (lens[b] if lens.dim() == 1 else lens[b, q_idx])
+            if query_lens is not None:
+                keep = keep & (q_idx < query_lens[b])
+            return keep
+
+        return mod
+
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
         lens = _batch_slice(self.valid_lens, batch).to(device)
         if lens.dim() == 1:
@@ -390,6 +502,13 @@ class _KeyPadding(Mask):
                 f"key_padding(keep) must have shape (B, S)={(batch, length_k)}. "
                 f"Received: keep.shape={tuple(self.keep.shape)}"
             )
+
+    def tile_rows(self, length_q, length_k):
+        return max(length_q, 1)  # every query row sees the same keys
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        keep = self.keep.to(device)
+        return lambda b, h, q_idx, kv_idx: keep[b, kv_idx] & (q_idx == q_idx)
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
         return _batch_slice(self.keep, batch)[:, None, None, k0:k1].to(device)
@@ -474,6 +593,27 @@ class _Documents(Mask):
                     f"{name} must have length {letter}={want}{hint}. "
                     f"Received: {name}.shape={tuple(t.shape)}"
                 )
+
+    def blocks(self, length_q, length_k, *, batch=0):
+        rects = []
+        for q0, q1, span in self.runs(batch):
+            if span is None:
+                continue  # no key shares this id: the rows see nothing
+            first, stop, count = span
+            if count != stop - first:
+                return None  # this document's keys are interleaved with another's
+            rects.append((q0, q1, first, stop))
+        return rects
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        q_ids, k_ids = self._q.to(device), self._k.to(device)
+        qb, kb = q_ids.shape[0] > 1, k_ids.shape[0] > 1
+
+        def mod(b, h, q_idx, kv_idx):
+            zero = b * 0  # batch index 0 where the ids are shared by every batch entry
+            return q_ids[b if qb else zero, q_idx] == k_ids[b if kb else zero, kv_idx]
+
+        return mod
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
         q = _batch_slice(self._q, batch)[:, None, q0:q1, None].to(device)
@@ -573,6 +713,18 @@ class _Dense(Mask):
                 f"Received: mask.shape={shape}"
             )
 
+    arbitrary = True
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        keep = self.keep.to(device)
+
+        def mod(b, h, q_idx, kv_idx):
+            # index 0 along dimensions the tensor broadcasts (size 1)
+            idx = [i if n > 1 else i * 0 for i, n in zip((b, h, q_idx, kv_idx), keep.shape)]
+            return keep[idx[0], idx[1], idx[2], idx[3]]
+
+        return mod
+
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
         keep = _batch_slice(self.keep, batch)
         if keep.shape[2] != 1:
@@ -620,6 +772,28 @@ class _Combine(Mask):
         self.a, self.b, self.op = a, b, op
         self.batch_size = _merge_size("batch size", a.batch_size, b.batch_size)
         self.num_heads = _merge_size("head count", a.num_heads, b.num_heads)
+        self.arbitrary = a.arbitrary or b.arbitrary
+
+    @property
+    def structure_key(self):
+        a, b = self.a.structure_key, self.b.structure_key
+        return None if a is None or b is None else (self.op, a, b)
+
+    def visible_distances(self, length_q, length_k):
+        x = self.a.visible_distances(length_q, length_k)
+        y = self.b.visible_distances(length_q, length_k)
+        if self.op != "&" or x is None or y is None:
+            return None
+        lo = [v for v in (x[0], y[0]) if v is not None]
+        hi = [v for v in (x[1], y[1]) if v is not None]
+        return (max(lo) if lo else None, min(hi) if hi else None)
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        x = self.a.mask_mod(length_q, length_k, device=device)
+        y = self.b.mask_mod(length_q, length_k, device=device)
+        if self.op == "&":
+            return lambda b, h, q_idx, kv_idx: x(b, h, q_idx, kv_idx) & y(b, h, q_idx, kv_idx)
+        return lambda b, h, q_idx, kv_idx: x(b, h, q_idx, kv_idx) | y(b, h, q_idx, kv_idx)
 
     def check(self, batch, heads, length_q, length_k):
         self.a.check(batch, heads, length_q, length_k)
@@ -655,6 +829,88 @@ class _Combine(Mask):
         return self.a._natural_size() or self.b._natural_size()
 
 
+class _Crop(Mask):
+    def __init__(self, parent: Mask, length_q, length_k, q0, q1, k0, k1) -> None:
+        if not (0 <= q0 <= q1 <= length_q and 0 <= k0 <= k1 <= length_k):
+            raise ValueError(
+                f"a crop must lie inside (L, S)={(length_q, length_k)}. "
+                f"Received: queries [{q0}, {q1}), keys [{k0}, {k1})"
+            )
+        self.parent, self.size = parent, (length_q, length_k)
+        self.q0, self.q1, self.k0, self.k1 = q0, q1, k0, k1
+        self.batch_size, self.num_heads = parent.batch_size, parent.num_heads
+        self.arbitrary = parent.arbitrary
+
+    def check(self, batch, heads, length_q, length_k):
+        if (length_q, length_k) != (self.q1 - self.q0, self.k1 - self.k0):
+            raise ValueError(
+                f"this cropped mask is for (L, S)={(self.q1 - self.q0, self.k1 - self.k0)}. "
+                f"Received: (L, S)={(length_q, length_k)}"
+            )
+        self.parent.check(batch, heads, *self.size)
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        return self.parent.block(
+            *self.size,
+            self.q0 + q0,
+            self.q0 + q1,
+            self.k0 + k0,
+            self.k0 + k1,
+            batch=batch,
+            device=device,
+        )
+
+    def tile(self, length_q, length_k, q0, q1, *, batch=0):
+        t = self.parent.tile(*self.size, self.q0 + q0, self.q0 + q1, batch=batch)
+        if t.kind == TileKind.EMPTY:
+            return _EMPTY
+        start, stop = max(t.start, self.k0), min(t.stop, self.k1)
+        return _tile(start - self.k0, stop - self.k0, t.kind == TileKind.FULL)
+
+    def mask_mod(self, length_q, length_k, *, device=None):
+        mod, q0, k0 = self.parent.mask_mod(*self.size, device=device), self.q0, self.k0
+        return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q0, kv_idx + k0)
+
+    @property
+    def structure_key(self):
+        key = self.parent.structure_key
+        return None if key is None else ("crop", key, self.size, self.q0, self.q1, self.k0, self.k1)
+
+    def tile_rows(self, length_q, length_k):
+        return self.parent.tile_rows(*self.size)
+
+    def blocks(self, length_q, length_k, *, batch=0):
+        rects = self.parent.blocks(*self.size, batch=batch)
+        if rects is None:
+            return None
+        out = []
+        for a, b, c, d in rects:
+            a, b = max(a, self.q0), min(b, self.q1)
+            c, d = max(c, self.k0), min(d, self.k1)
+            if a < b and c < d:
+                out.append((a - self.q0, b - self.q0, c - self.k0, d - self.k0))
+        return out
+
+    def visible_distances(self, length_q, length_k):
+        band = self.parent.visible_distances(*self.size)
+        if band is None:
+            return None
+        shift = self.k0 - self.q0  # j - i in the whole is (j' - i') + shift
+        return tuple(None if x is None else x - shift for x in band)
+
+    def torch_is_causal(self, length_q, length_k):
+        return self.visible_distances(length_q, length_k) == (None, 0)
+
+    def _describe(self):
+        return (
+            f"crop of {self.parent._describe()} to queries [{self.q0}, {self.q1}) and keys "
+            f"[{self.k0}, {self.k1}) of (L, S)={self.size}"
+        )
+
+    def _natural_size(self):
+        return self.q1 - self.q0, self.k1 - self.k0
+
+
 def _merge_size(what: str, x: int | None, y: int | None) -> int | None:
     if x is not None and y is not None and x != y:
         raise ValueError(f"cannot combine masks with different {what}s. Received: {x} and {y}")
@@ -669,9 +925,9 @@ class TorchMasks(NamedTuple):
 
 
 def from_torch(
+    *args: object,
     attn_mask: Tensor | None = None,
     key_padding_mask: Tensor | None = None,
-    *,
     num_heads: int | None = None,
 ) -> TorchMasks:
     """Convert ``torch.nn.MultiheadAttention`` masks to this library's convention.
@@ -686,9 +942,20 @@ def from_torch(
         num_heads: H, needed to unpack a 3-D ``attn_mask``.
 
     Returns:
-        ``TorchMasks(mask, bias)``; either may be None. Use as
-        ``m, bias = masks.from_torch(...); attention(q, k, v, m, bias=bias)``.
+        ``TorchMasks(mask, bias)``; either may be None. Pass it whole where a mask is taken
+        (``attention(q, k, v, masks.from_torch(...))``, ``mha(x, mask=masks.from_torch(...))``)
+        or unpack it: ``m, bias = masks.from_torch(...); attention(q, k, v, m, bias=bias)``.
+
+    Raises:
+        TypeError: positional arguments. Both masks are keyword-only because a (B, S)
+            ``key_padding_mask`` passed first would be read as an (L, S) ``attn_mask``.
     """
+    if args:
+        raise TypeError(
+            "from_torch takes keyword arguments only: from_torch(attn_mask=..., "
+            "key_padding_mask=...), because a (B, S) key_padding_mask and an (L, S) attn_mask "
+            f"are easy to swap. Received: {len(args)} positional argument(s)"
+        )
     parts: list[Mask] = []
     biases: list[Tensor] = []
     if attn_mask is not None:
@@ -752,12 +1019,18 @@ def _split_torch_mask(
 
 
 def from_keras(attention_mask: Tensor) -> Mask:
-    """Convert a Keras ``MultiHeadAttention`` ``attention_mask`` (B, L, S), 1 = attend."""
+    """Convert a Keras mask (True / 1 = attend) to a mask.
+
+    Args:
+        attention_mask: Keras ``MultiHeadAttention``'s ``attention_mask`` (B, L, S), or a
+            (B, S) padding mask such as an ``Embedding(mask_zero=True)`` produces, which
+            becomes ``key_padding`` (every query sees the same keys).
+    """
     if not isinstance(attention_mask, Tensor):
         attention_mask = torch.as_tensor(attention_mask)
-    if attention_mask.dim() != 3:
+    if attention_mask.dim() not in (2, 3):
         raise ValueError(
-            "a Keras attention_mask has shape (B, L, S). "
+            "a Keras mask has shape (B, L, S) (attention_mask) or (B, S) (padding). "
             f"Received: attention_mask.shape={tuple(attention_mask.shape)}"
         )
     if attention_mask.is_floating_point():
@@ -765,4 +1038,6 @@ def from_keras(attention_mask: Tensor) -> Mask:
             "a Keras attention_mask must be bool or integer (1 = attend). "
             f"Received: attention_mask.dtype={attention_mask.dtype}"
         )
+    if attention_mask.dim() == 2:
+        return key_padding(attention_mask != 0)
     return dense((attention_mask != 0)[:, None])

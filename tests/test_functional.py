@@ -83,9 +83,7 @@ def test_gradcheck_float64(backend, kind):
     b, h, h_kv, length_q, length_k, d = 2, 2, 1, 4, 5, 3
     q, k, v = qkv(b, h, h_kv, length_q, length_k, d, requires_grad=True, seed=3)
     mask = make_case(kind, b, h, length_q, length_k, seed=3).mask
-    # tiled takes no gradient for bias (explain_backend says so); the others do
-    bias_grad = backend != "tiled"
-    bias = torch.randn(length_q, length_k, dtype=torch.float64, requires_grad=bias_grad)
+    bias = torch.randn(length_q, length_k, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, bias: _run(backend, q, k, v, mask, bias=bias), (q, k, v, bias)
     )

@@ -154,8 +154,8 @@ def test_from_keras():
     km = torch.tensor([[[1, 0, 1], [1, 1, 0]]])
     keep = masks.from_keras(km).to_dense(2, 3)
     assert torch.equal(keep, km.bool()[:, None])
-    with pytest.raises(ValueError, match=r"\(B, L, S\)"):
-        masks.from_keras(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"\(B, L, S\) \(attention_mask\) or \(B, S\)"):
+        masks.from_keras(torch.ones(3, dtype=torch.int64))
     with pytest.raises(TypeError, match=r"bool or integer"):
         masks.from_keras(torch.ones(1, 2, 3))
 
@@ -186,3 +186,53 @@ def test_mask_constructors_reject_bad_arguments():
         masks.dense(torch.ones(2, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"same batch size"):
         masks.documents(torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", [k for k in MASK_KINDS if k != "none"])
+@pytest.mark.parametrize("shape", [(5, 8), (8, 5), (6, 6)], ids=["L<S", "L>S", "L=S"])
+def test_mask_mod_predicate_equals_the_dense_mask(kind, shape):
+    length_q, length_k = shape
+    case = make_case(kind, 2, 3, length_q, length_k, seed=1)
+    b, h, i, j = torch.meshgrid(
+        torch.arange(2), torch.arange(3), torch.arange(length_q), torch.arange(length_k),
+        indexing="ij",
+    )  # fmt: skip
+    got = case.mask.mask_mod(length_q, length_k)(b, h, i, j)
+    assert torch.equal(got, case.keep.expand(2, 3, length_q, length_k))
+
+
+def test_masks_describe_themselves_to_planners():
+    assert masks.sliding_window(3).structure_key == ("band", 3, 0, "bottom_right")
+    combined = masks.causal() & masks.sliding_window(4, align="top_left")
+    assert combined.structure_key == (
+        "&",
+        ("band", None, 0, "bottom_right"),
+        ("band", 4, 0, "top_left"),
+    )
+    assert (masks.causal() & masks.lengths(torch.tensor([2]))).structure_key is None
+    assert masks.causal().torch_is_causal(4, 4) and not masks.causal().torch_is_causal(3, 4)
+    assert masks.causal(align="top_left").torch_is_causal(3, 4)
+    assert not masks.sliding_window(2).torch_is_causal(4, 4)
+    assert masks.key_padding(torch.ones(1, 4, dtype=torch.bool)).tile_rows(9, 4) == 9
+    assert masks.sliding_window(100, 28).tile_rows(1000, 1000) == 128
+    assert masks.dense(torch.ones(2, 2, dtype=torch.bool)).arbitrary
+    assert (masks.causal() | masks.dense(torch.ones(2, 2, dtype=torch.bool))).arbitrary
+    assert not masks.causal().arbitrary
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    assert masks.documents(ids).blocks(5, 5) == [(0, 2, 0, 2), (2, 5, 2, 5)]
+    assert masks.causal().blocks(5, 5) is None
+
+
+def test_band_masks_report_their_visible_distances():
+    assert masks.causal().visible_distances(3, 7) == (None, 4)
+    assert masks.causal(align="top_left").visible_distances(3, 7) == (None, 0)
+    assert masks.sliding_window(2, 1).visible_distances(5, 5) == (-2, 1)
+    both = masks.causal() & masks.sliding_window(3, 5)
+    assert both.visible_distances(4, 4) == (-3, 0)
+    assert (masks.causal() | masks.sliding_window(3)).visible_distances(4, 4) is None
+    assert masks.lengths(torch.tensor([2])).visible_distances(4, 4) is None
+    for m in (masks.causal(), masks.sliding_window(2, 1), both):
+        lo, hi = m.visible_distances(5, 7)
+        d = torch.arange(7)[None, :] - torch.arange(5)[:, None]
+        want = (d >= (lo if lo is not None else -99)) & (d <= (hi if hi is not None else 99))
+        assert torch.equal(m.to_dense(5, 7)[0, 0], want)

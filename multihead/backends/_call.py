@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..bias import ScoreModifier
 from ..masks import Mask
 
 
@@ -18,7 +19,7 @@ class Call:
     key: Tensor  # [B, H_kv, S, D]
     value: Tensor  # [B, H_kv, S, D_v]
     mask: Mask | None
-    bias: Tensor | None  # broadcastable to [B, H, L, S]
+    bias: ScoreModifier | None  # additive scores; tensors arrive wrapped
     scale: float
     dropout_p: float
     return_weights: bool
@@ -31,8 +32,29 @@ class Call:
 
     @property
     def needs_grad(self) -> bool:
-        tensors = (self.query, self.key, self.value, self.bias)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        tensors = (self.query, self.key, self.value, *self.bias_tensors)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+    @property
+    def bias_tensors(self) -> tuple[Tensor, ...]:
+        return () if self.bias is None else self.bias.tensors()
+
+    def dense_bias(self, dtype: torch.dtype) -> Tensor | None:
+        """The bias lowered to a tensor broadcastable to [B, H, L, S] (differentiable)."""
+        if self.bias is None:
+            return None
+        _, _, _, length_q, length_k, _ = self.shape
+        return self.bias.to_dense(length_q, length_k, device=self.query.device, dtype=dtype)
+
+
+def exporting() -> bool:
+    """True while torch.export or the ONNX exporter traces: no data-dependent branches then."""
+    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and biases: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def repeat_kv(t: Tensor, groups: int) -> Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, repeat_kv
+from ._call import Call, dense_keep, drop_dead_keys, repeat_kv, stat_dtype
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -24,7 +24,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
 
     scores = (q @ k.transpose(-2, -1)) * call.scale  # [B, H, L, S]
     if call.bias is not None:
-        scores = scores + call.bias.to(work)
+        scores = scores + call.dense_bias(stat_dtype(work))
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
         # a row with no visible key would be softmax(all -inf) = NaN: give it finite scores,

@@ -8,12 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
-from ..masks import Mask, _Combine, _Dense
 from . import reference, sdpa, tiled
-from ._call import Call
+from ._call import Call, exporting
 
 
 @dataclass(frozen=True)
@@ -50,15 +48,9 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def _has_dense(mask: Mask) -> bool:
-    if isinstance(mask, _Combine):
-        return _has_dense(mask.a) or _has_dense(mask.b)
-    return isinstance(mask, _Dense)
-
-
 def _ranking(call: Call) -> tuple[list[str], str]:
     """Backends from fastest expected to slowest for this call, and why the first leads."""
-    if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+    if exporting():
         return (
             ["reference", "sdpa", "tiled"],
             "an exported graph needs plain ops without data-dependent branches",
@@ -67,11 +59,17 @@ def _ranking(call: Call) -> tuple[list[str], str]:
         return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
     if call.query.device.type != "cpu":
         return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
+    if call.bias is not None and call.bias.computed:
+        return (
+            ["tiled", "sdpa", "reference"],
+            "it computes the score modifier tile by tile; the others need it as a dense "
+            "(B, H, L, S) tensor",
+        )
     if call.mask is None:
         return ["sdpa", "tiled", "reference"], "with no mask there is nothing to skip"
     if sdpa.is_plain_causal(call):
         return ["sdpa", "tiled", "reference"], "torch's is_causal kernel skips the same tiles"
-    if _has_dense(call.mask):
+    if call.mask.arbitrary:
         return ["sdpa", "tiled", "reference"], "an arbitrary dense mask has little to skip"
     return ["tiled", "sdpa", "reference"], "it skips the tiles the mask hides"
 

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import _Band
-from ._call import Call, dense_keep, drop_dead_keys
+from ._call import Call, dense_keep, drop_dead_keys, stat_dtype
 
 
 def unsupported(call: Call) -> str | None:
@@ -24,12 +23,10 @@ def unsupported(call: Call) -> str | None:
 def is_plain_causal(call: Call) -> bool:
     """True when torch's ``is_causal`` expresses the mask exactly."""
     _, _, _, length_q, length_k, _ = call.shape
-    m = call.mask
     return (
-        isinstance(m, _Band)
-        and m.is_causal
+        call.mask is not None
         and call.bias is None
-        and (m.align == "top_left" or length_q == length_k)
+        and call.mask.torch_is_causal(length_q, length_k)
     )
 
 
@@ -37,8 +34,12 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
     common = dict(dropout_p=call.dropout_p, scale=call.scale)
     if call.mask is None or is_plain_causal(call):
-        attn = None if call.bias is None else call.bias.to(q.dtype)
+        attn = call.dense_bias(stat_dtype(q.dtype))  # float32 beside half: torch accepts it
         causal = call.mask is not None
+        if causal and q.shape[2] < k.shape[2]:
+            # top-left causal with L < S: keys L.. are hidden from every query; never read
+            # them (a preallocated cache may hold garbage there)
+            k, v = k[:, :, : q.shape[2]], v[:, :, : q.shape[2]]
         gqa = q.shape[1] != k.shape[1]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn, is_causal=causal, enable_gqa=gqa, **common
@@ -52,7 +53,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if call.bias is None:
         attn: Tensor = shown
     else:
-        attn = call.bias.to(q.dtype).masked_fill(~shown, float("-inf"))
+        attn = call.dense_bias(stat_dtype(q.dtype)).masked_fill(~shown, float("-inf"))
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, enable_gqa=gqa, **common)
     return torch.where(row_any, out, 0.0), None

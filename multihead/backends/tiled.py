@@ -13,227 +13,113 @@ each chunk from the saved output and log-sum-exp: only O(L) state is kept, never
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from ..masks import Mask, TileKind, _Band, _Combine, _Documents, _KeyPadding, _Lengths
-from ._call import Call, repeat_kv
+from ._call import Call, repeat_kv, stat_dtype
+from ._plan import Chunk, Item, plan, query_tile
 
-__all__ = ["plan", "run", "unsupported", "weights"]
+__all__ = ["backward_with_lse", "forward_with_lse", "plan", "run", "unsupported", "weights"]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-_MIN_FULL_RUN = 32  # narrowest key block worth its own kernel call
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Keys ``[start, stop)`` of one query tile; ``keep`` is None when fully visible."""
-
-    start: int
-    stop: int
-    keep: Tensor | None  # bool [b|1, H|1, rows, stop - start]
-    live: Tensor | None = None  # bool [b|1, H|1, stop - start, 1]: keys some row sees; None = all
-    # "tril": a square lower triangle (row a sees columns <= a), which torch's flash kernel runs
-    # with is_causal and no mask; "triu": the mirror image (columns >= a), run the same way on
-    # rows and keys in reverse order
-    pattern: str | None = None
-    seen: Tensor | None = None  # bool [b|1, H|1, rows]: rows that see a key here; None = all
-
-
-@dataclass(frozen=True)
-class Item:
-    """One query tile ``[q0, q1)`` of the batch entries ``batch`` (a slice)."""
-
-    batch: slice
-    q0: int
-    q1: int
-    chunks: tuple[Chunk, ...]
+_TABLE_TILE = 1024  # query rows per tile when a relative bias meets an unbounded band
 
 
 def unsupported(call: Call) -> str | None:
-    if call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled():
-        return "tiled does not compute gradients for bias"
     return None
 
 
-def query_tile(call: Call) -> int:
-    """Rows per query tile: small enough to follow a band's diagonal closely, large enough to
-    amortize the per-call cost."""
-    _, _, _, length_q, _, _ = call.shape
-    mask = call.mask
-    if isinstance(mask, _KeyPadding) or (isinstance(mask, _Lengths) and mask.valid_lens.dim() == 1):
-        return max(length_q, 1)  # every query row of a batch entry sees the same keys
-    if isinstance(mask, _Band) and mask.before is not None and mask.after is not None:
-        # one tile per window width: its keys split into two triangles (see _chunks)
-        return max(32, min(512, mask.before + mask.after))
-    return 256 if length_q > 256 else max(length_q, 1)
+class _Ctx:
+    """What the per-chunk kernels need besides q, k and v."""
 
+    def __init__(self, call: Call, seed: int = 0) -> None:
+        _, _, _, self.length_q, self.length_k, _ = call.shape
+        self.scale, self.dropout_p, self.seed = call.scale, call.dropout_p, seed
+        self.bias = call.bias
+        self.device = call.query.device
+        self.stat = stat_dtype(call.query.dtype)
+        # a bias that learns needs each chunk's score gradient, which only the eager kernel
+        # exposes
+        self.bias_grad = call.bias is not None and call.needs_grad and call.bias.requires_grad
+        self.relative = call.bias is not None and (
+            call.bias.diagonals(self.length_q, self.length_k, 0, 1, device=self.device) is not None
+        )
+        # a mask that is a band of distances j - i: with a relative bias, a whole tile runs as
+        # one kernel call against one strided table (bias inside the band, -inf outside)
+        self.band = None
+        if self.relative and call.mask is not None:
+            self.band = call.mask.visible_distances(self.length_q, self.length_k)
+        self.reversed_kv: tuple[Tensor, Tensor] | None = None
 
-def _pattern(block: Tensor) -> str | None:
-    """'tril' / 'triu' when a shared square block is exactly that triangle, else None."""
-    rows, cols = block.shape[-2:]
-    if rows != cols or block.shape[0] != 1 or block.shape[1] != 1 or rows < _MIN_FULL_RUN:
-        return None
-    tri = torch.ones(rows, cols, dtype=torch.bool, device=block.device).tril()
-    if torch.equal(block[0, 0], tri):
-        return "tril"
-    if torch.equal(block[0, 0], tri.T):
-        return "triu"
-    return None
+    def use_flash(self, q: Tensor, v: Tensor) -> bool:
+        # torch's CPU flash kernel: no dropout, and one head dim for queries and values
+        return q.device.type == "cpu" and self.dropout_p == 0.0 and q.shape[-1] == v.shape[-1]
 
+    def keep_draw(self, shape, index: int, device) -> Tensor:
+        """Dropout's keep pattern for chunk ``index``, identical in forward and backward."""
+        g = torch.Generator(device=device).manual_seed(self.seed + index)
+        return torch.rand(shape, generator=g, device=device) >= self.dropout_p
 
-def _chunks(keep: Tensor, start: int) -> list[Chunk]:
-    """Split a partly visible block into key blocks the width of the tile, anchored at its right
-    end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
-    causal squares, empty blocks are dropped, and the rest is merged into masked chunks."""
-    rows, width = keep.shape[2], keep.shape[3]
-    keep = keep.expand(-1, -1, rows, -1)
-    step = max(rows, _MIN_FULL_RUN)
-    edges = sorted({0, *range(width, 0, -step)})
-    pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
-    for a, b in itertools.pairwise([*edges, width]):
-        block = keep[..., a:b]
-        if not bool(block.any()):
-            kind = "empty"
-        elif bool(block.all()) and b - a >= _MIN_FULL_RUN:
-            kind = "full"
-        else:
-            kind = _pattern(block) or "mask"
-        if kind == "empty":
-            continue
-        if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
-            pieces[-1] = (pieces[-1][0], b, kind)  # merge neighbours of the same kind
-        else:
-            pieces.append((a, b, kind))
-    chunks = []
-    for a, b, kind in pieces:
-        if kind == "full":
-            chunks.append(Chunk(start + a, start + b, None))
-            continue
-        block = keep[..., a:b]
-        if kind == "mask":
-            live, seen = block.any(dim=2)[..., None], block.any(dim=-1)
-            live = None if bool(live.all()) else live
-            seen = None if bool(seen.all()) else seen
-            chunks.append(Chunk(start + a, start + b, block, live, None, seen))
-        else:  # a triangle: every row and every key of the square takes part
-            chunks.append(Chunk(start + a, start + b, block, None, kind, None))
-    return chunks
-
-
-def _structure(mask: Mask | None) -> tuple | None:
-    """A hashable description of a mask made of bands only (its plan depends on nothing else)."""
-    if isinstance(mask, _Band):
-        return ("band", mask.before, mask.after, mask.align)
-    if isinstance(mask, _Combine):
-        a, b = _structure(mask.a), _structure(mask.b)
-        return None if a is None or b is None else (mask.op, a, b)
-    return None
-
-
-_PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
-_PLAN_CACHE_SIZE = 16
-
-
-def plan(
-    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
-) -> list[Item]:
-    """The work list: every query tile with its visible key chunks. Empty tiles are left out.
-
-    Plans of masks made only of causal/sliding-window bands are cached, so a training loop
-    plans once.
-    """
-    structure = _structure(mask)
-    if structure is None:
-        return _plan(mask, batch, length_q, length_k, tile, device)
-    key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
-    if key not in _PLANS:
-        if len(_PLANS) >= _PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
-    return _PLANS[key]
-
-
-def _plan(
-    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
-) -> list[Item]:
-    if length_q == 0 or length_k == 0:
-        return []
-    if mask is None:
-        return [Item(slice(None), 0, length_q, (Chunk(0, length_k, None),))]
-    groups = [slice(None)] if mask.batch_size is None else [slice(b, b + 1) for b in range(batch)]
-    if isinstance(mask, _Documents):
-        items = _document_items(mask, groups)
-        if items is not None:
-            return items
-    items = []
-    for group in groups:
-        b = group.start or 0
-        for q0 in range(0, length_q, tile):
-            q1 = min(q0 + tile, length_q)
-            answer = mask.tile(length_q, length_k, q0, q1, batch=b)
-            if answer.kind == TileKind.EMPTY:
-                continue
-            items += _items(mask, group, b, length_q, length_k, q0, q1, answer, device)
-    return items
-
-
-def _document_items(mask: _Documents, groups: list[slice]) -> list[Item] | None:
-    """Packed sequences whose documents' keys are contiguous: one fully visible item per run of
-    equal query ids, however short, so packing many small texts costs one kernel call each and
-    no mask at all. None when some document's keys are interleaved with another's."""
-    items = []
-    for group in groups:
-        for q0, q1, span in mask.runs(group.start or 0):
-            if span is None:
-                continue  # no key shares this id: the rows see nothing
-            first, stop, count = span
-            if count != stop - first:
-                return None
-            items.append(Item(group, q0, q1, (Chunk(first, stop, None),)))
-    return items
-
-
-def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[Item]:
-    """The work for one query tile: usually one item; none when no row sees a key; several
-    when the tile is split. Query rows at either end that see no key are trimmed off."""
-    if answer.kind == TileKind.FULL:
-        return [Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))]
-    batch = None if group.start is None else b
-    keep = mask.block(
-        length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
-    )
-    seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
-    if seeing.numel() == 0:
-        return []
-    lo, hi = int(seeing[0]), int(seeing[-1]) + 1
-    if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
-        trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
-        if trimmed.kind == TileKind.EMPTY:
-            return []
-        return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
-    chunks = _chunks(keep, answer.start)
-    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
-    area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
-    if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
-        # mostly hidden masked work (a tile across a document boundary): split the rows
-        mid = (q0 + q1) // 2
+    def units(self, items: list[Item]) -> list[tuple[Item, Chunk]]:
+        """The kernel calls: every chunk of every item, or one "table" call per item when a
+        band mask meets a relative bias."""
+        if self.band is None:
+            return [(item, chunk) for item in items for chunk in item.chunks]
         return [
-            piece
-            for lo, hi in ((q0, mid), (mid, q1))
-            if (ans := mask.tile(length_q, length_k, lo, hi, batch=b)).kind != TileKind.EMPTY
-            for piece in _items(mask, group, b, length_q, length_k, lo, hi, ans, device)
+            (item, Chunk(item.chunks[0].start, item.chunks[-1].stop, None, pattern="table"))
+            for item in items
         ]
-    return [Item(group, q0, q1, tuple(chunks))]
 
+    def bias_block(self, item: Item, chunk: Chunk) -> Tensor | None:
+        """The bias on this chunk, (b|1, H|1, rows|1, cols|1), in natural key order."""
+        if self.bias is None:
+            return None
+        if self.relative:  # a copy of a strided view: no arithmetic per entry
+            return self.table_view(item, chunk, band=False).flip(-1)
+        return self.bias.block(
+            self.length_q,
+            self.length_k,
+            item.q0,
+            item.q1,
+            chunk.start,
+            chunk.stop,
+            batch=item.batch.start,
+            device=self.device,
+            dtype=self.stat,
+        )
 
-def _visible(chunks: list[Chunk]) -> int:
-    """Visible entries of masked chunks, counted once per row and key (heads and batch merged)."""
-    return sum(int(c.keep.any(dim=1).any(dim=0).sum()) for c in chunks)
+    def table_view(self, item: Item, chunk: Chunk, *, band: bool) -> Tensor:
+        """The relative bias of a chunk with its keys in reverse order, as a strided view of one
+        (H, rows + cols - 1) table: entry (r, c) is the key j = stop - 1 - c, so j - i falls
+        by one along both rows and columns and the view needs no negative stride. Nothing of
+        size rows x cols is built. With ``band``, distances outside the mask's band are -inf.
+        """
+        rows, cols = item.q1 - item.q0, chunk.stop - chunk.start
+        top = chunk.stop - 1 - item.q0  # j - i at entry (0, 0), the largest in the chunk
+        low = top - (rows + cols - 2)
+        off = self.bias.offset(self.length_q, self.length_k)
+        table = self.bias.diagonals(
+            self.length_q, self.length_k, low - off, top - off + 1, device=self.device,
+            dtype=self.stat,
+        ).flip(-1)  # fmt: skip
+        if band:
+            lo, hi = self.band
+            d = torch.arange(top, low - 1, -1, device=self.device)
+            inside = torch.ones_like(d, dtype=torch.bool)
+            if lo is not None:
+                inside &= d >= lo
+            if hi is not None:
+                inside &= d <= hi
+            table = table.masked_fill(~inside, float("-inf"))
+        table = table.contiguous()
+        return table.as_strided((1, table.shape[0], rows, cols), (0, table.stride(0), 1, 1))
+
+    def reversed_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """k and v with the key axis reversed, made once per call."""
+        if self.reversed_kv is None:
+            self.reversed_kv = (k.flip(2), v.flip(2))
+        return self.reversed_kv
 
 
 def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -245,27 +131,25 @@ def _additive(keep: Tensor | None, bias: Tensor | None, dtype: torch.dtype) -> T
     return block if bias is None else block + bias.to(dtype)
 
 
-def _bias_block(bias: Tensor | None, item: Item, chunk: Chunk) -> Tensor | None:
-    if bias is None:
-        return None
-    if bias.dim() == 2:
-        bias = bias[None, None]
-    if bias.shape[0] != 1:
-        bias = bias[item.batch]
-    if bias.shape[2] != 1:
-        bias = bias[:, :, item.q0 : item.q1]
-    if bias.shape[3] != 1:
-        bias = bias[..., chunk.start : chunk.stop]
-    return bias
+def _chunk_inputs(ctx: _Ctx, k, v, item: Item, chunk: Chunk, flash: bool):
+    """(keys, values, additive block or None, pattern or None) for one chunk, the same in the
+    forward and the backward pass.
 
-
-def _chunk_inputs(ctx: _Ctx, q, k, v, item: Item, chunk: Chunk):
-    """(keys, values, additive mask or None, triangle pattern or None) for one chunk, the same
-    in the forward and the backward pass."""
-    bias = _bias_block(ctx.bias, item, chunk)
-    pattern = chunk.pattern if bias is None and ctx.use_flash(q, v) else None
-    add = None if pattern else _additive(chunk.keep, bias, q.dtype)
-    return (*_chunk_kv(k, v, item, chunk), add, pattern)
+    Patterns: "tril"/"triu" run a triangle on torch's causal kernel (which masks it; the block
+    is then only the bias); "table" runs the keys in reverse order against a strided view of
+    a relative bias (see ``_Ctx.table_view``).
+    """
+    table = chunk.pattern == "table" or (chunk.keep is None and ctx.relative)
+    if table:
+        k_rev, v_rev = ctx.reversed_keys(k, v)
+        cols = slice(ctx.length_k - chunk.stop, ctx.length_k - chunk.start)
+        view = ctx.table_view(item, chunk, band=chunk.pattern == "table")
+        return k_rev[item.batch, :, cols], v_rev[item.batch, :, cols], view, "table"
+    kc, vc = _chunk_kv(k, v, item, chunk)
+    if flash and chunk.pattern is not None:
+        return kc, vc, ctx.bias_block(item, chunk), chunk.pattern
+    # float32 beside half inputs (the bias rule); torch's flash kernel accepts it
+    return kc, vc, _additive(chunk.keep, ctx.bias_block(item, chunk), ctx.stat), None
 
 
 def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, Tensor]:
@@ -279,43 +163,32 @@ def _chunk_kv(k: Tensor, v: Tensor, item: Item, chunk: Chunk) -> tuple[Tensor, T
     return torch.where(chunk.live, kc, zero), torch.where(chunk.live, vc, zero)
 
 
-class _Ctx:
-    """What the per-chunk kernels need besides the tensors."""
-
-    def __init__(self, scale: float, dropout_p: float, seed: int, bias: Tensor | None) -> None:
-        self.scale, self.dropout_p, self.seed, self.bias = scale, dropout_p, seed, bias
-
-    def use_flash(self, q: Tensor, v: Tensor) -> bool:
-        # torch's CPU flash kernel: no dropout, and one head dim for queries and values
-        return q.device.type == "cpu" and self.dropout_p == 0.0 and q.shape[-1] == v.shape[-1]
-
-    def keep_draw(self, shape, index: int, device) -> Tensor:
-        """Dropout's keep pattern for chunk ``index``, identical in forward and backward."""
-        g = torch.Generator(device=device).manual_seed(self.seed + index)
-        return torch.rand(shape, generator=g, device=device) >= self.dropout_p
-
-
 def _flip(*tensors: Tensor) -> list[Tensor]:
     return [t.flip(2) for t in tensors]
 
 
-def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[Tensor, Tensor]:
-    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows]).
+def _flip_block(add: Tensor | None) -> Tensor | None:
+    return None if add is None else add.flip(-2, -1)
 
-    With a triangle ``pattern`` (and no bias) ``add`` is ignored: torch's causal kernel applies
-    it and skips the hidden half.
-    """
-    if ctx.use_flash(q, v):
+
+def _chunk_forward(
+    ctx: _Ctx, q, k, v, add, index: int, pattern: str | None, flash: bool
+) -> tuple[Tensor, Tensor]:
+    """Attention of q over one key chunk: (out [b, H, rows, D_v], lse [b, H, rows])."""
+    if flash:
         if pattern == "tril":
-            return _FLASH(q, k, v, is_causal=True, scale=ctx.scale)
+            return _FLASH(q, k, v, is_causal=True, attn_mask=add, scale=ctx.scale)
         if pattern == "triu":
-            o, lse = _FLASH(*_flip(q, k, v), is_causal=True, scale=ctx.scale)
+            o, lse = _FLASH(
+                *_flip(q, k, v), is_causal=True, attn_mask=_flip_block(add), scale=ctx.scale
+            )
             return o.flip(2), lse.flip(-1)
         return _FLASH(q, k, v, attn_mask=add, scale=ctx.scale)
-    f = _stat(q.dtype)
-    s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale  # [b, H, rows, cols]
+    f = ctx.stat
+    # scores in float32 for half inputs: a half matmul overflows for finite inputs
+    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale  # [b, H, rows, cols]
     if add is not None:
-        s = s + add.to(f)
+        s = s + add
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     if ctx.dropout_p > 0.0:
@@ -323,21 +196,32 @@ def _chunk_forward(ctx: _Ctx, q, k, v, add, index: int, pattern=None) -> tuple[T
     return p.to(v.dtype) @ v, lse
 
 
-def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=None):
-    """Gradients of one chunk given the *global* out and log-sum-exp of its rows."""
-    if ctx.use_flash(q, v):
+def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern, flash: bool):
+    """Gradients of one chunk given the *global* out and log-sum-exp of its rows:
+    (dq, dk, dv, d scores before scaling or None). The last is the bias's gradient on this
+    chunk; only the eager kernel gives it (``flash=False``)."""
+    if flash:
         if pattern == "tril":
-            return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
-        if pattern == "triu":
+            grads = _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, True, attn_mask=add, scale=ctx.scale)
+        elif pattern == "triu":
             grads = _FLASH_BACKWARD(
-                *_flip(g, q, k, v, out), lse.flip(-1), 0.0, True, scale=ctx.scale
+                *_flip(g, q, k, v, out),
+                lse.flip(-1),
+                0.0,
+                True,
+                attn_mask=_flip_block(add),
+                scale=ctx.scale,
             )
-            return [t.flip(2) for t in grads]
-        return _FLASH_BACKWARD(g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale)
-    f = _stat(q.dtype)
-    s = (q @ k.transpose(-2, -1)).to(f) * ctx.scale
+            grads = [t.flip(2) for t in grads]
+        else:
+            grads = _FLASH_BACKWARD(
+                g, q, k, v, out, lse, 0.0, False, attn_mask=add, scale=ctx.scale
+            )
+        return (*grads, None)
+    f = ctx.stat
+    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale
     if add is not None:
-        s = s + add.to(f)
+        s = s + add
     p = torch.exp(s - lse[..., None].to(f))
     g32 = g.to(f)
     dp = g32 @ v.to(f).transpose(-2, -1)
@@ -346,16 +230,12 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern=No
         z = ctx.keep_draw(p.shape, index, p.device) / (1.0 - ctx.dropout_p)
         pd, dp = p * z, dp * z
     row = (g32 * out.to(f)).sum(dim=-1, keepdim=True)
-    ds = p * (dp - row) * ctx.scale
+    d_scores = p * (dp - row)  # gradient of the scores after scaling: the bias's gradient
+    ds = d_scores * ctx.scale
     dq = ds @ k.to(f)
     dk = ds.transpose(-2, -1) @ q.to(f)
     dv = pd.transpose(-2, -1) @ g32
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _stat(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_scores
 
 
 def _finite(lse: Tensor) -> Tensor:
@@ -366,79 +246,116 @@ def _finite(lse: Tensor) -> Tensor:
 
 def _forward(ctx: _Ctx, q, k, v, items: list[Item]) -> tuple[Tensor, Tensor]:
     b, h, length_q, _ = q.shape
-    stat = _stat(q.dtype)
+    stat = ctx.stat
     # heads-inner memory layout, so merging heads afterwards (B, L, H * D_v) is a free view
     out = q.new_zeros(b, length_q, h, v.shape[-1]).transpose(1, 2)
     lse = torch.full((b, h, length_q), float("-inf"), dtype=stat, device=q.device)
+    flash = ctx.use_flash(q, v)
     index = 0
-    for item in items:
-        rows = slice(item.q0, item.q1)
-        qt = q[item.batch, :, rows]
-        acc = total = None
-        for chunk in item.chunks:
-            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
-            o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern)
-            index += 1
-            l_c = l_c.to(stat)
-            seen = chunk.seen
-            if seen is not None:  # the kernel reports lse = 0 for rows that see nothing
-                l_c = torch.where(seen, l_c, float("-inf"))
-                o = torch.where(seen[..., None], o, 0.0)
-            if acc is None:
-                acc, total = o.to(stat), l_c
-                continue
-            new_total = torch.logaddexp(total, l_c)
-            safe = _finite(new_total)
-            acc = (
-                acc * torch.exp(total - safe)[..., None]
-                + o.to(stat) * torch.exp(l_c - safe)[..., None]
-            )
-            total = new_total
-        out[item.batch, :, rows] = acc.to(out.dtype)
-        lse[item.batch, :, rows] = total
+    current, acc, total = None, None, None
+    for item, chunk in [*ctx.units(items), (None, None)]:
+        if item is not current and current is not None:  # the previous item is complete
+            rows = slice(current.q0, current.q1)
+            out[current.batch, :, rows] = acc.to(out.dtype)
+            lse[current.batch, :, rows] = total
+            acc = total = None
+        current = item
+        if item is None:
+            break
+        qt = q[item.batch, :, item.q0 : item.q1]
+        kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
+        o, l_c = _chunk_forward(ctx, qt, kc, vc, add, index, pattern, flash)
+        index += 1
+        l_c = l_c.to(stat)
+        seen = chunk.seen
+        if seen is not None:  # the kernel reports lse = 0 for rows that see nothing
+            l_c = torch.where(seen, l_c, float("-inf"))
+            o = torch.where(seen[..., None], o, 0.0)
+        if acc is None:
+            acc, total = o, l_c
+            continue
+        new_total = torch.logaddexp(total, l_c)
+        safe = _finite(new_total)
+        acc = (
+            acc.to(stat) * torch.exp(total - safe)[..., None]
+            + o.to(stat) * torch.exp(l_c - safe)[..., None]
+        )
+        total = new_total
     return out, lse
 
 
-def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item]):
+def _backward(ctx: _Ctx, g, q, k, v, out, lse, items: list[Item], bias_tensors):
+    """(dq, dk, dv, gradient of every bias tensor or None)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dk_rev = dv_rev = None  # gradients of chunks that ran on reversed keys
+    d_bias = [torch.zeros_like(t) if t.requires_grad else None for t in bias_tensors]
     # rows that saw nothing: +inf makes every recomputed probability exactly 0
     lse = torch.where(torch.isfinite(lse), lse, float("inf"))
-    index = 0
-    for item in items:
+    flash = ctx.use_flash(q, v) and not ctx.bias_grad
+    for index, (item, chunk) in enumerate(ctx.units(items)):
         rows = slice(item.q0, item.q1)
         qt, gt, ot = (t[item.batch, :, rows] for t in (q, g, out))
         lt = lse[item.batch, :, rows]
-        for chunk in item.chunks:
+        kc, vc, add, pattern = _chunk_inputs(ctx, k, v, item, chunk, flash)
+        a, b, c, ds = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern, flash)
+        dq[item.batch, :, rows] += a
+        if pattern == "table":
+            if dk_rev is None:
+                dk_rev, dv_rev = torch.zeros_like(k), torch.zeros_like(v)
+            cols = slice(ctx.length_k - chunk.stop, ctx.length_k - chunk.start)
+            dk_rev[item.batch, :, cols] += b
+            dv_rev[item.batch, :, cols] += c
+            ds = None if ds is None else ds.flip(-1)
+        else:
             cols = slice(chunk.start, chunk.stop)
-            kc, vc, add, pattern = _chunk_inputs(ctx, q, k, v, item, chunk)
-            a, b, c = _chunk_backward(ctx, gt, qt, kc, vc, ot, lt, add, index, pattern)
-            index += 1
-            dq[item.batch, :, rows] += a
             dk[item.batch, :, cols] += b
             dv[item.batch, :, cols] += c
-    return dq, dk, dv
+        if ctx.bias_grad:
+            _bias_backward(ctx, item, chunk, ds, bias_tensors, d_bias)
+    if dk_rev is not None:
+        dk, dv = dk + dk_rev.flip(2), dv + dv_rev.flip(2)
+    return dq, dk, dv, d_bias
+
+
+def _bias_backward(ctx: _Ctx, item, chunk, ds: Tensor, tensors, d_bias: list) -> None:
+    """Push one chunk's score gradient through the bias's own formula to its tensors (a T5
+    table, ALiBi slopes, a tensor bias): rebuild that block with autograd on and pull back."""
+    wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+    with torch.enable_grad():
+        block = ctx.bias_block(item, chunk)
+        if not block.requires_grad:
+            return
+        grads = torch.autograd.grad(
+            block, [tensors[i] for i in wanted], ds.sum_to_size(block.shape), allow_unused=True
+        )
+    for i, grad in zip(wanted, grads):
+        if grad is not None:
+            d_bias[i] += grad
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, items, ctx):
+    def forward(fctx, q, k, v, items, ctx, *bias_tensors):
         out, lse = _forward(ctx, q, k, v, items)
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.items, fctx.ctx = items, ctx
+        fctx.items, fctx.ctx, fctx.bias_tensors = items, ctx, bias_tensors
         return out
 
     @staticmethod
     def backward(fctx, g):
         q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = _backward(fctx.ctx, g.contiguous(), q, k, v, out, lse, fctx.items)
-        return dq, dk, dv, None, None
+        dq, dk, dv, d_bias = _backward(
+            fctx.ctx, g.contiguous(), q, k, v, out, lse, fctx.items, fctx.bias_tensors
+        )
+        return dq, dk, dv, None, None, *d_bias
 
 
 def _unit_last(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def run(call: Call) -> tuple[Tensor, Tensor | None]:
+def _prepare(call: Call, seed: int = 0):
+    """(q, k, v with H heads, the context, the plan) for one call."""
     b, h, h_kv, length_q, length_k, _ = call.shape
     # the kernels take any strides with a unit last one; (B, L, H, D) views from a projection
     # need no copy
@@ -446,73 +363,140 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         _unit_last(t)
         for t in (call.query, repeat_kv(call.key, h // h_kv), repeat_kv(call.value, h // h_kv))
     )
-    items = plan(call.mask, b, length_q, length_k, query_tile(call), q.device)
+    ctx = _Ctx(call, seed)
+    tile = query_tile(call)
+    if ctx.band is not None and call.mask.tile_rows(length_q, length_k) is None:
+        # one call per tile against the band table: 1024 rows let torch's kernel work on
+        # 256-row query blocks (measured 1.09x an exact causal kernel at L = 8192, against
+        # 1.3x with 256-row tiles, whose kernel blocks are 64 rows)
+        tile = max(tile, min(length_q, _TABLE_TILE))
+    return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device)
+
+
+def run(call: Call) -> tuple[Tensor, Tensor | None]:
     seed = 0
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))
-    ctx = _Ctx(call.scale, call.dropout_p, seed, call.bias)
+    if call.return_weights and call.dropout_p == 0.0:
+        return _one_pass(call, output=True)
+    q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
-        out = _TiledAttention.apply(q, k, v, items, ctx)
-        return out, (weights(call, items) if call.return_weights else None)
-    out, lse = _forward(ctx, q, k, v, items)
-    return out, (_weights_from_lse(call, k, items, lse) if call.return_weights else None)
+        out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
+        return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
+    out, _ = _forward(ctx, q, k, v, items)
+    return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
 
 
-def _weights_from_lse(call: Call, k: Tensor, items: list[Item], lse: Tensor) -> Tensor:
-    """Weights exp(s - lse) with the forward pass's log-sum-exp as the stabilizer, then each row
-    divided by its sum. The division matters: the fused kernel rounds its scores differently,
-    so exp(s - lse) alone sums to 1 only up to ulp(s), which for scores near 200 is 5x the error
-    of an eager softmax. Not differentiable (used when no gradient is needed)."""
-    q = call.query
-    b, h, length_q, _ = q.shape
-    stat = _stat(q.dtype)
-    w = q.new_zeros(b, h, length_q, k.shape[2])
-    lse = torch.where(torch.isfinite(lse), lse, float("inf"))  # rows that see nothing -> 0
-    for item in items:
-        for chunk in item.chunks:
-            kc = _chunk_kv(k, k, item, chunk)[0].to(stat).transpose(-2, -1).contiguous()
-            add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
-            # row blocks of 256 keep the temporaries small when a tile spans every query
-            for r0 in range(item.q0, item.q1, 256):
-                r1 = min(r0 + 256, item.q1)
-                qt = q[item.batch, :, r0:r1].to(stat)
-                nb, rows, cols = qt.shape[0], r1 - r0, kc.shape[-1]
-                # scale * q k^T - lse in one call: [b * H, rows, cols]
-                s = torch.baddbmm(
-                    -lse[item.batch, :, r0:r1, None].reshape(nb * h, rows, 1),
-                    qt.reshape(nb * h, rows, -1),
-                    kc.reshape(nb * h, -1, cols),
-                    alpha=call.scale,
-                ).view(nb, h, rows, cols)
-                if add is not None:
-                    s.add_(add if add.shape[2] == 1 else add[:, :, r0 - item.q0 : r1 - item.q0])
-                torch.exp(s, out=w[item.batch, :, r0:r1, chunk.start : chunk.stop])
-    return w.div_(w.sum(-1, keepdim=True).clamp_min_(torch.finfo(w.dtype).tiny))
+def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
+    """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
+    have out 0 and lse -inf. Partial results over disjoint key sets merge exactly through
+    their log-sum-exp (context parallelism sends key shards around a ring this way)."""
+    if call.dropout_p > 0.0:
+        raise ValueError(
+            "forward_with_lse computes no dropout (its draws would differ per shard). "
+            f"Received: dropout_p={call.dropout_p}"
+        )
+    q, k, v, ctx, items = _prepare(call)
+    with torch.no_grad():
+        return _forward(ctx, q, k, v, items)
 
 
-def weights(call: Call, items: list[Item] | None = None) -> Tensor:
-    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
+def backward_with_lse(
+    call: Call, grad_out: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """Gradients of this call's keys and queries given the *final* ``out`` and ``lse`` of its
+    query rows (which may include keys of other calls): (dq, dk, dv with H_kv heads, gradient
+    of each of ``call.bias.tensors()`` or None)."""
+    _, h, h_kv, _, _, _ = call.shape
+    q, k, v, ctx, items = _prepare(call)
+    ctx.bias_grad = call.bias is not None and call.bias.requires_grad
+    with torch.no_grad():
+        dq, dk, dv, d_bias = _backward(
+            ctx, grad_out.contiguous(), q, k, v, out, lse, items, call.bias_tensors
+        )
+    if h != h_kv:  # sum each group of query heads back onto its key/value head
+        dk = dk.unflatten(1, (h_kv, h // h_kv)).sum(2)
+        dv = dv.unflatten(1, (h_kv, h // h_kv)).sum(2)
+    return dq, dk, dv, d_bias
+
+
+_WEIGHT_ROWS = 256  # query rows per block of weights: bounds the temporaries
+
+
+def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
+    """Weights (B, H, L, S) and, with ``output``, the output computed from them: per block of
+    query rows the scores of the visible key range are computed once, normalized in place into
+    the returned weights, and multiplied by V. The output is exactly ``weights @ V``; rows that
+    see nothing have zero weights. Differentiable when gradients are enabled (the weights are
+    returned anyway, so keeping them for backward costs no extra order of memory)."""
     b, h, h_kv, length_q, length_k, _ = call.shape
-    q = call.query
+    ctx = _Ctx(call)
+    items = plan(call.mask, b, length_q, length_k, query_tile(call), call.query.device)
+    stat = ctx.stat
+    grad = call.needs_grad
+    q = call.query * call.scale  # [B, H, L, D]: the scale folded into the small operand
     k = repeat_kv(call.key, h // h_kv)
-    if items is None:
-        items = plan(call.mask, b, length_q, length_k, query_tile(call), q.device)
-    w = q.new_zeros(b, h, length_q, length_k)
-    stat = _stat(q.dtype)
+    v = repeat_kv(call.value, h // h_kv) if output else None
+    # every entry is written when nothing is masked; otherwise hidden blocks stay 0
+    w = q.new_empty if call.mask is None else q.new_zeros
+    w = w(b, h, length_q, length_k)
+    out = None
+    if output:
+        out = q.new_zeros(b, h, length_q, v.shape[-1])
+    if grad:
+        # every input takes part in the graph even where the mask hides everything, so its
+        # gradient is 0 rather than missing
+        inputs = (call.query, call.key, *((call.value,) if output else ()), *call.bias_tensors)
+        anchor = sum(t.sum() for t in inputs) * 0
+        w = w + anchor.to(w.dtype)
+        out = None if out is None else out + anchor.to(out.dtype)
     for item in items:
-        rows = slice(item.q0, item.q1)
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
-        qt = q[item.batch, :, rows].to(stat)
-        # chunks may leave gaps (key blocks no row sees): those stay -inf
-        s = torch.full((*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device)
-        for chunk in item.chunks:
-            kc, _ = _chunk_kv(k, k, item, chunk)
-            sc = (qt @ kc.to(stat).transpose(-2, -1)) * call.scale
-            add = _additive(chunk.keep, _bias_block(call.bias, item, chunk), stat)
-            s[..., chunk.start - lo : chunk.stop - lo] = sc if add is None else sc + add
-        # rows that see nothing in this tile keep weight 0 instead of softmax(-inf row) = NaN
-        top = s.amax(dim=-1, keepdim=True)
-        e = torch.exp(s - torch.where(torch.isfinite(top), top, 0.0))
-        total = e.sum(dim=-1, keepdim=True)
-        w[item.batch, :, rows, lo:hi] = (e / torch.where(total > 0, total, 1.0)).to(w.dtype)
-    return w
+        adds = [ctx.bias_block(item, c) for c in item.chunks]
+        keys = [k[item.batch, :, c.start : c.stop].to(stat).transpose(-2, -1) for c in item.chunks]
+        masked = any(c.keep is not None for c in item.chunks)
+        for r0 in range(item.q0, item.q1, _WEIGHT_ROWS):
+            r1 = min(r0 + _WEIGHT_ROWS, item.q1)
+            rel = slice(r0 - item.q0, r1 - item.q0)
+            qt = q[item.batch, :, r0:r1].to(stat)
+            if len(item.chunks) == 1:
+                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad)
+            else:  # chunks may leave gaps (key blocks no row sees): those stay -inf
+                s = torch.full(
+                    (*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device
+                )
+                for chunk, kt, bias in zip(item.chunks, keys, adds):
+                    s[..., chunk.start - lo : chunk.stop - lo] = _scores(
+                        qt, kt, bias, chunk, rel, grad
+                    )
+            if grad:
+                p = torch.softmax(s, dim=-1)
+                if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
+                    p = torch.where(torch.isnan(p), 0.0, p)
+            else:  # in place: one buffer holds scores, then weights
+                p = torch.ops.aten._softmax.out(s, -1, False, out=s)
+                if masked:
+                    p.nan_to_num_(0.0)
+            w[item.batch, :, r0:r1, lo:hi] = p.to(w.dtype)
+            if output:
+                vt = v[item.batch, :, lo:hi]
+                o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
+                out[item.batch, :, r0:r1] = o.to(out.dtype)
+    return out, w
+
+
+def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) -> Tensor:
+    """Scaled scores of a block of rows against one chunk, bias added, hidden entries -inf."""
+    s = qt @ kt
+    if bias is not None:
+        bias = bias if bias.shape[2] == 1 else bias[:, :, rel]
+        s = s + bias if grad else s.add_(bias)
+    if chunk.keep is not None:
+        hidden = ~(chunk.keep if chunk.keep.shape[2] == 1 else chunk.keep[:, :, rel])
+        s = s.masked_fill(hidden, float("-inf")) if grad else s.masked_fill_(hidden, float("-inf"))
+    return s
+
+
+def weights(call: Call) -> Tensor:
+    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
+    return _one_pass(call, output=False)[1]

@@ -32,7 +32,12 @@ def run_embed_bench(
     """Time both contenders on ``count`` sentences of 3 to 200 words; write embed.json."""
     from sentence_transformers import SentenceTransformer
 
+    from .. import _validation as V
     from ..models import bert
+
+    V.check_out_dir("--out", out_dir)
+    V.check_positive_int("count", count)
+    V.check_positive_int("repeats", repeats)
 
     texts = sentences(count, min_words=3, max_words=200, seed=0)
     ours = bert.load(model_path)

@@ -25,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _validation as V
+from .. import bias as bias_mod
 from .. import masks
+from ..bias import ScoreModifier
 from ..functional import attention
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
@@ -48,6 +51,7 @@ class Workload:
     train: bool = False  # forward + backward
     weights: bool = False  # compare return_weights=True against the plain call
     module: bool = False  # MultiHeadAttention against torch.nn.MultiheadAttention
+    bias: str = "none"  # none | alibi | t5: a score modifier, also timed without it
     target: str = ""
 
 
@@ -149,6 +153,20 @@ _add(
     ),
     length=512,
 )
+for _kind, _title in (("alibi", "ALiBi"), ("t5", "T5 buckets")):
+    _add(
+        Workload(
+            f"causal_{_kind}",
+            f"causal + {_title} bias, fp32",
+            1,
+            8,
+            8192,
+            mask="causal",
+            bias=_kind,
+            target="<= 1.2x the causal call without bias, >= 5x SDPA with the dense bias",
+        ),
+        length=1024,
+    )
 _add(
     Workload(
         "module_padding",
@@ -250,15 +268,27 @@ def _contenders(
         return lambda: torch.autograd.grad(fn().sum(), (q, k, v))
 
     out: dict[str, Callable[[], object]] = {}
-    out["multihead"] = step(lambda: attention(q, k, v, mask))
+    modifier = _modifier(w, g)
+    out["multihead"] = step(lambda: attention(q, k, v, mask, bias=modifier))
+    if modifier is not None:
+        out["multihead, no bias"] = step(lambda: attention(q, k, v, mask))
+        # the user's alternative: the bias as a dense tensor, hidden entries at -inf
+        dense = modifier.to_dense(w.length, w.length).expand(1, w.h, w.length, w.length)
+        if keep is not None:
+            dense = dense.masked_fill(~keep, float("-inf"))
+        out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
+        notes["sdpa"] = "given the bias as a dense (1, H, L, S) float32 tensor, built beforehand"
+        causal = False
     if w.weights:
         out["multihead+weights"] = step(lambda: attention(q, k, v, mask, return_weights=True))
     if causal:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    else:
+    elif "sdpa" not in out:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
     score_bytes = w.b * w.h * w.length * w.length * 4
-    if score_bytes <= _NAIVE_BUDGET_BYTES:
+    if modifier is not None:
+        notes["naive"] = "skipped: the SDPA row already times a dense bias"
+    elif score_bytes <= _NAIVE_BUDGET_BYTES:
         out["naive"] = step(lambda: _naive(q, k, v, keep))
     else:
         notes["naive"] = f"skipped: its score tensor would need {score_bytes / 2**30:.0f} GiB"
@@ -269,7 +299,8 @@ def _contenders(
     elif w.weights:
         notes["flex"] = "skipped: FlexAttention returns no weights"
     else:
-        flex, compile_s, why = _compile_flex(q, k, v, mask_mod, w)
+        score_mod = None if modifier is None else modifier.score_mod(w.length, w.length)
+        flex, compile_s, why = _compile_flex(q, k, v, mask_mod, w, score_mod)
         if flex is None:
             notes["flex"] = f"skipped: {why}"
         else:
@@ -278,7 +309,15 @@ def _contenders(
     return out, notes, entries
 
 
-def _compile_flex(q, k, v, mask_mod, w: Workload):
+def _modifier(w: Workload, g: torch.Generator) -> ScoreModifier | None:
+    if w.bias == "none":
+        return None
+    if w.bias == "alibi":
+        return bias_mod.alibi(w.h)
+    return bias_mod.relative_buckets(torch.randn(32, w.h, generator=g), bidirectional=False)
+
+
+def _compile_flex(q, k, v, mask_mod, w: Workload, score_mod=None):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -287,8 +326,9 @@ def _compile_flex(q, k, v, mask_mod, w: Workload):
         if mask_mod is not None:
             block = create_block_mask(mask_mod, w.b, None, w.length, w.length, device="cpu")
         compiled = torch.compile(flex_attention)
-        compiled(q, k, v, block_mask=block)
-        return (lambda: compiled(q, k, v, block_mask=block)), time.perf_counter() - t, ""
+        compiled(q, k, v, block_mask=block, score_mod=score_mod)
+        run = lambda: compiled(q, k, v, block_mask=block, score_mod=score_mod)  # noqa: E731
+        return run, time.perf_counter() - t, ""
     except Exception as e:  # FlexAttention is optional: report why it could not run
         return None, 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
@@ -381,9 +421,9 @@ def run_suite(
     say: Callable[[str], None] = print,
 ) -> Report:
     """Run the workloads, print a table, write ``results.json`` and ``results.png``."""
-    out_dir = Path(out_dir)
+    out_dir = V.check_out_dir("--out", out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    repeats = repeats or (3 if quick else 5)
+    repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
     names = only or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
     if unknown:
@@ -457,6 +497,10 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         "contenders": rows,
         "notes": notes,
     }
+    if w.bias != "none":
+        result["bias_overhead"] = (
+            rows["multihead"]["median_s"] / rows["multihead, no bias"]["median_s"]
+        )
     if w.weights:
         result["weights_overhead"] = (
             rows["multihead+weights"]["median_s"] / rows["multihead"]["median_s"]

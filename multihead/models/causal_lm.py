@@ -130,6 +130,7 @@ class CausalLM(nn.Module):
             attn.num_kv_heads,
             attn.head_dim,
             max_length=max_length,
+            value_dim=attn.value_head_dim,
             dtype=weight.dtype,
             device=weight.device,
         )

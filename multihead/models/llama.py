@@ -43,7 +43,7 @@ class LlamaConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int | None = None  # H_kv for grouped-query attention; None means H
-    head_dim: int | None = None  # None means hidden_size / num_attention_heads
+    head_dim: int | None = None  # D; None means hidden_size / num_attention_heads
     max_position_embeddings: int = 2048  # the trained context; RoPE itself has no limit
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # older configs; newer ones use rope_parameters
@@ -73,15 +73,15 @@ class LlamaConfig:
             ),
         )
         h, e = config.num_attention_heads, config.hidden_size
-        if e % h:
+        if config.head_dim is None and e % h:
             raise ValueError(
-                f"{source}: num_attention_heads must divide hidden_size={e}. "
-                f"Received: num_attention_heads={h}"
+                f"{source}: num_attention_heads must divide hidden_size={e} when head_dim is "
+                f"not given. Received: num_attention_heads={h}"
             )
-        if config.head_dim is not None and config.head_dim != e // h:
+        if config.head_dim is not None and config.head_dim % 2:
             raise ValueError(
-                f"{source}: head_dim must be hidden_size / num_attention_heads = {e // h} (other "
-                f"head dims are not implemented). Received: head_dim={config.head_dim}"
+                f"{source}: head_dim must be even (rotary embeddings rotate pairs). "
+                f"Received: head_dim={config.head_dim}"
             )
         h_kv = config.num_key_value_heads
         if h_kv is not None and (h_kv == 0 or h % h_kv):
@@ -118,6 +118,7 @@ class Llama(CausalLM):
         super().__init__()
         self.config = config
         e, h = config.hidden_size, config.num_attention_heads
+        d = config.head_dim or e // h
         eps = config.rms_norm_eps
         self.embed_tokens = nn.Embedding(config.vocab_size, e)
         layers = [
@@ -127,7 +128,8 @@ class Llama(CausalLM):
                     h,
                     num_kv_heads=config.num_key_value_heads,
                     bias=config.attention_bias,
-                    rotary=RotaryEmbedding(e // h, base=config.theta),
+                    head_dim=d,
+                    rotary=RotaryEmbedding(d, base=config.theta),
                 ),
                 GatedFeedForward(e, config.intermediate_size, bias=config.mlp_bias),
                 norm1=RMSNorm(e, eps=eps),

@@ -48,15 +48,23 @@ class MultiHeadAttention(nn.Module):
     ``out_proj(merge_heads(attention(q, k, v, mask)))``.
 
     Args:
-        embed_dim: E, the query (and output) width; divisible by ``num_heads``.
+        embed_dim: E, the query (and output) width; divisible by ``num_heads`` unless
+            ``head_dim`` is given.
         num_heads: H query heads, each of dim D = E / H.
         kdim: width of the key input (default E).
         vdim: width of the value input (default E).
         num_kv_heads: H_kv key/value heads for grouped-query attention (default H); divides H.
         bias: whether the four projections have biases.
         dropout: dropout on the attention weights while training, in [0, 1).
-        rotary: a ``RotaryEmbedding`` applied to the projected queries and keys of
+        head_dim: D per head for queries and keys (default E // H); when given, E need not be
+            divisible by H (Keras' ``key_dim``).
+        value_head_dim: D_v per head for values (default D; Keras' ``value_dim``).
+        out_dim: width of the output (default E; Keras' ``output_shape``).
+        rotary: a ``RotaryEmbedding`` over D applied to the projected queries and keys of
             self-attention (Llama, GPT-NeoX), at the ``positions`` given to ``forward``.
+
+    Shapes: ``q_proj`` E -> H * D, ``k_proj`` kdim -> H_kv * D, ``v_proj`` vdim -> H_kv * D_v,
+    ``out_proj`` H * D_v -> out_dim.
     """
 
     def __init__(
@@ -69,20 +77,36 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         bias: bool = True,
         dropout: float = 0.0,
+        head_dim: int | None = None,
+        value_head_dim: int | None = None,
+        out_dim: int | None = None,
         rotary: RotaryEmbedding | None = None,
+        **unexpected: object,
     ) -> None:
         super().__init__()
-        self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
-        self.embed_dim, self.num_heads = embed_dim, num_heads
+        V.reject_foreign_keywords("MultiHeadAttention()", unexpected)
+        if head_dim is None:
+            self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
+            head_dim = embed_dim // num_heads
+        else:  # an explicit D frees E from divisibility; the H_kv checks still apply
+            V.check_positive_int("embed_dim", embed_dim)
+            V.check_positive_int("num_heads", num_heads)
+            V.check_positive_int("head_dim", head_dim)
+            self.num_kv_heads = V.check_heads(num_heads * head_dim, num_heads, num_kv_heads)
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, head_dim
         self.kdim = embed_dim if kdim is None else V.check_positive_int("kdim", kdim)
         self.vdim = embed_dim if vdim is None else V.check_positive_int("vdim", vdim)
-        self.head_dim = embed_dim // num_heads
+        self.value_head_dim = (
+            head_dim
+            if value_head_dim is None
+            else V.check_positive_int("value_head_dim", value_head_dim)
+        )
+        self.out_dim = embed_dim if out_dim is None else V.check_positive_int("out_dim", out_dim)
         self.dropout = V.check_dropout(dropout, "dropout")
-        kv_width = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = nn.Linear(self.kdim, kv_width, bias=bias)
-        self.v_proj = nn.Linear(self.vdim, kv_width, bias=bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.value_head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.value_head_dim, self.out_dim, bias=bias)
         if rotary is not None and (
             not isinstance(rotary, RotaryEmbedding) or rotary.head_dim != self.head_dim
         ):
@@ -94,7 +118,19 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}"
+        dims = "".join(
+            f", {name}={value}"
+            for name, value, default in (
+                ("head_dim", self.head_dim, self.embed_dim // self.num_heads),
+                ("value_head_dim", self.value_head_dim, self.head_dim),
+                ("out_dim", self.out_dim, self.embed_dim),
+            )
+            if value != default
+        )
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}{dims}, "
+            f"dropout={self.dropout}"
+        )
 
     def forward(
         self,
@@ -107,14 +143,17 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
+        **unexpected: object,
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """Attend from ``query`` to ``key``/``value`` (self-attention when they are omitted).
+        """Attend from ``query`` to ``key``/``value`` (self-attention when both are omitted).
 
         Args:
             query: (B, L, E).
-            key: (B, S, kdim); defaults to ``query``.
+            key: (B, S, kdim); defaults to ``value`` when only ``value`` is given (as in Keras,
+                ``mha(query=q, value=context)`` attends to ``context``), else to ``query``.
             value: (B, S, vdim); defaults to ``key``.
-            mask: a ``multihead.masks.Mask`` or bool tensor, True = may attend.
+            mask: a ``multihead.masks.Mask``, a bool tensor (True = may attend) or the result
+                of ``masks.from_torch(...)`` (its additive part joins ``bias``).
             bias: additive scores broadcastable to (B, H, L, S).
             return_weights: also return per-head weights (B, H, L, S).
             positions: (B, L) or (L,) integer positions for the rotary embedding; default
@@ -125,8 +164,15 @@ class MultiHeadAttention(nn.Module):
                 None). The weights then have one column per cache slot.
 
         Returns:
-            (B, L, E), or ``(output, weights)`` when ``return_weights=True``.
+            (B, L, out_dim), or ``(output, weights)`` when ``return_weights=True``.
+
+        Raises:
+            TypeError: torch-style keywords (``attn_mask``, ``key_padding_mask``,
+                ``need_weights``), non-float inputs or inputs of another dtype than the
+                parameters (outside autocast).
         """
+        V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected)
+        V.check_bool("return_weights", return_weights)
         self_attention = key is None and value is None
         if not self_attention and (cache is not None or self.rotary is not None):
             raise ValueError(
@@ -144,7 +190,8 @@ class MultiHeadAttention(nn.Module):
                 "positions= places rotary embeddings, and this module has none; add position "
                 "information to the input instead. Received: positions with rotary=None"
             )
-        key = query if key is None else key
+        if key is None:
+            key = query if value is None else value
         value = key if value is None else value
         for name, t, width, letters in (
             ("query", query, self.embed_dim, "(B, L, E)"),
@@ -152,6 +199,7 @@ class MultiHeadAttention(nn.Module):
             ("value", value, self.vdim, "(B, S, vdim)"),
         ):
             V.check_rank(name, t, 3, letters)
+            self._check_dtype(name, t)
             if t.shape[-1] != width:
                 raise ValueError(
                     f"{name} must have last dimension {width} {letters}. "
@@ -165,7 +213,7 @@ class MultiHeadAttention(nn.Module):
             )
         q = split_heads(self.q_proj(query), self.num_heads)  # [B, H, L, D]
         k = split_heads(self.k_proj(key), self.num_kv_heads)  # [B, H_kv, S, D]
-        v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D]
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D_v]
         if self.rotary is not None:
             if positions is None and cache is not None:
                 positions = cache.positions
@@ -185,6 +233,21 @@ class MultiHeadAttention(nn.Module):
             out, weights = result
             return self.out_proj(merge_heads(out)), weights
         return self.out_proj(merge_heads(result))
+
+    def _check_dtype(self, name: str, t: Tensor) -> None:
+        want = self.q_proj.weight.dtype
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{name} must be a floating-point (B, L, E) tensor of embeddings; token ids go "
+                f"through an nn.Embedding first, other values need .to({want}). "
+                f"Received: {name}.dtype={t.dtype}"
+            )
+        if t.dtype != want and not torch.is_autocast_enabled(t.device.type):
+            raise TypeError(
+                f"{name} must have the dtype of the module's parameters, {want}: cast the input "
+                f"with .to({want}) or the module with .to({t.dtype}) (or run under "
+                f"torch.autocast). Received: {name}.dtype={t.dtype}"
+            )
 
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -237,6 +300,18 @@ class MultiHeadAttention(nn.Module):
                 f"num_kv_heads == num_heads convert. Received: num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if (self.num_heads * self.head_dim, self.value_head_dim, self.out_dim) != (
+            self.embed_dim,
+            self.head_dim,
+            self.embed_dim,
+        ):
+            raise ValueError(
+                "torch.nn.MultiheadAttention needs head_dim == embed_dim / num_heads, "
+                "value_head_dim == head_dim and out_dim == embed_dim; convert with to_keras() or "
+                f"keep this module. Received: embed_dim={self.embed_dim}, "
+                f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"value_head_dim={self.value_head_dim}, out_dim={self.out_dim}"
+            )
         ref = self.out_proj.weight
         has_bias = self.out_proj.bias is not None
         module = nn.MultiheadAttention(
@@ -264,3 +339,25 @@ class MultiHeadAttention(nn.Module):
                 module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
                 module.out_proj.bias.copy_(self.out_proj.bias)
         return module.train(self.training)
+
+    @classmethod
+    def from_keras(cls, layer: object) -> MultiHeadAttention:
+        """Copy a built Keras 3 ``keras.layers.MultiHeadAttention`` (torch backend).
+
+        ``key_dim``, ``value_dim`` and ``output_shape`` become ``head_dim``,
+        ``value_head_dim`` and ``out_dim``; the (E, H, D) and (H, D_v, out_dim) einsum kernels
+        become the four linear layers. The result is in eval mode, as a Keras layer called
+        outside ``fit``. Needs the ``keras`` extra; see ``multihead.keras.convert``.
+        """
+        from ..keras.convert import module_from_keras
+
+        return module_from_keras(layer, cls)
+
+    def to_keras(self) -> object:
+        """Copy into a built ``keras.layers.MultiHeadAttention`` (torch backend, same dtype).
+
+        Its call order is ``layer(query, value, key)``. Needs the ``keras`` extra.
+        """
+        from ..keras.convert import module_to_keras
+
+        return module_to_keras(self)

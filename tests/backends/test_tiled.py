@@ -9,7 +9,7 @@ from helpers import MASK_KINDS, make_case, naive_attention, qkv
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import tiled
+from multihead.backends import _plan, tiled
 
 
 def _forward_backward(backend, q, k, v, mask, grad_out, **kw):
@@ -21,9 +21,9 @@ def _forward_backward(backend, q, k, v, mask, grad_out, **kw):
 @pytest.mark.parametrize("kind", MASK_KINDS)
 def test_tile_boundaries_cut_through_every_structure(monkeypatch, kind, tile):
     """Small odd tiles cut documents, windows and padding at every possible place."""
-    monkeypatch.setattr(tiled, "query_tile", lambda call: tile)
-    monkeypatch.setattr(tiled, "_MIN_FULL_RUN", 2)  # also split ranges into many chunks
-    monkeypatch.setattr(tiled, "_document_items", lambda mask, groups: None)  # tile documents
+    monkeypatch.setattr(_plan, "query_tile", lambda call: tile)
+    monkeypatch.setattr(_plan, "_MIN_FULL_RUN", 2)  # also split ranges into many chunks
+    monkeypatch.setattr(_plan, "_rectangle_items", lambda *args: None)  # tile documents too
     b, h, h_kv, length_q, length_k, d = 3, 4, 2, 23, 29, 5
     q, k, v = qkv(b, h, h_kv, length_q, length_k, d, requires_grad=True)
     case = make_case(kind, b, h, length_q, length_k, seed=tile)
@@ -38,7 +38,7 @@ def test_tile_boundaries_cut_through_every_structure(monkeypatch, kind, tile):
 def test_plain_torch_chunk_kernel_matches_reference(monkeypatch, kind):
     """The path used on other devices and for dropout, forced on CPU."""
     monkeypatch.setattr(tiled._Ctx, "use_flash", lambda self, q, v: False)
-    monkeypatch.setattr(tiled, "query_tile", lambda call: 8)
+    monkeypatch.setattr(_plan, "query_tile", lambda call: 8)
     b, h, h_kv, length_q, length_k, d = 2, 4, 2, 21, 19, 6
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
         q, k, v = qkv(b, h, h_kv, length_q, length_k, d, requires_grad=True)
@@ -137,14 +137,16 @@ def test_attention_weights_errors():
         mh.attention_weights(q, torch.cat([k, k[:, :1]], dim=1), heads=[1])
 
 
-def test_bias_gradients_are_left_to_other_backends():
-    q, k, v = qkv(1, 2, 2, 4, 4, 3)
-    bias = torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(ValueError, match=r"tiled does not compute gradients for bias"):
-        mh.attention(q, k, v, masks.sliding_window(1), bias=bias, backend="tiled")
-    choice = mh.explain_backend(q, k, v, masks.sliding_window(1), bias=bias)
-    assert choice.backend == "sdpa"
-    assert choice.reasons["tiled"] == "tiled does not compute gradients for bias"
+def test_tiled_computes_bias_gradients():
+    q, k, v = qkv(1, 2, 2, 40, 40, 3)
+    bias = torch.randn(40, 40, dtype=torch.float64, requires_grad=True)
+    m = masks.sliding_window(5)
+    assert mh.explain_backend(q, k, v, m, bias=bias).backend == "tiled"
+    (got,) = torch.autograd.grad(mh.attention(q, k, v, m, bias=bias).sum(), bias)
+    (want,) = torch.autograd.grad(
+        mh.attention(q, k, v, m, bias=bias, backend="reference").sum(), bias
+    )
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def test_window_tiles_run_as_two_causal_triangles():
@@ -248,7 +250,9 @@ def test_packed_documents_plan_one_full_item_per_document():
 def test_documents_with_interleaved_keys_use_the_tiled_plan():
     ids = torch.tensor([[0, 0, 1, 1, 2, 2], [0, 1, 0, 1, 0, 1]])  # row 1: keys interleaved
     mask = masks.documents(ids)
-    assert tiled._document_items(mask, [slice(0, 1), slice(1, 2)]) is None
+    assert mask.blocks(6, 6, batch=0) == [(0, 2, 0, 2), (2, 4, 2, 4), (4, 6, 4, 6)]
+    assert mask.blocks(6, 6, batch=1) is None
+    assert _plan._rectangle_items(mask, [slice(0, 1), slice(1, 2)], 6, 6) is None
     q, k, v = qkv(2, 3, 3, 6, 6, 4)
     keep = (ids[:, :, None] == ids[:, None, :])[:, None]
     torch.testing.assert_close(

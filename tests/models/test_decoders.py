@@ -346,7 +346,7 @@ def test_gpt2_runs_out_of_positions_before_any_work(tmp_path_factory):
         ("gpt2", {"n_head": 5}, "n_head must divide n_embd=32"),
         ("gpt2", {"model_type": "gptj"}, r"model_type must be one of \['gpt2'\]"),
         ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope_type"),
-        ("llama", {"head_dim": 16}, "head_dim must be hidden_size / num_attention_heads = 8"),
+        ("llama", {"head_dim": 7}, "head_dim must be even"),
         ("llama", {"num_key_value_heads": 3}, "num_key_value_heads must divide"),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act must be one of \['silu'\]"),
         ("llama", {"vocab_size": "300"}, "vocab_size must be a non-negative int"),
@@ -370,6 +370,24 @@ def _folder(factory, kind):
     for file in base.iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     return folder
+
+
+def test_llama_with_a_head_dim_of_its_own(tmp_path):
+    """head_dim=16 with E=32 and H=4 (Gemma and Qwen3 decouple D from E / H): logits and
+    greedy tokens as transformers."""
+    folder = build("llama", tmp_path / "wide", head_dim=16)
+    ours, hf = llama.load(folder), transformers_model(folder)
+    assert ours.decoder.layers[0].self_attn.q_proj.weight.shape == (64, 32)
+    ids, lengths = pad(ROWS, "left")
+    real = _real(ids, lengths, "left")
+    mine = ours(ids, lengths=lengths, padding_side="left")
+    assert (mine - _theirs_logits(hf, ids, lengths, "left"))[real].abs().max() <= 1e-5
+    with torch.no_grad():
+        theirs = hf.generate(
+            ids, attention_mask=real.long(), max_new_tokens=8, do_sample=False,
+            eos_token_id=None, pad_token_id=EOS,
+        )  # fmt: skip
+    assert torch.equal(ours.generate(ids, 8, lengths=lengths, padding_side="left"), theirs)
 
 
 def test_no_tokenizer_means_ids_only(tmp_path_factory):

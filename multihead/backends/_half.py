@@ -1,0 +1,126 @@
+"""Half-precision attention on CPU with the matmuls in bf16/fp16.
+
+torch's CPU flash kernel converts bf16 and fp16 inputs to float32 and computes at float32
+speed. Here each block of query rows computes its scores with one half-precision matmul over
+the keys the mask lets it see (the tiled plan's ranges: hidden tiles are skipped), normalizes
+them with a half-in, half-out softmax (float32 inside) and multiplies them by V with a second
+half-precision matmul. That is the naive formula's arithmetic in the input dtype, so its error
+is the naive formula's (the 2x rule of DESIGN.md). The backward pass recomputes each block's
+softmax from scratch (a block holds whole rows, so no log-sum-exp is needed) and accumulates
+the key and value gradients in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._call import Call, repeat_kv
+from ._plan import Item, plan
+
+__all__ = ["ROWS", "run", "unsupported"]
+
+ROWS = 128  # query rows per block: see README "Performance" for the measurement
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def unsupported(call: Call) -> str | None:
+    """Why this call cannot run on the half-precision kernel, or None."""
+    if call.query.dtype not in _HALF:
+        return "the half-precision kernel takes bf16 or fp16 inputs"
+    if call.query.device.type != "cpu":
+        return "the half-precision kernel is for CPUs (accelerators have fused kernels)"
+    if call.dropout_p > 0.0:
+        return "the half-precision kernel has no dropout"
+    if call.bias is not None:
+        return "a bias is added in float32 (the bias rule), which the half kernel would round"
+    if call.return_weights:
+        return "weights come from the float32 weights pass"
+    return None
+
+
+def _scores(qs: Tensor, k: Tensor, item: Item, r0: int, r1: int) -> tuple[Tensor, bool]:
+    """Scaled scores of rows [r0, r1) over the item's key range, hidden entries -inf; and
+    whether anything was hidden (rows may then see nothing)."""
+    lo, hi = item.chunks[0].start, item.chunks[-1].stop
+    s = qs[item.batch, :, r0:r1] @ k[item.batch, :, lo:hi].transpose(-2, -1)
+    masked = False
+    rel = slice(r0 - item.q0, r1 - item.q0)
+    covered = lo
+    for chunk in item.chunks:
+        if chunk.start > covered:  # a key block no row of the tile sees
+            s[..., covered - lo : chunk.start - lo] = float("-inf")
+            masked = True
+        if chunk.keep is not None:
+            keep = chunk.keep if chunk.keep.shape[2] == 1 else chunk.keep[:, :, rel]
+            s[..., chunk.start - lo : chunk.stop - lo].masked_fill_(~keep, float("-inf"))
+            masked = True
+        covered = chunk.stop
+    return s, masked
+
+
+def _softmax_(s: Tensor, masked: bool) -> Tensor:
+    torch.ops.aten._softmax.out(s, -1, False, out=s)
+    if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
+        s.nan_to_num_(0.0)
+    return s
+
+
+def _blocks(items: list[Item]):
+    for item in items:
+        for r0 in range(item.q0, item.q1, ROWS):
+            yield item, r0, min(r0 + ROWS, item.q1)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, items: list[Item], scale: float) -> Tensor:
+    b, h, length_q, _ = q.shape
+    out = q.new_zeros(b, length_q, h, v.shape[-1]).transpose(1, 2)  # heads-inner, as tiled
+    qs = q * scale
+    for item, r0, r1 in _blocks(items):
+        p = _softmax_(*_scores(qs, k, item, r0, r1))
+        lo, hi = item.chunks[0].start, item.chunks[-1].stop
+        out[item.batch, :, r0:r1] = p @ v[item.batch, :, lo:hi]
+    return out
+
+
+def _backward(g, q, k, v, out, items: list[Item], scale: float):
+    f = torch.float32
+    dq = torch.zeros(q.shape, dtype=f)
+    dk, dv = torch.zeros(k.shape, dtype=f), torch.zeros(v.shape, dtype=f)
+    qs = q * scale
+    for item, r0, r1 in _blocks(items):
+        lo, hi = item.chunks[0].start, item.chunks[-1].stop
+        rows, cols = slice(r0, r1), slice(lo, hi)
+        p = _softmax_(*_scores(qs, k, item, r0, r1))
+        gt, vt, kt = g[item.batch, :, rows], v[item.batch, :, cols], k[item.batch, :, cols]
+        dp = gt @ vt.transpose(-2, -1)
+        row = (gt.to(f) * out[item.batch, :, rows].to(f)).sum(-1, keepdim=True)
+        ds = (p.to(f) * (dp.to(f) - row)).to(q.dtype)  # d scores after scaling
+        dq[item.batch, :, rows] += (ds @ kt).to(f) * scale
+        dk[item.batch, :, cols] += (ds.transpose(-2, -1) @ qs[item.batch, :, rows]).to(f)
+        dv[item.batch, :, cols] += (p.transpose(-2, -1) @ gt).to(f)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _HalfAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, items, scale):
+        out = _forward(q, k, v, items, scale)
+        fctx.save_for_backward(q, k, v, out)
+        fctx.items, fctx.scale = items, scale
+        return out
+
+    @staticmethod
+    def backward(fctx, g):
+        q, k, v, out = fctx.saved_tensors
+        return (*_backward(g, q, k, v, out, fctx.items, fctx.scale), None, None)
+
+
+def run(call: Call) -> Tensor:
+    """The output of ``call`` (see ``unsupported`` for what it takes)."""
+    b, h, h_kv, length_q, length_k, _ = call.shape
+    k, v = repeat_kv(call.key, h // h_kv), repeat_kv(call.value, h // h_kv)
+    items = plan(call.mask, b, length_q, length_k, ROWS, call.query.device)
+    if call.needs_grad:
+        return _HalfAttention.apply(call.query, k, v, items, call.scale)
+    return _forward(call.query, k, v, items, call.scale)

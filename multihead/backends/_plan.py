@@ -1,0 +1,213 @@
+"""The tiled backend's work list: which query tiles meet which key chunks, and how.
+
+For every tile of query rows the mask reports the visible key range and whether it is empty,
+fully visible or partly visible. A partly visible range is cut into key blocks the width of the
+tile: fully visible blocks need no mask, exact triangles run on a causal kernel, empty blocks are
+dropped, and only the rest keeps a bool block. The plan knows nothing about the kernels that
+execute it; it only asks the mask (``tile``, ``block``, ``blocks``, ``tile_rows``,
+``structure_key``), never which kind of mask it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import Mask, TileKind
+from ._call import Call
+
+__all__ = ["Chunk", "Item", "plan", "query_tile"]
+
+_MIN_FULL_RUN = 32  # narrowest key block worth its own kernel call
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Keys ``[start, stop)`` of one query tile; ``keep`` is None when fully visible."""
+
+    start: int
+    stop: int
+    keep: Tensor | None  # bool [b|1, H|1, rows, stop - start]
+    live: Tensor | None = None  # bool [b|1, H|1, stop - start, 1]: keys some row sees; None = all
+    # "tril": a square lower triangle (row a sees columns <= a), which torch's flash kernel runs
+    # with is_causal and no mask; "triu": the mirror image (columns >= a), run the same way on
+    # rows and keys in reverse order
+    pattern: str | None = None
+    seen: Tensor | None = None  # bool [b|1, H|1, rows]: rows that see a key here; None = all
+
+
+@dataclass(frozen=True)
+class Item:
+    """One query tile ``[q0, q1)`` of the batch entries ``batch`` (a slice)."""
+
+    batch: slice
+    q0: int
+    q1: int
+    chunks: tuple[Chunk, ...]
+
+
+def query_tile(call: Call) -> int:
+    """Rows per query tile: the mask's own preference (one tile for masks that treat every row
+    alike, a window's width for bands), else 256, which amortizes the per-call cost."""
+    _, _, _, length_q, length_k, _ = call.shape
+    preferred = None if call.mask is None else call.mask.tile_rows(length_q, length_k)
+    if preferred is not None:
+        return preferred
+    return 256 if length_q > 256 else max(length_q, 1)
+
+
+def _pattern(block: Tensor) -> str | None:
+    """'tril' / 'triu' when a shared square block is exactly that triangle, else None."""
+    rows, cols = block.shape[-2:]
+    if rows != cols or block.shape[0] != 1 or block.shape[1] != 1 or rows < _MIN_FULL_RUN:
+        return None
+    tri = torch.ones(rows, cols, dtype=torch.bool, device=block.device).tril()
+    if torch.equal(block[0, 0], tri):
+        return "tril"
+    if torch.equal(block[0, 0], tri.T):
+        return "triu"
+    return None
+
+
+def _chunks(keep: Tensor, start: int) -> list[Chunk]:
+    """Split a partly visible block into key blocks the width of the tile, anchored at its right
+    end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
+    causal squares, empty blocks are dropped, and the rest is merged into masked chunks."""
+    rows, width = keep.shape[2], keep.shape[3]
+    keep = keep.expand(-1, -1, rows, -1)
+    step = max(rows, _MIN_FULL_RUN)
+    edges = sorted({0, *range(width, 0, -step)})
+    pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
+    for a, b in itertools.pairwise([*edges, width]):
+        block = keep[..., a:b]
+        if not bool(block.any()):
+            kind = "empty"
+        elif bool(block.all()) and b - a >= _MIN_FULL_RUN:
+            kind = "full"
+        else:
+            kind = _pattern(block) or "mask"
+        if kind == "empty":
+            continue
+        if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
+            pieces[-1] = (pieces[-1][0], b, kind)  # merge neighbours of the same kind
+        else:
+            pieces.append((a, b, kind))
+    chunks = []
+    for a, b, kind in pieces:
+        if kind == "full":
+            chunks.append(Chunk(start + a, start + b, None))
+            continue
+        block = keep[..., a:b]
+        if kind == "mask":
+            live, seen = block.any(dim=2)[..., None], block.any(dim=-1)
+            live = None if bool(live.all()) else live
+            seen = None if bool(seen.all()) else seen
+            chunks.append(Chunk(start + a, start + b, block, live, None, seen))
+        else:  # a triangle: every row and every key of the square takes part
+            chunks.append(Chunk(start + a, start + b, block, None, kind, None))
+    return chunks
+
+
+_PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
+_PLAN_CACHE_SIZE = 16
+
+
+def plan(
+    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
+) -> list[Item]:
+    """The work list: every query tile with its visible key chunks. Empty tiles are left out.
+
+    Plans of masks whose pattern depends only on (L, S) (their ``structure_key``; causal and
+    sliding-window bands) are cached, so a training loop plans once.
+    """
+    structure = None if mask is None else mask.structure_key
+    if structure is None:
+        return _plan(mask, batch, length_q, length_k, tile, device)
+    key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
+    if key not in _PLANS:
+        if len(_PLANS) >= _PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
+    return _PLANS[key]
+
+
+def _plan(
+    mask: Mask | None, batch: int, length_q: int, length_k: int, tile: int, device
+) -> list[Item]:
+    if length_q == 0 or length_k == 0:
+        return []
+    if mask is None:
+        return [Item(slice(None), 0, length_q, (Chunk(0, length_k, None),))]
+    groups = [slice(None)] if mask.batch_size is None else [slice(b, b + 1) for b in range(batch)]
+    items = _rectangle_items(mask, groups, length_q, length_k)
+    if items is not None:
+        return items
+    items = []
+    for group in groups:
+        b = group.start or 0
+        for q0 in range(0, length_q, tile):
+            q1 = min(q0 + tile, length_q)
+            answer = mask.tile(length_q, length_k, q0, q1, batch=b)
+            if answer.kind == TileKind.EMPTY:
+                continue
+            items += _items(mask, group, b, length_q, length_k, q0, q1, answer, device)
+    return items
+
+
+def _rectangle_items(
+    mask: Mask, groups: list[slice], length_q: int, length_k: int
+) -> list[Item] | None:
+    """Masks that are exactly a set of fully visible rectangles (packed documents): one
+    unmasked item per rectangle, however small, so packing many short texts costs one kernel
+    call each and no mask at all. None when the mask is not of that form."""
+    items = []
+    for group in groups:
+        rects = mask.blocks(length_q, length_k, batch=group.start or 0)
+        if rects is None:
+            return None
+        items += [Item(group, q0, q1, (Chunk(k0, k1, None),)) for q0, q1, k0, k1 in rects]
+    return items
+
+
+def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[Item]:
+    """The work for one query tile: usually one item; none when no row sees a key; several
+    when the tile is split. Query rows at either end that see no key are trimmed off."""
+    if answer.kind == TileKind.FULL:
+        return [Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))]
+    batch = None if group.start is None else b
+    keep = mask.block(
+        length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
+    )
+    # a mask that does not depend on the key gives a block one column wide: widen it, or only
+    # the first key would be read
+    keep = keep.expand(*keep.shape[:3], answer.stop - answer.start)
+    seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
+    if seeing.numel() == 0:
+        return []
+    lo, hi = int(seeing[0]), int(seeing[-1]) + 1
+    if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
+        trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
+        if trimmed.kind == TileKind.EMPTY:
+            return []
+        return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
+    chunks = _chunks(keep, answer.start)
+    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
+    area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
+    if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
+        # mostly hidden masked work (a tile across a document boundary): split the rows
+        mid = (q0 + q1) // 2
+        return [
+            piece
+            for lo, hi in ((q0, mid), (mid, q1))
+            if (ans := mask.tile(length_q, length_k, lo, hi, batch=b)).kind != TileKind.EMPTY
+            for piece in _items(mask, group, b, length_q, length_k, lo, hi, ans, device)
+        ]
+    return [Item(group, q0, q1, tuple(chunks))]
+
+
+def _visible(chunks: list[Chunk]) -> int:
+    """Visible entries of masked chunks, counted once per row and key (heads and batch merged)."""
+    return sum(int(c.keep.any(dim=1).any(dim=0).sum()) for c in chunks)
