@@ -76,12 +76,13 @@ def test_decoder_stack_hidden_states_and_weights():
     x = torch.randn(2, 6, 32)
     out = stack(x, return_hidden=True, return_weights=True)
     assert len(out.hidden_states) == 4 and len(out.weights) == 3
-    torch.testing.assert_close(out.output, stack(x), rtol=0, atol=0)
+    # with weights on, the output comes from another kernel (weights @ V): fp32 rounding only
+    assert (out.output - stack(x)).abs().max() <= 1e-5
     torch.testing.assert_close(out.hidden_states[-1], out.output, rtol=0, atol=0)
     y = x
     for layer in stack.layers:
         y = layer(y)
-    torch.testing.assert_close(out.output, stack.norm(y), rtol=0, atol=0)
+    torch.testing.assert_close(stack(x), stack.norm(y), rtol=0, atol=0)
 
 
 def test_encoder_layer_takes_parts_and_keeps_its_constructor():
