@@ -31,10 +31,28 @@ def _bench(args: argparse.Namespace) -> int:
         shape = QUICK if args.quick else DecodeShape()
         run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
         return 0
+    if args.serve:
+        from .bench.serve import run_serve_bench
+
+        report = run_serve_bench(
+            requests=args.requests,
+            clients=args.clients,
+            threads=args.threads,
+            model_path=args.model,
+            out_dir=args.out,
+        )
+        return 0 if report["ok"] else 1
     if args.embed:
         from .bench.embed import run_embed_bench
 
-        run_embed_bench(count=args.sentences, repeats=args.repeats or 3, out_dir=args.out)
+        run_embed_bench(
+            count=args.sentences,
+            repeats=args.repeats or 3,
+            out_dir=args.out,
+            model_path=args.model,
+            onnx_path=args.onnx,
+            threads=args.threads,
+        )
         return 0
     from .bench import run_suite
 
@@ -52,7 +70,49 @@ def _explain(args: argparse.Namespace) -> int:
 def _embed(args: argparse.Namespace) -> int:
     from .embed import run
 
-    run(args.file, args.out, model_path=args.model, max_tokens=args.max_tokens)
+    run(
+        args.file,
+        args.out,
+        model_path=args.model,
+        max_tokens=args.max_tokens,
+        ray=args.ray,
+        workers=args.workers,
+        ray_address=args.ray_address,
+        ray_batch_size=args.ray_batch_size,
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import to_onnx
+    from .models import bert
+
+    path = to_onnx(bert.load(args.model), args.out, weights=args.weights, opset=args.opset)
+    outputs = "last_hidden_state" + (", attention_weights" if args.weights else "")
+    print(f"wrote {path} (inputs input_ids, attention_mask; outputs {outputs}); onnx.checker: ok")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .serve import Limits, run
+
+    limits = Limits(
+        max_batch_tokens=args.max_batch_tokens,
+        max_wait_ms=args.max_wait_ms,
+        max_client_batch_size=args.max_client_batch_size,
+        max_concurrent_requests=args.max_concurrent_requests,
+        payload_limit=args.payload_limit,
+    )
+    run(
+        model_path=args.model,
+        runtime=args.runtime,
+        onnx_path=args.onnx,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        threads=args.threads,
+        say=lambda line: print(line, flush=True),
+    )
     return 0
 
 
@@ -86,6 +146,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: greedy decoding tokens/s of a GPT-2-small-shaped model against "
         "transformers generate() (B=1 and B=8, prompt 128, 128 new tokens)",
     )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: load-test multihead serve against a FastAPI + sentence-transformers server",
+    )
+    bench.add_argument(
+        "--requests", type=int, default=512, help="requests per client count for --serve"
+    )
+    bench.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients (--serve)"
+    )
+    bench.add_argument(
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (--embed, --serve)"
+    )
+    bench.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (--embed, --serve)"
+    )
+    bench.add_argument(
+        "--onnx", metavar="FILE.onnx", help="--embed: time this exported graph (default: export)"
+    )
     bench.set_defaults(func=_bench)
     explain = commands.add_parser(
         "explain", help="show what every head of a pretrained model attends to in TEXT"
@@ -107,7 +187,58 @@ def build_parser() -> argparse.ArgumentParser:
         default=1536,
         help="tokens per packed row (default 1536)",
     )
+    embed.add_argument(
+        "--ray", action="store_true", help="run on Ray Data: an actor pool, each with the model"
+    )
+    embed.add_argument("--workers", type=int, default=2, help="Ray actors (default 2)")
+    embed.add_argument(
+        "--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start one here)"
+    )
+    embed.add_argument(
+        "--ray-batch-size", type=int, default=256, help="lines per Ray batch (default 256)"
+    )
     embed.set_defaults(func=_embed)
+    export = commands.add_parser("export", help="export a model for other runtimes")
+    formats = export.add_subparsers(dest="format", required=True)
+    onnx = formats.add_parser(
+        "onnx", help="BERT-family model -> ONNX with dynamic batch and sequence axes"
+    )
+    onnx.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    onnx.add_argument("--out", required=True, metavar="FILE.onnx", help="where to write it")
+    onnx.add_argument(
+        "--weights", action="store_true", help="also output every layer's per-head weights"
+    )
+    onnx.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
+    onnx.set_defaults(func=_export)
+    serve = commands.add_parser(
+        "serve", help="HTTP service: embeddings (TEI and OpenAI formats), attention, metrics"
+    )
+    serve.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    serve.add_argument("--runtime", choices=["torch", "onnx"], default="torch")
+    serve.add_argument(
+        "--onnx",
+        metavar="FILE.onnx",
+        help="with --runtime onnx: a graph from 'export onnx --weights' (default: export now)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    serve.add_argument(
+        "--max-batch-tokens", type=int, default=16384, help="most tokens in one model batch"
+    )
+    serve.add_argument(
+        "--max-wait-ms", type=float, default=2.0, help="how long a request waits for company"
+    )
+    serve.add_argument(
+        "--max-client-batch-size", type=int, default=32, help="most texts in one request"
+    )
+    serve.add_argument(
+        "--max-concurrent-requests", type=int, default=512, help="more at once get 429"
+    )
+    serve.add_argument(
+        "--payload-limit", type=int, default=2_000_000, help="most bytes per body (else 413)"
+    )
+    serve.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
+    serve.set_defaults(func=_serve)
     return parser
 
 

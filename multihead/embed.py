@@ -1,18 +1,25 @@
-"""``multihead embed``: sentence embeddings of every line of a text file, saved as .npy."""
+"""``multihead embed``: sentence embeddings of every line of a text file, saved as .npy.
+
+One process by default; with ``ray=True`` the lines go through Ray Data (``map_batches`` over
+a pool of actors, each holding the model), on a local Ray instance or an existing cluster.
+"""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from . import _validation as V
+from ._extras import require
 
-__all__ = ["PROGRESS_FROM", "run"]
+__all__ = ["PROGRESS_FROM", "RAY_BATCH", "embed_on_ray", "run"]
 
 PROGRESS_FROM = 256  # lines; shorter inputs finish too fast for a progress bar to help
+# texts per Ray batch: enough to fill several packed rows, small enough to spread over actors
+RAY_BATCH = 256
 
 
 def run(
@@ -21,9 +28,16 @@ def run(
     *,
     model_path: str | Path | None = None,
     max_tokens: int = 1536,
+    ray: bool = False,
+    workers: int = 2,
+    ray_address: str | None = None,
+    ray_batch_size: int = RAY_BATCH,
     say: Callable[[str], None] = print,
 ) -> np.ndarray:
     """Embed each line of ``file`` (UTF-8; an empty line embeds as empty text) into ``out``.
+
+    With ``ray=True`` the work runs on Ray Data (see ``embed_on_ray``); the result is the
+    same, row for row in input order.
 
     Returns the (lines, E) float32 array that was saved.
     """
@@ -37,19 +51,115 @@ def run(
     lines = V.read_utf8_lines(source)
     if not lines:
         raise ValueError(f"the input file has no lines to embed. Received: {source}")
-    model = bert.load(model_path)
-    bar = None
-    if len(lines) >= PROGRESS_FROM:
-        from tqdm import tqdm
+    if ray:
+        array = embed_on_ray(
+            lines,
+            model_path=model_path,
+            workers=workers,
+            max_tokens=max_tokens,
+            batch_size=ray_batch_size,
+            address=ray_address,
+        )
+    else:
+        model = bert.load(model_path)
+        bar = None
+        if len(lines) >= PROGRESS_FROM:
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(lines), unit="line", desc="embedding", file=sys.stderr)
-    try:
-        vectors = model.embed(lines, max_tokens=max_tokens, progress=bar.update if bar else None)
-    finally:
-        if bar is not None:
-            bar.close()
-    array = vectors.numpy().astype(np.float32)
+            bar = tqdm(total=len(lines), unit="line", desc="embedding", file=sys.stderr)
+        try:
+            progress = bar.update if bar else None
+            array = model.embed(lines, max_tokens=max_tokens, progress=progress).numpy()
+        finally:
+            if bar is not None:
+                bar.close()
+    array = array.astype(np.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     np.save(target, array)
     say(f"wrote {array.shape[0]} embeddings of size {array.shape[1]} to {target}")
     return array
+
+
+class _RayEmbedder:
+    """One Ray actor: loads the model once, then embeds batch after batch."""
+
+    def __init__(self, model_path: str | None, max_tokens: int, threads: int) -> None:
+        import torch
+
+        from .models import bert
+
+        torch.set_num_threads(threads)  # one actor per CPU Ray gave it: no oversubscription
+        self.model = bert.load(model_path)
+        self.max_tokens = max_tokens
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        texts = [str(t) for t in batch["text"]]
+        vectors = self.model.embed(texts, max_tokens=self.max_tokens).numpy()
+        return {"index": batch["index"], "embedding": vectors}
+
+
+def embed_on_ray(
+    texts: Sequence[str],
+    *,
+    model_path: str | Path | None = None,
+    workers: int = 2,
+    max_tokens: int = 1536,
+    batch_size: int = RAY_BATCH,
+    address: str | None = None,
+    cpus_per_worker: int = 1,
+) -> np.ndarray:
+    """Sentence embeddings (N, E) of ``texts`` on Ray Data, in input order.
+
+    ``map_batches`` runs over a pool of ``workers`` actors, each holding the model and using
+    ``cpus_per_worker`` torch threads; each batch is embedded exactly as ``Pretrained.embed``
+    does (packed rows), and rows come back with their input index.
+
+    Args:
+        address: an existing Ray cluster (its nodes need multihead installed); None starts a
+            local instance with ``workers * cpus_per_worker`` CPUs and shuts it down after.
+    """
+    ray = require("ray", "ray", "multihead embed --ray")
+    require("ray.data", "ray", "multihead embed --ray")
+    for name, value in (
+        ("workers", workers),
+        ("batch_size", batch_size),
+        ("cpus_per_worker", cpus_per_worker),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+    texts = list(texts)
+    started = not ray.is_initialized()
+    if started:
+        if address is None:
+            ray.init(
+                num_cpus=workers * cpus_per_worker,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        else:
+            ray.init(address=address, log_to_driver=False)
+    try:
+        items = [{"index": i, "text": t} for i, t in enumerate(texts)]
+        dataset = ray.data.from_items(items).map_batches(
+            _RayEmbedder,
+            fn_constructor_kwargs={
+                "model_path": None if model_path is None else str(model_path),
+                "max_tokens": max_tokens,
+                "threads": cpus_per_worker,
+            },
+            batch_size=batch_size,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=workers),
+            num_cpus=cpus_per_worker,
+        )
+        index, vectors = [], []
+        for batch in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+            index.append(batch["index"])
+            vectors.append(batch["embedding"])
+    finally:
+        if started:
+            ray.shutdown()
+    result = np.empty((len(texts), vectors[0].shape[1]), dtype=np.float32)
+    result[np.concatenate(index)] = np.concatenate(vectors)  # back to input order
+    return result

@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,3 +18,42 @@ def pretrained():
     from multihead.models import bert
 
     return bert.load()
+
+
+@pytest.fixture(scope="session")
+def minilm_onnx(tmp_path_factory, pretrained):
+    """all-MiniLM-L6-v2 exported once per session with its attention weights (about 15 s);
+    shared by the export and serve tests."""
+    from multihead.export import to_onnx
+
+    return to_onnx(pretrained, tmp_path_factory.mktemp("onnx") / "minilm.onnx", weights=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory, pretrained):
+    """A two-layer BERT (E=32) in the Hugging Face layout with MiniLM's tokenizer and a
+    sentence-transformers max_seq_length of 48: quick to export and to serve."""
+    import torch
+    from safetensors.torch import save_file
+
+    from multihead.models.bert import Bert, BertConfig, _hf_names
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    config = {
+        "model_type": "bert",
+        "vocab_size": pretrained.config.vocab_size,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
+    shutil.copy(pretrained.path / "tokenizer.json", folder / "tokenizer.json")
+    torch.manual_seed(2)
+    model = Bert(BertConfig.from_dict(config), pooler=False)
+    names = _hf_names(model.config, False)
+    state = {names[k]: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    return folder

@@ -18,7 +18,7 @@ from torch import Tensor
 from ._call import Call, repeat_kv
 from ._plan import Item, plan
 
-__all__ = ["ROWS", "run", "unsupported"]
+__all__ = ["ROWS", "fast", "run", "unsupported"]
 
 ROWS = 128  # query rows per block: see README "Performance" for the measurement
 _HALF = (torch.bfloat16, torch.float16)
@@ -37,6 +37,17 @@ def unsupported(call: Call) -> str | None:
     if call.return_weights:
         return "weights come from the float32 weights pass"
     return None
+
+
+def fast(call: Call) -> bool:
+    """True when the kernel can run the call and this CPU has native half-precision matmuls
+    (AVX512-BF16 / AMX for bf16, AVX512-FP16 / AMX-FP16 for fp16); without them the matmuls
+    are emulated and torch's float32 kernel is faster."""
+    if unsupported(call) is not None:
+        return False
+    if call.query.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def _scores(qs: Tensor, k: Tensor, item: Item, r0: int, r1: int) -> tuple[Tensor, bool]:

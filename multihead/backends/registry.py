@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import reference, sdpa, tiled
+from . import _half, reference, sdpa, tiled
 from ._call import Call, exporting
 
 
@@ -59,6 +59,12 @@ def _ranking(call: Call) -> tuple[list[str], str]:
         return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
     if call.query.device.type != "cpu":
         return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
+    if _half.fast(call):
+        return (
+            ["tiled", "sdpa", "reference"],
+            "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "
+            "instructions; torch's CPU flash kernel computes half inputs in float32",
+        )
     if call.bias is not None and call.bias.computed:
         return (
             ["tiled", "sdpa", "reference"],

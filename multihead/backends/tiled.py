@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _half
 from ._call import Call, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
 
@@ -374,6 +375,8 @@ def _prepare(call: Call, seed: int = 0):
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    if _half.fast(call):
+        return _half.run(call), None
     seed = 0
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))

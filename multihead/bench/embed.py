@@ -1,19 +1,24 @@
 """Sentence-embedding throughput: ``multihead embed``'s packed path against
-sentence-transformers' ``encode`` on the same generated sentences, in the same process.
+sentence-transformers' ``encode`` on the same generated sentences, in the same process, and
+(with the ``export`` extra) the exported graph on onnxruntime in fp32 and with int8 weights.
 
-Repeats alternate which contender runs first; medians are reported, and the embeddings of the
-two are compared (they must agree to 1e-5).
+Every contender uses the same number of threads. Repeats rotate which contender runs first;
+medians are reported. Embeddings are compared: torch and onnxruntime fp32 against
+sentence-transformers (they must agree to 1e-5), int8 against fp32 by cosine similarity.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .texts import sentences
@@ -27,9 +32,17 @@ def run_embed_bench(
     repeats: int = 3,
     out_dir: Path | str = "bench-results",
     model_path: str | Path | None = None,
+    onnx_path: str | Path | None = None,
+    threads: int | None = None,
     say: Callable[[str], None] = print,
 ) -> dict:
-    """Time both contenders on ``count`` sentences of 3 to 200 words; write embed.json."""
+    """Time every contender on ``count`` sentences of 3 to 200 words; write embed.json.
+
+    Args:
+        onnx_path: an exported graph of the same model (``multihead export onnx``); None
+            exports one into a temporary folder (about 20 s, not timed).
+        threads: torch and onnxruntime intra-op threads (default: torch's current setting).
+    """
     from sentence_transformers import SentenceTransformer
 
     from .. import _validation as V
@@ -39,49 +52,109 @@ def run_embed_bench(
     V.check_positive_int("count", count)
     V.check_positive_int("repeats", repeats)
 
+    if threads is not None:
+        torch.set_num_threads(V.check_positive_int("threads", threads))
+    threads = torch.get_num_threads()
     texts = sentences(count, min_words=3, max_words=200, seed=0)
     ours = bert.load(model_path)
     theirs = SentenceTransformer(str(ours.path), device="cpu")
     tokens = sum(len(e.ids) for e in ours._encode(texts, ours.embed_length))
 
-    def run_ours():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the truncation warning, once per run
-            return ours.embed(texts)
+    def quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+        def run(batch: list[str]) -> object:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the truncation warning, once per run
+                return embed(batch)
 
-    def run_theirs():
-        return theirs.encode(texts, convert_to_tensor=True)
+        return run
 
-    contenders = {"multihead embed": run_ours, "sentence-transformers encode": run_theirs}
-    warm = texts[:32]  # first-call costs (allocator, thread pools) out of the timings
-    ours.embed(warm)
-    theirs.encode(warm)
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    results = {}
-    names = list(contenders)
-    for r in range(repeats):
-        for name in names[r % 2 :] + names[: r % 2]:  # alternate who goes first
-            start = time.perf_counter()
-            results[name] = contenders[name]()
-            times[name].append(time.perf_counter() - start)
-    diff = float((results[names[0]] - results[names[1]].cpu()).abs().max())
+    contenders = {
+        "multihead embed": quiet(ours.embed),
+        "sentence-transformers encode": lambda t: theirs.encode(t, convert_to_tensor=True),
+    }
+    folder = tempfile.TemporaryDirectory(prefix="multihead-bench-embed-")
+    try:
+        int8_cosine = None
+        if importlib.util.find_spec("onnxruntime") is None:
+            say("onnxruntime rows skipped: install them with pip install 'multihead[export]'")
+        else:
+            from ..export import OnnxBert, quantize_int8, to_onnx
+
+            fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, Path(folder.name) / "f.onnx")
+            int8 = quantize_int8(fp32, Path(folder.name) / "int8.onnx")
+            runtimes = {
+                "onnxruntime fp32": OnnxBert(fp32, ours, threads=threads),
+                "onnxruntime int8": OnnxBert(int8, ours, threads=threads),
+            }
+            for name, runtime in runtimes.items():
+                contenders[name] = quiet(runtime.embed)
+        results, times = _timed(contenders, texts, repeats)
+    finally:
+        folder.cleanup()
+    reference = np.asarray(results["sentence-transformers encode"].cpu())
+    diffs = {
+        name: float(np.abs(np.asarray(results[name]) - reference).max())
+        for name in ("multihead embed", "onnxruntime fp32")
+        if name in results
+    }
+    if "onnxruntime int8" in results:
+        a, b = np.asarray(results["onnxruntime int8"]), np.asarray(results["onnxruntime fp32"])
+        cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        int8_cosine = {"mean": float(cosine.mean()), "min": float(cosine.min())}
     med = {name: statistics.median(t) for name, t in times.items()}
+    base = med["sentence-transformers encode"]
     report = {
-        "command": f"multihead bench --embed --sentences {count} --repeats {repeats}",
+        "command": f"multihead bench --embed --sentences {count} --repeats {repeats} "
+        f"--threads {threads}",
         "sentences": count,
         "tokens": tokens,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "median_s": med,
         "times_s": times,
         "sentences_per_s": {name: count / t for name, t in med.items()},
-        "speedup": med[names[1]] / med[names[0]],
-        "max_abs_diff": diff,
+        "speedup": base / med["multihead embed"],
+        "speedup_vs_sentence_transformers": {name: base / t for name, t in med.items()},
+        "max_abs_diff": diffs["multihead embed"],
+        "max_abs_diff_vs_sentence_transformers": diffs,
+        "int8_cosine_vs_fp32": int8_cosine,
     }
-    say(f"{count} sentences of 3-200 words ({tokens} tokens), {repeats} interleaved repeats")
-    for name in names:
-        say(f"  {name:30} median {med[name]:7.2f} s  {count / med[name]:7.1f} sentences/s")
-    say(f"  speedup {report['speedup']:.2f}x, max |difference| of embeddings {diff:.1e}")
+    say(
+        f"{count} sentences of 3-200 words ({tokens} tokens), {repeats} rotated repeats, "
+        f"{threads} threads"
+    )
+    for name in med:
+        say(
+            f"  {name:30} median {med[name]:7.2f} s  {count / med[name]:7.1f} sentences/s  "
+            f"{base / med[name]:5.2f}x sentence-transformers"
+        )
+    say(f"  speedup {report['speedup']:.2f}x (multihead embed over sentence-transformers)")
+    for name, diff in diffs.items():
+        say(f"  {name}: max |difference| from sentence-transformers {diff:.1e}")
+    if int8_cosine is not None:
+        say(
+            f"  int8 vs fp32 cosine similarity: mean {int8_cosine['mean']:.5f}, "
+            f"min {int8_cosine['min']:.5f}"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "embed.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _timed(
+    contenders: dict[str, Callable[[list[str]], object]], texts: list[str], repeats: int
+) -> tuple[dict[str, object], dict[str, list[float]]]:
+    """Run every contender on ``texts`` ``repeats`` times, rotating who goes first; the last
+    results and every time."""
+    for run in contenders.values():  # first-call costs (allocator, thread pools) untimed
+        run(texts[:32])
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    results: dict[str, object] = {}
+    names = list(contenders)
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            results[name] = contenders[name](texts)
+            times[name].append(time.perf_counter() - start)
+    return results, times

@@ -8,6 +8,7 @@ extra (safetensors, tokenizers).
 from __future__ import annotations
 
 import importlib.util
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -232,6 +233,8 @@ class Pretrained:
         self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
         self.max_length = config.max_position_embeddings
         self.embed_length = min(embed_length, self.max_length)
+        self._truncating: dict[int, Any] = {}  # truncation length -> its own tokenizer
+        self._tokenizers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         c = self.config
@@ -268,11 +271,25 @@ class Pretrained:
         )
 
     def _encode(self, texts: list[str], truncate_to: int | None) -> list[Any]:
+        return self._tokenizer_for(truncate_to).encode_batch(texts)
+
+    def _tokenizer_for(self, truncate_to: int | None) -> Any:
+        """A tokenizer that truncates to ``truncate_to`` tokens (None: never), safe to share.
+
+        Switching truncation on the shared tokenizer before every call raced under threads
+        (one call's setting reached another's encode, or the change failed while another thread
+        was encoding). Each setting gets its own copy, configured once under a lock and only
+        read afterwards.
+        """
         if truncate_to is None:
-            self.tokenizer.no_truncation()
-        else:
-            self.tokenizer.enable_truncation(truncate_to)
-        return self.tokenizer.encode_batch(texts)
+            return self.tokenizer  # configured once by load(), never changed after
+        with self._tokenizers_lock:
+            tokenizer = self._truncating.get(truncate_to)
+            if tokenizer is None:
+                tokenizer = type(self.tokenizer).from_str(self.tokenizer.to_str())
+                tokenizer.enable_truncation(truncate_to)
+                self._truncating[truncate_to] = tokenizer
+        return tokenizer
 
     @torch.inference_mode()
     def __call__(
@@ -295,6 +312,7 @@ class Pretrained:
         *,
         max_tokens: int = 1536,
         progress: Callable[[int], None] | None = None,
+        normalize: bool = True,
     ) -> Tensor:
         """Sentence embeddings (N, E): mean of the last hidden states over each text's tokens,
         L2-normalized (the all-MiniLM-L6-v2 recipe), in input order.
@@ -306,6 +324,7 @@ class Pretrained:
 
         Args:
             progress: called with the number of texts finished after each packed row.
+            normalize: L2-normalize each mean (False: the plain mean).
         """
         texts = _check_texts(texts, allow_empty=True)
         if not texts:
@@ -315,27 +334,58 @@ class Pretrained:
                 f"max_tokens must be at least embed_length={self.embed_length} so every text "
                 f"fits in a row. Received: max_tokens={max_tokens}"
             )
+        return self.embed_ids(
+            self.embedding_ids(texts), max_tokens=max_tokens, progress=progress, normalize=normalize
+        )
+
+    def embedding_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids as ``embed`` uses them: cut to ``embed_length`` tokens, with
+        one warning saying how many texts were cut (also for other runtimes, e.g. ONNX)."""
+        texts = _check_texts(texts, allow_empty=True)
         encodings = self._encode(texts, self.embed_length)
         truncated = sum(e.overflowing != [] for e in encodings)
         if truncated:
             warnings.warn(
                 f"{truncated} of {len(texts)} texts were longer than {self.embed_length} tokens "
                 "and were truncated (as sentence-transformers does)",
-                stacklevel=2,
+                stacklevel=3,
             )
-        order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
-        result = torch.empty(len(texts), self.config.hidden_size)
-        for row in _pack(order, [len(e.ids) for e in encodings], max_tokens):
-            ids = torch.tensor([t for i in row for t in encodings[i].ids], dtype=torch.long)
-            sizes = torch.tensor([len(encodings[i].ids) for i in row])
+        return [list(e.ids) for e in encodings]
+
+    @torch.inference_mode()
+    def embed_ids(
+        self,
+        ids: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 1536,
+        progress: Callable[[int], None] | None = None,
+        normalize: bool = True,
+    ) -> Tensor:
+        """``embed`` for texts already tokenized (each with its [CLS] and [SEP]): (N, E).
+
+        Packed the same way; each sequence must have 1 to ``min(max_tokens, max_length)`` ids.
+        """
+        limit = min(max_tokens, self.max_length)
+        for i, seq in enumerate(ids):
+            if not 0 < len(seq) <= limit:
+                raise ValueError(
+                    f"ids[{i}] must hold 1 to {limit} token ids (max_tokens and the model's "
+                    f"positions). Received: {len(seq)} ids"
+                )
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        result = torch.empty(len(ids), self.config.hidden_size)
+        for row in _pack(order, [len(seq) for seq in ids], max_tokens):
+            flat = torch.tensor([t for i in row for t in ids[i]], dtype=torch.long)
+            sizes = torch.tensor([len(ids[i]) for i in row])
             doc = torch.repeat_interleave(torch.arange(len(row)), sizes)
             starts = torch.cumsum(sizes, 0) - sizes
-            positions = torch.arange(len(ids)) - starts[doc]
+            positions = torch.arange(len(flat)) - starts[doc]
             hidden = self.model(
-                ids[None], mask=masks.documents(doc[None]), positions=positions[None]
+                flat[None], mask=masks.documents(doc[None]), positions=positions[None]
             ).last_hidden_state[0]
             sums = torch.zeros(len(row), hidden.shape[-1]).index_add_(0, doc, hidden)
-            result[torch.tensor(row)] = F.normalize(sums / sizes[:, None], p=2, dim=1)
+            means = sums / sizes[:, None]
+            result[torch.tensor(row)] = F.normalize(means, p=2, dim=1) if normalize else means
             if progress is not None:
                 progress(len(row))
         return result

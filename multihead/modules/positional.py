@@ -44,7 +44,9 @@ def _positions(x: Tensor, positions: Tensor | None, limit: int | None) -> Tensor
             f"positions must have shape (L,) or (B, L) = {tuple(x.shape[:2])}. "
             f"Received: positions.shape={tuple(positions.shape)}"
         )
-    if positions.numel():
+    # the range check reads the tensor on the host: skipped while exporting (torch.export /
+    # ONNX), where it would be a data-dependent branch; the exported graph's callers own it
+    if positions.numel() and not torch.compiler.is_exporting():
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or (limit is not None and high >= limit):
             bound = "" if limit is None else f" and below max_len={limit}"

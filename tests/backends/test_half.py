@@ -50,3 +50,20 @@ def test_half_kernel_says_what_it_cannot_run():
     assert "dropout" in _half.unsupported(_prepare(q, k, v, None, None, None, 0.1, False))
     bias = torch.zeros(4, 4)
     assert "bias rule" in _half.unsupported(_prepare(q, k, v, None, bias, None, 0.0, False))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_uses_it_only_with_native_half_matmuls(monkeypatch, native):
+    import multihead as mh
+    from multihead import masks
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
+    for mask in (None, masks.causal()):
+        choice = mh.explain_backend(q, k, v, mask)
+        assert choice.backend == ("tiled" if native else "sdpa")
+        if native:
+            assert "half-precision kernel runs the matmuls in bf16/fp16" in choice.reasons["sdpa"]
+    # weights and biases stay on the float32 paths
+    assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
+    assert not _half.fast(_prepare(q, k, v, None, torch.zeros(8, 8), None, 0.0, False))

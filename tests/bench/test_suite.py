@@ -20,8 +20,13 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
     for w in report["workloads"]:
         base = w["baseline"]
         expected = {"multihead", base}
-        if not w["module"]:
+        if w["bias"] != "none":  # the same call without bias; SDPA given the dense bias
+            expected.add("multihead, no bias")
+            assert w["bias_overhead"] > 0
+            assert w["notes"]["naive"].startswith("skipped")
+        elif not w["module"]:
             expected |= {"naive"}
+        if not w["module"]:
             assert w["notes"]["flex"].startswith("skipped in --quick")
         if w["weights"]:
             expected.add("multihead+weights")

@@ -1,0 +1,19 @@
+"""Shipping a model out of Python: ONNX export and onnxruntime sessions that run the graphs.
+
+Needs the ``export`` extra (onnx, onnxscript, onnxruntime), imported only when used.
+"""
+
+from __future__ import annotations
+
+from .onnx import DEFAULT_OPSET, GraphSpec, graph_spec, to_onnx
+from .runtime import OnnxBert, quantize_int8, session
+
+__all__ = [
+    "DEFAULT_OPSET",
+    "GraphSpec",
+    "OnnxBert",
+    "graph_spec",
+    "quantize_int8",
+    "session",
+    "to_onnx",
+]

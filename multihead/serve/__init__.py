@@ -1,0 +1,30 @@
+"""``multihead serve``: an HTTP service for sentence embeddings and attention weights.
+
+Starlette on uvicorn. Endpoints: ``POST /embed`` (text-embeddings-inference's format),
+``POST /v1/embeddings`` (OpenAI's), ``POST /attention``, ``GET /view``, ``GET /health``,
+``GET /info`` and ``GET /metrics`` (Prometheus). Concurrent requests are packed into batches
+bounded by a token budget and a short wait; the model runs off the event loop. The service
+keeps no state between requests, so replicas scale behind any load balancer.
+
+Needs the ``serve`` extra (starlette, uvicorn, prometheus-client), imported only when used.
+"""
+
+from __future__ import annotations
+
+from .app import ClientError, Limits, create_app
+from .engine import Engine, Tokens, TooLong
+from .server import RUNTIMES, Background, bind, load_engine, run
+
+__all__ = [
+    "RUNTIMES",
+    "Background",
+    "ClientError",
+    "Engine",
+    "Limits",
+    "Tokens",
+    "TooLong",
+    "bind",
+    "create_app",
+    "load_engine",
+    "run",
+]

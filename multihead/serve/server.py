@@ -1,0 +1,202 @@
+"""Running the app: ``multihead serve`` in the foreground, or a server on a background thread
+(tests and benchmarks) that stops cleanly."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .._extras import require
+from .app import Limits, create_app
+from .engine import Engine
+
+__all__ = ["RUNTIMES", "Background", "bind", "load_engine", "run", "uvicorn_server"]
+
+RUNTIMES = ("torch", "onnx")
+GRACEFUL_SHUTDOWN_S = 30  # requests in flight get this long to finish after SIGTERM / Ctrl-C
+
+
+def load_engine(
+    model_path: str | Path | None = None,
+    *,
+    runtime: str = "torch",
+    onnx_path: str | Path | None = None,
+    threads: int | None = None,
+    say: Callable[[str], None] = print,
+) -> Engine:
+    """Load the model for serving.
+
+    Args:
+        model_path: BERT-family folder (default: all-MiniLM-L6-v2 from its package).
+        runtime: "torch", or "onnx" for onnxruntime on CPU.
+        onnx_path: with runtime "onnx", a graph from ``multihead export onnx --weights`` of the
+            same model; None exports one at start-up (about 20 s).
+        threads: intra-op threads of torch and onnxruntime (None: their defaults).
+    """
+    import torch
+
+    from ..models import bert
+
+    _check(runtime, onnx_path, threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    pretrained = bert.load(model_path)
+    if runtime == "torch":
+        return Engine(pretrained)
+    from ..export import OnnxBert, to_onnx
+
+    if onnx_path is not None:
+        return Engine(pretrained, onnx=OnnxBert(onnx_path, pretrained, threads=threads))
+    say("exporting the model to ONNX for onnxruntime (with attention weights)...")
+    with tempfile.TemporaryDirectory(prefix="multihead-serve-") as folder:
+        graph = to_onnx(pretrained, Path(folder) / "model.onnx", weights=True)
+        onnx = OnnxBert(graph, pretrained, threads=threads)  # sessions hold the graph in memory
+    return Engine(pretrained, onnx=onnx)
+
+
+def _check(runtime: str, onnx_path: str | Path | None, threads: int | None) -> None:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {list(RUNTIMES)}. Received: runtime={runtime!r}")
+    if onnx_path is not None and runtime != "onnx":
+        raise ValueError(
+            f"an ONNX file is only used with runtime 'onnx'. Received: runtime={runtime!r}"
+        )
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free one (read it from ``getsockname()``)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an int in [0, 65535]. Received: port={port!r}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err}. Received: {host}:{port}") from err
+    sock.listen(2048)
+    return sock
+
+
+def uvicorn_server(app: Any) -> Any:
+    """A uvicorn server for ``app``: quiet logs, graceful shutdown of requests in flight."""
+    uvicorn = require("uvicorn", "serve", "multihead serve")
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return uvicorn.Server(config)
+
+
+def run(
+    *,
+    model_path: str | Path | None = None,
+    runtime: str = "torch",
+    onnx_path: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    limits: Limits | None = None,
+    threads: int | None = None,
+    say: Callable[[str], None] = print,
+) -> None:
+    """Serve until SIGINT/SIGTERM; the requests in flight then finish before it returns."""
+    limits = limits or Limits()
+    _check(runtime, onnx_path, threads)  # before taking the port or loading anything
+    sock = bind(host, port)
+    try:
+        engine = load_engine(
+            model_path, runtime=runtime, onnx_path=onnx_path, threads=threads, say=say
+        )
+        server = uvicorn_server(create_app(engine, limits))
+        shown = f"[{host}]" if ":" in host else host
+        say(
+            f"multihead serve: {engine.model_id} on {engine.runtime}, listening on "
+            f"http://{shown}:{sock.getsockname()[1]} (Ctrl-C to stop)"
+        )
+        with _stop_quietly():
+            server.run(sockets=[sock])
+    finally:
+        sock.close()
+    say("multihead serve: stopped")
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT, raised once uvicorn has finished its graceful shutdown."""
+
+
+@contextmanager
+def _stop_quietly() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the
+    handlers it found. Finding these, the process returns normally (exit 0) instead of
+    dying from SIGTERM or printing a KeyboardInterrupt traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class Background:
+    """A server on a daemon thread: ``with Background(app) as server: server.url``.
+
+    Listens on 127.0.0.1 and a free port by default. Leaving the block asks the server to stop
+    as SIGTERM would (requests in flight finish) and waits for the thread, at most
+    ``GRACEFUL_SHUTDOWN_S`` + 5 seconds.
+    """
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = uvicorn_server(app)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def __enter__(self) -> Background:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._sock.close()
+                raise RuntimeError(f"the server did not start. Received: {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Ask the server to stop (requests in flight finish) and wait for it."""
+        self._server.should_exit = True
+        self._thread.join(GRACEFUL_SHUTDOWN_S + 5)
+        self._sock.close()
+
+    @property
+    def stopped(self) -> bool:
+        return not self._thread.is_alive()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,204 @@
+"""ONNX export against the torch models it came from, run by onnxruntime
+(CPUExecutionProvider)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import multihead as mh
+from multihead import cli, masks
+from multihead.bench.texts import sentences
+from multihead.export import OnnxBert, graph_spec, session, to_onnx
+from multihead.models import bert
+
+# fp32 parity bound of the issue; the measured errors are a few 1e-7 (small modules) to a few
+# 1e-6 (six BERT layers), the size of fp32 rounding through a different order of operations
+FP32 = 1e-5
+
+# lengths chosen away from the export's example (B=2, L=5): batches of 1 and 3, a text of
+# one word piece, padding of very different amounts, and 100+ tokens
+TEXTS = [
+    [sentences(1, min_words=80, max_words=80, seed=1)[0], "Hi", "The animal was tired."],
+    ["A single text, alone in its batch, with no padding at all."],
+]
+
+
+def _dims(value_info) -> list[str | int]:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def test_bert_graph_is_valid_and_dynamic(minilm_onnx):
+    model = onnx.load(str(minilm_onnx))
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in model.graph.output] == ["last_hidden_state", "attention_weights"]
+    assert _dims(model.graph.input[0]) == ["batch", "sequence"]
+    assert _dims(model.graph.input[1]) == ["batch", "sequence"]
+    assert _dims(model.graph.output[0]) == ["batch", "sequence", 384]
+    assert _dims(model.graph.output[1]) == [6, "batch", 12, "sequence", "sequence"]
+
+
+@pytest.mark.parametrize("batch", [0, 1], ids=["padded_batch_of_3", "batch_of_1"])
+def test_bert_graph_equals_torch(pretrained, minilm_onnx, batch):
+    """Hidden states and every layer's per-head weights within 1e-5 of the torch model (its
+    own fused path) on every real token. Outputs at padded query positions are left out: no
+    result uses them, and there even torch's fp32 is 2e-5 from its own fp64 (the rows of a
+    [PAD] token are ill-conditioned), so no fp32 runtime can be held to 1e-5 at them."""
+    tokens = pretrained.tokenize(TEXTS[batch])
+    ids, lengths = tokens.input_ids, tokens.lengths
+    keep = torch.arange(ids.shape[1])[None] < lengths[:, None]
+    with torch.inference_mode():
+        ref = pretrained.model(ids, lengths=lengths, return_weights=True)
+    ort = session(minilm_onnx)
+    hidden, weights = ort.run(None, {"input_ids": ids.numpy(), "attention_mask": keep.numpy() * 1})
+    ref_weights = torch.stack(ref.weights).numpy()  # [layers, B, H, L, L]
+    for b, n in enumerate(lengths.tolist()):
+        assert np.abs(hidden[b, :n] - ref.last_hidden_state[b, :n].numpy()).max() <= FP32
+        assert np.abs(weights[:, b, :, :n] - ref_weights[:, b, :, :n]).max() <= FP32
+        assert (weights[:, b, :, :, n:] == 0).all()  # padded keys get exactly nothing
+        np.testing.assert_allclose(weights[:, b, :, :n].sum(-1), 1.0, atol=1e-5)
+
+
+def test_onnx_embeddings_equal_torch_embed(pretrained, minilm_onnx):
+    """The exported graph plus mean pooling against the torch model's packed ``embed`` (itself
+    within 1e-5 of sentence-transformers, tests/models; bench --embed compares onnxruntime
+    with sentence-transformers directly), texts of 3 to 300 words, some truncated to 256."""
+    texts = sentences(10, min_words=3, max_words=300, seed=7)
+    with pytest.warns(UserWarning, match="were truncated"):
+        expected = pretrained.embed(texts).numpy()
+    runtime = OnnxBert(minilm_onnx, pretrained, threads=1)
+    with pytest.warns(UserWarning, match="were truncated"):
+        got = runtime.embed(texts, max_tokens=1024)  # several padded batches
+    assert got.shape == (10, 384) and got.dtype == np.float32
+    assert np.abs(got - expected).max() <= FP32
+    short = [i for i, t in enumerate(texts) if len(t.split()) < 100]
+    plain = runtime.embed([texts[i] for i in short], normalize=False)
+    np.testing.assert_allclose(
+        plain / np.linalg.norm(plain, axis=1, keepdims=True), expected[short], atol=FP32
+    )
+    ids = pretrained.tokenize(["The animal was tired."]).input_ids[0].tolist()
+    attention = runtime.attention(ids)
+    with torch.inference_mode():
+        ref = pretrained.model(torch.tensor([ids]), return_weights=True).weights
+    assert np.abs(attention - torch.stack(ref)[:, 0].numpy()).max() <= FP32
+
+
+@pytest.fixture(scope="module")
+def mha_graph(tmp_path_factory):
+    """Grouped-query attention (6 query heads, 2 key/value heads) with key and value widths
+    unlike E, exported from training mode with its weights."""
+    torch.manual_seed(0)
+    module = mh.MultiHeadAttention(48, 6, num_kv_heads=2, kdim=40, vdim=36).train()
+    path = to_onnx(module, tmp_path_factory.mktemp("mha") / "mha.onnx", weights=True)
+    return module, path
+
+
+def test_attention_module_with_gqa_cross_widths_and_weights(mha_graph):
+    """Run at batch sizes, lengths and key lengths never seen in the export, down to a single
+    query and a single key, with a batch entry whose keys are all padding."""
+    module, path = mha_graph
+    assert module.training  # restored after the export, which ran in eval mode
+    module = copy.deepcopy(module).eval()
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == ["query", "key", "value", "attention_mask"]
+    assert _dims(model.graph.output[1]) == ["batch", 6, "sequence", "keys"]
+    ort = session(path, threads=1)
+    for b, length, keys in ((3, 11, 13), (1, 1, 1), (4, 1, 9), (2, 17, 3)):
+        query = torch.randn(b, length, 48)
+        key, value = torch.randn(b, keys, 40), torch.randn(b, keys, 36)
+        keep = torch.rand(b, keys) < 0.7
+        keep[0] = True
+        if b > 1:
+            keep[-1] = False  # the last entry of the batch sees no key at all: output = bias
+        out, weights = ort.run(
+            None,
+            {
+                "query": query.numpy(),
+                "key": key.numpy(),
+                "value": value.numpy(),
+                "attention_mask": keep.long().numpy(),
+            },
+        )
+        with torch.no_grad():
+            ref, ref_weights = module(
+                query, key, value, mask=masks.key_padding(keep), return_weights=True
+            )
+        assert out.shape == (b, length, 48) and weights.shape == (b, 6, length, keys)
+        assert np.abs(out - ref.numpy()).max() <= FP32
+        assert np.abs(weights - ref_weights.numpy()).max() <= FP32
+        hidden = ~keep.numpy()[:, None, None, :]  # [B, 1, 1, S]
+        assert (np.where(hidden, weights, 0.0) == 0).all()
+
+
+def test_encoder_stack_with_weights(tmp_path):
+    torch.manual_seed(1)
+    layers = [mh.TransformerEncoderLayer(32, 4, 64, norm_first=True) for _ in range(2)]
+    encoder = mh.TransformerEncoder(layers, norm=torch.nn.LayerNorm(32)).eval()
+    path = to_onnx(encoder, tmp_path / "encoder.onnx", weights=True)
+    model = onnx.load(str(path))
+    assert [i.name for i in model.graph.input] == ["hidden_states", "attention_mask"]
+    assert [o.name for o in model.graph.output] == ["output", "attention_weights"]
+    ort = session(path, threads=1)
+    for lengths in ([9, 3, 1], [23]):
+        x = torch.randn(len(lengths), max(lengths), 32)
+        keep = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+        out, weights = ort.run(
+            None, {"hidden_states": x.numpy(), "attention_mask": keep.numpy() * 1}
+        )
+        with torch.no_grad():
+            ref = encoder(x, mask=masks.lengths(torch.tensor(lengths)), return_weights=True)
+        assert np.abs(out - ref.output.numpy()).max() <= FP32
+        assert np.abs(weights - torch.stack(ref.weights).numpy()).max() <= FP32
+
+
+def test_graph_spec_for_every_kind(pretrained):
+    layer = mh.TransformerEncoderLayer(8, 2, 16)
+    assert graph_spec(layer).inputs == ("hidden_states", "attention_mask")
+    assert graph_spec(pretrained, weights=True).outputs == (
+        "last_hidden_state",
+        "attention_weights",
+    )
+    assert graph_spec(pretrained.model).kind == "bert"
+    assert graph_spec(mh.MultiHeadAttention(8, 2)).outputs == ("output",)
+
+
+def test_bad_arguments(tmp_path, minilm_onnx, pretrained, mha_graph):
+    with pytest.raises(TypeError, match=r"to_onnx exports a MultiHeadAttention.*Received: Linear"):
+        to_onnx(torch.nn.Linear(2, 2), tmp_path / "x.onnx")
+    with pytest.raises(ValueError, match=r"threads must be a positive int. Received: threads=0"):
+        session(minilm_onnx, threads=0)
+    with pytest.raises(ValueError, match=r"expected a BERT graph from to_onnx.*Received: inputs"):
+        OnnxBert(mha_graph[1], pretrained)
+    with pytest.raises(FileNotFoundError, match="no such ONNX file"):
+        OnnxBert(tmp_path / "missing.onnx", pretrained)
+    too_long = [[101] * 513]
+    with pytest.raises(ValueError, match=r"ids\[0\] must hold 1 to 512 token ids"):
+        OnnxBert(minilm_onnx, pretrained).embed_ids(too_long)
+
+
+def test_cli_exports_a_model_folder(tiny_bert, tmp_path, capsys):
+    out = tmp_path / "sub" / "tiny.onnx"
+    args = ["export", "onnx", "--model", str(tiny_bert), "--out", str(out), "--weights"]
+    assert cli.main(args) == 0
+    assert "onnx.checker: ok" in capsys.readouterr().out
+    onnx.checker.check_model(str(out), full_check=True)
+    tiny = bert.load(tiny_bert)
+    runtime = OnnxBert(out, tiny)
+    texts = sentences(9, min_words=2, max_words=70, seed=3)  # some past 48 tokens: truncated
+    with pytest.warns(UserWarning, match="truncated"):
+        expected = tiny.embed(texts).numpy()
+    with pytest.warns(UserWarning, match="truncated"):
+        got = runtime.embed(texts)
+    assert np.abs(got - expected).max() <= FP32
+
+
+def test_cli_reports_a_missing_model(tmp_path, capsys):
+    missing = tmp_path / "nothing"
+    assert cli.main(["export", "onnx", "--model", str(missing), "--out", "x.onnx"]) == 2
+    assert "model directory not found" in capsys.readouterr().err
