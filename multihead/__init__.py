@@ -15,9 +15,15 @@ from .functional import attention, attention_weights, explain_backend
 from .io import load, save
 from .modules import (
     FeedForward,
+    GatedFeedForward,
+    KVCache,
     LearnedPositionalEncoding,
     MultiHeadAttention,
+    RMSNorm,
+    RotaryEmbedding,
     SinusoidalPositionalEncoding,
+    TransformerDecoder,
+    TransformerDecoderLayer,
     TransformerEncoder,
     TransformerEncoderLayer,
     merge_heads,
@@ -28,9 +34,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FeedForward",
+    "GatedFeedForward",
+    "KVCache",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
+    "TransformerDecoder",
+    "TransformerDecoderLayer",
     "TransformerEncoder",
     "TransformerEncoderLayer",
     "attention",

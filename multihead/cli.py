@@ -25,6 +25,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.decode:
+        from .bench.decode import QUICK, DecodeShape, run_decode_bench
+
+        shape = QUICK if args.quick else DecodeShape()
+        run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
+        return 0
     if args.serve:
         from .bench.serve import run_serve_bench
 
@@ -161,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--sentences", type=_positive_int, default=2000, help="sentences for --embed (default 2000)"
     )
     bench.add_argument(
+        "--decode",
+        action="store_true",
+        help="instead: greedy decoding tokens/s of a GPT-2-small-shaped model against "
+        "transformers generate() (B=1 and B=8, prompt 128, 128 new tokens)",
+    )
+    bench.add_argument(
         "--serve",
         action="store_true",
         help="instead: load-test multihead serve against a FastAPI + sentence-transformers server",
@@ -200,7 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("text", metavar="TEXT", help="the sentence to explain")
     explain.add_argument("--focus", metavar="WORD", help="the word to follow (default: last)")
     explain.add_argument("--out", default="explain-out", metavar="DIR", help="folder for figures")
-    explain.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    explain.add_argument(
+        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+    )
     explain.set_defaults(func=_explain)
     embed = commands.add_parser("embed", help="sentence embeddings, one per line of FILE")
     embed.add_argument("file", metavar="FILE", help="UTF-8 text, one sentence per line")

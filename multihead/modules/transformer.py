@@ -17,6 +17,7 @@ __all__ = [
     "ACTIVATIONS",
     "EncoderOutput",
     "FeedForward",
+    "GatedFeedForward",
     "TransformerEncoder",
     "TransformerEncoderLayer",
 ]
@@ -27,6 +28,7 @@ ACTIVATIONS = {
     "gelu": lambda: nn.GELU(),
     "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
     "relu": lambda: nn.ReLU(),
+    "silu": lambda: nn.SiLU(),  # "swish"; the gate of SwiGLU (Shazeer 2020) in Llama
 }
 
 
@@ -71,6 +73,42 @@ class FeedForward(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
+class GatedFeedForward(nn.Module):
+    """Gated feed-forward (GLU family, Shazeer 2020): ``down(dropout(act(gate(x)) * up(x)))``.
+
+    With ``activation="silu"`` (the default) this is SwiGLU, the feed-forward of Llama,
+    Mistral and Qwen. (..., E) -> (..., E).
+
+    Args:
+        embed_dim: E, input and output width.
+        hidden_dim: width of the gate and up projections (Llama-7B: 11008 for E = 4096).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU), "gelu_tanh" or "relu" (ReGLU).
+        dropout: dropout on the gated hidden layer while training, in [0, 1).
+        bias: whether the three projections have biases (Llama: no).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        hidden_dim: int,
+        *,
+        activation: str = "silu",
+        dropout: float = 0.0,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        V.check_positive_int("embed_dim", embed_dim)
+        V.check_positive_int("hidden_dim", hidden_dim)
+        self.gate_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(embed_dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, embed_dim, bias=bias)
+        self.activation = _activation(activation)
+        self.dropout = nn.Dropout(V.check_dropout(dropout, "dropout"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.dropout(self.activation(self.gate_proj(x)) * self.up_proj(x)))
+
+
 class TransformerEncoderLayer(nn.Module):
     """Self-attention then feed-forward, each wrapped in a residual connection and LayerNorm.
 
@@ -84,23 +122,32 @@ class TransformerEncoderLayer(nn.Module):
         x = x + dropout(self_attn(norm1(x)))
         x = x + dropout(feed_forward(norm2(x)))
 
+    The parts can be passed in instead of built (as torchtune's layers take them): any of
+    ``self_attn``, ``feed_forward``, ``norm1`` and ``norm2`` given is used as is, and only the
+    missing ones are built from the sizes, so ``TransformerEncoderLayer(self_attn=attn,
+    feed_forward=GatedFeedForward(256, 683), norm1=RMSNorm(256), norm2=RMSNorm(256),
+    norm_first=True)`` needs no sizes at all. ``self_attn`` is called as
+    ``self_attn(x, mask=..., bias=..., return_weights=...)`` like ``MultiHeadAttention``.
+
     Args:
-        embed_dim: E.
-        num_heads: H; divides E.
-        ff_dim: hidden width of the feed-forward block.
-        dropout: dropout on the attention weights and on both residual branches, in [0, 1).
-        activation: "gelu" (exact), "gelu_tanh" or "relu".
+        embed_dim: E (needed to build the attention or a norm).
+        num_heads: H; divides E (needed to build the attention).
+        ff_dim: hidden width of the feed-forward block (needed to build it).
+        dropout: dropout on the attention weights and on both residual branches, in [0, 1);
+            a given part keeps its own dropout.
+        activation: "gelu" (exact), "gelu_tanh", "relu" or "silu".
         norm_first: pre-norm instead of post-norm.
         layer_norm_eps: epsilon of both LayerNorms (BERT uses 1e-12).
         num_kv_heads: H_kv for grouped-query attention (default H).
         bias: biases in every linear layer and LayerNorm.
+        self_attn, feed_forward, norm1, norm2: parts to use instead of building them.
     """
 
     def __init__(
         self,
-        embed_dim: int,
-        num_heads: int,
-        ff_dim: int,
+        embed_dim: int | None = None,
+        num_heads: int | None = None,
+        ff_dim: int | None = None,
         *,
         dropout: float = 0.0,
         activation: str = "gelu",
@@ -108,17 +155,46 @@ class TransformerEncoderLayer(nn.Module):
         layer_norm_eps: float = 1e-5,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        self_attn: nn.Module | None = None,
+        feed_forward: nn.Module | None = None,
+        norm1: nn.Module | None = None,
+        norm2: nn.Module | None = None,
     ) -> None:
         super().__init__()
         dropout = V.check_dropout(dropout, "dropout")
-        self.self_attn = MultiHeadAttention(
-            embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout
-        )
-        self.feed_forward = FeedForward(
-            embed_dim, ff_dim, activation=activation, dropout=dropout, bias=bias
-        )
-        self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias)
-        self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias)
+        given = {"self_attn": self_attn, "feed_forward": feed_forward, "norm1": norm1,
+                 "norm2": norm2}  # fmt: skip
+        for name, part in given.items():
+            if part is not None and not isinstance(part, nn.Module):
+                raise TypeError(
+                    f"{name} must be a torch.nn.Module. Received: {name} of type "
+                    f"{type(part).__name__}"
+                )
+        sizes = {"embed_dim": embed_dim, "num_heads": num_heads, "ff_dim": ff_dim}
+        needs = {"self_attn": ("embed_dim", "num_heads"), "feed_forward": ("embed_dim", "ff_dim"),
+                 "norm1": ("embed_dim",), "norm2": ("embed_dim",)}  # fmt: skip
+        for name, part in given.items():
+            lacking = [s for s in needs[name] if part is None and sizes[s] is None]
+            if lacking:
+                raise ValueError(
+                    f"pass {' and '.join(lacking)} to build {name}, or pass {name}= itself. "
+                    f"Received: {', '.join(f'{s}=None' for s in lacking)}"
+                )
+        if self_attn is None:
+            self_attn = MultiHeadAttention(
+                embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout
+            )
+        if feed_forward is None:
+            feed_forward = FeedForward(
+                embed_dim, ff_dim, activation=activation, dropout=dropout, bias=bias
+            )
+        self.self_attn = self_attn
+        self.feed_forward = feed_forward
+        if norm1 is None:
+            norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias)
+        if norm2 is None:
+            norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps, bias=bias)
+        self.norm1, self.norm2 = norm1, norm2
         self.dropout = nn.Dropout(dropout)
         self.norm_first = bool(norm_first)
 

@@ -1,0 +1,197 @@
+"""GPT-2 checkpoints (transformers format) on multihead's own decoder blocks.
+
+``load(path)`` reads ``config.json``, the weights and ``tokenizer.json`` (when present) of a
+``GPT2LMHeadModel`` / ``GPT2Model`` folder. Needs the ``pretrained`` extra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import (
+    FeedForward,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+from . import checkpoint
+from .causal_lm import CausalLM, CausalLMOutput, decode_layout
+
+__all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
+
+# Hugging Face ``activation_function`` -> our activation name
+_HF_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
+# config fields that change the math, and the only values implemented
+_FIXED = {
+    "model_type": ("gpt2",),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "add_cross_attention": (False,),
+}
+# tensors older checkpoints saved that hold no weights: the causal-mask buffers
+_UNUSED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The fields of a GPT-2 ``config.json`` that shape the model (Hugging Face names)."""
+
+    vocab_size: int
+    n_positions: int = 1024  # learned position table: the longest sequence
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None  # feed-forward width; None means 4 * n_embd
+    activation_function: str = "gelu_new"  # the tanh approximation of GELU
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = True  # the output layer reuses the token embeddings
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> GPT2Config:
+        """Validate a parsed config; every error names the field."""
+        config = checkpoint.parse_config(
+            cls,
+            raw,
+            source=source,
+            fixed=_FIXED,
+            choices={"activation_function": _HF_ACTIVATIONS},
+            positive=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+        )
+        if config.n_embd % config.n_head:
+            raise ValueError(
+                f"{source}: n_head must divide n_embd={config.n_embd}. "
+                f"Received: n_head={config.n_head}"
+            )
+        if config.n_inner == 0:
+            raise ValueError(f"{source}: n_inner must be positive or null. Received: n_inner=0")
+        return config
+
+
+class GPT2(CausalLM):
+    """GPT-2 (Radford et al. 2019): token + learned position embeddings, pre-norm decoder
+    layers with GELU feed-forwards, a final LayerNorm, and an output layer tied to the token
+    embeddings. See ``CausalLM`` for ``forward``, ``run`` and ``generate``."""
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        e, eps = config.n_embd, config.layer_norm_epsilon
+        self.wte = nn.Embedding(config.vocab_size, e)
+        self.wpe = LearnedPositionalEncoding(config.n_positions, e)
+        activation = _HF_ACTIVATIONS[config.activation_function]
+        layers = [
+            TransformerDecoderLayer(
+                MultiHeadAttention(e, config.n_head),
+                FeedForward(e, config.n_inner or 4 * e, activation=activation),
+                norm1=nn.LayerNorm(e, eps=eps),
+                norm2=nn.LayerNorm(e, eps=eps),
+            )
+            for _ in range(config.n_layer)
+        ]
+        self.decoder = TransformerDecoder(layers, norm=nn.LayerNorm(e, eps=eps))
+        self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.vocab_size = config.vocab_size
+        self.max_positions = config.n_positions
+        eos = config.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        # GPT-2 has no padding token; like transformers, pad with end-of-text
+        pad = config.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
+
+    def __repr__(self) -> str:
+        if self.path is None:
+            return super().__repr__()
+        c = self.config
+        return f"GPT2(path='{self.path}', layers={c.n_layer}, heads={c.n_head}, hidden={c.n_embd})"
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.wpe(self.wte(input_ids), positions)
+
+
+def _hf_names(config: GPT2Config, tied: bool) -> dict[str, Any]:
+    """Our state-dict key -> checkpoint name, or (name, convert) for GPT-2's Conv1D layers,
+    which store (in, out) matrices and fuse the query, key and value projections."""
+    e = config.n_embd
+
+    def part(i: int):
+        return lambda t: t[..., i * e : (i + 1) * e].T if t.dim() == 2 else t[i * e : (i + 1) * e]
+
+    def transposed(t: Tensor) -> Tensor:
+        return t.T
+
+    names: dict[str, Any] = {
+        "wte.weight": "wte.weight",
+        "wpe.embedding.weight": "wpe.weight",
+        "decoder.norm.weight": "ln_f.weight",
+        "decoder.norm.bias": "ln_f.bias",
+        "lm_head.weight": "wte.weight" if tied else "lm_head.weight",
+    }
+    for i in range(config.n_layer):
+        ours, theirs = f"decoder.layers.{i}", f"h.{i}"
+        for p in ("weight", "bias"):
+            names[f"{ours}.norm1.{p}"] = f"{theirs}.ln_1.{p}"
+            names[f"{ours}.norm2.{p}"] = f"{theirs}.ln_2.{p}"
+            for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                names[f"{ours}.self_attn.{proj}.{p}"] = (f"{theirs}.attn.c_attn.{p}", part(j))
+            convert = transposed if p == "weight" else None
+            for mine, hf in (
+                ("self_attn.out_proj", "attn.c_proj"),
+                ("feed_forward.linear1", "mlp.c_fc"),
+                ("feed_forward.linear2", "mlp.c_proj"),
+            ):
+                source = f"{theirs}.{hf}.{p}"
+                names[f"{ours}.{mine}.{p}"] = (source, convert) if convert else source
+    return names
+
+
+def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
+    """Load a GPT-2 model folder (``config.json``, ``model.safetensors`` or
+    ``pytorch_model.bin``, and ``tokenizer.json`` when present).
+
+    Args:
+        path: the folder, as written by transformers' ``save_pretrained``.
+        dtype: parameter dtype.
+
+    Returns:
+        A ``GPT2`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
+
+    Raises:
+        FileNotFoundError: the folder, config.json or the weights are missing.
+        ValueError: a config value we do not implement (the field is named), an empty or
+            corrupt file (the file is named), or weights that do not fit the config (missing,
+            misshapen or left-over tensors: never a partial load).
+    """
+    folder = checkpoint.model_folder(path)
+    config = GPT2Config.from_dict(checkpoint.read_config(folder))
+    tokenizer = checkpoint.read_tokenizer(folder, required=False)
+    state = {k.removeprefix("transformer."): v for k, v in checkpoint.read_weights(folder).items()}
+    model = GPT2(config)
+    tied = config.tie_word_embeddings
+    checkpoint.assign(
+        model,
+        state,
+        _hf_names(config, tied),
+        folder=folder,
+        # a tied output layer saved anyway is the embedding matrix again
+        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
+    )
+    model.to(dtype).eval()
+    decode_layout(model)
+    model.tokenizer, model.path = tokenizer, folder
+    return model

@@ -1,0 +1,225 @@
+"""Llama checkpoints (transformers format) on multihead's own decoder blocks.
+
+``load(path)`` reads ``config.json``, the weights (single or sharded safetensors, or
+``pytorch_model.bin``) and ``tokenizer.json`` when present, of a ``LlamaForCausalLM`` folder.
+Grouped-query attention, rotary embeddings (the default RoPE), RMSNorm and SwiGLU are built from
+this library's modules. Needs the ``pretrained`` extra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..modules import (
+    GatedFeedForward,
+    MultiHeadAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+)
+from . import checkpoint
+from .causal_lm import CausalLM, CausalLMOutput, decode_layout
+
+__all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
+
+_FIXED = {"model_type": ("llama",), "hidden_act": ("silu",), "pretraining_tp": (1,)}
+# buffers older checkpoints saved: the rotary frequencies, recomputed here
+_UNUSED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a Llama ``config.json`` that shape the model (Hugging Face names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # SwiGLU hidden width
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # H_kv for grouped-query attention; None means H
+    head_dim: int | None = None  # D; None means hidden_size / num_attention_heads
+    max_position_embeddings: int = 2048  # the trained context; RoPE itself has no limit
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # older configs; newer ones use rope_parameters
+    rope_parameters: dict | None = None  # {"rope_type": "default", "rope_theta": ...}
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+        """Validate a parsed config; every error names the field."""
+        config = checkpoint.parse_config(
+            cls,
+            raw,
+            source=source,
+            fixed=_FIXED,
+            positive=(
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            ),
+        )
+        h, e = config.num_attention_heads, config.hidden_size
+        if config.head_dim is None and e % h:
+            raise ValueError(
+                f"{source}: num_attention_heads must divide hidden_size={e} when head_dim is "
+                f"not given. Received: num_attention_heads={h}"
+            )
+        if config.head_dim is not None and config.head_dim % 2:
+            raise ValueError(
+                f"{source}: head_dim must be even (rotary embeddings rotate pairs). "
+                f"Received: head_dim={config.head_dim}"
+            )
+        h_kv = config.num_key_value_heads
+        if h_kv is not None and (h_kv == 0 or h % h_kv):
+            raise ValueError(
+                f"{source}: num_key_value_heads must divide num_attention_heads={h}. "
+                f"Received: num_key_value_heads={h_kv}"
+            )
+        rope = config.rope_parameters or config.rope_scaling or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise ValueError(
+                f"{source}: rope_type must be 'default' (scaled RoPE variants are not "
+                f"implemented). Received: rope_type={kind!r}"
+            )
+        theta = config.theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+            raise ValueError(
+                f"{source}: rope_theta must be a positive number. Received: rope_theta={theta!r}"
+            )
+        return config
+
+    @property
+    def theta(self) -> float:
+        """The RoPE base, from ``rope_parameters`` when present."""
+        return (self.rope_parameters or {}).get("rope_theta", self.rope_theta)
+
+
+class Llama(CausalLM):
+    """Llama (Touvron et al. 2023): token embeddings, pre-RMSNorm decoder layers with rotary
+    grouped-query attention and SwiGLU feed-forwards, a final RMSNorm and an output layer.
+    See ``CausalLM`` for ``forward``, ``run`` and ``generate``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        e, h = config.hidden_size, config.num_attention_heads
+        d = config.head_dim or e // h
+        eps = config.rms_norm_eps
+        self.embed_tokens = nn.Embedding(config.vocab_size, e)
+        layers = [
+            TransformerDecoderLayer(
+                MultiHeadAttention(
+                    e,
+                    h,
+                    num_kv_heads=config.num_key_value_heads,
+                    bias=config.attention_bias,
+                    head_dim=d,
+                    rotary=RotaryEmbedding(d, base=config.theta),
+                ),
+                GatedFeedForward(e, config.intermediate_size, bias=config.mlp_bias),
+                norm1=RMSNorm(e, eps=eps),
+                norm2=RMSNorm(e, eps=eps),
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.decoder = TransformerDecoder(layers, norm=RMSNorm(e, eps=eps))
+        self.lm_head = nn.Linear(e, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.vocab_size = config.vocab_size
+        self.max_positions = None  # rotary positions have no table to run out of
+        eos = config.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = config.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
+
+    def __repr__(self) -> str:
+        if self.path is None:
+            return super().__repr__()
+        c = self.config
+        kv = c.num_key_value_heads or c.num_attention_heads
+        return (
+            f"Llama(path='{self.path}', layers={c.num_hidden_layers}, "
+            f"heads={c.num_attention_heads}, kv_heads={kv}, hidden={c.hidden_size})"
+        )
+
+    def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.embed_tokens(input_ids)
+
+
+def _hf_names(config: LlamaConfig, tied: bool) -> dict[str, str]:
+    """Our state-dict key -> checkpoint name (after the ``model.`` prefix is removed)."""
+    names = {
+        "embed_tokens.weight": "embed_tokens.weight",
+        "decoder.norm.weight": "norm.weight",
+        "lm_head.weight": "embed_tokens.weight" if tied else "lm_head.weight",
+    }
+    parts = {
+        "self_attn.q_proj": "self_attn.q_proj",
+        "self_attn.k_proj": "self_attn.k_proj",
+        "self_attn.v_proj": "self_attn.v_proj",
+        "self_attn.out_proj": "self_attn.o_proj",
+        "feed_forward.gate_proj": "mlp.gate_proj",
+        "feed_forward.up_proj": "mlp.up_proj",
+        "feed_forward.down_proj": "mlp.down_proj",
+    }
+    for i in range(config.num_hidden_layers):
+        ours, theirs = f"decoder.layers.{i}", f"layers.{i}"
+        names[f"{ours}.norm1.weight"] = f"{theirs}.input_layernorm.weight"
+        names[f"{ours}.norm2.weight"] = f"{theirs}.post_attention_layernorm.weight"
+        for mine, hf in parts.items():
+            names[f"{ours}.{mine}.weight"] = f"{theirs}.{hf}.weight"
+            has_bias = config.mlp_bias if mine.startswith("feed") else config.attention_bias
+            if has_bias:
+                names[f"{ours}.{mine}.bias"] = f"{theirs}.{hf}.bias"
+    return names
+
+
+def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
+    """Load a Llama model folder (``config.json``, weights, ``tokenizer.json`` when present).
+
+    Args:
+        path: the folder, as written by transformers' ``save_pretrained``.
+        dtype: parameter dtype (checkpoints stored in bf16 are converted).
+
+    Returns:
+        A ``Llama`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
+
+    Raises:
+        FileNotFoundError: the folder, config.json or the weights are missing.
+        ValueError: a config value we do not implement (the field is named), an empty or
+            corrupt file (the file is named), or weights that do not fit the config (missing,
+            misshapen or left-over tensors: never a partial load).
+    """
+    folder = checkpoint.model_folder(path)
+    config = LlamaConfig.from_dict(checkpoint.read_config(folder))
+    tokenizer = checkpoint.read_tokenizer(folder, required=False)
+    state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(folder).items()}
+    model = Llama(config)
+    tied = config.tie_word_embeddings
+    checkpoint.assign(
+        model,
+        state,
+        _hf_names(config, tied),
+        folder=folder,
+        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
+    )
+    model.to(dtype).eval()
+    decode_layout(model)
+    model.tokenizer, model.path = tokenizer, folder
+    return model

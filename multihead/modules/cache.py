@@ -1,0 +1,371 @@
+"""``KVCache``: the keys and values of every past token, per layer, with per-row lengths.
+
+Incremental decoding projects only the new tokens; their keys and values are appended to the
+cache and the queries attend to everything the row has seen. Rows keep their own lengths, so a
+batch of prompts of different lengths decodes together and each row gets exactly what it would
+get alone: row b's tokens sit at cache slots 0, 1, ... whatever the other rows hold, and its
+queries see only its own prefix (``masks.lengths`` with a length per query, which the tiled
+backend turns into one kernel call per row over exactly that prefix).
+
+Three layouts:
+
+* fixed (``max_length=N``): preallocated once; asking for more raises;
+* growing (``max_length=None``): capacity doubles when needed (amortized O(1) per token);
+* rolling (``window=W``): a sliding-window model keeps only each row's last W tokens in a ring
+  of W slots; memory stays O(W) however long the generation runs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _validation as V
+from .. import masks
+from ..masks import Mask
+
+__all__ = ["CacheStep", "KVCache", "LayerCache"]
+
+_GROW_QUANTUM = 64  # growing caches allocate whole multiples of this many slots
+
+
+class CacheStep(NamedTuple):
+    """What ``KVCache.begin`` prepared for one forward pass over L new tokens per row.
+
+    positions: (B, L) absolute position of every new token (row b's first new token is at
+        the row's previous length); 0 at padding slots beyond ``counts``.
+    counts: (B,) real new tokens per row; the rest of the L are padding and see nothing.
+    mask: the mask every layer's attention uses this step, over (L queries) x (S keys); None
+        when every query sees every key.
+    length: S, the key columns every layer's attention gets this step.
+    """
+
+    positions: Tensor
+    counts: Tensor
+    mask: Mask | None
+    length: int
+
+
+class LayerCache:
+    """One layer's view of a ``KVCache`` (``cache[i]``): what an attention module is given."""
+
+    def __init__(self, cache: KVCache, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+    @property
+    def positions(self) -> Tensor:
+        """(B, L) positions of the new tokens of the current step (for rotary embeddings)."""
+        return self.cache.step.positions
+
+    def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
+        """Store this step's keys (B, H_kv, L, D) and values (B, H_kv, L, D_v); see
+        ``KVCache.update``."""
+        return self.cache.update(self.layer, key, value)
+
+
+class KVCache:
+    """Keys and values of past tokens for every layer of a decoder, with one length per row.
+
+    Usage, once per forward pass of L new tokens per row (prefill: the prompts; decoding: one
+    token, or several for speculative or chunked steps)::
+
+        step = cache.begin(counts)             # counts (B,): real new tokens in each row
+        x = embed(ids, step.positions)         # (B, L, E), positions continue every row
+        for i, layer in enumerate(layers):
+            x = layer(x, cache=cache[i])       # attention calls cache[i].update(k, v)
+
+    ``update`` writes the new keys and values after each row's own last token and returns
+    the keys, values and mask to attend with: rows of different lengths never see each
+    other's padding, and a step costs O(S) (no past token is recomputed).
+
+    Args:
+        num_layers: layers in the model; each gets its own keys and values.
+        batch_size: B rows, each with its own length.
+        num_kv_heads: H_kv (grouped-query attention caches only the key/value heads).
+        head_dim: D of the keys.
+        max_length: slots per row, preallocated; None grows on demand.
+        window: W for a sliding-window model: each query sees itself and the W - 1 tokens
+            before it (Mistral's ``sliding_window``), and only W tokens per row are kept.
+            Exclusive with ``max_length``.
+        value_dim: D_v of the values (default D).
+        dtype, device: of the stored keys and values (the model's).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        max_length: int | None = None,
+        window: int | None = None,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            V.check_positive_int(name, value)
+        if max_length is not None and window is not None:
+            raise ValueError(
+                "a rolling cache (window=) keeps the last W tokens and has no maximum length; "
+                f"pass one of them. Received: max_length={max_length}, window={window}"
+            )
+        if max_length is not None:
+            V.check_positive_int("max_length", max_length)
+        if window is not None:
+            V.check_positive_int("window", window)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype. Received: dtype={dtype!r}")
+        self.num_layers, self.batch_size = num_layers, batch_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.value_dim = (
+            head_dim if value_dim is None else V.check_positive_int("value_dim", value_dim)
+        )
+        self.max_length, self.window = max_length, window
+        self.dtype, self.device = dtype, torch.device(device or "cpu")
+        capacity = window or max_length or 0
+        self._keys = self._empty(capacity, self.head_dim)
+        self._values = self._empty(capacity, self.value_dim)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self._host = [0] * batch_size  # lengths on the host: no device sync to plan a step
+        self._step: CacheStep | None = None
+        self._written: set[int] = set()
+        # the current step: each row's length before it, its width L, where the new tokens
+        # go ((rows, columns, slots), None for one slice), and for a rolling cache the
+        # position held by every key column
+        self._offsets: list[int] = []
+        self._width = 0
+        self._slots: tuple[Tensor, Tensor, Tensor] | None = None
+        self._held: Tensor | None = None
+
+    def _empty(self, capacity: int, dim: int) -> Tensor:
+        # zeros rather than empty: slots nobody wrote are masked anyway, but stay finite
+        shape = (self.num_layers, self.batch_size, self.num_kv_heads, capacity, dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def __repr__(self) -> str:
+        kind = (
+            f"window={self.window}"
+            if self.window
+            else f"max_length={self.max_length}"
+            if self.max_length
+            else "growing"
+        )
+        return (
+            f"KVCache(layers={self.num_layers}, B={self.batch_size}, H_kv={self.num_kv_heads}, "
+            f"D={self.head_dim}, {kind}, capacity={self.capacity}, lengths={self._host})"
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated per row (W for a rolling cache)."""
+        return self._keys.shape[3]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Memory one token of one row takes: layers x H_kv x (D + D_v) x bytes per element.
+        GPT-2 small in fp32: 12 x 12 x 128 x 4 = 73,728 bytes (72 KiB)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * size
+
+    @property
+    def nbytes(self) -> int:
+        """Memory allocated for keys and values, all layers and rows."""
+        return self.bytes_per_token * self.batch_size * self.capacity
+
+    @property
+    def step(self) -> CacheStep:
+        """The step ``begin`` started last."""
+        if self._step is None:
+            raise ValueError("the cache has no step yet; call cache.begin(counts) first")
+        return self._step
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"index a cache by layer number. Received: {layer!r}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}). Received: layer={layer}")
+        return LayerCache(self, layer)
+
+    def begin(self, counts: Tensor | int, length: int | None = None) -> CacheStep:
+        """Start a forward pass that appends ``counts[b]`` tokens to row b.
+
+        Args:
+            counts: (B,) integers (or one int for every row): real new tokens per row. The
+                new tokens of a row come first in its L slots (right padding).
+            length: L, the width of the new tokens (default ``max(counts)``).
+
+        Returns:
+            The ``CacheStep`` (positions, mask) every layer of this pass uses. The lengths
+            advance now; each layer must then call ``update`` once.
+
+        Raises:
+            ValueError: counts outside [0, L], a step left unfinished by some layer, or a
+                fixed cache too small for the new tokens.
+        """
+        if self._step is not None and len(self._written) != self.num_layers:
+            missing = sorted(set(range(self.num_layers)) - self._written)
+            raise ValueError(
+                "the previous step is unfinished: every layer must call update once per step. "
+                f"Received: no update from layers {missing}"
+            )
+        b = self.batch_size
+        if isinstance(counts, Tensor):
+            counts = V.check_index_tensor("counts", counts, (1,), "(B,)")
+            if counts.shape[0] != b:
+                raise ValueError(
+                    f"counts must have one entry per row, B={b}. "
+                    f"Received: counts.shape={tuple(counts.shape)}"
+                )
+            host = [int(c) for c in counts.tolist()]
+        elif isinstance(counts, int) and not isinstance(counts, bool):
+            host = [counts] * b
+        else:
+            raise TypeError(f"counts must be an int or a (B,) tensor. Received: {counts!r}")
+        width = max(host) if length is None else V.check_positive_int("length", length)
+        if min(host) < 0 or max(host) > width:
+            raise ValueError(f"counts must be in [0, L] with L={width}. Received: counts={host}")
+        offsets = self._host
+        if self.window is None:
+            self._reserve(max(o + c for o, c in zip(offsets, host)))
+        counts_t = torch.tensor(host, dtype=torch.long, device=self.device)
+        offsets_t = self.lengths
+        ar = torch.arange(width, device=self.device)
+        uniform = len(set(offsets)) == 1 and min(host) == width
+        if uniform:
+            positions = (ar + offsets[0]).expand(b, width)
+        else:
+            real = ar[None] < counts_t[:, None]  # [B, L]
+            positions = torch.where(real, offsets_t[:, None] + ar, 0)
+        if self.window is not None:
+            mask, key_length = self._rolling_plan(offsets_t, counts_t, ar), self.window + width
+        elif uniform:
+            # every row sees its whole prefix: nothing to mask for one new token, and the
+            # bottom-right causal mask for several
+            mask, key_length = (None if width == 1 else masks.causal()), offsets[0] + width
+            self._slots = None
+        else:
+            real = ar[None] < counts_t[:, None]
+            valid = torch.where(real, offsets_t[:, None] + ar + 1, 0)  # [B, L] keys per query
+            mask = masks.lengths(valid)
+            key_length = max(o + c for o, c in zip(offsets, host))
+            rows, cols = real.nonzero(as_tuple=True)
+            self._slots = (rows, cols, offsets_t[rows] + cols)
+        self._host = [o + c for o, c in zip(offsets, host)]
+        self.lengths = offsets_t + counts_t
+        self._offsets, self._width = offsets, width
+        self._step = CacheStep(positions, counts_t, mask, key_length)
+        self._written = set()
+        return self._step
+
+    def _reserve(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        if self.max_length is not None:
+            raise ValueError(
+                f"the cache holds max_length={self.max_length} tokens per row, and this step "
+                f"needs {need}; make a larger cache or pass max_length=None to grow. "
+                f"Received: lengths {self._host} before the step"
+            )
+        grown = max(need, 2 * self.capacity)
+        grown = -(-grown // _GROW_QUANTUM) * _GROW_QUANTUM
+        keys, values = self._empty(grown, self.head_dim), self._empty(grown, self.value_dim)
+        keys[..., : self.capacity, :] = self._keys
+        values[..., : self.capacity, :] = self._values
+        self._keys, self._values = keys, values
+
+    def _rolling_plan(self, offsets: Tensor, counts: Tensor, ar: Tensor) -> Mask:
+        """Keys of a rolling step are the W ring slots followed by the L new tokens; the ring
+        slot j of a row with offset o holds the latest position a < o with a = j (mod W)."""
+        w = self.window
+        o = offsets[:, None]  # [B, 1]
+        j = torch.arange(w, device=self.device)
+        held = o - 1 - torch.remainder(o - 1 - j, w)  # [B, W], < 0 when the slot is empty
+        query = o + ar  # [B, L] absolute position of each new token
+        real_q = ar[None] < counts[:, None]  # [B, L]
+        ring = (held[:, None, :] >= 0) & (held[:, None, :] > query[:, :, None] - w)
+        gap = ar[:, None] - ar[None, :]  # [L, L] query i - new key i'
+        new = (gap >= 0) & (gap < w) & real_q[:, None, :]  # [B, L, L]
+        keep = torch.cat((ring, new), dim=-1) & real_q[:, :, None]  # [B, L, W + L]
+        self._held = torch.cat(
+            (torch.where(held >= 0, held, -1), torch.where(real_q, query, -1)), dim=-1
+        )
+        # the last W new tokens of each row go to the ring (earlier ones would be overwritten)
+        store = real_q & (ar[None] >= counts[:, None] - w)
+        rows, cols = store.nonzero(as_tuple=True)
+        self._slots = (rows, cols, (offsets[rows] + cols) % w)
+        return masks.dense(keep[:, None])
+
+    def key_positions(self) -> Tensor:
+        """(B, S) absolute position of the token behind every key column of the current step,
+        -1 for columns that hold no token of that row (padding, empty ring slots). Use it to
+        read weights returned during decoding: column s of row b is token
+        ``key_positions()[b, s]``."""
+        step = self.step
+        if self.window is not None:
+            return self._held
+        ar = torch.arange(step.length, device=self.device)
+        return torch.where(ar[None] < self.lengths[:, None], ar, -1)
+
+    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
+        """Store layer ``layer``'s keys and values for the new tokens of the current step.
+
+        Args:
+            layer: the layer index.
+            key: (B, H_kv, L, D) keys of the new tokens (after any rotary embedding).
+            value: (B, H_kv, L, D_v).
+
+        Returns:
+            ``(keys, values, mask)`` to attend with: keys (B, H_kv, S, D) and values
+            (B, H_kv, S, D_v) of every token each row holds (views of the cache, no copy,
+            except for a rolling cache), and the step's mask over (L, S).
+        """
+        step = self.step
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer must be an int. Received: layer={layer!r}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be in [0, {self.num_layers}). Received: layer={layer}")
+        if layer in self._written:
+            raise ValueError(
+                f"layer {layer} already stored its keys this step; call cache.begin(counts) "
+                f"before the next forward pass. Received: a second update for layer {layer}"
+            )
+        want = (self.batch_size, self.num_kv_heads, self._width)
+        for name, t, dim in (("key", key, self.head_dim), ("value", value, self.value_dim)):
+            V.check_rank(name, t, 4, "(B, H_kv, L, D)")
+            if tuple(t.shape) != (*want, dim):
+                raise ValueError(
+                    f"{name} must have shape (B, H_kv, L, D)={(*want, dim)} for this cache and "
+                    f"step. Received: {name}.shape={tuple(t.shape)}"
+                )
+            if t.dtype != self.dtype:
+                raise TypeError(
+                    f"{name} must have the cache's dtype {self.dtype}; build the cache with "
+                    f"the model's dtype. Received: {name}.dtype={t.dtype}"
+                )
+        keys, values = self._keys[layer], self._values[layer]  # [B, H_kv, capacity, D]
+        self._written.add(layer)
+        if self.window is not None:
+            out_k, out_v = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
+            self._store(keys, values, key, value)
+            return out_k, out_v, step.mask
+        if self._slots is None:  # uniform rows: one slice
+            start = self._offsets[0]
+            keys[:, :, start : start + self._width] = key
+            values[:, :, start : start + self._width] = value
+        else:
+            self._store(keys, values, key, value)
+        return keys[:, :, : step.length], values[:, :, : step.length], step.mask
+
+    def _store(self, keys: Tensor, values: Tensor, key: Tensor, value: Tensor) -> None:
+        rows, cols, slots = self._slots
+        keys[rows, :, slots] = key.transpose(1, 2)[rows, cols]  # [N, H_kv, D]
+        values[rows, :, slots] = value.transpose(1, 2)[rows, cols]
