@@ -179,6 +179,7 @@ def fit(
     param_groups: Sequence[dict[str, Any]] | None = None,
     lengths: Sequence[int] | None = None,
     desc: str = "train",
+    after_epoch: Callable[[int], None] | None = None,
 ) -> FitResult:
     """Train ``model`` in place on ``count`` examples.
 
@@ -191,6 +192,8 @@ def fit(
         lengths: each example's length; when given, batches hold examples of similar length
             (sorted within pools of 50 batches, batch order shuffled), so less padding is
             computed.
+        after_epoch: called with the 1-based epoch after each epoch's last step, on every
+            process (model selection on a validation set).
     """
     from tqdm.auto import tqdm
 
@@ -294,6 +297,8 @@ def fit(
                 bar.set_postfix(loss=f"{losses[-1]:.4f}")
         bar.close()
         epoch_losses.append(sum(running) / len(running))
+        if after_epoch is not None:
+            after_epoch(epoch + 1)
         if step >= total:
             break
     seconds = time.perf_counter() - start

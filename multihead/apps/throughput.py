@@ -30,9 +30,10 @@ def _sentiment(options: Options, info: Any, steps: int) -> dict[str, Any]:
     ratings = np.concatenate([c.ratings[s.split(c, options.seed)[0]] for c in corpora])
     count = min(len(texts), 32 * (steps + 2) * 4)  # enough texts for the batches, few to encode
     ids = s.encode(pretrained.tokenizer, texts[:count], 128)
-    model = s.SentimentRegressor(pretrained.model)
+    model = s.SentimentRegressor(pretrained.model, alphas=s.STRETCHES)
     config = options.train_config(epochs=1, batch_size=32, lr=5e-5)
-    result = s._train(model, ids, np.clip(ratings[:count] / 4, -1, 1), config, info, "MiniLM")
+    targets = np.stack([s.stretch(ratings[:count], a) for a in s.STRETCHES], axis=1)
+    result = s._train(model, ids, targets, config, info, "MiniLM")
     return result.summary()
 
 

@@ -31,6 +31,10 @@ def sinusoidal_table(length: int, embed_dim: int, *, base: float = 10000.0) -> T
     return table.float()
 
 
+def _tracing() -> bool:
+    return torch.compiler.is_exporting() or torch.compiler.is_compiling()
+
+
 def _positions(x: Tensor, positions: Tensor | None, limit: int | None) -> Tensor:
     V.check_rank("x", x, 3, "(B, L, E)")
     if positions is None:
@@ -45,8 +49,9 @@ def _positions(x: Tensor, positions: Tensor | None, limit: int | None) -> Tensor
             f"Received: positions.shape={tuple(positions.shape)}"
         )
     # the range check reads the tensor on the host: skipped while exporting (torch.export /
-    # ONNX), where it would be a data-dependent branch; the exported graph's callers own it
-    if positions.numel() and not torch.compiler.is_exporting():
+    # ONNX) and while compiling (torch.compile), where it would be a data-dependent branch
+    # (a graph break per read); the traced graph's callers own it
+    if positions.numel() and not _tracing():
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or (limit is not None and high >= limit):
             bound = "" if limit is None else f" and below max_len={limit}"
@@ -73,14 +78,24 @@ class SinusoidalPositionalEncoding(nn.Module):
         self.register_buffer("table", sinusoidal_table(max_len, embed_dim, base=base), False)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """x: (B, L, E); positions: (L,) or (B, L) integers (default 0..L-1)."""
+        """x: (B, L, E); positions: (L,) or (B, L) integers (default 0..L-1).
+
+        Under ``torch.compile`` or export, explicit positions are neither range-checked nor
+        read to extend the table (host reads break the graph): keep them below ``max_len``.
+        """
+        explicit = positions
         positions = _positions(x, positions, None)
         if x.shape[-1] != self.embed_dim:
             raise ValueError(
                 f"x must have last dimension {self.embed_dim}. Received: x.shape={tuple(x.shape)}"
             )
         table = self.table
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        if explicit is None:  # 0..L-1: the length is known without reading the tensor
+            need = x.shape[1]
+        elif _tracing():  # no host read in a traced graph: explicit positions use the table
+            need = 0
+        else:
+            need = int(positions.max()) + 1 if positions.numel() else 0
         if need > table.shape[0]:
             table = sinusoidal_table(need, self.embed_dim, base=self.base).to(table.device)
         return x + table[positions].to(x.dtype)

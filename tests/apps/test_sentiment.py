@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
+from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer, normalize
 
 import multihead as mh
 from multihead.apps import sentiment
@@ -91,6 +91,98 @@ def test_metrics_list_the_split_and_every_baseline(run_dir, corpora):
     for name in metrics["figures"]:
         png = (run_dir / name).read_bytes()
         assert png[:4] == b"\x89PNG" and len(png) > 10_000
+
+
+def test_stretch_is_vaders_normalization_of_the_rating():
+    """stretch(r, alpha) is vaderSentiment's own normalize(r, alpha) rescaled so that +-4 maps
+    to +-1; alpha=None is r / 4; mild ratings leave the +-0.05 neutral band (float64: 1e-12)."""
+    ratings = np.linspace(-4, 4, 81)
+    for alpha in (0.25, 1.0, 15.0):
+        expected = [normalize(r, alpha) * np.sqrt(16 + alpha) / 4 for r in ratings]
+        assert np.abs(sentiment.stretch(ratings, alpha) - expected).max() < 1e-12
+        assert sentiment.stretch(np.array([4.0, -4.0]), alpha) == pytest.approx([1, -1], abs=1e-12)
+    assert np.array_equal(sentiment.stretch(ratings, None), ratings / 4)
+    # a mild rating (0.12 of 4) is neutral as rating / 4 and with VADER's alpha (slope 0.35 at
+    # 0), and clearly positive with alpha = 1 (slope 1.03)
+    assert sentiment.stretch(np.array([0.12]), None)[0] < 0.05
+    assert sentiment.stretch(np.array([0.12]), 15.0)[0] < 0.05
+    assert sentiment.stretch(np.array([0.12]), 1.0)[0] > 0.1
+    with pytest.raises(ValueError, match=r"alpha must be > 0 .*Received: alpha=0"):
+        sentiment.stretch(ratings, 0)
+
+
+def test_validation_slice_of_the_training_half(corpora):
+    corpus = corpora["tweets"]
+    train, test = sentiment.split(corpus, 0)
+    fit_rows, held = sentiment.validation_split(train, corpus.domain, 0)
+    assert len(held) == round(0.15 * len(train)) == 315
+    assert np.array_equal(np.sort(np.concatenate([fit_rows, held])), train)
+    assert not set(held) & set(test)
+    again = sentiment.validation_split(train, corpus.domain, 0)[1]
+    assert np.array_equal(held, again) and not np.array_equal(
+        held, sentiment.validation_split(train, corpus.domain, 1)[1]
+    )
+
+
+def test_stretch_chosen_on_the_validation_slices(run_dir, corpora):
+    """The choice is recomputed from the validation rows named in metrics.json: VADER scored
+    there independently, the kept output's scores from the saved model, and the chosen alpha
+    is the one with the largest worst-case margin over VADER."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    stretch = metrics["stretch"]
+    table = stretch["validation"]
+    analyzer = SentimentIntensityAnalyzer()
+    model = mh.load(run_dir / "model")
+    chosen = str(stretch["chosen"])
+    assert model.alpha == (None if chosen == "inf" else float(chosen))
+    assert model.alphas == list(sentiment.STRETCHES)
+    for domain, entry in metrics["domains"].items():
+        corpus = corpora[domain]
+        rows = {i: k for k, i in enumerate(corpus.ids)}
+        held = [rows[i] for i in entry["validation_ids"]]
+        assert not set(entry["validation_ids"]) & set(entry["test_ids"])
+        vader = [analyzer.polarity_scores(corpus.texts[k])["compound"] for k in held]
+        again = sentiment.evaluate(np.array(vader), corpus.ratings[held])
+        assert again == pytest.approx(table["vader"][domain], abs=1e-12)
+        ours = sentiment.evaluate(model.predict([corpus.texts[k] for k in held]),
+                                  corpus.ratings[held])  # fmt: skip
+        # fp32 scores far from the +-0.05 thresholds on so few rows: the same classes
+        assert ours["f1"] == pytest.approx(table[chosen]["domains"][domain]["f1"], abs=1e-12)
+    worst = {}
+    for alpha, row in table.items():
+        if alpha == "vader":
+            continue
+        margins = [
+            row["domains"][d][k] - table["vader"][d][k] for d in row["domains"] for k in ("r", "f1")
+        ]
+        worst[alpha] = min(m if m == m else -np.inf for m in margins)  # NaN r: no margin
+    assert max(worst, key=worst.get) == chosen
+
+
+def test_keep_makes_one_output_the_score(tmp_path):
+    from multihead.models.bert import Bert, BertConfig
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32,
+                        max_position_embeddings=16)  # fmt: skip
+    model = sentiment.SentimentRegressor(Bert(config), hidden=8, alphas=(None, 4.0, 1.0)).eval()
+    ids, lengths = torch.randint(1, 40, (3, 7)), torch.tensor([7, 4, 2])
+    with torch.no_grad():
+        every = model(ids, lengths)
+        model.keep(2)
+        kept = model(ids, lengths)
+    assert every.shape == (3, 3) and kept.shape == (3,)
+    assert torch.equal(kept, every[:, 2]) and model.alpha == 1.0
+    again = mh.load(mh.save(model, tmp_path))
+    with torch.no_grad():
+        assert torch.equal(again(ids, lengths), kept)
+    with pytest.raises(ValueError, match=r"one of the 3 outputs \(0 .. 2\). Received: output=3"):
+        model.keep(3)
+    with pytest.raises(ValueError, match=r"no output is kept yet; call keep"):
+        _ = sentiment.SentimentRegressor(Bert(config), alphas=(None, 1.0)).alpha
+    with pytest.raises(ValueError, match=r"alphas must be a non-empty list.*Received: alphas=\(\)"):
+        sentiment.SentimentRegressor(Bert(config), alphas=())
 
 
 def test_saved_model_reproduces_its_scores(run_dir, corpora):
