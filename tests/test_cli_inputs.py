@@ -86,3 +86,31 @@ def test_bench_out_below_a_file(tmp_path, capsys):
     blocker.write_text("x")
     assert cli.main(["bench", "--quick", "--out", str(blocker / "r")]) == 2
     assert "is an existing file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--serve", "--requests", "0"],
+        ["bench", "--serve", "--clients", "8", "0"],
+        ["bench", "--embed", "--threads", "-2"],
+        ["bench", "--context-parallel", "--processes", "0"],
+        ["serve", "--max-batch-tokens", "0"],
+        ["serve", "--max-concurrent-requests", "-1"],
+        ["embed", "in.txt", "--out", "e.npy", "--ray", "--workers", "0"],
+        ["train", "forecast", "--out", "o", "--epochs", "0"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
+def test_impossible_sizes_are_refused_by_argparse(capsys, argv):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_serve_port_is_a_port(capsys, port):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--port", port])
+    assert "expected a port" in capsys.readouterr().err

@@ -116,6 +116,28 @@ class BertOutput(NamedTuple):
     weights: tuple[Tensor, ...] | None
 
 
+def _tracing() -> bool:
+    """The id checks read tensors on the host: skipped under export and compile."""
+    return (
+        torch.compiler.is_exporting()
+        or torch.compiler.is_compiling()
+        or torch.onnx.is_in_onnx_export()
+    )
+
+
+def _check_ids(name: str, ids: Tensor, size: int, what: str) -> None:
+    if ids.numel() == 0:
+        return
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor. Received: dtype={ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= size:
+        bad = ids[(ids < 0) | (ids >= size)].unique()[:5].tolist()
+        raise ValueError(
+            f"{name} must be in [0, {size}) (the model's {what}); check that the tokenizer "
+            f"matches the model. Received: {bad}"
+        )
+
+
 class BertEmbeddings(nn.Module):
     """word + learned position + token type embeddings, then LayerNorm and dropout."""
 
@@ -131,6 +153,12 @@ class BertEmbeddings(nn.Module):
     def forward(
         self, input_ids: Tensor, token_type_ids: Tensor | None, positions: Tensor | None
     ) -> Tensor:
+        if not _tracing():
+            _check_ids("input_ids", input_ids, self.word.num_embeddings, "vocabulary")
+            if token_type_ids is not None:
+                _check_ids(
+                    "token_type_ids", token_type_ids, self.token_type.num_embeddings, "type_vocab"
+                )
         x = self.word(input_ids)
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.position(x + self.token_type(types), positions)

