@@ -480,6 +480,11 @@ def _register_library() -> None:
         m.TransformerEncoder,
         m.SinusoidalPositionalEncoding,
         m.LearnedPositionalEncoding,
+        m.TransformerDecoderLayer,
+        m.TransformerDecoder,
+        m.GatedFeedForward,
+        m.RMSNorm,
+        m.RotaryEmbedding,
     ):
         register(cls, name=f"multihead.{cls.__name__}")
 
@@ -606,6 +611,47 @@ def _register_bert() -> None:
     )
 
 
+def _register_decoders() -> None:
+    """GPT-2 and Llama as their config (data) plus the weights under this library's names; the
+    tokenizer, when the model has one, is saved beside them as tokenizer.json. A loaded model
+    keeps the decoding layout of ``causal_lm.decode_layout``."""
+    from dataclasses import asdict
+
+    from .models import causal_lm, gpt2, llama
+
+    def save_tokenizer(model: causal_lm.CausalLM, folder: Path) -> None:
+        if model.tokenizer is not None:
+            model.tokenizer.save(str(folder / "tokenizer.json"))
+
+    def restore_tokenizer(model: causal_lm.CausalLM, folder: Path) -> None:
+        if (folder / "tokenizer.json").is_file():
+            from .models import checkpoint
+
+            model.tokenizer = checkpoint.read_tokenizer(folder, required=False)
+        model.path = folder
+
+    for module, cls, config_cls in (
+        (gpt2, gpt2.GPT2, gpt2.GPT2Config),
+        (llama, llama.Llama, llama.LlamaConfig),
+    ):
+
+        def build_it(args: dict[str, Any], cls=cls, config_cls=config_cls) -> Any:
+            model = cls(config_cls.from_dict(args["config"], source="config.json model.args"))
+            causal_lm.decode_layout(model)
+            return model.eval()
+
+        _add(
+            _Codec(
+                cls,
+                f"{module.__name__}.{cls.__name__}",
+                lambda model: {"config": asdict(model.config)},
+                lambda args, folder, build_it=build_it: build_it(args),
+                files=save_tokenizer,
+                restore=restore_tokenizer,
+            )
+        )
+
+
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -616,3 +662,4 @@ _TOKENIZER_FILES = (
 _register_library()
 _register_torch()
 _register_bert()
+_register_decoders()

@@ -43,6 +43,7 @@ def test_attention_round_trip_keeps_every_argument(tmp_path):
             "head_dim": 3,
             "value_head_dim": 3,  # resolved from head_dim: the same module
             "out_dim": 10,
+            "rotary": None,
         },
     }
     back = mh.load(tmp_path)
@@ -283,3 +284,51 @@ def test_unregistered_modules_and_non_data_arguments_refuse_to_save(tmp_path):
         mh.save(Holder(torch.zeros(2)), tmp_path)
     with pytest.raises(TypeError, match=r"register needs a constructor without \*args"):
         io.register(type("Star", (nn.Module,), {"__init__": lambda self, *a: None}))
+
+
+def test_decoder_stack_with_injected_parts_round_trips(tmp_path):
+    torch.manual_seed(3)
+    dim, heads, kv_heads = 32, 8, 2
+    layers = [
+        mh.TransformerDecoderLayer(
+            mh.MultiHeadAttention(
+                dim,
+                heads,
+                num_kv_heads=kv_heads,
+                bias=False,
+                rotary=mh.RotaryEmbedding(dim // heads, base=500.0, interleaved=True),
+            ),
+            mh.GatedFeedForward(dim, 40),
+            norm1=mh.RMSNorm(dim, eps=1e-5),
+            norm2=mh.RMSNorm(dim, eps=1e-5),
+        )
+        for _ in range(2)
+    ]
+    decoder = mh.TransformerDecoder(layers, norm=mh.RMSNorm(dim)).eval()
+    mh.save(decoder, tmp_path)
+    back = mh.load(tmp_path)
+    _same_state(decoder, back)
+    rotary = back.layers[1].self_attn.rotary
+    assert (rotary.base, rotary.interleaved) == (500.0, True)
+    x = torch.randn(2, 7, dim)
+    with torch.no_grad():
+        assert torch.equal(decoder(x), back(x))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_loaded_decoders_round_trip_with_their_tokenizer(tmp_path, kind):
+    from models.decoders import build
+
+    from multihead.models import gpt2, llama
+
+    loader = {"gpt2": gpt2, "llama": llama}[kind]
+    lm = loader.load(build(kind, tmp_path / "hf"))
+    mh.save(lm, tmp_path / "saved")
+    back = mh.load(tmp_path / "saved")
+    assert type(back) is type(lm) and back.config == lm.config and not back.training
+    _same_state(lm, back)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
+    lengths = torch.tensor([4, 2])
+    with torch.no_grad():
+        assert torch.equal(lm(ids, lengths=lengths), back(ids, lengths=lengths))
+    assert back.generate("the weather", 8) == lm.generate("the weather", 8)
