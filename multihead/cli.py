@@ -17,17 +17,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    """argparse type: a TCP port, 0 (any free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
-    return value
-
-
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run
 
@@ -189,20 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: load-test multihead serve against a FastAPI + sentence-transformers server",
     )
     bench.add_argument(
-        "--requests", type=_positive_int, default=512, help="requests per client count for --serve"
+        "--requests", type=int, default=512, help="requests per client count for --serve"
     )
     bench.add_argument(
-        "--clients",
-        type=_positive_int,
-        nargs="+",
-        default=[1, 8, 32],
-        help="concurrent clients (--serve)",
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients (--serve)"
     )
     bench.add_argument(
-        "--threads",
-        type=_positive_int,
-        default=None,
-        help="torch/onnxruntime threads (--embed, --serve)",
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (--embed, --serve)"
     )
     bench.add_argument(
         "--model", metavar="PATH", help="BERT-family model folder (--embed, --serve)"
@@ -306,31 +288,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --runtime onnx: a graph from 'export onnx --weights' (default: export now)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=_port, default=8080, help="0 picks a free port")
+    serve.add_argument("--port", type=int, default=8080, help="0 picks a free port")
     serve.add_argument(
-        "--max-batch-tokens",
-        type=_positive_int,
-        default=16384,
-        help="most tokens in one model batch",
+        "--max-batch-tokens", type=int, default=16384, help="most tokens in one model batch"
     )
     serve.add_argument(
         "--max-wait-ms", type=float, default=2.0, help="how long a request waits for company"
     )
     serve.add_argument(
-        "--max-client-batch-size", type=_positive_int, default=32, help="most texts in one request"
+        "--max-client-batch-size", type=int, default=32, help="most texts in one request"
     )
     serve.add_argument(
-        "--max-concurrent-requests", type=_positive_int, default=512, help="more at once get 429"
+        "--max-concurrent-requests", type=int, default=512, help="more at once get 429"
     )
     serve.add_argument(
-        "--payload-limit",
-        type=_positive_int,
-        default=2_000_000,
-        help="most bytes per body (else 413)",
+        "--payload-limit", type=int, default=2_000_000, help="most bytes per body (else 413)"
     )
-    serve.add_argument(
-        "--threads", type=_positive_int, default=None, help="torch/onnxruntime threads"
-    )
+    serve.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
     serve.set_defaults(func=_serve)
     return parser
 

