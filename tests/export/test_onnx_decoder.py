@@ -4,6 +4,9 @@ and outputs) against the torch models and transformers, run by onnxruntime
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import numpy as np
 import onnx
 import pytest
@@ -35,7 +38,14 @@ def exported(request, tmp_path_factory):
     lm = LOADERS[kind].load(folder).eval()
     out = root / "decoder.onnx"
     if kind == "gpt2":
-        assert cli.main(["export", "onnx", "--model", str(folder), "--out", str(out)]) == 0
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            assert cli.main(["export", "onnx", "--model", str(folder), "--out", str(out)]) == 0
+        assert said.getvalue() == (
+            f"wrote {out} (inputs input_ids, attention_mask, position_ids, "
+            "past_key_values.{0..1}.key/value; outputs logits, present.{0..1}.key/value); "
+            "onnx.checker: ok\n"
+        )
     else:
         to_onnx(lm, out, weights=True)
     return kind, folder, lm, out, kind == "llama"
