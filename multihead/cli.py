@@ -91,12 +91,12 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import to_onnx
-    from .models import bert
+    from .export import graph_spec, load_for_export, to_onnx
 
-    path = to_onnx(bert.load(args.model), args.out, weights=args.weights, opset=args.opset)
-    outputs = "last_hidden_state" + (", attention_weights" if args.weights else "")
-    print(f"wrote {path} (inputs input_ids, attention_mask; outputs {outputs}); onnx.checker: ok")
+    model = load_for_export(args.model)
+    path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
+    spec = graph_spec(model, weights=args.weights)
+    print(f"wrote {path} ({spec.describe()}); onnx.checker: ok")
     return 0
 
 
@@ -268,9 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="export a model for other runtimes")
     formats = export.add_subparsers(dest="format", required=True)
     onnx = formats.add_parser(
-        "onnx", help="BERT-family model -> ONNX with dynamic batch and sequence axes"
+        "onnx",
+        help="BERT-family model, or GPT-2 / Llama decoder with past and present key/value, "
+        "-> ONNX with dynamic batch and sequence axes",
     )
-    onnx.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    onnx.add_argument(
+        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+    )
     onnx.add_argument("--out", required=True, metavar="FILE.onnx", help="where to write it")
     onnx.add_argument(
         "--weights", action="store_true", help="also output every layer's per-head weights"

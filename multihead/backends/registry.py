@@ -57,7 +57,14 @@ def _ranking(call: Call) -> tuple[list[str], str]:
         # FlexAttention generates one fused kernel that skips the mask's empty blocks, where
         # tiled's per-chunk torch ops would be many small kernel launches
         return ["flex", *order], "its one compiled kernel skips the blocks the mask hides"
-    if device == "cpu" and flex.measured_faster(call) and flex.unsupported(call) is None:
+    # not while exporting: measured_faster compares L with a threshold, and a symbolic L
+    # would turn that comparison into a bound on the exported graph's length axis
+    if (
+        device == "cpu"
+        and not exporting()
+        and flex.measured_faster(call)
+        and flex.unsupported(call) is None
+    ):
         return (
             ["flex", *order],
             "its compiled kernel measured faster than tiled on long sliding windows "

@@ -5,7 +5,7 @@ Needs the ``export`` extra (onnx, onnxscript, onnxruntime), imported only when u
 
 from __future__ import annotations
 
-from .onnx import DEFAULT_OPSET, GraphSpec, graph_spec, to_onnx
+from .onnx import DEFAULT_OPSET, GraphSpec, graph_spec, load_for_export, to_onnx
 from .runtime import OnnxBert, quantize_int8, session
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "GraphSpec",
     "OnnxBert",
     "graph_spec",
+    "load_for_export",
     "quantize_int8",
     "session",
     "to_onnx",

@@ -1,5 +1,9 @@
 """``to_onnx``: trace a multihead model into an ONNX graph with dynamic batch and length axes.
 
+Decoders (``models.gpt2`` / ``models.llama``) export as one graph with the past keys and
+values as inputs and the present ones as outputs, in the names onnxruntime-genai and optimum
+use, so one graph serves the prefill (past length 0) and every decoding step.
+
 Export goes through ``torch.onnx.export(..., dynamo=True)`` (torch.export, then translation
 and graph optimization by onnxscript), the exporter PyTorch maintains. While it traces,
 ``attention(backend="auto")`` runs the reference backend, whose plain ops (MatMul, Softmax,
@@ -19,14 +23,25 @@ from torch import Tensor, nn
 from .. import masks
 from .._extras import require
 from ..models.bert import Bert, Pretrained
-from ..modules import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
+from ..models.causal_lm import CausalLM
+from ..modules import (
+    MultiHeadAttention,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 
-__all__ = ["DEFAULT_OPSET", "GraphSpec", "graph_spec", "to_onnx"]
+__all__ = ["DEFAULT_OPSET", "GraphSpec", "graph_spec", "load_for_export", "to_onnx"]
 
 # opset 18 is the newest whose every op onnxruntime >= 1.14 runs on CPU, and it has
 # LayerNormalization (17), so nothing is decomposed into slower primitives
 DEFAULT_OPSET = 18
 _EXAMPLE_BATCH, _EXAMPLE_LENGTH, _EXAMPLE_KEYS = 2, 5, 7  # > 1: torch.export specializes 0 and 1
+# names of a decoder graph's length axes; the total is how the exporter itself names the
+# present's axis (past + new), given to attention_mask too
+_PAST, _NEW = "past_sequence", "sequence"
+_TOTAL = f"{_PAST} + {_NEW}"
 
 
 @dataclass(frozen=True)
@@ -37,9 +52,24 @@ class GraphSpec:
     1 = real token (the Hugging Face convention; True = may attend, as everywhere here).
     """
 
-    kind: str  # "attention", "encoder" or "bert"
+    kind: str  # "attention", "encoder", "bert" or "decoder"
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line: "inputs ...; outputs ...", a decoder's per-layer names folded into
+        ``past_key_values.{0..N-1}.key/value``."""
+
+        def fold(names: tuple[str, ...], prefix: str) -> list[str]:
+            layers = [n for n in names if n.startswith(prefix + ".")]
+            if not layers:
+                return list(names)
+            first = names.index(layers[0])
+            short = f"{prefix}.{{0..{len(layers) // 2 - 1}}}.key/value"
+            return [*names[:first], short, *names[first + len(layers) :]]
+
+        inputs = ", ".join(fold(self.inputs, "past_key_values"))
+        return f"inputs {inputs}; outputs {', '.join(fold(self.outputs, 'present'))}"
 
 
 def _key_mask(attention_mask: Tensor) -> masks.Mask:
@@ -78,6 +108,64 @@ class _EncoderGraph(nn.Module):
         return out
 
 
+class _GraphLayerCache:
+    """One layer's view of ``_GraphCache``: the ``LayerCache`` interface an attention uses."""
+
+    def __init__(self, cache: _GraphCache, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+    @property
+    def positions(self) -> Tensor:
+        return self.cache.positions
+
+    def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, masks.Mask]:
+        """The past keys (B, H_kv, P, D) and values followed by the new ones (B, H_kv, L, D):
+        the layer's present (B, H_kv, P + L, D), recorded as a graph output."""
+        past_key, past_value = self.cache.past[2 * self.layer : 2 * self.layer + 2]
+        key, value = torch.cat((past_key, key), dim=2), torch.cat((past_value, value), dim=2)
+        self.cache.present.extend((key, value))
+        return key, value, self.cache.mask
+
+
+class _GraphCache:
+    """The ``KVCache`` interface a ``TransformerDecoder`` threads through its layers, over
+    graph inputs: the past arrives as tensors, the present leaves as outputs, and the mask
+    comes from ``attention_mask`` instead of per-row lengths held on the host (a traced graph
+    cannot read them)."""
+
+    def __init__(self, past: list[Tensor], positions: Tensor, mask: masks.Mask) -> None:
+        self.num_layers = len(past) // 2
+        self.past, self.positions, self.mask = past, positions, mask
+        self.present: list[Tensor] = []
+
+    def __getitem__(self, layer: int) -> _GraphLayerCache:
+        return _GraphLayerCache(self, layer)
+
+
+class _DecoderGraph(nn.Module):
+    def __init__(self, lm: CausalLM, weights: bool) -> None:
+        super().__init__()
+        self.lm, self.weights = lm, weights
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        past_key_values: list[Tensor],
+    ) -> tuple[Tensor, ...]:
+        # queries are the last L of the P + L keys: causal() is bottom-right aligned, and the
+        # key padding (left padding of a batch, any padding of the past) comes on top
+        mask = masks.causal() & _key_mask(attention_mask)
+        cache = _GraphCache(list(past_key_values), position_ids, mask)
+        x = self.lm.embed(input_ids, position_ids)
+        out = self.lm.decoder(x, cache=cache, return_weights=self.weights)
+        if not self.weights:
+            return self.lm.lm_head(out), *cache.present
+        # [layers, B, H, L, P + L]
+        return self.lm.lm_head(out.output), *cache.present, torch.stack(out.weights)
+
+
 class _BertGraph(nn.Module):
     def __init__(self, bert: Bert, weights: bool) -> None:
         super().__init__()
@@ -93,16 +181,36 @@ class _BertGraph(nn.Module):
 def graph_spec(model: nn.Module | Pretrained, *, weights: bool = False) -> GraphSpec:
     """The inputs and outputs ``to_onnx`` gives this model (see ``to_onnx``)."""
     extra = ("attention_weights",) if weights else ()
+    if isinstance(model, CausalLM):
+        layers = range(len(model.decoder.layers))
+        past = tuple(f"past_key_values.{i}.{kv}" for i in layers for kv in ("key", "value"))
+        present = tuple(f"present.{i}.{kv}" for i in layers for kv in ("key", "value"))
+        inputs = ("input_ids", "attention_mask", "position_ids", *past)
+        return GraphSpec("decoder", inputs, ("logits", *present, *extra))
+    if isinstance(model, TransformerDecoder | TransformerDecoderLayer):
+        raise TypeError(
+            "a decoder stack exports as part of its language model, which gives it token "
+            "embeddings, positions and the output layer: to_onnx(gpt2.load(path)) or "
+            f"to_onnx(llama.load(path)). Received: {type(model).__name__}"
+        )
     if isinstance(model, Pretrained | Bert):
         return GraphSpec("bert", ("input_ids", "attention_mask"), ("last_hidden_state", *extra))
     if isinstance(model, TransformerEncoder | TransformerEncoderLayer):
         return GraphSpec("encoder", ("hidden_states", "attention_mask"), ("output", *extra))
     if isinstance(model, MultiHeadAttention):
+        if model.rotary is not None:
+            raise ValueError(
+                "a MultiHeadAttention with rotary embeddings needs token positions and is "
+                "self-attention only; export the language model it belongs to (to_onnx(lm)), "
+                "whose graph takes position_ids. Received: a MultiHeadAttention with rotary="
+                f"{model.rotary!r}"
+            )
         inputs = ("query", "key", "value", "attention_mask")
         return GraphSpec("attention", inputs, ("output", *extra))
     raise TypeError(
         "to_onnx exports a MultiHeadAttention, a TransformerEncoder or TransformerEncoderLayer, "
-        "a models.bert.Bert or a loaded models.bert.Pretrained. "
+        "a models.bert.Bert or a loaded models.bert.Pretrained, or a decoder language model "
+        "(models.gpt2.load, models.llama.load). "
         f"Received: {type(model).__name__}"
     )
 
@@ -113,6 +221,8 @@ def _prepare(
     """The wrapper module, example inputs (with padding) and dynamic axes for ``model``."""
     batch = torch.export.Dim("batch", min=1)
     b, n = _EXAMPLE_BATCH, _EXAMPLE_LENGTH
+    if isinstance(model, CausalLM):
+        return _prepare_decoder(model, weights, batch)
     if isinstance(model, Pretrained):
         model = model.model
     if isinstance(model, TransformerEncoderLayer):
@@ -147,6 +257,65 @@ def _prepare(
     return _AttentionGraph(model, weights), (query, key, value, mask), axes
 
 
+def _prepare_decoder(
+    lm: CausalLM, weights: bool, batch: torch.export.Dim
+) -> tuple[nn.Module, tuple[object, ...], dict[str, object]]:
+    for i, layer in enumerate(lm.decoder.layers):
+        if not isinstance(layer.self_attn, MultiHeadAttention):
+            raise TypeError(
+                "a decoder exports when every layer's self_attn is a multihead "
+                "MultiHeadAttention (it reads and writes the graph's past and present keys "
+                f"through the KV-cache interface). Received: layer {i} with self_attn of type "
+                f"{type(layer.self_attn).__name__}"
+            )
+    b, n, p = _EXAMPLE_BATCH, _EXAMPLE_LENGTH, _EXAMPLE_KEYS
+    attn, weight = lm._attention, lm.lm_head.weight
+    # left padding, as in batched generation: row 1 starts 3 tokens late
+    mask = torch.ones(b, p + n, dtype=torch.long)
+    mask[1, :3] = 0
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, p:]
+    ids = torch.randint(0, lm.vocab_size, (b, n))
+    shapes = ((attn.head_dim, attn.num_kv_heads), (attn.value_head_dim, attn.num_kv_heads))
+    past = [
+        torch.randn(b, heads, p, d, dtype=weight.dtype)
+        for _ in lm.decoder.layers
+        for d, heads in shapes
+    ]
+    new = torch.export.Dim(_NEW, min=1)
+    old = torch.export.Dim(_PAST, min=0)  # 0: the prefill runs the same graph
+    axes = {
+        "input_ids": {0: batch, 1: new},
+        # past + new: a sum of two axes is no Dim, so the exporter infers it (renamed later)
+        "attention_mask": {0: batch, 1: torch.export.Dim.AUTO},
+        "position_ids": {0: batch, 1: new},
+        "past_key_values": [{0: batch, 2: old} for _ in past],
+    }
+    return _DecoderGraph(lm, weights), (ids, mask, positions, past), axes
+
+
+def _name_total_axis(program: object) -> None:
+    """Give attention_mask's length axis the name of the present's (past + new)."""
+    import onnx_ir as ir
+
+    value = program.model.graph.inputs[1]  # attention_mask
+    value.shape = ir.Shape([value.shape[0], _TOTAL])
+
+
+def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
+    """The model a folder holds, by its ``config.json``'s ``model_type``: a GPT-2 or Llama
+    decoder, else a BERT-family encoder (None: the default BERT model)."""
+    from ..models import bert, checkpoint, gpt2, llama
+
+    decoders = {"gpt2": gpt2, "llama": llama}
+    if path is not None:
+        folder = checkpoint.model_folder(path)
+        if (folder / "config.json").is_file():
+            kind = checkpoint.read_config(folder).get("model_type")
+            if kind in decoders:
+                return decoders[kind].load(folder)
+    return bert.load(path)
+
+
 def to_onnx(
     model: nn.Module | Pretrained,
     path: str | Path,
@@ -165,11 +334,23 @@ def to_onnx(
       (B, L, E), attention_mask (B, L); output ``output`` (B, L, E).
     - ``Bert`` or a loaded ``Pretrained``: inputs input_ids (B, L) int64, attention_mask
       (B, L); output ``last_hidden_state`` (B, L, E). L is at most max_position_embeddings.
+    - a decoder language model (``models.gpt2.load``, ``models.llama.load``): one graph for
+      the prefill and every decoding step, named as in onnxruntime-genai and optimum. Inputs
+      input_ids (B, L) int64, attention_mask (B, P + L) int64 over the past and the new
+      tokens (padding anywhere, usually on the left), position_ids (B, L) int64 (with left
+      padding ``cumsum(attention_mask) - 1`` of the new tokens), and for every layer i
+      ``past_key_values.{i}.key`` / ``.value`` (B, H_kv, P, D) (P = 0 for the prefill).
+      Outputs logits (B, L, vocab) and ``present.{i}.key`` / ``.value`` (B, H_kv, P + L, D):
+      the past followed by the new tokens' keys (after RoPE for Llama), fed back as the next
+      step's past. Each new token sees the real tokens up to its own place (causal, aligned
+      bottom-right: the L queries are the last L of the P + L keys). Logits at padded
+      positions mean nothing. GPT-2's position_ids must stay below n_positions.
 
     With ``weights=True`` the graph also outputs ``attention_weights``: the per-head softmax
-    weights, (B, H, L, S) for a ``MultiHeadAttention`` and (layers, B, H, L, L) for the stacks,
-    so inspection survives export. Padded keys get weight 0; outputs at padded query
-    positions are computed but mean nothing (as in every BERT).
+    weights, (B, H, L, S) for a ``MultiHeadAttention``, (layers, B, H, L, L) for the stacks
+    and (layers, B, H, L, P + L) for a decoder (after the presents), so inspection survives
+    export. Padded keys get weight 0; outputs at padded query positions are computed but
+    mean nothing (as in every BERT).
 
     Args:
         model: the module to export (its training mode is restored afterwards; the export
@@ -183,7 +364,9 @@ def to_onnx(
         The path written.
 
     Raises:
-        TypeError: a model of another type.
+        TypeError: a model of another type (a bare decoder stack included: export its
+            language model), or a decoder layer whose self_attn is not a MultiHeadAttention.
+        ValueError: a MultiHeadAttention with rotary embeddings on its own.
         ModuleNotFoundError: onnx / onnxscript missing (the ``export`` extra).
     """
     graph_spec(model, weights=weights)  # type check first, before any import
@@ -219,6 +402,8 @@ def to_onnx(
         registration.setLevel(level)
         for module, mode in modes:
             module.training = mode
+    if spec.kind == "decoder":
+        _name_total_axis(program)
     program.save(str(target))
     if check:
         onnx.checker.check_model(str(target), full_check=True)

@@ -93,3 +93,24 @@ def test_reference_exports_with_a_dense_mask():
     keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
     program = torch.export.export(Attend(), (q, k, v, keep))
     torch.testing.assert_close(program.module()(q, k, v, keep), Attend()(q, k, v, keep))
+
+
+def test_export_puts_no_bound_on_the_length():
+    from torch.utils._sympy.numbers import int_oo
+
+    """While exporting, auto never asks flex's CPU threshold (L >= 4096): on a symbolic L
+    that comparison would cap the exported length axis below 4096."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            return mh.attention(q, k, v, masks.causal() & masks.dense(keep[:, None, None, :]))
+
+    q, k, v = qkv(2, 2, 2, 5, 5, 4, dtype=torch.float32)  # flex's CPU rule is float32 only
+    keep = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    length = torch.export.Dim("length", min=2)  # no max
+    shapes = ({2: length}, {2: length}, {2: length}, {1: length})
+    program = torch.export.export(Attend(), (q, k, v, keep), dynamic_shapes=shapes)
+    assert [r.upper for r in program.range_constraints.values()] == [int_oo]
+    q, k, v = qkv(2, 2, 2, 3, 3, 4, dtype=torch.float32)
+    keep = keep[:, 2:]
+    torch.testing.assert_close(program.module()(q, k, v, keep), Attend()(q, k, v, keep))
