@@ -40,7 +40,9 @@ def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = Tru
     """``run(call)`` with the NaN rule. ``values=False`` when the call has no real values
     (``attention_weights`` passes the keys twice)."""
     q, k, v = call.query, call.key, call.value
-    if exporting():  # a traced graph cannot branch on data: it computes the plain formula
+    if exporting() or torch.compiler.is_compiling():
+        # a traced graph cannot branch on data (under torch.compile the check would be a graph
+        # break in every attention call): it computes the plain formula
         return run(call)
     if _finite(q) and _finite(k) and (not values or _finite(v)):
         return run(call)

@@ -96,6 +96,11 @@ def clear_cache() -> None:
 def unsupported(call: Call) -> str | None:
     if exporting():
         return "an exported graph needs plain ops; FlexAttention needs torch.compile"
+    if torch.compiler.is_compiling():
+        return (
+            "inside torch.compile the surrounding graph is compiled as a whole; the flex "
+            "backend's own compiled kernels are for eager callers"
+        )
     if call.return_weights:
         return "FlexAttention does not return attention weights"
     if call.dropout_p > 0.0:

@@ -158,7 +158,7 @@ def run_decode_bench(
             extra = ""
             if name != names[0]:
                 same = "identical tokens" if row["identical_tokens"][name] else "TOKENS DIFFER"
-                extra = f"  multihead is {row['speedup_vs'][name]:.2f}x faster, {same}"
+                extra = f"  multihead at {row['speedup_vs'][name]:.2f}x its tokens/s, {same}"
             say(f"  {name:40} {row['tokens_per_s'][name]:7.1f} tokens/s{extra}")
     report = {
         "command": "multihead bench --decode" + (f" --repeats {repeats}" if repeats != 3 else ""),

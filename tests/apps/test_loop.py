@@ -179,3 +179,17 @@ def test_option_errors(tmp_path):
         Options(out=tmp_path, precision="fp8")
     with pytest.raises(ValueError, match=r"task must be one of sentiment, forecast, crossmodal"):
         run("translation", Options(out=tmp_path))
+
+
+def test_compiled_forecaster_step_has_no_graph_break_at_all():
+    """Attention itself must not cut a compiled graph: the NaN rule's host-side check and the
+    flex backend's availability probe are skipped while compiling (both broke the forecaster's
+    compiled step before: 3 breaks at flex.py, 1 at _nonfinite.py)."""
+    from multihead.apps import forecast
+    from multihead.apps.loop import _explain
+
+    torch.manual_seed(0)
+    model = forecast.CausalForecaster(4, embed_dim=8, num_heads=2, num_layers=2, ff_dim=16,
+                                      linear_lags=6)  # fmt: skip
+    report = _explain(lambda m, x: m(x).pow(2).sum(), model, torch.randn(2, 12, 2))
+    assert report == {"graphs": 1, "graph_breaks": 0, "break_reasons": []}
