@@ -117,8 +117,8 @@ def _measure(rank: int, world: int, init: str, cfg: ContextConfig, folder: Path)
         small = [(x.requires_grad_()) for x in (torch.randn(1, 1, 64, 8) for _ in range(3))]
         context_attention(*small, mask).sum().backward()
         dist.barrier()
+        _reset_peak()  # then the baseline: the high-water mark is >= every RSS read after it
         base = _status_mib("VmRSS")
-        _reset_peak()
         q, k, v = (
             _rows(i, cfg.seed, start, stop, cfg.heads, cfg.head_dim).requires_grad_()
             for i in range(3)
@@ -132,7 +132,9 @@ def _measure(rank: int, world: int, init: str, cfg: ContextConfig, folder: Path)
             o.sum().backward()
             dist.barrier()  # the step ends when the slowest rank is done
             times.append(time.perf_counter() - t)
-        peak = _status_mib("VmHWM")
+        # Linux updates VmHWM lazily (at unmaps), so it can read below an RSS seen earlier in
+        # the window: the peak is at least the baseline
+        peak = max(_status_mib("VmHWM"), base)
         torch.save(
             {"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad},
             folder / f"{name}-{world}-{rank}.pt",
