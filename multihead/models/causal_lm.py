@@ -9,7 +9,7 @@ never shifts a position or leaks into a score.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -88,6 +88,43 @@ def _roll_rows(t: Tensor, shift: Tensor, dim: int) -> Tensor:
     shape = [1] * t.dim()
     shape[0], shape[dim] = t.shape[0], n
     return t.gather(dim, index.view(shape).expand(t.shape))
+
+
+def load_checkpoint(
+    path: str | Path,
+    model_cls: Callable[[Any], CausalLM],
+    config_cls: Any,
+    *,
+    prefix: str,
+    names: Callable[[Any, bool], dict[str, Any]],
+    unused_suffixes: tuple[str, ...],
+    dtype: torch.dtype,
+) -> Any:
+    """The loading sequence gpt2.load and llama.load share: read and validate config.json,
+    the tokenizer (when present) and the weights (``prefix`` stripped), assign them with
+    ``names(config, tied)`` (never a partial load; ``unused_suffixes`` and a tied output layer
+    saved anyway are the only tensors allowed to be left over), then eval mode in the
+    decoding layout with ``.tokenizer`` and ``.path`` set."""
+    from . import checkpoint
+
+    folder = checkpoint.model_folder(path)
+    config = config_cls.from_dict(checkpoint.read_config(folder))
+    tokenizer = checkpoint.read_tokenizer(folder, required=False)
+    state = {k.removeprefix(prefix): v for k, v in checkpoint.read_weights(folder).items()}
+    model = model_cls(config)
+    tied = config.tie_word_embeddings
+    checkpoint.assign(
+        model,
+        state,
+        names(config, tied),
+        folder=folder,
+        # a tied output layer saved anyway is the embedding matrix again
+        unused=lambda n: n.endswith(unused_suffixes) or (tied and n == "lm_head.weight"),
+    )
+    model.to(dtype).eval()
+    decode_layout(model)
+    model.tokenizer, model.path = tokenizer, folder
+    return model
 
 
 class CausalLM(nn.Module):

@@ -21,7 +21,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput, decode_layout
+from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
 
@@ -177,21 +177,12 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
             corrupt file (the file is named), or weights that do not fit the config (missing,
             misshapen or left-over tensors: never a partial load).
     """
-    folder = checkpoint.model_folder(path)
-    config = GPT2Config.from_dict(checkpoint.read_config(folder))
-    tokenizer = checkpoint.read_tokenizer(folder, required=False)
-    state = {k.removeprefix("transformer."): v for k, v in checkpoint.read_weights(folder).items()}
-    model = GPT2(config)
-    tied = config.tie_word_embeddings
-    checkpoint.assign(
-        model,
-        state,
-        _hf_names(config, tied),
-        folder=folder,
-        # a tied output layer saved anyway is the embedding matrix again
-        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
+    return load_checkpoint(
+        path,
+        GPT2,
+        GPT2Config,
+        prefix="transformer.",
+        names=_hf_names,
+        unused_suffixes=_UNUSED_SUFFIXES,
+        dtype=dtype,
     )
-    model.to(dtype).eval()
-    decode_layout(model)
-    model.tokenizer, model.path = tokenizer, folder
-    return model

@@ -24,7 +24,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput, decode_layout
+from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
@@ -206,20 +206,12 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
             corrupt file (the file is named), or weights that do not fit the config (missing,
             misshapen or left-over tensors: never a partial load).
     """
-    folder = checkpoint.model_folder(path)
-    config = LlamaConfig.from_dict(checkpoint.read_config(folder))
-    tokenizer = checkpoint.read_tokenizer(folder, required=False)
-    state = {k.removeprefix("model."): v for k, v in checkpoint.read_weights(folder).items()}
-    model = Llama(config)
-    tied = config.tie_word_embeddings
-    checkpoint.assign(
-        model,
-        state,
-        _hf_names(config, tied),
-        folder=folder,
-        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or (tied and n == "lm_head.weight"),
+    return load_checkpoint(
+        path,
+        Llama,
+        LlamaConfig,
+        prefix="model.",
+        names=_hf_names,
+        unused_suffixes=_UNUSED_SUFFIXES,
+        dtype=dtype,
     )
-    model.to(dtype).eval()
-    decode_layout(model)
-    model.tokenizer, model.path = tokenizer, folder
-    return model

@@ -15,6 +15,7 @@ from .. import _validation as V
 from .. import masks
 from ..masks import Mask
 from .cache import KVCache, LayerCache
+from .transformer import check_layers
 
 __all__ = ["DecoderOutput", "TransformerDecoder", "TransformerDecoderLayer"]
 
@@ -120,18 +121,7 @@ class TransformerDecoder(nn.Module):
 
     def __init__(self, layers: list[nn.Module], *, norm: nn.Module | None = None) -> None:
         super().__init__()
-        layers = list(layers)
-        if not layers or not all(isinstance(m, TransformerDecoderLayer) for m in layers):
-            raise ValueError(
-                "layers must be a non-empty list of TransformerDecoderLayer. "
-                f"Received: {[type(m).__name__ for m in layers]}"
-            )
-        if len({id(m) for m in layers}) != len(layers):
-            raise ValueError(
-                "layers must be distinct modules (the same layer twice would share parameters). "
-                f"Received: {len(layers)} layers, {len({id(m) for m in layers})} distinct"
-            )
-        self.layers = nn.ModuleList(layers)
+        self.layers = check_layers(layers, TransformerDecoderLayer)
         self.norm = nn.Identity() if norm is None else _check_part("norm", norm)
 
     def forward(

@@ -5,7 +5,7 @@ Post-norm (the original Transformer and BERT) is the default; ``norm_first=True`
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
@@ -227,6 +227,22 @@ class TransformerEncoderLayer(nn.Module):
         return (x, weights) if return_weights else x
 
 
+def check_layers(layers: Any, kind: type) -> nn.ModuleList:
+    """A stack's layers: a non-empty list of distinct ``kind`` modules."""
+    layers = list(layers)
+    if not layers or not all(isinstance(m, kind) for m in layers):
+        raise ValueError(
+            f"layers must be a non-empty list of {kind.__name__}. "
+            f"Received: {[type(m).__name__ for m in layers]}"
+        )
+    if len({id(m) for m in layers}) != len(layers):
+        raise ValueError(
+            "layers must be distinct modules (the same layer twice would share parameters). "
+            f"Received: {len(layers)} layers, {len({id(m) for m in layers})} distinct"
+        )
+    return nn.ModuleList(layers)
+
+
 class EncoderOutput(NamedTuple):
     """What ``TransformerEncoder`` returns when asked for more than the output.
 
@@ -252,18 +268,7 @@ class TransformerEncoder(nn.Module):
 
     def __init__(self, layers: list[nn.Module], *, norm: nn.Module | None = None) -> None:
         super().__init__()
-        layers = list(layers)
-        if not layers or not all(isinstance(m, TransformerEncoderLayer) for m in layers):
-            raise ValueError(
-                "layers must be a non-empty list of TransformerEncoderLayer. "
-                f"Received: {[type(m).__name__ for m in layers]}"
-            )
-        if len({id(m) for m in layers}) != len(layers):
-            raise ValueError(
-                "layers must be distinct modules (the same layer twice would share parameters). "
-                f"Received: {len(layers)} layers, {len({id(m) for m in layers})} distinct"
-            )
-        self.layers = nn.ModuleList(layers)
+        self.layers = check_layers(layers, TransformerEncoderLayer)
         self.norm = norm
 
     def forward(
