@@ -214,10 +214,25 @@ class Mask:
         """The whole mask as a bool tensor broadcastable to (B, H, L, S)."""
         return self.block(length_q, length_k, 0, length_q, 0, length_k, device=device)
 
-    def to_string(self, length_q: int, length_k: int, *, batch: int = 0, head: int = 0) -> str:
-        """Draw the mask for one batch entry and head: ``#`` may attend, ``.`` may not."""
-        keep = self.block(length_q, length_k, 0, length_q, 0, length_k, batch=batch)
-        keep = keep[0, min(head, keep.shape[1] - 1)].expand(length_q, length_k)
+    def to_string(
+        self,
+        length_q: int,
+        length_k: int,
+        *,
+        batch: int = 0,
+        head: int = 0,
+        rows: int | None = None,
+        cols: int | None = None,
+    ) -> str:
+        """Draw the mask for one batch entry and head: ``#`` may attend, ``.`` may not.
+
+        ``rows`` and ``cols`` limit the drawing to the top-left corner of the (L, S) mask
+        (the first ``rows`` queries and ``cols`` keys); by default the whole mask is drawn.
+        """
+        rows = length_q if rows is None else min(rows, length_q)
+        cols = length_k if cols is None else min(cols, length_k)
+        keep = self.block(length_q, length_k, 0, rows, 0, cols, batch=batch)
+        keep = keep[0, min(head, keep.shape[1] - 1)].expand(rows, cols)
         return "\n".join("".join("#" if x else "." for x in row) for row in keep.tolist())
 
     def __and__(self, other: Mask) -> Mask:
@@ -229,20 +244,40 @@ class Mask:
     def _describe(self) -> str:
         raise NotImplementedError
 
-    def _natural_size(self) -> tuple[int, int] | None:
-        return None
+    def _natural_size(self) -> tuple[int | None, int | None]:
+        """The (L, S) this mask's own tensors fix, None for an axis they leave free."""
+        return None, None
+
+    def _least_size(self) -> tuple[int, int]:
+        """The smallest (L, S) this mask is valid for (lengths bound them from below)."""
+        return 0, 0
 
     def __repr__(self) -> str:
         text = self._describe()
-        size = self._natural_size()
-        example = size is None
-        length_q, length_k = size if size is not None else (4, 6)
-        if length_q <= 24 and length_k <= 48:
-            title = f"e.g. L={length_q}, S={length_k}" if example else f"L={length_q}, S={length_k}"
-            picture = self.to_string(length_q, length_k)
-            text += f"\n  {title} (# = may attend, batch 0, head 0):\n  "
-            text += picture.replace("\n", "\n  ")
-        return text
+        try:
+            natural = self._natural_size()
+        except ValueError as err:  # combined masks whose tensors disagree on L or S
+            return f"{text}\n  (not drawn: {err})"
+        least = self._least_size()
+        length_q = natural[0] if natural[0] is not None else max(_DRAW_L, least[0])
+        length_k = natural[1] if natural[1] is not None else max(_DRAW_S, least[1], length_q)
+        rows, cols = min(length_q, _DRAW_MAX_L), min(length_k, _DRAW_MAX_S)
+        chosen = " (any; chosen for the picture)"
+        size = f"L={length_q}{chosen if natural[0] is None else ''}, S={length_k}"
+        size += chosen if natural[1] is None else ""
+        if natural == (None, None):
+            size = f"e.g. L={length_q}, S={length_k}"
+        if (rows, cols) != (length_q, length_k):
+            size += f"; top-left corner, the first {rows} queries and {cols} keys"
+        picture = self.to_string(length_q, length_k, rows=rows, cols=cols)
+        text += f"\n  {size} (# = may attend, batch 0, head 0):\n  "
+        return text + picture.replace("\n", "\n  ")
+
+
+# the picture in repr(mask): a mask whose tensors fix no size is drawn at 4 x 6; a larger one
+# is drawn as its top-left corner of at most 24 queries x 48 keys
+_DRAW_L, _DRAW_S = 4, 6
+_DRAW_MAX_L, _DRAW_MAX_S = 24, 48
 
 
 def _as_mask(m: object) -> Mask:
@@ -525,6 +560,14 @@ class _Lengths(Mask):
         extra = "" if self._host_q is None else f", query_lens={self._host_q}"
         return f"lengths(valid_lens={self._host}{extra})"
 
+    def _natural_size(self):
+        return (self.valid_lens.shape[1] if self.valid_lens.dim() == 2 else None), None
+
+    def _least_size(self):
+        flat = torch.as_tensor(self._host).flatten()
+        most_keys = int(flat.max()) if flat.numel() else 0
+        return (max(self._host_q) if self._host_q else 0), most_keys
+
 
 def lengths(valid_lens: Tensor, query_lens: Tensor | None = None) -> Mask:
     """Key-length mask (d2l's ``valid_lens``): keys at positions >= the valid length are hidden.
@@ -603,6 +646,9 @@ class _KeyPadding(Mask):
 
     def _describe(self):
         return f"key_padding(keep of shape {tuple(self.keep.shape)})"
+
+    def _natural_size(self):
+        return None, self.keep.shape[1]
 
 
 def key_padding(keep: Tensor) -> Mask:
@@ -882,10 +928,8 @@ class _Dense(Mask):
         return f"dense(keep of shape {shape})"
 
     def _natural_size(self):
-        length_q, length_k = self.keep.shape[2:]
-        if length_q == 1 or length_k == 1:
-            return None
-        return length_q, length_k
+        length_q, length_k = self.keep.shape[2:]  # a size-1 axis broadcasts: it fixes nothing
+        return (length_q if length_q > 1 else None), (length_k if length_k > 1 else None)
 
 
 def dense(keep: Tensor) -> Mask:
@@ -976,7 +1020,12 @@ class _Combine(Mask):
         return f"({self.a._describe()} {self.op} {self.b._describe()})"
 
     def _natural_size(self):
-        return self.a._natural_size() or self.b._natural_size()
+        (qa, ka), (qb, kb) = self.a._natural_size(), self.b._natural_size()
+        return _merge_size("query length", qa, qb), _merge_size("key length", ka, kb)
+
+    def _least_size(self):
+        (qa, ka), (qb, kb) = self.a._least_size(), self.b._least_size()
+        return max(qa, qb), max(ka, kb)
 
 
 class _Crop(Mask):

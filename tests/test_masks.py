@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import COMBOS, MASK_KINDS, make_case
@@ -99,6 +101,64 @@ def test_repr_draws_a_picture():
     docs = repr(masks.documents(torch.tensor([0, 0, 1])))
     assert "##." in docs and "..#" in docs
     assert masks.sliding_window(1).to_string(3, 3) == "#..\n##.\n.##"
+
+
+def _drawn(mask) -> tuple[str, torch.Tensor]:
+    """The header line of repr(mask) with its size, and the picture as a bool tensor."""
+    lines = repr(mask).splitlines()
+    picture = [line.strip() for line in lines[2:]]
+    return lines[1], torch.tensor([[c == "#" for c in row] for row in picture])
+
+
+def _expected(mask, length_q, length_k, rows, cols):
+    keep = mask.to_dense(length_q, length_k)[0, 0].expand(length_q, length_k)
+    return keep[:rows, :cols]
+
+
+# the masks the new user's tour printed (each raised RuntimeError): their tensors fix L or S
+# or both, and the picture must use those sizes
+SIZED = {
+    "key_padding": (masks.key_padding(torch.tensor([[True, True, False]])), 4, 3),
+    "lengths_per_query": (masks.lengths(torch.tensor([[1, 2, 3]])), 3, 6),
+    "dense_broadcast_query": (masks.dense(torch.ones(1, 1, 1, 5, dtype=torch.bool)), 4, 5),
+    "causal&key_padding": (
+        masks.causal() & masks.key_padding(torch.tensor([[True, True, False]])),
+        4,
+        3,
+    ),
+    "lengths_longer_than_the_example": (masks.lengths(torch.tensor([9, 3])), 4, 9),
+    "query_lens": (masks.lengths(torch.tensor([2, 3]), torch.tensor([5, 1])), 5, 6),
+    "documents": (masks.documents(torch.tensor([[0, 0, 1]])), 3, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(SIZED))
+def test_repr_draws_masks_at_the_size_their_tensors_fix(name):
+    mask, length_q, length_k = SIZED[name]
+    header, picture = _drawn(mask)
+    assert f"L={length_q}" in header and f"S={length_k}" in header
+    assert torch.equal(picture, _expected(mask, length_q, length_k, length_q, length_k))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length_q,length_k", [(3, 7), (30, 70)], ids=["small", "corner"])
+def test_repr_works_for_every_kind_and_shape(kind, length_q, length_k):
+    mask = make_case(kind, 2, 2, length_q, length_k).mask
+    header, picture = _drawn(mask)
+    size = re.search(r"L=(\d+).*S=(\d+)", header)
+    drawn_q, drawn_k = int(size.group(1)), int(size.group(2))
+    rows, cols = min(drawn_q, 24), min(drawn_k, 48)
+    assert picture.shape == (rows, cols)
+    assert torch.equal(picture, _expected(mask, drawn_q, drawn_k, rows, cols))
+    if (rows, cols) != (drawn_q, drawn_k):
+        assert f"top-left corner, the first {rows} queries and {cols} keys" in header
+
+
+def test_repr_of_masks_that_disagree_on_a_size_says_so():
+    mask = masks.dense(torch.ones(3, 4, dtype=torch.bool)) & masks.key_padding(
+        torch.ones(1, 5, dtype=torch.bool)
+    )
+    assert "not drawn: cannot combine masks with different key lengths" in repr(mask)
 
 
 def test_top_left_and_bottom_right_agree_when_square():
