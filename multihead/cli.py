@@ -91,8 +91,10 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import graph_spec, load_for_export, to_onnx
+    from .export import check_opset, check_target, graph_spec, load_for_export, to_onnx
 
+    check_target(args.out)  # before the model loads and the export runs
+    check_opset(args.opset)
     model = load_for_export(args.model)
     path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
     spec = graph_spec(model, weights=args.weights)
