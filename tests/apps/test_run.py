@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,12 +65,11 @@ def test_overwrite_replaces_the_run_whole(previous, tmp_path):
     assert (out / "model" / "config.json").is_file() and (out / "attention.png").is_file()
 
 
-def test_ctrl_c_after_the_model_is_saved_leaves_the_previous_run(previous):
-    """SIGINT once this run's model/ is written (the moment that left one run's model beside
-    another's metrics.json): exit 130, one line on stderr, DIR byte for byte the previous run,
-    and the temporary folder gone."""
-    before = _snapshot(previous)
-    args = [sys.executable, "-m", "multihead.cli", *QUICK, "--out", str(previous), "--overwrite"]
+def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
+    """Start a run over ``out`` in a child process; send ``sig`` once this run's model/ is
+    written in its temporary folder (polled every 10 ms, at most 120 s). Returns the exit
+    status and stderr."""
+    args = [sys.executable, "-m", "multihead.cli", *QUICK, "--out", str(out), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -77,17 +77,42 @@ def test_ctrl_c_after_the_model_is_saved_leaves_the_previous_run(previous):
         deadline = time.monotonic() + 120
         saved = None
         while saved is None and child.poll() is None and time.monotonic() < deadline:
-            found = list(previous.parent.glob(f".{previous.name}.tmp-*/model/model.safetensors"))
+            found = list(out.parent.glob(f".{out.name}.tmp-*/model/model.safetensors"))
             saved = found[0] if found else None
             time.sleep(0.01)
         assert saved is not None, "the run never saved its model"
-        child.send_signal(signal.SIGINT)
+        child.send_signal(sig)
         _, err = child.communicate(timeout=60)
     finally:
         if child.poll() is None:
             child.kill()
             child.communicate()
-    assert child.returncode == 130, err
+    return child.returncode, err
+
+
+def test_ctrl_c_after_the_model_is_saved_leaves_the_previous_run(previous):
+    """SIGINT once this run's model/ is written (the moment that left one run's model beside
+    another's metrics.json): exit 130, one line on stderr, DIR byte for byte the previous run,
+    and the temporary folder gone."""
+    before = _snapshot(previous)
+    code, err = _signal_after_the_model_is_saved(previous, signal.SIGINT)
+    assert code == 130, err
     assert err.splitlines() == ["multihead train: interrupted"], err
     assert _snapshot(previous) == before
     assert sorted(p.name for p in previous.parent.iterdir()) == [previous.name]
+
+
+def test_a_killed_run_leaves_the_previous_one_and_its_temporary_is_removed_next(previous, tmp_path):
+    """SIGKILL gives no chance to clean up: DIR is still the previous run, whole, and the
+    temporary folder the killed run left is removed by the next run into DIR."""
+    out = tmp_path / "run"
+    shutil.copytree(previous, out)
+    before = _snapshot(out)
+    code, _ = _signal_after_the_model_is_saved(out, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert _snapshot(out) == before
+    (left,) = tmp_path.glob(".run.tmp-*")
+    assert (left / "model").is_dir()
+    assert main([*QUICK, "--out", str(out), "--overwrite", "--seed", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert json.loads((out / "metrics.json").read_text())["seed"] == 1
