@@ -247,6 +247,21 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
     torch.testing.assert_close(got.weights, torch.stack([w[0] for w in expected.weights]))
 
 
+def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
+    """A decoder written by ``multihead.save`` (no model_type: format_version and its class)
+    is explained as the folder it came from (the same weights, to fp32 rounding: 1e-6)."""
+    import multihead as mh
+
+    _, ours, _ = pair
+    saved = mh.save(ours, tmp_path / "saved")
+    text = "The animal crossed the street"
+    quiet = dict(focus="street", out_dir=tmp_path / "out", say=lambda line: None)
+    got = explain.run(text, model_path=saved, **quiet)
+    direct = explain.run(text, model_path=ours.path, **quiet)
+    assert got.tokens == direct.tokens and got.focus == direct.focus
+    assert (got.weights - direct.weights).abs().max() <= 1e-6
+
+
 def test_weights_and_hidden_states_equal_transformers(pair):
     """run(..., return_weights=True, return_hidden=True) against transformers' attentions and
     hidden states on a left-padded batch (<= 1e-5 at real positions)."""
