@@ -91,8 +91,10 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import graph_spec, load_for_export, to_onnx
+    from .export import check_opset, check_target, graph_spec, load_for_export, to_onnx
 
+    check_target(args.out)  # before the model loads and the export runs
+    check_opset(args.opset)
     model = load_for_export(args.model)
     path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
     spec = graph_spec(model, weights=args.weights)
@@ -137,6 +139,7 @@ def _train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         baselines=not args.no_baselines,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     run(args.task, options)
     return 0
@@ -246,7 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
         "runs under torchrun for several processes",
     )
     train.add_argument("task", choices=("sentiment", "forecast", "crossmodal"))
-    train.add_argument("--out", required=True, metavar="DIR", help="folder for model and metrics")
+    train.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder for model and metrics: new or empty; written whole when the run ends",
+    )
+    train.add_argument(
+        "--overwrite", action="store_true", help="replace a previous run in DIR when this one ends"
+    )
     train.add_argument("--quick", action="store_true", help="a small version, seconds long")
     train.add_argument(
         "--data",
@@ -321,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"multihead {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2); what
+        # the command writes is written whole or not at all, so nothing is half-written
+        print(f"multihead {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

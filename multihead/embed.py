@@ -41,9 +41,10 @@ def run(
 
     Returns the (lines, E) float32 array that was saved.
     """
-    from .models import bert
+    from .models import bert, kinds
 
     target = V.check_out_file("--out", out, ".npy")
+    kinds.check_bert(model_path, "multihead embed")
     V.check_positive_int("max_tokens", max_tokens)
     source = Path(file)
     if not source.is_file():

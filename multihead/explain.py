@@ -21,7 +21,13 @@ from torch import Tensor
 from . import _validation as V
 from .inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
-__all__ = ["Explained", "find_focus", "run"]
+__all__ = ["SUPPORTED", "Explained", "find_focus", "run"]
+
+SUPPORTED = (
+    "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
+    "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them)"
+)
+_SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
 
 
 @dataclass
@@ -61,20 +67,25 @@ def _attend(
     causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
     import torch
 
-    from .models import bert, checkpoint, gpt2, llama
+    from . import io
+    from .models import bert, checkpoint, gpt2, kinds, llama
 
     decoders = {"gpt2": gpt2, "llama": llama}
-    kind = None
     if model_path is not None:
-        folder = checkpoint.model_folder(model_path)
-        if (folder / "config.json").is_file():
-            kind = checkpoint.read_config(folder).get("model_type")
-    if kind not in decoders:
+        checkpoint.model_folder(model_path)
+    found = kinds.folder_kind(model_path)
+    kind = None if found is None else found.kind
+    if kind == kinds.SAVED and found.saved_class in _SAVED_LANGUAGE_MODELS:
+        model = io.load(model_path)
+    elif kind in decoders:
+        model = decoders[kind].load(model_path)
+    elif kind in (None, "bert"):
         model = bert.load(model_path)
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
         return model, batch.tokens[0], batch.special[0], weights, False
-    model = decoders[kind].load(model_path)
+    else:
+        raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
     if model.tokenizer is None:
         raise FileNotFoundError(
             f"explain needs the model's tokenizer.json, which is missing from {model.path}. "

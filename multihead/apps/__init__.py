@@ -7,11 +7,13 @@ same run and writes a saved model, metrics.json and figures. Needs the ``train``
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
+from .._atomic import replace_folder
 from .common import Options
 
-__all__ = ["TASKS", "Options", "run"]
+__all__ = ["TASKS", "Options", "check_out", "run"]
 
 TASKS = ("sentiment", "forecast", "crossmodal")
 
@@ -19,15 +21,51 @@ TASKS = ("sentiment", "forecast", "crossmodal")
 def run(task: str, options: Options) -> dict[str, Any]:
     """Run one task (see ``TASKS``) with ``options``; under ``torchrun`` every process calls
     this and trains its share, and rank 0 evaluates and writes. Returns the metrics (empty on
-    other ranks)."""
+    other ranks).
+
+    The run is written into a temporary folder beside ``options.out`` and moved into place
+    whole when it ends, so an interrupted or failed run leaves ``options.out`` as it was (a
+    previous run, complete, or nothing), never parts of two runs.
+
+    Raises:
+        ValueError: an unknown task, or ``options.out`` that is a file, or a folder with files
+            in it (a previous run) while ``options.overwrite`` is False; checked before any
+            work.
+    """
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}. Received: task={task!r}")
+    check_out(options)
     from .loop import setup, teardown
 
     module = importlib.import_module(f"{__name__}.{task}")
     info = setup()
     try:
-        return module.run(options, info)
+        if not info.main:
+            return module.run(options, info, None)
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        with replace_folder(options.out) as staging:
+            return module.run(options, info, staging)
     finally:
         info.barrier()
         teardown(info)
+
+
+def check_out(options: Options) -> Path:
+    """``options.out`` must be a new or empty folder, or hold a run ``options.overwrite``
+    allows to replace."""
+    out = options.out
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(
+            f"--out must be a folder, but {blocker} is an existing file; choose another "
+            f"folder. Received: --out {out}"
+        )
+    if out.is_dir() and not options.overwrite:
+        entries = sorted(p.name for p in out.iterdir())
+        if entries:
+            raise ValueError(
+                f"--out {out} is not empty (a previous run?); pass --overwrite to replace it "
+                f"whole when this run ends, or choose another folder. Received: --out {out} "
+                f"holding {entries[:6]}{' ...' if len(entries) > 6 else ''}"
+            )
+    return out

@@ -37,6 +37,7 @@ class Options:
     max_steps: int | None = None
     baselines: bool = True
     progress: bool = True
+    overwrite: bool = False  # replace a previous run in ``out``
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -125,8 +126,11 @@ def training_curve(curves: dict[str, FitResult], path: Path, title: str) -> Path
     return save_figure(fig, path)
 
 
-def finish(metrics: dict[str, Any], options: Options, info: Dist, started: float) -> dict[str, Any]:
-    """Add what every metrics.json holds (seed, options, wall time, machine) and write it."""
+def finish(
+    metrics: dict[str, Any], options: Options, info: Dist, started: float, out: Path
+) -> dict[str, Any]:
+    """Add what every metrics.json holds (seed, options, wall time, machine) and write it
+    into ``out``, the folder the run is written to (it becomes ``options.out`` at the end)."""
     metrics = {
         **metrics,
         "seed": options.seed,
@@ -140,7 +144,7 @@ def finish(metrics: dict[str, Any], options: Options, info: Dist, started: float
             "python": platform.python_version(),
         },
     }
-    path = options.out / "metrics.json"
+    path = out / "metrics.json"
     path.write_text(json.dumps(_clean(metrics), indent=2) + "\n")
     return metrics
 

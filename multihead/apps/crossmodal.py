@@ -213,7 +213,7 @@ def _accuracy(prob: np.ndarray, answer: np.ndarray, kinds: list[str]) -> dict[st
     }
 
 
-def run(options: Options, info: Dist) -> dict[str, Any]:
+def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
     """Train the cross-attention model and both baselines; write DIR (see module docstring)."""
     started = time.perf_counter()
     if options.data is not None:
@@ -258,10 +258,8 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         if options.quick and config.max_steps is None:
             config.max_steps = 6
         fitted[name] = fit(m, len(answers), collate, loss_fn, config, info, desc=name)
-    if not info.main:
+    if out is None:
         return {}
-    out = options.out
-    out.mkdir(parents=True, exist_ok=True)
     save(models["model"], out / "model")
     tq, tids, tlengths, timage, timages = sets["test"]
     probs = {k: predict(m, tids, tlengths, timage, options.precision) for k, m in models.items()}
@@ -295,7 +293,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         "model_dir": "model",
         "figures": ["training_curve.png", "confusion.png", "attention.png"],
     }
-    return finish(summary, options, info, started)
+    return finish(summary, options, info, started, out)
 
 
 def _confusion_figure(prob: np.ndarray, answer: np.ndarray, path: Path) -> Path:

@@ -389,8 +389,9 @@ def _split_info(series: Series) -> dict[str, Any]:
     }
 
 
-def run(options: Options, info: Dist) -> dict[str, Any]:
-    """Train one forecaster per series, compare with the baselines, write DIR (see module)."""
+def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
+    """Train one forecaster per series, compare with the baselines, write the run into
+    ``out`` (None on processes other than rank 0, which write nothing; see module)."""
     started = time.perf_counter()
     if options.data is not None:
         raise ValueError(
@@ -398,8 +399,6 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
             f"sentiment task. Received: --data {options.data}"
         )
     seed_everything(options.seed)
-    out = options.out
-    out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     curves: dict[str, FitResult] = {}
     plots: dict[str, dict[str, np.ndarray]] = {}
@@ -408,7 +407,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         series = load_series(name)
         model, fitted, scales, train, selection = _train_one(series, options, info)
         curves[name] = fitted
-        if not info.main:
+        if out is None:
             continue
         model.eval()
         truth = series.values[series.train_end :]
@@ -441,7 +440,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
             "training": fitted.summary(),
         }
         plots[name] = {"history": train, "truth": truth, **preds}
-    if info.main:
+    if out is not None:
         _forecast_figure(plots, [load_series(n) for n in SERIES], out / "forecast.png")
         training_curve(curves, out / "training_curve.png", "causal forecaster, MSE on changes")
         _attention_figure(weights, out / "attention.png")
@@ -460,7 +459,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
             "goal_beats_naive_linear_and_autoreg_on_co2": goal,
             "figures": ["training_curve.png", "forecast.png", "attention.png"],
         }
-        return finish(summary, options, info, started)
+        return finish(summary, options, info, started, out)
     return {}
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import html
+import math
 import time
 import zlib
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .. import _validation as V
 from .. import masks
 from ..io import register, save
 from ..modules import MultiHeadAttention
@@ -88,7 +90,7 @@ class Corpus:
 
 def _read_file(path: Path) -> Corpus:
     ids, ratings, texts = [], [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(V.read_utf8_lines(path), 1):
         if not line.strip():
             continue
         parts = line.split("\t", 2)
@@ -101,6 +103,11 @@ def _read_file(path: Path) -> Corpus:
                 f"{path.name}:{number} must be id<TAB>mean_rating<TAB>text with a numeric "
                 f"rating. Received: {line[:80]!r}"
             ) from None
+        if not math.isfinite(rating):  # nan or inf would reach the metrics as null
+            raise ValueError(
+                f"{path.name}:{number}: the mean rating must be a finite number (the ratings "
+                f"are -4 to +4); fix or remove the row. Received: {parts[1]!r}"
+            )
         ids.append(parts[0])
         ratings.append(rating)
         texts.append(_unescape(parts[2]).strip())
@@ -445,8 +452,9 @@ def _choose(
     return int(np.argmax(margins)), table
 
 
-def run(options: Options, info: Dist) -> dict[str, Any]:
-    """Fine-tune, choose the stretch, measure the baselines, write DIR (see module docstring)."""
+def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
+    """Fine-tune, choose the stretch, measure the baselines, write the run into ``out`` (None
+    on processes other than rank 0, which write nothing; see module docstring)."""
     from ..models import bert
 
     started = time.perf_counter()
@@ -492,7 +500,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         fitted["attention_classifier"] = _train(
             baseline, train_ids, train_y, small, info, "AttentionClassifier"
         )
-    if not info.main:
+    if out is None:
         return {}
 
     validation = {}
@@ -511,8 +519,6 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         every = _predict(model, [ids[c.domain][i] for i in rows], 128, options.precision)
         test_scores[c.domain] = every.reshape(len(rows), -1)
     model.keep(chosen)
-    out = options.out
-    out.mkdir(parents=True, exist_ok=True)
     save(model, out / "model")
     for c in corpora:
         train_idx, test_idx = splits[c.domain]
@@ -582,7 +588,7 @@ def run(options: Options, info: Dist) -> dict[str, Any]:
         "model_dir": "model",
         "figures": ["training_curve.png", "confusion.png", "attention.png"],
     }
-    return finish(summary, options, info, started)
+    return finish(summary, options, info, started, out)
 
 
 def _confusion_figure(confusion: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> Path:

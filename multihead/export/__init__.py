@@ -5,13 +5,27 @@ Needs the ``export`` extra (onnx, onnxscript, onnxruntime), imported only when u
 
 from __future__ import annotations
 
-from .onnx import DEFAULT_OPSET, GraphSpec, graph_spec, load_for_export, to_onnx
+from .onnx import (
+    DEFAULT_OPSET,
+    EXPORTS,
+    MIN_OPSET,
+    GraphSpec,
+    check_opset,
+    check_target,
+    graph_spec,
+    load_for_export,
+    to_onnx,
+)
 from .runtime import OnnxBert, quantize_int8, session
 
 __all__ = [
     "DEFAULT_OPSET",
+    "EXPORTS",
+    "MIN_OPSET",
     "GraphSpec",
     "OnnxBert",
+    "check_opset",
+    "check_target",
     "graph_spec",
     "load_for_export",
     "quantize_int8",

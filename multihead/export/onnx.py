@@ -13,6 +13,10 @@ Where) carry no data-dependent branch, so one graph serves every batch size and 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import secrets
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
+from .._atomic import replace_file
 from .._extras import require
 from ..models.bert import Bert, Pretrained
 from ..models.causal_lm import CausalLM
@@ -32,11 +37,40 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 
-__all__ = ["DEFAULT_OPSET", "GraphSpec", "graph_spec", "load_for_export", "to_onnx"]
+__all__ = [
+    "DEFAULT_OPSET",
+    "EXPORTS",
+    "MIN_OPSET",
+    "GraphSpec",
+    "check_opset",
+    "check_target",
+    "graph_spec",
+    "load_for_export",
+    "to_onnx",
+]
+
+EXPORTS = (
+    "BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama decoders "
+    "(model_type 'gpt2' or 'llama'), and multihead.save folders of a MultiHeadAttention, a "
+    "TransformerEncoder or TransformerEncoderLayer, or a GPT-2 or Llama model"
+)
+_SAVED_EXPORTS = (
+    "multihead.MultiHeadAttention",
+    "multihead.TransformerEncoder",
+    "multihead.TransformerEncoderLayer",
+    "multihead.models.gpt2.GPT2",
+    "multihead.models.llama.Llama",
+)
 
 # opset 18 is the newest whose every op onnxruntime >= 1.14 runs on CPU, and it has
 # LayerNormalization (17), so nothing is decomposed into slower primitives
 DEFAULT_OPSET = 18
+# torch's exporter has no op below 18: asked for less, it converts down, and where that fails
+# (it does for these graphs) it keeps 18 and says so only in a log line
+MIN_OPSET = 18
+# graphs whose weights pass this size keep them in a file beside the graph, as torch's
+# exporter does (protobuf cannot hold 2 GB)
+_EXTERNAL_FROM = 1536 * 1024**2
 _EXAMPLE_BATCH, _EXAMPLE_LENGTH, _EXAMPLE_KEYS = 2, 5, 7  # > 1: torch.export specializes 0 and 1
 # names of a decoder graph's length axes; the total is how the exporter itself names the
 # present's axis (past + new), given to attention_mask too
@@ -302,18 +336,121 @@ def _name_total_axis(program: object) -> None:
 
 
 def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
-    """The model a folder holds, by its ``config.json``'s ``model_type``: a GPT-2 or Llama
-    decoder, else a BERT-family encoder (None: the default BERT model)."""
-    from ..models import bert, checkpoint, gpt2, llama
+    """The model a folder holds, by its ``config.json``: a GPT-2 or Llama decoder, a
+    BERT-family encoder (None: the default BERT model), or a ``multihead.save`` folder of a
+    module ``to_onnx`` exports (``EXPORTS`` says which).
+
+    Raises:
+        ValueError: a folder of another kind (T5, a saved application model, ...): the message
+            names the kind found and what export supports.
+    """
+    from .. import io
+    from ..models import bert, checkpoint, gpt2, kinds, llama
 
     decoders = {"gpt2": gpt2, "llama": llama}
-    if path is not None:
-        folder = checkpoint.model_folder(path)
-        if (folder / "config.json").is_file():
-            kind = checkpoint.read_config(folder).get("model_type")
-            if kind in decoders:
-                return decoders[kind].load(folder)
-    return bert.load(path)
+    if path is None:
+        return bert.load(None)
+    folder = checkpoint.model_folder(path)
+    found = kinds.folder_kind(folder)
+    kind = None if found is None else found.kind
+    if kind in decoders:
+        return decoders[kind].load(folder)
+    if kind in (None, "bert"):
+        return bert.load(folder)
+    if kind == kinds.SAVED and found.saved_class in _SAVED_EXPORTS:
+        return io.load(folder)
+    raise kinds.wrong_kind(found, "multihead export onnx", EXPORTS)
+
+
+def check_target(path: str | Path) -> Path:
+    """Check, before any long work, that an ONNX file can be written at ``path``: not an
+    existing folder, no existing file where a folder must be, and a writable folder (tried by
+    creating and removing a file in the nearest existing one).
+
+    Raises:
+        ValueError: one of those, with the path that blocks it.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(
+            f"the ONNX file to write is an existing folder; give a file path, e.g. "
+            f"{target / 'model.onnx'}. Received: path='{target}'"
+        )
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(
+            f"cannot write {target}: {ancestor} is an existing file, not a folder; choose "
+            f"another path. Received: path='{target}'"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-", dir=ancestor)
+    except OSError as err:
+        raise ValueError(
+            f"cannot write {target}: creating a file in the folder {ancestor} failed "
+            f"({err.strerror}); choose a writable path or fix the folder's permissions. "
+            f"Received: path='{target}'"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+    return target
+
+
+def check_opset(opset: int) -> int:
+    """Check that torch's exporter writes exactly this opset (see ``MIN_OPSET``) and the
+    installed onnx knows it.
+
+    Raises:
+        ValueError: an opset out of that range.
+    """
+    onnx = require("onnx", "export", "ONNX export")
+    newest = onnx.defs.onnx_opset_version()
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
+        raise ValueError(
+            f"opset must be an int from {MIN_OPSET} (the lowest torch's exporter writes) to "
+            f"{newest} (the newest the installed onnx knows). Received: opset={opset!r}"
+        )
+    return opset
+
+
+def _data_files(target: Path) -> list[Path]:
+    """External-data files ``to_onnx`` wrote for ``target`` (``NAME.<8 hex>.data``), and the
+    ``NAME.data`` of torch's own naming."""
+    pattern = re.compile(re.escape(target.name) + r"(\.[0-9a-f]{8})?\.data")
+    return [p for p in target.parent.iterdir() if pattern.fullmatch(p.name)]
+
+
+def _save(program: object, target: Path, external: bool | None, check: bool) -> None:
+    """Write the graph (and its weights file) so that a kill at any point leaves the previous
+    export or the new one, whole: the weights go to a file of a fresh name, the graph to a
+    temporary file that is checked and then renamed over ``target``; the weights file of the
+    previous export is removed after that rename (a kill before leaves it, and the next export
+    removes it)."""
+    import onnx
+    import onnx_ir as ir
+
+    graph = program.model.graph
+    values = [v.const_value for v in graph.initializers.values()]
+    size = sum(t.nbytes for t in values if t is not None)
+    if external is None:
+        external = size > _EXTERNAL_FROM
+    data = f"{target.name}.{secrets.token_hex(4)}.data" if external else None
+    try:
+        with replace_file(target) as tmp:
+            if data is None:
+                ir.save(program.model, tmp)
+            else:
+                ir.save(program.model, tmp, external_data=data)
+            if check:
+                onnx.checker.check_model(str(tmp), full_check=True)
+    except BaseException:
+        if data is not None:
+            (target.parent / data).unlink(missing_ok=True)
+        raise
+    for old in _data_files(target):
+        if old.name != data:
+            old.unlink(missing_ok=True)
 
 
 def to_onnx(
@@ -323,6 +460,7 @@ def to_onnx(
     weights: bool = False,
     opset: int = DEFAULT_OPSET,
     check: bool = True,
+    external_data: bool | None = None,
 ) -> Path:
     """Export ``model`` to an ONNX file with dynamic batch and sequence axes.
 
@@ -352,13 +490,22 @@ def to_onnx(
     export. Padded keys get weight 0; outputs at padded query positions are computed but
     mean nothing (as in every BERT).
 
+    The file is written whole or not at all: a previous file at ``path`` stays until the new
+    graph has been written and checked, and is then replaced in one rename (its weights file,
+    if it had one, is removed after).
+
     Args:
         model: the module to export (its training mode is restored afterwards; the export
             runs in eval mode, without dropout).
-        path: where to write the ``.onnx`` file (folders are created).
+        path: where to write the ``.onnx`` file (folders are created); checked before the
+            export starts (``check_target``).
         weights: also output the attention weights.
-        opset: ONNX opset version.
+        opset: ONNX opset version, from ``MIN_OPSET`` (18) to the newest the installed onnx
+            knows; the graph written has exactly this version.
         check: run ``onnx.checker.check_model(..., full_check=True)`` on the result.
+        external_data: keep the weights in a file beside the graph, named
+            ``<file name>.<8 hex digits>.data`` (the graph records the name); None: only when
+            they pass 1.5 GiB, as torch does.
 
     Returns:
         The path written.
@@ -366,15 +513,22 @@ def to_onnx(
     Raises:
         TypeError: a model of another type (a bare decoder stack included: export its
             language model), or a decoder layer whose self_attn is not a MultiHeadAttention.
-        ValueError: a MultiHeadAttention with rotary embeddings on its own.
+        ValueError: a MultiHeadAttention with rotary embeddings on its own, an opset out of
+            range, or a path that cannot be written (an existing folder, a file where a
+            folder must be, a folder without write permission).
         ModuleNotFoundError: onnx / onnxscript missing (the ``export`` extra).
     """
     graph_spec(model, weights=weights)  # type check first, before any import
-    onnx = require("onnx", "export", "ONNX export")
+    target = check_target(path)
+    require("onnx", "export", "ONNX export")
     require("onnxscript", "export", "ONNX export")
+    check_opset(opset)
+    if external_data is not None and not isinstance(external_data, bool):
+        raise TypeError(
+            f"external_data must be True, False or None. Received: external_data={external_data!r}"
+        )
     spec = graph_spec(model, weights=weights)
     wrapper, example, axes = _prepare(model, weights)
-    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     modes = [(m, m.training) for m in wrapper.modules()]
     wrapper.eval()
@@ -404,7 +558,12 @@ def to_onnx(
             module.training = mode
     if spec.kind == "decoder":
         _name_total_axis(program)
-    program.save(str(target))
-    if check:
-        onnx.checker.check_model(str(target), full_check=True)
+    written = program.model.opset_imports.get("")
+    if written != opset:
+        raise ValueError(
+            f"torch's exporter wrote opset {written} instead of the {opset} asked for (its "
+            f"conversion to {opset} failed); nothing was written. Use opset={DEFAULT_OPSET}. "
+            f"Received: opset={opset}"
+        )
+    _save(program, target, external_data, check)
     return target

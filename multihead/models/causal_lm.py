@@ -9,6 +9,8 @@ never shifts a position or leaks into a score.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -249,6 +251,28 @@ class CausalLM(nn.Module):
                 f"shorten the input or ask for fewer new tokens. Received: {need} positions"
             )
 
+    def _check_memory(self, batch_size: int, total: int, max_new_tokens: int) -> None:
+        """Refuse, before allocating anything, a generation whose KV cache (preallocated for
+        ``total`` tokens per row) and token buffers would not fit in the memory free on the
+        model's device."""
+        attn, weight = self._attention, self.lm_head.weight
+        layers = len(self.decoder.layers)
+        itemsize = weight.element_size()
+        d, d_v = attn.head_dim, attn.value_head_dim
+        cache = layers * batch_size * attn.num_kv_heads * total * (d + d_v) * itemsize
+        buffers = 2 * batch_size * (total + max_new_tokens) * 8  # new ids and the output, int64
+        free = _free_bytes(weight.device)
+        if free is None or cache + buffers <= free:
+            return
+        raise ValueError(
+            f"generating {max_new_tokens} new tokens needs a KV cache of {_bytes(cache)} "
+            f"({layers} layers x B={batch_size} x H_kv={attn.num_kv_heads} x T={total} tokens "
+            f"x (D={d} + D_v={d_v}) x {itemsize} bytes) plus {_bytes(buffers)} of token ids, "
+            f"more than the {_bytes(free)} free on {weight.device}; ask for fewer new tokens, "
+            f"a smaller batch or a lower-precision dtype. Received: max_new_tokens="
+            f"{max_new_tokens}, batch of {batch_size}, longest prompt {total - max_new_tokens}"
+        )
+
     def forward(
         self,
         input_ids: Tensor,
@@ -353,7 +377,9 @@ class CausalLM(nn.Module):
             max_new_tokens: tokens to add to every row.
             lengths: (B,) real prompt tokens per row (default: all L).
             do_sample: sample instead of taking the most likely token.
-            temperature: divides the logits before sampling (> 0).
+            temperature: divides the logits before sampling: finite and > 0. As it nears 0,
+                sampling nears the greedy choice, which a tiny temperature (1e-45, say) gives
+                exactly; large values near uniform sampling.
             top_k: sample among the k most likely tokens only.
             top_p: sample from the smallest set of tokens whose probability reaches p.
             generator: a ``torch.Generator`` for reproducible sampling.
@@ -363,6 +389,11 @@ class CausalLM(nn.Module):
             eos_token_id: stop a row at this token (or any of these): its later tokens are
                 ``pad_token_id``. Default: never for ids (every row gets max_new_tokens tokens);
                 the model's end-of-sequence token for texts.
+
+        Raises:
+            ValueError: a bad argument (named), a prompt with its new tokens longer than the
+                model's positions (``max_positions``), or a KV cache that would not fit in the
+                memory free on the model's device (checked before anything is allocated).
 
         Returns:
             (B, L + max_new_tokens) ids. Right padding: row b holds its prompt, then its new
@@ -396,6 +427,8 @@ class CausalLM(nn.Module):
         b = ids.shape[0]
         total = int(lengths.max()) + max_new_tokens
         self._check_length(total, "the longest prompt with its new tokens")
+        if max_new_tokens:
+            self._check_memory(b, total, max_new_tokens)
         new = torch.full((b, max_new_tokens), self.pad_token_id, dtype=ids.dtype, device=ids.device)
         if max_new_tokens:
             cache = self.new_cache(b, max_length=total)
@@ -487,6 +520,37 @@ def _from_attention_mask(mask: Tensor, shape: torch.Size) -> tuple[Tensor, str]:
     )
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device``: on CUDA the driver's free memory plus
+    what torch's caching allocator holds unused; on CPU the kernel's MemAvailable (Linux) or
+    the physical memory; None where it cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + held
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _bytes(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def _eos_list(eos: int | Sequence[int] | None) -> list[int]:
     if eos is None:
         return []
@@ -510,11 +574,11 @@ def _check_sampling(
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
-        or not (temperature > 0)
+        or not (0 < temperature < math.inf)
     ):
         raise ValueError(
-            "temperature must be a number > 0 (use do_sample=False for the most likely token). "
-            f"Received: temperature={temperature!r}"
+            "temperature must be a finite number > 0 (use do_sample=False for the most likely "
+            f"token). Received: temperature={temperature!r}"
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None. Received: top_k={top_k!r}")
@@ -536,6 +600,14 @@ def _sample(
     generator: torch.Generator | None,
 ) -> Tensor:
     """One token per row from softmax(logits / temperature), after top-k then top-p (the
-    order transformers applies them in)."""
-    scores = filter_top_p(filter_top_k(logits.float() / temperature, top_k), top_p)
+    order transformers applies them in).
+
+    The logits are shifted by their row maximum before the division (softmax does not change)
+    and divided in float64, where every finite temperature > 0 is itself representable (in
+    float32 5e-324 is 0): the scores are then <= 0, so a tiny temperature drives them to -inf
+    but never makes inf or NaN, and sampling tends to the greedy choice (tokens tied at the
+    maximum share it)."""
+    logits = logits.double()
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scores = filter_top_p(filter_top_k(shifted / temperature, top_k), top_p)
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]

@@ -44,7 +44,7 @@ class LlamaConfig:
     num_attention_heads: int
     num_key_value_heads: int | None = None  # H_kv for grouped-query attention; None means H
     head_dim: int | None = None  # D; None means hidden_size / num_attention_heads
-    max_position_embeddings: int = 2048  # the trained context; RoPE itself has no limit
+    max_position_embeddings: int = 2048  # the trained context: inputs and generation stop here
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # older configs; newer ones use rope_parameters
     rope_parameters: dict | None = None  # {"rope_type": "default", "rope_theta": ...}
@@ -70,6 +70,7 @@ class LlamaConfig:
                 "intermediate_size",
                 "num_hidden_layers",
                 "num_attention_heads",
+                "max_position_embeddings",
             ),
         )
         h, e = config.num_attention_heads, config.hidden_size
@@ -142,7 +143,8 @@ class Llama(CausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.vocab_size = config.vocab_size
-        self.max_positions = None  # rotary positions have no table to run out of
+        # RoPE has no table to run out of, but the model was trained up to this length only
+        self.max_positions = config.max_position_embeddings
         eos = config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = config.pad_token_id

@@ -42,9 +42,10 @@ def load_engine(
     """
     import torch
 
-    from ..models import bert
+    from ..models import bert, kinds
 
     _check(runtime, onnx_path, threads)
+    kinds.check_bert(model_path, "multihead serve")
     if threads is not None:
         torch.set_num_threads(threads)
     pretrained = bert.load(model_path)

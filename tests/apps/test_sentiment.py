@@ -4,6 +4,8 @@ figures), the split written to metrics.json, baselines recomputed from it, and t
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -222,7 +224,31 @@ def test_data_errors(tmp_path, capsys):
         ValueError, match=r"mine_GroundTruth.txt:2 must be id<TAB>mean_rating<TAB>text"
     ):
         sentiment.read_corpora(bad)
-    assert (
-        main(["train", "sentiment", "--quick", "--out", str(tmp_path), "--data", str(missing)]) == 2
-    )
+    out = str(tmp_path / "run")
+    assert main(["train", "sentiment", "--quick", "--out", out, "--data", str(missing)]) == 2
     assert "pass --data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("line", "match"),
+    [
+        (b"2\tnan\tbroken\n", r"mine_GroundTruth.txt:2: the mean rating must be a finite .*'nan'"),
+        (b"2\tinf\tbroken\n", r"mine_GroundTruth.txt:2: the mean rating must be a finite .*'inf'"),
+        (b"2\t-Infinity\tx\n", r"mine_GroundTruth.txt:2: the mean rating must be a finite"),
+        (b"2\t0.5\tcaf\xe9\n", r"mine_GroundTruth.txt is not UTF-8 text: byte 20 \(line 2\)"),
+    ],
+    ids=["nan", "inf", "minus_infinity", "latin1"],
+)
+def test_bad_data_fails_before_training_and_names_the_file(tmp_path, capsys, line, match):
+    """A nan rating trained and failed later, an inf one finished with "r": null, and a
+    latin-1 byte gave the codec's message without the file's name."""
+    bad = tmp_path / "mine_GroundTruth.txt"
+    bad.write_bytes(b"1\t0.5\tfine\n" + line)
+    with pytest.raises(ValueError, match=match):
+        sentiment.read_corpora(bad)
+    out = tmp_path / "run"
+    started = time.perf_counter()
+    assert main(["train", "sentiment", "--quick", "--out", str(out), "--data", str(bad)]) == 2
+    assert time.perf_counter() - started < 5  # before the model loads and trains
+    assert re.search(match, capsys.readouterr().err)
+    assert not out.exists()

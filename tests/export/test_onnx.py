@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -202,3 +205,139 @@ def test_cli_reports_a_missing_model(tmp_path, capsys):
     missing = tmp_path / "nothing"
     assert cli.main(["export", "onnx", "--model", str(missing), "--out", "x.onnx"]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+def _no_export(*args, **kwargs):
+    raise AssertionError("the export ran although its arguments were wrong")
+
+
+def _unwritable(tmp_path):
+    """A folder in which no file can be created: read-only permissions, or /proc where they
+    do not stop this user (root)."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / "probe").write_text("")
+    except PermissionError:
+        return folder / "model.onnx"
+    (folder / "probe").unlink()
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no folder refuses files to this user")
+    return Path("/proc/multihead-export/model.onnx")
+
+
+@pytest.mark.parametrize("case", ["parent_is_a_file", "out_is_a_folder", "unwritable"])
+def test_out_that_cannot_be_written_fails_before_the_export(tmp_path, monkeypatch, capsys, case):
+    """Each of these was found only by the file write after the 20 s export (a folder ended
+    in a traceback); now the command stops first, with the path that blocks it."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder").mkdir()
+    out, match = {
+        "parent_is_a_file": (tmp_path / "file" / "m.onnx", r"file is an existing file, not a"),
+        "out_is_a_folder": (tmp_path / "folder", r"is an existing folder; give a file path"),
+        "unwritable": (_unwritable(tmp_path), r"creating a file in the folder .* failed"),
+    }[case]
+    monkeypatch.setattr(torch.onnx, "export", _no_export)
+    with pytest.raises(ValueError, match=match + r".*Received: path="):
+        to_onnx(mh.MultiHeadAttention(8, 2), out)
+    monkeypatch.setattr(cli_export(), "load_for_export", _no_export)
+    assert cli.main(["export", "onnx", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multihead export: error: ") and re.search(match, err)
+
+
+def cli_export():
+    import multihead.export
+
+    return multihead.export
+
+
+@pytest.mark.parametrize("opset", [5, 17, 29, 10**6])
+def test_opset_out_of_range_is_refused(monkeypatch, tmp_path, capsys, opset):
+    """Below 18 torch's exporter wrote opset 18 and said nothing; above what onnx knows the
+    checker failed after the export."""
+    monkeypatch.setattr(torch.onnx, "export", _no_export)
+    newest = onnx.defs.onnx_opset_version()
+    if opset == 29 and newest >= 29:
+        pytest.skip("the installed onnx knows opset 29")
+    match = rf"opset must be an int from 18 .* to {newest} .*Received: opset={opset}"
+    with pytest.raises(ValueError, match=match):
+        to_onnx(mh.MultiHeadAttention(8, 2), tmp_path / "x.onnx", opset=opset)
+    monkeypatch.setattr(cli_export(), "load_for_export", _no_export)
+    assert cli.main(["export", "onnx", "--out", str(tmp_path / "x.onnx"), "--opset", str(opset)])
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_a_newer_opset_is_the_one_written(tmp_path):
+    path = to_onnx(mh.MultiHeadAttention(8, 2), tmp_path / "x.onnx", opset=21)
+    assert {o.domain: o.version for o in onnx.load(str(path)).opset_import}[""] == 21
+
+
+def _outputs(path, module):
+    """The graph's output on a fixed input next to the module's own (max abs difference)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 8, generator=generator)
+    keep = np.ones((2, 3), dtype=np.int64)
+    got = session(path).run(None, {"query": q.numpy(), "key": q.numpy(), "value": q.numpy(),
+                                   "attention_mask": keep})[0]  # fmt: skip
+    with torch.no_grad():
+        expected = module(q, q, q).numpy()
+    return float(np.abs(got - expected).max())
+
+
+def test_export_replaces_the_previous_file_whole(tmp_path, monkeypatch):
+    """A write that dies half-way (simulated: the file writer writes 64 bytes, then fails)
+    leaves the previous export intact; it left a truncated graph. Weights kept in a file
+    beside the graph (external_data=True) get a fresh name each time, so the previous graph
+    keeps its own until the new graph is in place; the previous one is removed after, and
+    the temporaries of a killed export are removed by the next one."""
+    import onnx_ir
+
+    torch.manual_seed(0)
+    first, second = mh.MultiHeadAttention(8, 2).eval(), mh.MultiHeadAttention(8, 2).eval()
+    out = tmp_path / "attn.onnx"
+    to_onnx(first, out, external_data=True)
+    (old_data,) = tmp_path.glob("attn.onnx.*.data")
+    assert _outputs(out, first) <= FP32
+
+    real_save = onnx_ir.save
+
+    def dies_half_way(model, path, *args, **kwargs):
+        Path(path).write_bytes(out.read_bytes()[:64])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(onnx_ir, "save", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        to_onnx(second, out, external_data=True)
+    monkeypatch.setattr(onnx_ir, "save", real_save)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attn.onnx", old_data.name]
+    assert _outputs(out, first) <= FP32
+
+    # what a killed export leaves: its temporary graph (named with its dead pid) and a new
+    # weights file
+    dead = _dead_pid()
+    (tmp_path / f".attn.onnx.tmp-{dead}-abc").write_bytes(b"partial")
+    (tmp_path / "attn.onnx.0123abcd.data").write_bytes(b"partial")
+    to_onnx(second, out, external_data=True)
+    (new_data,) = tmp_path.glob("attn.onnx.*.data")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attn.onnx", new_data.name]
+    assert new_data != old_data and _outputs(out, second) <= FP32
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a child, waited for)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_multihead_save_folder_of_an_attention_module_exports(tmp_path, capsys):
+    torch.manual_seed(1)
+    module = mh.MultiHeadAttention(8, 2).eval()
+    mh.save(module, tmp_path / "saved")
+    out = tmp_path / "saved.onnx"
+    assert cli.main(["export", "onnx", "--model", str(tmp_path / "saved"), "--out", str(out)]) == 0
+    assert "inputs query, key, value, attention_mask" in capsys.readouterr().out
+    assert _outputs(out, module) <= FP32

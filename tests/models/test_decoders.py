@@ -7,6 +7,7 @@ attention as the reference; the Llama has grouped-query attention and RoPE.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -161,6 +162,19 @@ def test_seeded_sampling_is_reproducible(pair):
     assert torch.equal(sample(5, top_k=1), ours.generate(ids, 12, lengths=lengths))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30])
+def test_tiny_temperature_samples_the_greedy_token(pair, temperature):
+    """logits / 1e-45 overflows to +-inf (softmax NaN: torch.multinomial refused it); the
+    scores are shifted by their maximum first, so a tiny temperature is the greedy limit."""
+    _, ours, _ = pair
+    ids, lengths = pad(ROWS, "right")
+    g = torch.Generator().manual_seed(0)
+    sampled = ours.generate(
+        ids, 12, lengths=lengths, do_sample=True, temperature=temperature, generator=g
+    )
+    assert torch.equal(sampled, ours.generate(ids, 12, lengths=lengths))
+
+
 def test_sampling_filters_equal_transformers_warpers():
     """Top-k and top-p keep the same tokens as transformers' logits warpers."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -233,6 +247,21 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
     torch.testing.assert_close(got.weights, torch.stack([w[0] for w in expected.weights]))
 
 
+def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
+    """A decoder written by ``multihead.save`` (no model_type: format_version and its class)
+    is explained as the folder it came from (the same weights, to fp32 rounding: 1e-6)."""
+    import multihead as mh
+
+    _, ours, _ = pair
+    saved = mh.save(ours, tmp_path / "saved")
+    text = "The animal crossed the street"
+    quiet = dict(focus="street", out_dir=tmp_path / "out", say=lambda line: None)
+    got = explain.run(text, model_path=saved, **quiet)
+    direct = explain.run(text, model_path=ours.path, **quiet)
+    assert got.tokens == direct.tokens and got.focus == direct.focus
+    assert (got.weights - direct.weights).abs().max() <= 1e-6
+
+
 def test_weights_and_hidden_states_equal_transformers(pair):
     """run(..., return_weights=True, return_hidden=True) against transformers' attentions and
     hidden states on a left-padded batch (<= 1e-5 at real positions)."""
@@ -298,6 +327,14 @@ def test_cache_holds_kv_heads_only(pair):
         (lambda m, ids: m.generate(ids, -1), "max_new_tokens must be >= 0"),
         (lambda m, ids: m.generate(ids, 2, do_sample=True, temperature=0), "temperature must be"),
         (
+            lambda m, ids: m.generate(ids, 2, do_sample=True, temperature=float("inf")),
+            r"temperature must be a finite number > 0 .*Received: temperature=inf",
+        ),
+        (
+            lambda m, ids: m.generate(ids, 2, do_sample=True, temperature=float("nan")),
+            r"temperature must be a finite number > 0 .*Received: temperature=nan",
+        ),
+        (
             lambda m, ids: m.generate(ids, 2, do_sample=True, top_p=1.5),
             r"top_p must be in \(0, 1\]",
         ),
@@ -312,6 +349,8 @@ def test_cache_holds_kv_heads_only(pair):
         "padding_side",
         "negative_new",
         "temperature",
+        "temperature_inf",
+        "temperature_nan",
         "top_p",
         "top_k",
         "eos",
@@ -336,6 +375,64 @@ def test_gpt2_runs_out_of_positions_before_any_work(tmp_path_factory):
         model(torch.randint(2, VOCAB, (1, 129)))
     with pytest.raises(ValueError, match="text 0 has no tokens"):
         model.generate("", 2)  # GPT-2's tokenizer adds no start token
+
+
+def test_llama_runs_out_of_its_trained_context_before_any_work(tmp_path_factory):
+    """Llama stops at max_position_embeddings (256 here) as GPT-2 stops at n_positions: it
+    generated past it, and allocated for 10**9 new tokens, before."""
+    model = llama.load(_folder(tmp_path_factory, "llama"))
+    ids = torch.randint(2, VOCAB, (1, 100))
+    with pytest.raises(ValueError, match="needs 300 positions but the model has 256"):
+        model.generate(ids, 200)
+    with pytest.raises(ValueError, match="needs 1000000100 positions but the model has 256"):
+        model.generate(ids, 10**9)
+    with pytest.raises(ValueError, match="needs 257 positions but the model has 256"):
+        model(torch.randint(2, VOCAB, (1, 257)))
+    assert model.generate(ids, 156).shape == (1, 256)
+
+
+def _with_context(factory, kind, positions):
+    folder = _folder(factory, kind)
+    config = json.loads((folder / "config.json").read_text())
+    config["n_positions" if kind == "gpt2" else "max_position_embeddings"] = positions
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_kv_cache_larger_than_free_memory_is_refused(tmp_path_factory, monkeypatch):
+    """The cache is layers x B x H_kv x T x (D + D_v) x itemsize bytes, written out here for
+    the tiny Llama (2 layers, H_kv=2, D=D_v=8, fp32), plus two int64 (B, T + new) buffers:
+    one byte less free memory than that is refused, before any allocation; exactly that
+    much is enough."""
+    from multihead.models import causal_lm
+
+    model = llama.load(_folder(tmp_path_factory, "llama"))
+    ids, lengths = pad(ROWS, "right")  # B=3, longest prompt 23
+    new = 40
+    total = 23 + new
+    cache = 2 * 3 * 2 * total * (8 + 8) * 4
+    buffers = 2 * 3 * (total + new) * 8
+    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers - 1)
+    with pytest.raises(ValueError) as err:
+        model.generate(ids, new, lengths=lengths)
+    message = str(err.value)
+    assert "2 layers x B=3 x H_kv=2 x T=63 tokens x (D=8 + D_v=8) x 4 bytes" in message
+    assert f"KV cache of {cache / 1024:.1f} KiB" in message
+    assert "ask for fewer new tokens" in message and "Received: max_new_tokens=40" in message
+    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers)
+    assert model.generate(ids, new, lengths=lengths).shape == (3, total)
+
+
+def test_a_billion_new_tokens_fail_fast_on_memory(tmp_path_factory):
+    """With a context of 2**40 positions the limit is memory: 10**12 new tokens would need a
+    cache of hundreds of TiB, which no machine has free; refused at once (it allocated a
+    16 GB id tensor and ran 94 s before dying, before)."""
+    model = llama.load(_with_context(tmp_path_factory, "llama", 2**40))
+    ids = torch.randint(2, VOCAB, (1, 10))
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"needs a KV cache of [0-9.]+ TiB .* free on cpu"):
+        model.generate(ids, 10**12)
+    assert time.perf_counter() - started < 5
 
 
 @pytest.mark.parametrize(

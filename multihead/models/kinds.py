@@ -1,0 +1,91 @@
+"""What kind of model a folder holds, read from its ``config.json`` alone, so that a command
+given the wrong kind says what it found and what it takes before loading anything.
+
+A Hugging Face folder names its family in ``model_type`` (``bert``, ``gpt2``, ``llama``,
+``t5``, ...); a ``multihead.save`` folder has ``format_version`` and the saved class under
+``model.class`` (BERT saved that way also has ``model_type``, so it reads as ``bert``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BERT_ONLY", "SAVED", "FolderKind", "check_bert", "folder_kind", "wrong_kind"]
+
+SAVED = "multihead.save"  # the kind of a multihead.save folder without a model_type
+_NAMES = {
+    "bert": "a BERT-family encoder",
+    "gpt2": "a GPT-2 decoder",
+    "llama": "a Llama decoder",
+}
+
+
+@dataclass(frozen=True)
+class FolderKind:
+    """``kind``: the config's ``model_type``, ``SAVED``, or None when config.json has neither
+    field; ``saved_class``: the class a ``multihead.save`` folder holds."""
+
+    folder: Path
+    kind: str | None
+    saved_class: str | None = None
+
+    def describe(self) -> str:
+        """What the folder holds, in words, with the config.json field that says so."""
+        if self.kind == SAVED:
+            return f"a multihead.save folder of {self.saved_class} (config.json model.class)"
+        if self.kind is None:
+            return "a config.json with neither model_type nor format_version"
+        name = _NAMES.get(self.kind, f"a {self.kind!r} model")
+        return f"{name} (config.json model_type {self.kind!r})"
+
+    @property
+    def received(self) -> str:
+        """The deciding config.json field as ``name=value``, for "Received:"."""
+        if self.kind == SAVED:
+            return f"model.class={self.saved_class!r}"
+        return f"model_type={self.kind!r}"
+
+
+def folder_kind(path: str | Path | None) -> FolderKind | None:
+    """The kind of model in ``path``; None for None (the default model), for a path that is
+    not a folder or a folder without config.json (the loader then names what is missing).
+
+    Raises:
+        ValueError: config.json is empty, not UTF-8, not JSON or not an object (named).
+    """
+    from . import checkpoint
+
+    if path is None:
+        return None
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        return None
+    config = checkpoint.read_config(folder)
+    kind = config.get("model_type")
+    if isinstance(kind, str):
+        return FolderKind(folder, kind)
+    model = config.get("model")
+    if "format_version" in config and isinstance(model, dict):
+        return FolderKind(folder, SAVED, str(model.get("class")))
+    return FolderKind(folder, None)
+
+
+def wrong_kind(found: FolderKind, command: str, supported: str) -> ValueError:
+    """The error for ``command`` given a folder of a kind it does not take: what the folder
+    holds, what the command supports, and the field that decided."""
+    return ValueError(
+        f"{found.folder} holds {found.describe()}, but {command} supports {supported}; give "
+        f"it a folder of a kind it supports. Received: {found.received}"
+    )
+
+
+BERT_ONLY = "BERT-family encoders (config.json model_type 'bert', as the default all-MiniLM-L6-v2)"
+
+
+def check_bert(path: str | Path | None, command: str) -> None:
+    """Refuse, before loading, a folder that holds another kind than a BERT-family encoder
+    (``multihead serve`` and ``embed`` take only those)."""
+    found = folder_kind(path)
+    if found is not None and found.kind is not None and found.kind != "bert":
+        raise wrong_kind(found, command, BERT_ONLY)
