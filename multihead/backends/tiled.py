@@ -475,7 +475,7 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
         # every input takes part in the graph even where the mask hides everything, so its
         # gradient is 0 rather than missing
         inputs = (call.query, call.key, *((call.value,) if output else ()), *call.bias_tensors)
-        anchor = sum(t.sum() for t in inputs) * 0
+        anchor = sum(_zero_of(t) for t in inputs)
         w = w + anchor.to(w.dtype)
         out = None if out is None else out + anchor.to(out.dtype)
     for item in items:
@@ -511,6 +511,13 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
                 o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
                 out[item.batch, :, r0:r1] = o.to(out.dtype)
     return out, w
+
+
+def _zero_of(t: Tensor) -> Tensor:
+    """A 0 in the autograd graph of ``t``, read from one entry: a sum over all of ``t`` would
+    overflow to inf for a large finite bias (1e36 over a few hundred keys), and inf * 0 is NaN.
+    The entries are finite here (the NaN rule cleans inputs first, biases are checked)."""
+    return t[(slice(0, 1),) * t.dim()].sum() * 0
 
 
 def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) -> Tensor:
