@@ -409,7 +409,13 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         return _one_pass(call, output=True)
     q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
-        out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
+        # half inputs train in float32 (torch's CPU flash kernel computes in float32 anyway),
+        # rounded once at the output. In half, the backward's row term sum(dO * O) read an O
+        # rounded to half, off by a rounding of dO.V that survives in dp - sum(dO * O) where
+        # the weights are nearly one-hot (dq 60x the naive formula's error at scale 10), and
+        # the gradients of a row's chunks were added up in half
+        wide = [t.to(ctx.stat) for t in (q, k, v)]
+        out = _TiledAttention.apply(*wide, items, ctx, *call.bias_tensors).to(q.dtype)
         return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
     out, _ = _forward(ctx, q, k, v, items)
     return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
