@@ -4,6 +4,7 @@ and scales up to 10, where nearly one-hot weights make gradients sensitive to ev
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -18,34 +19,45 @@ from multihead.backends import _half
 from multihead.functional import _prepare
 
 # "tiled" and "auto" take the half kernel where this CPU has native bf16/fp16 matmuls;
-# "tiled_float32" forces the path other CPUs take, "half" the half kernel everywhere
-PATHS = ["tiled", "tiled_float32", "half", "auto", "sdpa"]
+# "..._other_cpu" runs them as on CPUs without (tiled in float32, auto on sdpa); "half" is
+# the half kernel everywhere
+PATHS = ["tiled", "tiled_other_cpu", "half", "auto", "auto_other_cpu", "sdpa"]
 
 
-def _runner(path: str, mask, scale):
-    def run(q, k, v):
-        if path == "half":
-            return _half.run(_prepare(q, k, v, mask, None, scale, 0.0, False))
-        backend = "tiled" if path == "tiled_float32" else path
-        with mock.patch.object(
-            _half, "fast", lambda call: path != "tiled_float32" and _real_fast(call)
-        ):
-            return mh.attention(q, k, v, mask, scale=scale, backend=backend)
-
-    return run
-
-
-_real_fast = _half.fast
+@contextlib.contextmanager
+def _cpu_for(path: str):
+    """Native half-precision matmuls as this CPU has them, or none for "..._other_cpu"."""
+    if not path.endswith("_other_cpu"):
+        yield
+        return
+    mkldnn = torch.ops.mkldnn
+    with (
+        mock.patch.object(mkldnn, "_is_mkldnn_bf16_supported", lambda: False),
+        mock.patch.object(mkldnn, "_is_mkldnn_fp16_supported", lambda: False),
+    ):
+        yield
 
 
 def _assert_rule(path, mask, keep, q, k, v, grad_out, scale):
-    # torch's SDPA kernel takes the backward's row term from the rounded output: it is held to
-    # the bound that documents (tiled and the half kernel meet the plain rule)
-    results = twice_naive_errors(
-        _runner(path, mask, scale), q, k, v, keep, grad_out, scale, rounded_row_term=path == "sdpa"
-    )
+    backend = path.removesuffix("_other_cpu")
+
+    def run(q, k, v):
+        if path == "half":
+            return _half.run(_prepare(q, k, v, mask, None, scale, 0.0, False))
+        return mh.attention(q, k, v, mask, scale=scale, backend=backend)
+
+    with _cpu_for(path):
+        chosen = backend
+        if backend == "auto":
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            chosen = mh.explain_backend(*leaves, mask, scale=scale).backend
+        # torch's SDPA kernel takes the backward's row term from the rounded output: it is
+        # held to the bound that documents (tiled and the half kernel meet the plain rule)
+        results = twice_naive_errors(
+            run, q, k, v, keep, grad_out, scale, rounded_row_term=chosen == "sdpa"
+        )
     for name, error, bound in results:
-        assert error <= bound, f"{path} {name}: error {error:.3g} > bound {bound:.3g}"
+        assert error <= bound, f"{path} ({chosen}) {name}: error {error:.3g} > bound {bound:.3g}"
 
 
 def _issue_17_worst(dtype=torch.bfloat16):
