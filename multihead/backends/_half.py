@@ -119,19 +119,14 @@ def _backward(g, q, k, v, items: list[Item], scale: float):
 
 
 def _score_grad(p: Tensor, dp: Tensor) -> Tensor:
-    """The softmax's backward p * (dp - sum_j p_j dp_j), written so that nothing cancels.
+    """The softmax's backward p * (dp - sum_j p_j dp_j), in place on ``dp`` (float32).
 
-    Not FlashAttention's sum(dO * O) for the row term: with O rounded to half it differs
-    from sum_j p_j dp_j by a rounding of dp, which survived in dp - row (a row that sees one
-    key got dq = scale * k * that rounding instead of exactly 0). And dp is taken relative to
-    its value at the row's largest weight: for that key dp - row is then the small sum
-    sum_j p_j (dp_m - dp_j) over the other keys, not a difference of two O(1) numbers that
-    float32 rounds to 1e-7 (multiplied by the scale and |k| in dq, it dwarfed the true value
-    of a nearly one-hot row). Both forms are equal when the weights sum to 1.
+    The row term comes from this dp, as in the softmax's own backward, not FlashAttention's
+    sum(dO * O): with O rounded to half the two differ by a rounding of dp, which survived in
+    dp - row (a row that sees one key got dq = scale * k * that rounding instead of exactly 0).
     """
-    dp = dp - dp.gather(-1, p.argmax(-1, keepdim=True))
     row = (p * dp).sum(-1, keepdim=True)
-    return p * (dp - row)
+    return dp.sub_(row).mul_(p)
 
 
 class _HalfAttention(torch.autograd.Function):
