@@ -206,3 +206,88 @@ def qkv(
 
 
 Maker = Callable[..., Case]
+
+
+def twice_naive_errors(
+    run: Callable[[Tensor, Tensor, Tensor], Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    keep: Tensor | None = None,
+    grad_out: Tensor | None = None,
+    scale: float | None = None,
+    *,
+    rounded_row_term: bool = False,
+) -> list[tuple[str, float, float]]:
+    """FlashAttention's accuracy rule for half-precision inputs: ``(name, error, bound)`` for
+    the output and, with ``grad_out``, the gradients of q, k and v. The rule holds when every
+    error <= its bound.
+
+    ``run(q, k, v)`` is the attention under test; q, k, v are bf16/fp16 leaf tensors.
+    ``error`` is max |got - ref|, ``bound`` is 2 * max |naive - ref| + floor, where
+
+    - ref is the float64 formula on the *same rounded inputs* (as FlashAttention's tests upcast
+      the half tensors they give the kernel). Against the unrounded inputs every kernel is
+      charged with the inputs' own rounding, which dominates when the weights are nearly
+      one-hot (scale = 10): float64 math on the rounded inputs then misses the truth by 10x
+      what the naive bf16 formula happens to, and no kernel can pass;
+    - naive is ``naive_attention`` run in the inputs' dtype;
+    - floor is one ulp of the dtype at max |ref| (the result is rounded to that dtype once),
+      plus float32 roundoff of the terms each entry is summed from: eps32 * (L + S + D) *
+      max sum |term| (the textbook bound of a float32 dot product). It matters only where
+      ref is 0 by cancellation (dq of a row that sees one key) and the naive formula gets
+      that 0 exactly; it is below bf16 resolution by a factor of 2^16 / (L + S + D).
+
+    ``rounded_row_term``: the bound of a kernel whose backward takes FlashAttention's row
+    term sum_d dO * O from an output O rounded to the dtype (torch's own scaled dot product
+    attention does). That row term is then off by up to eps * sum_d |dO| |O| in row i and
+    every score gradient of the row by the weight times that, so dq_i moves by up to
+    |scale| * that * sum_j P_ij |k_j| and dk_j by |scale| * sum_i P_ij * that * |q_i|; the
+    bound adds these. It is not small where weights are nearly one-hot (scale = 10), where
+    the naive formula's own error is tiny: dq up to 60x the naive error was measured there.
+    """
+    dtype = q.dtype
+    h, h_kv = q.shape[1], k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    leaves = [t.detach().requires_grad_(grad_out is not None) for t in (q, k, v)]
+    wide = [t.detach().double().requires_grad_(grad_out is not None) for t in (q, k, v)]
+    low = [t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v)]
+    results = [run(*leaves), naive_attention(*wide, keep, scale=scale)[0]]
+    results.append(naive_attention(*low, keep, scale=scale)[0])
+    got, ref, naive = ([r] for r in results)
+    if grad_out is not None:
+        grad_out = grad_out.to(dtype)  # rounded like the inputs, for ref too
+        got += torch.autograd.grad(got[0], leaves, grad_out)
+        ref += torch.autograd.grad(ref[0], wide, grad_out.double())
+        naive += torch.autograd.grad(naive[0], low, grad_out)
+    # magnitudes of the terms: the formulas with every operand replaced by its absolute value
+    weights = naive_attention(*(t.detach().double() for t in (q, k, v)), keep, scale=scale)[1]
+    kd, vd = (t.detach().double().repeat_interleave(h // h_kv, dim=1).abs() for t in (k, v))
+    terms = [weights @ vd]
+    if grad_out is not None:
+        go = grad_out.double().abs()
+        ds = weights * (go @ vd.transpose(-2, -1))
+        ds = abs(scale) * (ds + ds.sum(-1, keepdim=True) * weights)
+        fold = (lambda t: t.unflatten(1, (h_kv, h // h_kv)).sum(2)) if h != h_kv else None
+        dk = ds.transpose(-2, -1) @ q.detach().double().abs()
+        dv = weights.transpose(-2, -1) @ go
+        terms += [ds @ kd, *(fold(t) if fold else t for t in (dk, dv))]
+        if rounded_row_term:
+            out64 = ref[0].detach().abs()  # [B, H, L, D_v]
+            slip = torch.finfo(dtype).eps * (go * out64).sum(-1, keepdim=True)  # [B, H, L, 1]
+            extra_dq = abs(scale) * slip * (weights @ kd)
+            extra_dk = abs(scale) * (weights * slip).transpose(-2, -1) @ q.detach().double().abs()
+            extra = [0.0, extra_dq.max(), (fold(extra_dk) if fold else extra_dk).max(), 0.0]
+    n = q.shape[2] + k.shape[2] + q.shape[3]
+    if not rounded_row_term or grad_out is None:
+        extra = [0.0] * 4
+    out = []
+    got, ref, naive = ([t.detach().double() for t in ts] for ts in (got, ref, naive))
+    for name, g, r, m, t in zip(("out", "dq", "dk", "dv"), got, ref, naive, terms):
+        floor = torch.finfo(dtype).eps * r.abs().max() + torch.finfo(torch.float32).eps * n * (
+            t.max() if t.numel() else 0.0
+        )
+        error = (g - r).abs().max() if r.numel() else 0.0
+        naive_error = (m - r).abs().max() if r.numel() else 0.0
+        out.append((name, float(error), float(2 * naive_error + floor + extra[len(out)])))
+    return out

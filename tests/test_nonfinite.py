@@ -170,10 +170,11 @@ def test_per_query_dense_mask_broadcast_over_keys():
     )
 
 
-def _bias_truth(q, k, v, bias):
+def _bias_truth(q, k, v, bias, keep=None):
     """float64 softmax(q k^T / sqrt(D) + bias) v of the same (rounded) inputs, with the float32
     bias as given: the bias rule says that is what every backend computes."""
-    return naive_attention(q.double(), k.double(), v.double(), bias=bias.double())
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    return naive_attention(q, k, v, keep, bias=bias.double())
 
 
 @pytest.mark.parametrize(
@@ -202,6 +203,55 @@ def test_large_float32_bias_with_half_inputs(dtype, value):
         # w (1 - w) <= 1/4 of that
         tol_w = torch.finfo(dtype).eps + 0.25 * value * torch.finfo(torch.float32).eps
         assert (w.double() - want_w).abs().max() <= tol_w, backend
+
+
+def _extreme_bias_case(config: str, magnitude: float):
+    """The two configurations of issue 17 item 15: (q, k, v, mask, keep, bias), bf16 inputs,
+    a float32 bias uniform in [-magnitude, magnitude]."""
+    g = torch.Generator().manual_seed(15)
+    if config == "window":  # bottom-right window, L > S, D_v = 1, inputs (B, L, H, D) views
+        length_q, length_k, d, d_v = 34, 14, 8, 1
+        q, k, v = (
+            torch.randn(2, n, 2, width, generator=g).bfloat16().transpose(1, 2)
+            for n, width in ((length_q, d), (length_k, d), (length_k, d_v))
+        )
+        mask = masks.sliding_window(3)
+        keep = make_case("window", 2, 2, length_q, length_k).keep
+    else:  # causal & dense, L < S
+        length_q, length_k, d = 88, 91, 8
+        q, k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for n in (88, 91, 91))
+        dense = torch.rand(length_q, length_k, generator=g) < 0.5
+        mask = masks.causal() & masks.dense(dense)
+        keep = make_case("causal", 1, 2, length_q, length_k).keep & dense
+    bias = (torch.rand(length_q, length_k, generator=g, dtype=torch.float64) * 2 - 1) * magnitude
+    return q, k, v, mask, keep, bias.float()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize(
+    "magnitude", [1e30, 1e36, torch.finfo(torch.float32).max], ids=["1e30", "1e36", "f32max"]
+)
+@pytest.mark.parametrize("config", ["window", "causal&dense"])
+def test_extreme_finite_bias_gives_hidden_keys_exactly_zero_weight(config, magnitude, grad):
+    """Issue 17 item 15: with gradients on, the weights path summed every input (and the
+    bias) to tie it into the graph; the sum overflowed to inf and inf * 0 made every output
+    and weight NaN, hidden keys included."""
+    q, k, v, mask, keep, bias = _extreme_bias_case(config, magnitude)
+    q, k, v = (t.detach().requires_grad_(grad) for t in (q, k, v))
+    want, want_w = _bias_truth(q, k, v, bias, keep)
+    # biases of this size are ~1e29 apart, so both in float32 and in float64 each row that sees
+    # a key puts weight exactly 1 on its largest-bias key: the weights are exact, and the
+    # output is that key's value rounded once to bf16
+    tol = 2 * torch.finfo(torch.bfloat16).eps * float(v.detach().abs().max())
+    for backend in ("reference", "tiled", "auto"):
+        out, w = mh.attention(q, k, v, mask, bias=bias, backend=backend, return_weights=True)
+        assert torch.isfinite(out).all() and torch.isfinite(w).all(), backend
+        assert torch.equal(w.double().masked_fill(keep, 0), torch.zeros_like(want_w)), backend
+        assert torch.equal(w.double(), want_w), backend
+        assert (out.double() - want).abs().max() <= tol, backend
+        if grad:
+            grads = torch.autograd.grad(out.float().sum() + w.float().sum(), (q, k, v))
+            assert all(torch.isfinite(t).all() for t in grads), backend
 
 
 def test_bias_is_kept_in_float32_on_every_backend():

@@ -50,11 +50,15 @@ def fast(call: Call) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
-def _scores(qs: Tensor, k: Tensor, item: Item, r0: int, r1: int) -> tuple[Tensor, bool]:
+def _scores(
+    q: Tensor, k: Tensor, item: Item, r0: int, r1: int, scale: float
+) -> tuple[Tensor, bool]:
     """Scaled scores of rows [r0, r1) over the item's key range, hidden entries -inf; and
     whether anything was hidden (rows may then see nothing)."""
     lo, hi = item.chunks[0].start, item.chunks[-1].stop
-    s = qs[item.batch, :, r0:r1] @ k[item.batch, :, lo:hi].transpose(-2, -1)
+    # the scale multiplies the product, as in the naive formula: folded into q first, it
+    # rounded every entry of q (scale = 10) and the scores inherited that error coherently
+    s = (q[item.batch, :, r0:r1] @ k[item.batch, :, lo:hi].transpose(-2, -1)).mul_(scale)
     masked = False
     rel = slice(r0 - item.q0, r1 - item.q0)
     covered = lo
@@ -86,45 +90,56 @@ def _blocks(items: list[Item]):
 def _forward(q: Tensor, k: Tensor, v: Tensor, items: list[Item], scale: float) -> Tensor:
     b, h, length_q, _ = q.shape
     out = q.new_zeros(b, length_q, h, v.shape[-1]).transpose(1, 2)  # heads-inner, as tiled
-    qs = q * scale
     for item, r0, r1 in _blocks(items):
-        p = _softmax_(*_scores(qs, k, item, r0, r1))
+        p = _softmax_(*_scores(q, k, item, r0, r1, scale))
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
         out[item.batch, :, r0:r1] = p @ v[item.batch, :, lo:hi]
     return out
 
 
-def _backward(g, q, k, v, out, items: list[Item], scale: float):
+def _backward(g, q, k, v, items: list[Item], scale: float):
     f = torch.float32
     dq = torch.zeros(q.shape, dtype=f)
     dk, dv = torch.zeros(k.shape, dtype=f), torch.zeros(v.shape, dtype=f)
-    qs = q * scale
     for item, r0, r1 in _blocks(items):
         lo, hi = item.chunks[0].start, item.chunks[-1].stop
         rows, cols = slice(r0, r1), slice(lo, hi)
-        p = _softmax_(*_scores(qs, k, item, r0, r1))
+        s, masked = _scores(q, k, item, r0, r1, scale)
+        # weights in float32 for the score gradient: rounded to half, a weight of 0.9997
+        # becomes 1, and the 3e-4 it loses is as large as the small weights dq is made of
+        # when a row is nearly one-hot; the half copy (the forward's weights) serves dv
+        p = _softmax_(s.to(f), masked)
         gt, vt, kt = g[item.batch, :, rows], v[item.batch, :, cols], k[item.batch, :, cols]
-        dp = gt @ vt.transpose(-2, -1)
-        row = (gt.to(f) * out[item.batch, :, rows].to(f)).sum(-1, keepdim=True)
-        ds = (p.to(f) * (dp.to(f) - row)).to(q.dtype)  # d scores after scaling
-        dq[item.batch, :, rows] += (ds @ kt).to(f) * scale
-        dk[item.batch, :, cols] += (ds.transpose(-2, -1) @ qs[item.batch, :, rows]).to(f)
-        dv[item.batch, :, cols] += (p.transpose(-2, -1) @ gt).to(f)
+        dp = (gt @ vt.transpose(-2, -1)).to(f)
+        ds = _score_grad(p, dp).mul_(scale).to(q.dtype)  # [b, H, rows, cols]
+        dq[item.batch, :, rows] += (ds @ kt).to(f)
+        dk[item.batch, :, cols] += (ds.transpose(-2, -1) @ q[item.batch, :, rows]).to(f)
+        dv[item.batch, :, cols] += (p.to(q.dtype).transpose(-2, -1) @ gt).to(f)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _score_grad(p: Tensor, dp: Tensor) -> Tensor:
+    """The softmax's backward p * (dp - sum_j p_j dp_j), in place on ``dp`` (float32).
+
+    The row term comes from this dp, as in the softmax's own backward, not FlashAttention's
+    sum(dO * O): with O rounded to half the two differ by a rounding of dp, which survived in
+    dp - row (a row that sees one key got dq = scale * k * that rounding instead of exactly 0).
+    """
+    row = (p * dp).sum(-1, keepdim=True)
+    return dp.sub_(row).mul_(p)
 
 
 class _HalfAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, items, scale):
-        out = _forward(q, k, v, items, scale)
-        fctx.save_for_backward(q, k, v, out)
+        fctx.save_for_backward(q, k, v)
         fctx.items, fctx.scale = items, scale
-        return out
+        return _forward(q, k, v, items, scale)
 
     @staticmethod
     def backward(fctx, g):
-        q, k, v, out = fctx.saved_tensors
-        return (*_backward(g, q, k, v, out, fctx.items, fctx.scale), None, None)
+        q, k, v = fctx.saved_tensors
+        return (*_backward(g, q, k, v, fctx.items, fctx.scale), None, None)
 
 
 def run(call: Call) -> Tensor:

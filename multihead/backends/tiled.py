@@ -409,7 +409,13 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         return _one_pass(call, output=True)
     q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
-        out = _TiledAttention.apply(q, k, v, items, ctx, *call.bias_tensors)
+        # half inputs train in float32 (torch's CPU flash kernel computes in float32 anyway),
+        # rounded once at the output. In half, the backward's row term sum(dO * O) read an O
+        # rounded to half, off by a rounding of dO.V that survives in dp - sum(dO * O) where
+        # the weights are nearly one-hot (dq 60x the naive formula's error at scale 10), and
+        # the gradients of a row's chunks were added up in half
+        wide = [t.to(ctx.stat) for t in (q, k, v)]
+        out = _TiledAttention.apply(*wide, items, ctx, *call.bias_tensors).to(q.dtype)
         return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
     out, _ = _forward(ctx, q, k, v, items)
     return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
@@ -475,7 +481,7 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
         # every input takes part in the graph even where the mask hides everything, so its
         # gradient is 0 rather than missing
         inputs = (call.query, call.key, *((call.value,) if output else ()), *call.bias_tensors)
-        anchor = sum(t.sum() for t in inputs) * 0
+        anchor = sum(_zero_of(t) for t in inputs)
         w = w + anchor.to(w.dtype)
         out = None if out is None else out + anchor.to(out.dtype)
     for item in items:
@@ -511,6 +517,13 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
                 o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
                 out[item.batch, :, r0:r1] = o.to(out.dtype)
     return out, w
+
+
+def _zero_of(t: Tensor) -> Tensor:
+    """A 0 in the autograd graph of ``t``, read from one entry: a sum over all of ``t`` would
+    overflow to inf for a large finite bias (1e36 over a few hundred keys), and inf * 0 is NaN.
+    The entries are finite here (the NaN rule cleans inputs first, biases are checked)."""
+    return t[(slice(0, 1),) * t.dim()].sum() * 0
 
 
 def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) -> Tensor:

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MASK_KINDS, make_case, naive_attention, qkv
+from helpers import MASK_KINDS, make_case, qkv, twice_naive_errors
 
 from multihead.backends import _half
 from multihead.functional import _prepare
-
-
-def _error(got, want):
-    return (got.double() - want).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -19,28 +15,19 @@ def _error(got, want):
 def test_half_kernel_within_twice_naive_error(kind, dtype, monkeypatch):
     monkeypatch.setattr(_half, "ROWS", 16)  # several blocks per tile, cut anywhere
     b, h, h_kv, length_q, length_k, d = 2, 4, 2, 67, 131, 40
-    q, k, v = qkv(b, h, h_kv, length_q, length_k, d, seed=3)
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, d, dtype=dtype, seed=3)
     case = make_case(kind, b, h, length_q, length_k, seed=3)
     grad_out = torch.randn(b, h, length_q, d, dtype=torch.float64)
-    # float64 truth and its gradients
-    q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = naive_attention(q64, k64, v64, case.keep)[0]
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad_out)
-    # the naive formula in the half dtype: its error sets the bound
-    lo = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    naive = naive_attention(*lo, case.keep)[0]
-    naive_grads = torch.autograd.grad(naive, lo, grad_out.to(dtype))
-    # ours
-    mine = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    call = _prepare(*mine, case.mask, None, None, 0.0, False)
-    assert _half.unsupported(call) is None
-    got = _half.run(call)
-    grads = torch.autograd.grad(got, mine, grad_out.to(dtype))
-    assert got.dtype == dtype
-    ulp = torch.finfo(dtype).eps * ref.abs().max()
-    assert _error(got, ref) <= 2 * _error(naive, ref) + ulp
-    for g, n, r in zip(grads, naive_grads, ref_grads):
-        assert _error(g, r) <= 2 * _error(n, r) + torch.finfo(dtype).eps * r.abs().max()
+
+    def run(q, k, v):
+        call = _prepare(q, k, v, case.mask, None, None, 0.0, False)
+        assert _half.unsupported(call) is None
+        out = _half.run(call)
+        assert out.dtype == dtype
+        return out
+
+    for name, error, bound in twice_naive_errors(run, q, k, v, case.keep, grad_out):
+        assert error <= bound, name
 
 
 def test_half_kernel_says_what_it_cannot_run():
