@@ -25,6 +25,7 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ __all__ = ["FORMAT_VERSION", "build", "describe", "load", "register", "registere
 FORMAT_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
 _INIT_ARGS = "_multihead_init_args"  # instance attribute holding the recorded arguments
 
 
@@ -319,13 +326,37 @@ def save(model: Any, folder: str | Path) -> Path:
     encodings, the application models, ...), a ``models.bert.Bert`` or a ``Pretrained`` (then
     in the Hugging Face layout, tokenizer files included). DistributedDataParallel and
     ``torch.compile`` wrappers are removed first. Returns the folder.
+
+    The save is atomic: everything is written into a temporary sibling folder that then takes
+    the place of ``folder`` whole, so a crash or a kill at any point leaves the previous
+    checkpoint or the new one, each loadable, never a mix (temporaries a killed save left
+    behind are removed by the next save to the same place). The files a save writes
+    (config.json, model.safetensors, tokenizer and sentence-transformers files) are replaced
+    as one set: those of a previous save that this model does not have are gone afterwards.
+    Anything else in ``folder`` (notes, logs, subfolders) is carried over into the new folder
+    unchanged (hard links where the file system allows, else copies). A symlinked ``folder``
+    is written where the link points.
+
+    Raises:
+        TypeError: the model or one of its arguments is not registered (named).
+        ValueError: ``folder`` is the working directory or one of its parents (the swap
+            would pull the working directory away from under the process).
     """
     from safetensors.torch import save_file
+
+    from ._atomic import replace_folder
 
     model = _unwrap(model)
     codec = _codec_for(model, "model")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    dest = Path(os.path.abspath(folder.resolve() if folder.is_symlink() else folder))
+    cwd = Path.cwd()
+    if dest == cwd or dest in cwd.parents:
+        raise ValueError(
+            "save writes a new folder and swaps it into place, so it cannot write into the "
+            "working directory or a folder above it; give a folder of its own, e.g. "
+            f"'checkpoints/model'. Received: folder='{folder}'"
+        )
     module = codec.module(model)
     state = module.state_dict()
     names = codec.names(model) if codec.names else {k: k for k in state}
@@ -353,11 +384,37 @@ def save(model: Any, folder: str | Path) -> Path:
             "multihead_version": _version(),
         }
     )
-    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-    if codec.files:
-        codec.files(model, folder)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with replace_folder(dest) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if codec.files:
+            codec.files(model, tmp)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if dest.is_dir():
+            _carry_over(dest, tmp)
     return folder
+
+
+# every name a save may write: a previous save's files under these names are replaced as a set
+_OWNED = frozenset({CONFIG, WEIGHTS, "sentence_bert_config.json", *_TOKENIZER_FILES})
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Bring the entries of ``old`` that a save does not own into ``new``."""
+    for entry in sorted(old.iterdir()):
+        if entry.name in _OWNED or (new / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(new / entry.name))
 
 
 def _version() -> str:
@@ -651,13 +708,6 @@ def _register_decoders() -> None:
             )
         )
 
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-)
 
 _register_library()
 _register_torch()

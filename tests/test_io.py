@@ -4,6 +4,8 @@ by transformers itself), and every error naming the tensor or field at fault."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
@@ -332,3 +334,120 @@ def test_loaded_decoders_round_trip_with_their_tokenizer(tmp_path, kind):
     with torch.no_grad():
         assert torch.equal(lm(ids, lengths=lengths), back(ids, lengths=lengths))
     assert back.generate("the weather", 8) == lm.generate("the weather", 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic save
+
+_KILLED_SAVE = """
+import os, signal, sys
+import torch
+import multihead as mh
+import multihead._atomic
+import safetensors.torch
+
+module, attr, when = sys.argv[2].split(":")
+owner = {"safetensors": safetensors.torch, "atomic": multihead._atomic,
+         "shutil": multihead._atomic.shutil}[module]
+real = getattr(owner, attr)
+
+def killing(*args, **kwargs):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+setattr(owner, attr, killing)
+torch.manual_seed(1)
+mh.save(mh.MultiHeadAttention(12, 3, num_kv_heads=1), sys.argv[1])
+raise SystemExit("the save was not killed")
+"""
+
+
+def _model_a():
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(8, 2)
+
+
+def _model_b():
+    torch.manual_seed(1)
+    return mh.MultiHeadAttention(12, 3, num_kv_heads=1)
+
+
+@pytest.mark.parametrize(
+    ("point", "survivor"),
+    [
+        ("safetensors:save_file:before", "old"),  # nothing of the new checkpoint written
+        ("safetensors:save_file:after", "old"),  # new weights written, config.json not yet
+        ("atomic:_fsync_tree:before", "old"),  # every new file written, not yet swapped in
+        ("shutil:rmtree:before", "new"),  # swapped in, the old folder not yet removed
+    ],
+    ids=["before_weights", "between_files", "before_swap", "after_swap"],
+)
+def test_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point, survivor):
+    """A SIGKILL during a save over an existing checkpoint leaves the old checkpoint or the
+    new one, whole and loadable (A's config never beside B's weights); the killed save's
+    temporary folder is removed by the next save, and a user's file survives all of it."""
+    import subprocess
+    import sys
+
+    from multihead._atomic import stale_temporaries
+
+    dest = tmp_path / "model"
+    mh.save(_model_a(), dest)
+    (dest / "notes.txt").write_text("trained on the March data")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(dest), point], env=env, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL
+    expected = _model_a() if survivor == "old" else _model_b()
+    back = mh.load(dest)
+    assert (back.embed_dim, back.num_heads) == (expected.embed_dim, expected.num_heads)
+    _same_state(expected, back)
+    assert (dest / "notes.txt").read_text() == "trained on the March data"
+    assert len(stale_temporaries(dest)) == 1
+    mh.save(_model_b(), dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    _same_state(_model_b(), mh.load(dest))
+    assert (dest / "notes.txt").read_text() == "trained on the March data"
+
+
+def test_save_carries_other_files_over_and_replaces_its_own_as_a_set(tmp_path, pretrained):
+    """A user's files and folders in the destination survive a save; files of an earlier
+    save that the new model does not write (a BERT's tokenizer beside an attention module)
+    do not linger, where load would pick them up as the new model's."""
+    dest = tmp_path / "model"
+    mh.save(pretrained, dest)
+    assert (dest / "tokenizer.json").is_file() and (dest / "vocab.txt").is_file()
+    (dest / "logs").mkdir()
+    (dest / "logs" / "train.log").write_text("step 1: loss 2.5\n")
+    (dest / "README.md").write_text("my model\n")
+    mh.save(_model_a(), dest)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "README.md",
+        "config.json",
+        "logs",
+        "model.safetensors",
+    ]
+    assert (dest / "logs" / "train.log").read_text() == "step 1: loss 2.5\n"
+    assert (dest / "README.md").read_text() == "my model\n"
+    _same_state(_model_a(), mh.load(dest))
+
+
+def test_save_follows_a_symlinked_folder_and_refuses_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    mh.save(_model_a(), tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+    _same_state(_model_a(), mh.load(tmp_path / "real"))
+    work = tmp_path / "project" / "run"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for folder in (".", work, work.parent):
+        with pytest.raises(
+            ValueError, match=r"cannot write into the working directory.*Received: folder="
+        ):
+            mh.save(_model_a(), folder)
+    mh.save(_model_a(), "model")  # a folder below the working directory is fine
+    _same_state(_model_a(), mh.load(work / "model"))
