@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import shutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,10 @@ class _Codec:
     header: instance -> extra top-level config.json fields (e.g. Hugging Face's).
     files: (instance, folder) -> None, writes extra files (e.g. a tokenizer).
     restore: (instance, folder) -> None, reads them back after a top-level build.
+    init: the class whose constructor ``build`` calls with the arguments: its annotations
+        check each argument's type before the call (None: no such check).
+    whole: ``build`` reads the folder itself, weights included (a model with a loader of
+        its own): ``load`` returns what it built.
     """
 
     cls: type
@@ -71,6 +76,8 @@ class _Codec:
     header: Callable[[Any], dict[str, Any]] | None = None
     files: Callable[[Any, Path], None] | None = None
     restore: Callable[[Any, Path], None] | None = None
+    init: type | None = None
+    whole: bool = False
 
 
 _BY_NAME: dict[str, _Codec] = {}
@@ -168,6 +175,7 @@ def register(
             (lambda args, folder: build(args)) if build else (lambda args, folder: target(**args)),
             files=files,
             restore=restore,
+            init=None if build else target,
         )
         _add(codec)
         return target
@@ -255,37 +263,95 @@ def _lookup(name: Any, where: str) -> _Codec:
     return _BY_NAME[name]
 
 
-def _decode(value: Any, where: str) -> Any:
+# nesting levels a config may use (a module inside a list inside a module ... ); the deepest the
+# library writes is under 10, and Python's own stack would give out near 300
+_MAX_DEPTH = 64
+
+
+def _decode(value: Any, where: str, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ValueError(
+            f"the config nests values more than {_MAX_DEPTH} levels deep; no model saved by "
+            f"multihead does, so it is corrupt or crafted. Received: {where[:200]}"
+        )
     if isinstance(value, list):
-        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if not isinstance(value, dict):
         return value
     if "class" in value:
-        return build(value, where)
+        return _build(value, where, None, depth + 1)
     if len(value) != 1:
         raise ValueError(
             f"{where} must be a value, a module {{'class', 'args'}} or one of {{'tuple'}}, "
             f"{{'dict'}}, {{'dtype'}}, {{'float'}}. Received: keys {sorted(value)}"
         )
     ((kind, inner),) = value.items()
+    expected = {
+        "tuple": (list, "a list"),
+        "dict": (dict, "an object"),
+        "float": (str, "one of 'nan', 'inf', '-inf'"),
+        "dtype": (str, "a torch dtype name such as 'float32'"),
+    }
+    if kind not in expected:
+        raise ValueError(
+            f"{where} has an unknown tag; expected tuple, dict, dtype or float. Received: {kind!r}"
+        )
+    kind_type, words = expected[kind]
+    if not isinstance(inner, kind_type):
+        raise ValueError(
+            f"{where}.{kind} must be {words}. Received: {where}.{kind}={inner!r}"[:400]
+        )
     if kind == "tuple":
-        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(inner))
+        return tuple(_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(inner))
     if kind == "dict":
-        return {k: _decode(v, f"{where}.{k}") for k, v in inner.items()}
+        return {k: _decode(v, f"{where}.{k}", depth + 1) for k, v in inner.items()}
     if kind == "float":
+        if inner.lower() not in ("nan", "inf", "-inf", "infinity", "-infinity"):
+            raise ValueError(f"{where}.float must be {words}. Received: {where}.float={inner!r}")
         return float(inner)
-    if kind == "dtype":
-        dtype = getattr(torch, str(inner), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{where}.dtype is not a torch dtype. Received: {inner!r}")
-        return dtype
-    raise ValueError(
-        f"{where} has an unknown tag; expected tuple, dict, dtype or float. Received: {kind!r}"
-    )
+    dtype = getattr(torch, inner, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}.dtype is not a torch dtype. Received: {inner!r}")
+    return dtype
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The constructor's resolved annotations; empty when they cannot be resolved (names
+    imported only for type checkers), so nothing is checked rather than something wrongly."""
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:
+        return {}
+
+
+def _check_types(codec: _Codec, args: dict[str, Any], where: str) -> None:
+    """Each argument against its constructor annotation (``norm_first: bool`` refuses
+    ``"no"``): the class's own signature is the one list of what each field may hold."""
+    from .models.checkpoint import describe_annotation, fits_annotation
+
+    if codec.init is None:
+        return
+    hints = _hints(codec.init)
+    for name, value in args.items():
+        if name in hints and not fits_annotation(value, hints[name]):
+            shown = (
+                value
+                if isinstance(value, (bool, int, float, str, type(None)))
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"{where}.args.{name} must be {describe_annotation(hints[name])} "
+                f"({codec.name}'s constructor says so). Received: {where}.args.{name}={shown!r}"
+            )
 
 
 def build(spec: dict[str, Any], where: str = "model", folder: Path | None = None) -> Any:
     """Rebuild (with fresh weights) what ``describe`` wrote."""
+    return _build(spec, where, folder, 0)
+
+
+def _build(spec: Any, where: str, folder: Path | None, depth: int) -> Any:
     if not isinstance(spec, dict) or "class" not in spec:
         raise ValueError(
             f"{where} must be an object with a class field. Received: {where}={spec!r}"[:300]
@@ -294,7 +360,8 @@ def build(spec: dict[str, Any], where: str = "model", folder: Path | None = None
     raw_args = spec.get("args", {})
     if not isinstance(raw_args, dict):
         raise ValueError(f"{where}.args must be an object. Received: {where}.args={raw_args!r}")
-    args = {k: _decode(v, f"{where}.args.{k}") for k, v in raw_args.items()}
+    args = {k: _decode(v, f"{where}.args.{k}", depth + 1) for k, v in raw_args.items()}
+    _check_types(codec, args, where)
     try:
         return codec.build(args, folder)
     except TypeError as err:
@@ -427,29 +494,28 @@ def load(folder: str | Path) -> Any:
     """Rebuild what ``save`` wrote: the same class, arguments and weights, in eval mode.
 
     A Hugging Face BERT folder without multihead's fields loads as ``models.bert.load`` would.
+    Nothing is allocated before config.json agrees with the weights: the model is first built
+    on the meta device (shapes only) and compared with the safetensors header, tensor by
+    tensor.
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights file is missing.
-        ValueError: an unknown format version or class, a bad field (named), or weights that do
-            not match the architecture (missing, unexpected or mis-shaped tensors, named).
+        ValueError: config.json is not UTF-8 JSON, nests too deeply, or has an unknown format
+            version or class, or a field of the wrong type (named, with its file); the
+            weights file is empty, corrupt or outside the folder; or the weights do not match
+            the architecture (missing, unexpected, mis-shaped or integer tensors, named).
     """
-    from safetensors import safe_open
+    from .models import checkpoint
 
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
-    config_file = folder / CONFIG
-    if not config_file.is_file():
+    if not (folder / CONFIG).is_file():
         raise FileNotFoundError(
             f"{CONFIG} is missing from {folder}; multihead.save writes it. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file} is not valid JSON ({err}). Received: broken JSON") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{CONFIG} must hold an object. Received: {type(config).__name__}")
+    config = checkpoint.read_config(folder)
     if "format_version" not in config:
         if config.get("model_type") == "bert":
             from .models import bert
@@ -468,48 +534,51 @@ def load(folder: str | Path) -> Any:
         )
     if "model" not in config:
         raise ValueError(f"{CONFIG}: the field model is missing. Received: fields {sorted(config)}")
-    obj = build(config["model"], "model", folder)
-    codec = _codec_for(obj, "model")
-    module = codec.module(obj)
-    weights = folder / str(config.get("weights", WEIGHTS))
+    spec = config["model"]
+
+    def built() -> Any:
+        try:
+            return build(spec, "model", folder)
+        except ValueError as err:
+            if str(err).startswith(CONFIG):  # already names the file (a meta-build limit)
+                raise
+            raise ValueError(f"{CONFIG} in {folder}: {err}") from None
+
+    if isinstance(spec, dict) and _lookup_quietly(spec.get("class")).whole:
+        return built()
+    weights = checkpoint.file_in(
+        folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
+    )
     if not weights.is_file():
         raise FileNotFoundError(
             f"the weights file {weights.name} is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    expected = module.state_dict()
-    names = codec.names(obj) if codec.names else {k: k for k in expected}
-    with safe_open(str(weights), framework="pt") as f:
-        stored = set(f.keys())
-        missing = sorted(names[k] for k in expected if names[k] not in stored)
-        unexpected = sorted(stored - set(names.values()))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors {missing[:5]}")
-            if unexpected:
-                parts.append(f"unexpected tensors {unexpected[:5]}")
-            raise ValueError(
-                f"{weights.name} does not match the architecture in {CONFIG}: "
-                f"{'; '.join(parts)}. Received: {len(missing)} missing, "
-                f"{len(unexpected)} unexpected"
-            )
-        state = {}
-        for key, target in expected.items():
-            t = f.get_tensor(names[key])
-            if t.shape != target.shape:
-                raise ValueError(
-                    f"tensor {names[key]} has shape {tuple(t.shape)} in {weights.name} but the "
-                    f"architecture in {CONFIG} needs {tuple(target.shape)}. "
-                    f"Received: {names[key]}.shape={tuple(t.shape)}"
-                )
-            state[key] = t
+    stored = checkpoint.weights(folder, weights)
+    with checkpoint.build_on_meta(stored, source=CONFIG):
+        skeleton = built()
+    codec = _codec_for(skeleton, "model")
+    names = codec.names(skeleton) if codec.names else None
+    expected = codec.module(skeleton).state_dict()
+    checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
+    obj = built()
+    module = codec.module(obj)
+    own = module.state_dict()
+    state = checkpoint.match(own, stored.read(), names or {k: k for k in own}, weights=stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
     if codec.restore:
         codec.restore(obj, folder)
     return obj
+
+
+def _lookup_quietly(name: Any) -> _Codec:
+    """The codec for a class name, or a plain one when unknown (``build`` then says why)."""
+    try:
+        return _lookup(name, "model")
+    except ValueError:
+        return _Codec(object, "", lambda obj: {}, lambda args, folder: None)
 
 
 def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:
@@ -547,10 +616,9 @@ def _register_library() -> None:
 
 
 def _torch_module(cls: type, fields: Callable[[Any], dict[str, Any]]) -> None:
-    def build_it(args: dict[str, Any]) -> Any:
-        return cls(**args)
-
-    register(cls, name=f"torch.nn.{cls.__name__}", describe=fields, build=build_it)
+    _add(
+        _Codec(cls, f"torch.nn.{cls.__name__}", fields, lambda args, folder: cls(**args), init=cls)
+    )
 
 
 def _register_torch() -> None:
@@ -664,6 +732,7 @@ def _register_bert() -> None:
             names=lambda pre: hf_names(pre.model),
             header=lambda pre: header(pre.config),
             files=copy_tokenizer,
+            whole=True,
         )
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -202,13 +203,13 @@ def _edit_weights(folder, change):
 
 def test_missing_tensor_is_named(saved):
     _edit_weights(saved, lambda s: s.pop("k_proj.bias"))
-    with pytest.raises(ValueError, match=r"missing tensors \['k_proj.bias'\]"):
+    with pytest.raises(ValueError, match=r"lack 1 tensors the config needs: k_proj\.bias\."):
         mh.load(saved)
 
 
 def test_unexpected_tensor_is_named(saved):
     _edit_weights(saved, lambda s: s.update(extra=torch.zeros(2)))
-    with pytest.raises(ValueError, match=r"unexpected tensors \['extra'\]"):
+    with pytest.raises(ValueError, match=r"hold 1 tensors the config does not use: extra\."):
         mh.load(saved)
 
 
@@ -217,7 +218,9 @@ def test_shape_mismatch_is_named(saved):
     config["model"]["args"]["kdim"] = 5
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"tensor k_proj.weight has shape \(8, 8\).*needs \(8, 5\)"
+        ValueError,
+        match=r"k_proj\.weight has shape \(8, 8\) in model\.safetensors but the config implies "
+        r"\(8, 5\)",
     ):
         mh.load(saved)
 
@@ -451,3 +454,165 @@ def test_save_follows_a_symlinked_folder_and_refuses_the_working_directory(tmp_p
             mh.save(_model_a(), folder)
     mh.save(_model_a(), "model")  # a folder below the working directory is fine
     _same_state(_model_a(), mh.load(work / "model"))
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json against the weights, before anything is built for real
+
+
+def _edit_config(folder, change):
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("embed_dim", "implied"),
+    [(65536, r"\(8, 65536\)"), (10**9, r"\(8, 1000000000\)")],
+    ids=["17GB", "1e9"],
+)
+def test_sizes_in_the_config_are_checked_against_the_header_first(saved, embed_dim, implied):
+    """A 2 KB folder whose config claims embed_dim=65536 (17 GB of weights) or 10**9 gets an
+    error naming both shapes, from a model built on the meta device: nothing is allocated."""
+    _edit_config(saved, lambda c: c["model"]["args"].update(embed_dim=embed_dim))
+    with pytest.raises(
+        ValueError,
+        match=rf"weight q_proj\.weight has shape \(8, 8\) in model\.safetensors but the config "
+        rf"implies {implied}.*Received: q_proj\.weight\.shape=\(8, 8\)",
+    ):
+        mh.load(saved)
+
+
+def test_a_layer_count_far_beyond_the_weights_stops_the_build(tmp_path):
+    """A config asking for a billion layers: the meta build stops after a budget set by the
+    number of stored tensors, within a second instead of running for hours."""
+    from multihead.models import gpt2
+
+    config = gpt2.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2)
+    mh.save(gpt2.GPT2(config), tmp_path / "saved")
+    _edit_config(
+        tmp_path / "saved", lambda c: c["model"]["args"]["config"]["dict"].update(n_layer=10**9)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^config\.json in \S+ describes a model far larger than model\.safetensors holds: "
+        r"building it stopped after (\d+) tensor operations while the file has (\d+) tensors.*"
+        r"Received: \2 stored tensors",
+    ):
+        mh.load(tmp_path / "saved")
+
+
+@pytest.mark.parametrize(
+    "weights",
+    ["/etc/model.safetensors", "../other/model.safetensors", "sub/../../other/model.safetensors"],
+    ids=["absolute", "parent", "climbing"],
+)
+def test_the_weights_path_is_confined_to_the_folder(tmp_path, weights):
+    """config.json's "weights" may not point outside the folder: here ../other holds a
+    checkpoint of the same shape that would otherwise be loaded in its place."""
+    mh.save(_model_a(), tmp_path / "model")
+    mh.save(mh.MultiHeadAttention(8, 2), tmp_path / "other")
+    _edit_config(tmp_path / "model", lambda c: c.update(weights=weights))
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: weights must name a file inside the model folder.*"
+        rf"Received: weights='{re.escape(weights)}'",
+    ):
+        mh.load(tmp_path / "model")
+    _edit_config(tmp_path / "model", lambda c: c.update(weights=5))
+    with pytest.raises(ValueError, match=r"weights must name a file .* Received: weights=5"):
+        mh.load(tmp_path / "model")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("kdim", {"dict": 5}, r"model\.args\.kdim\.dict must be an object\. Received: .*=5"),
+        ("kdim", {"tuple": 5}, r"model\.args\.kdim\.tuple must be a list\. Received: .*=5"),
+        ("dropout", {"float": "abc"}, r"model\.args\.dropout\.float must be one of 'nan'"),
+        ("dropout", {"dtype": "nn"}, r"model\.args\.dropout\.dtype is not a torch dtype"),
+        ("kdim", "8", r"model\.args\.kdim must be an int or null .*Received: .*kdim='8'"),
+        ("bias", "no", r"model\.args\.bias must be true or false .*Received: .*bias='no'"),
+        ("embed_dim", 8.0, r"model\.args\.embed_dim must be an int .*embed_dim=8\.0"),
+        ("num_heads", True, r"model\.args\.num_heads must be an int .*num_heads=True"),
+        ("kdim", "nested", r"nests values more than 64 levels deep"),
+    ],
+    ids=[
+        "dict_tag",
+        "tuple_tag",
+        "float_tag",
+        "dtype_tag",
+        "str_for_int",
+        "str_for_bool",
+        "float_for_int",
+        "bool_for_int",
+        "deep",
+    ],
+)
+def test_bad_config_values_name_the_file_and_the_field(saved, field, value, match):
+    if value == "nested":
+        value = 8
+        for _ in range(100):
+            value = [value]
+    _edit_config(saved, lambda c: c["model"]["args"].update({field: value}))
+    with pytest.raises(ValueError, match=rf"config\.json in .*saved: .*{match}"):
+        mh.load(saved)
+
+
+def test_norm_first_must_be_a_bool(tmp_path):
+    """The constructor's annotation (norm_first: bool) is the check: "no" was accepted (and
+    taken as True) before."""
+    mh.save(mh.TransformerEncoder([mh.TransformerEncoderLayer(8, 2, 16)]), tmp_path)
+    _edit_config(
+        tmp_path, lambda c: c["model"]["args"]["layers"][0]["args"].update(norm_first="no")
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: model\.args\.layers\[0\]\.args\.norm_first must be true or "
+        r"false .*Received: model\.args\.layers\[0\]\.args\.norm_first='no'",
+    ):
+        mh.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\xff\xfe{}", r"config\.json in .* is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, r"config\.json in .* nests lists or objects too deeply"),
+        (b"", r"config\.json in .* is empty"),
+    ],
+    ids=["not_utf8", "deep_json", "empty"],
+)
+def test_unreadable_config_json_is_named(saved, content, match):
+    (saved / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        mh.load(saved)
+
+
+@pytest.mark.parametrize("content", ["pickle", "empty", "truncated", "text"])
+def test_unreadable_weights_are_named(saved, content):
+    import pickle
+
+    file = saved / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(
+        {
+            "pickle": pickle.dumps({"q_proj.weight": [[0.0] * 8] * 8}),
+            "empty": b"",
+            "truncated": data[: len(data) - 20],
+            "text": b"version https://git-lfs.github.com/spec/v1\n",
+        }[content]
+    )
+    match = "is empty" if content == "empty" else "is truncated or corrupt, or not a safetensors"
+    with pytest.raises(ValueError, match=rf"model\.safetensors in .*saved {match}"):
+        mh.load(saved)
+
+
+def test_integer_tensor_where_floats_belong_is_named(saved):
+    _edit_weights(saved, lambda s: s.update({"q_proj.weight": torch.ones(8, 8, dtype=torch.int32)}))
+    with pytest.raises(
+        ValueError,
+        match=r"weight q_proj\.weight is stored as torch\.int32 in model\.safetensors but the "
+        r"model needs floating-point values there \(torch\.float32\)",
+    ):
+        mh.load(saved)

@@ -490,15 +490,12 @@ def _hf_names(config: BertConfig, pooler: bool) -> dict[str, str]:
     return names
 
 
-def _normalize_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def _modern_name(key: str) -> str:
     """Strip a ``bert.`` prefix (task checkpoints) and rename old gamma/beta LayerNorm keys."""
-    out = {}
-    for key, value in state.items():
-        key = key.removeprefix("bert.")
-        if ".LayerNorm." in key:
-            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
-        out[key] = value
-    return out
+    key = key.removeprefix("bert.")
+    if ".LayerNorm." in key:
+        key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
+    return key
 
 
 def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Pretrained:
@@ -535,15 +532,19 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
                 f"sentence_bert_config.json in {folder}: max_seq_length must be a positive int. "
                 f"Received: max_seq_length={embed_length!r}"
             )
-    state = _normalize_names(checkpoint.read_weights(folder))
-    has_pooler = "pooler.dense.weight" in state
+    stored = checkpoint.weights(folder).renamed(_modern_name)
+    has_pooler = "pooler.dense.weight" in stored.header
+
+    def unused(name: str) -> bool:
+        return name.endswith(_UNUSED_SUFFIXES) or name.startswith(_UNUSED_PREFIXES)
+
+    # the config meets the weights' header on a model without memory first: a wrong size
+    # is an error naming both shapes, never a huge allocation
+    with checkpoint.build_on_meta(stored):
+        skeleton = Bert(config, pooler=has_pooler)
+    names = _hf_names(config, has_pooler)  # after the meta build, which stops absurd layer counts
+    checkpoint.match(skeleton.state_dict(), stored.header, names, weights=stored, unused=unused)
     model = Bert(config, pooler=has_pooler)
-    checkpoint.assign(
-        model,
-        state,
-        _hf_names(config, has_pooler),
-        folder=folder,
-        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or n.startswith(_UNUSED_PREFIXES),
-    )
+    checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()
     return Pretrained(model, tokenizer, config, folder, embed_length)
