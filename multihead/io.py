@@ -401,8 +401,8 @@ def save(model: Any, folder: str | Path) -> Path:
     (config.json, model.safetensors, tokenizer and sentence-transformers files) are replaced
     as one set: those of a previous save that this model does not have are gone afterwards.
     Anything else in ``folder`` (notes, logs, subfolders) is carried over into the new folder
-    unchanged (hard links where the file system allows, else copies). A symlinked ``folder``
-    is written where the link points.
+    unchanged (hard links where the file system allows, else copies), and the folder keeps its
+    permissions. A symlinked ``folder`` is written where the link points.
 
     Raises:
         TypeError: the model or one of its arguments is not registered (named).
@@ -474,7 +474,9 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 def _carry_over(old: Path, new: Path) -> None:
-    """Bring the entries of ``old`` that a save does not own into ``new``."""
+    """Bring the entries of ``old`` that a save does not own into ``new``, and its permissions
+    (a private folder stays private after the swap)."""
+    shutil.copymode(old, new)
     for entry in sorted(old.iterdir()):
         if entry.name in _OWNED or (new / entry.name).exists():
             continue

@@ -426,7 +426,9 @@ def test_save_carries_other_files_over_and_replaces_its_own_as_a_set(tmp_path, p
     (dest / "logs").mkdir()
     (dest / "logs" / "train.log").write_text("step 1: loss 2.5\n")
     (dest / "README.md").write_text("my model\n")
+    dest.chmod(0o700)
     mh.save(_model_a(), dest)
+    assert dest.stat().st_mode & 0o777 == 0o700
     assert sorted(p.name for p in dest.iterdir()) == [
         "README.md",
         "config.json",
