@@ -3,6 +3,7 @@ by transformers itself), and every error naming the tensor or field at fault."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -618,3 +619,21 @@ def test_integer_tensor_where_floats_belong_is_named(saved):
         r"model needs floating-point values there \(torch\.float32\)",
     ):
         mh.load(saved)
+
+
+def test_every_library_class_has_annotations_load_can_check():
+    """The type checks on saved arguments come from the constructors' annotations: each of
+    the library's registered classes must have them resolvable, or its arguments would go
+    unchecked."""
+    import multihead.apps.crossmodal
+    import multihead.apps.forecast
+    import multihead.apps.sentiment  # noqa: F401 - registers its models
+
+    checked = [
+        c for c in io._BY_CLASS.values() if c.init is not None and c.name.startswith("multihead.")
+    ]
+    assert len(checked) >= 17
+    for codec in checked:
+        hints = io._hints(codec.init)
+        params = [p for p in inspect.signature(codec.init).parameters if p not in ("self",)]
+        assert set(params) - {"unexpected"} <= set(hints), codec.name

@@ -28,6 +28,7 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 from . import checkpoint
+from .checkpoint import Size
 
 __all__ = [
     "DEFAULT_PACKAGE",
@@ -66,12 +67,12 @@ _FIXED = {
 class BertConfig:
     """The fields of a BERT ``config.json`` that shape the model (names as in Hugging Face)."""
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
+    vocab_size: Size
+    hidden_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    intermediate_size: Size
+    max_position_embeddings: Size
     type_vocab_size: int = 2
     hidden_act: str = "gelu"
     layer_norm_eps: float = 1e-12
@@ -88,14 +89,6 @@ class BertConfig:
             source=source,
             fixed=_FIXED,
             choices={"hidden_act": _HF_ACTIVATIONS},
-            positive=(
-                "vocab_size",
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "intermediate_size",
-                "max_position_embeddings",
-            ),
         )
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(

@@ -26,7 +26,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "POSITIVE",
     "WEIGHT_FILES",
+    "Size",
     "Weights",
     "assign",
     "build_on_meta",
@@ -414,6 +416,16 @@ def read_tokenizer(folder: Path, *, required: bool) -> Any:
     return tokenizer
 
 
+class _Positive:
+    """Annotation marker: the number must be > 0 (a size or a count)."""
+
+    def __repr__(self) -> str:
+        return "positive"
+
+
+POSITIVE = _Positive()
+Size = typing.Annotated[int, POSITIVE]  # a config field that counts or sizes something: an int > 0
+
 _SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)
 _MAPPINGS = (dict, collections.abc.Mapping)
 
@@ -429,7 +441,9 @@ def fits_annotation(value: Any, tp: Any, *, non_negative: bool = False) -> bool:
             fits_annotation(value, arm, non_negative=non_negative) for arm in typing.get_args(tp)
         )
     if origin is typing.Annotated:
-        return fits_annotation(value, typing.get_args(tp)[0], non_negative=non_negative)
+        base, *marks = typing.get_args(tp)
+        fits = fits_annotation(value, base, non_negative=non_negative)
+        return fits and (POSITIVE not in marks or value > 0)
     if origin is typing.Literal:
         return any(value == v and type(value) is type(v) for v in typing.get_args(tp))
     if tp is type(None) or tp is None:
@@ -476,7 +490,10 @@ def describe_annotation(tp: Any, *, non_negative: bool = False) -> str:
             describe_annotation(arm, non_negative=non_negative) for arm in typing.get_args(tp)
         )
     if origin is typing.Annotated:
-        return describe_annotation(typing.get_args(tp)[0], non_negative=non_negative)
+        base, *marks = typing.get_args(tp)
+        if POSITIVE in marks and base is int:
+            return "a positive int"
+        return describe_annotation(base, non_negative=non_negative)
     if origin is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
     if origin in _SEQUENCES or tp in _SEQUENCES:
@@ -507,16 +524,15 @@ def parse_config(
     source: str = "config.json",
     fixed: Mapping[str, Iterable[Any]] = (),
     choices: Mapping[str, Iterable[Any]] = (),
-    positive: Iterable[str] = (),
 ) -> C:
     """Build the config dataclass ``cls`` from a parsed config.json, checking every field
-    against its annotation (int: >= 0, float: finite and >= 0, ``X | None``, ``list[int]``).
+    against its annotation (int: >= 0, ``Size``: > 0, float: finite and >= 0, ``X | None``,
+    ``list[int]``): the dataclass is the one list of fields and what each may hold.
 
     Args:
         fixed: fields that change the math, with the only values implemented; other values
             are refused (absent fields are fine).
         choices: fields whose value must be one of a set (e.g. activation names).
-        positive: int fields that must be > 0 (sizes).
 
     Fields that ``cls`` does not declare are ignored. Every error names the field and ends
     with "Received: field=value".
@@ -533,7 +549,7 @@ def parse_config(
         allowed = list(allowed)
         if field in raw and raw[field] not in allowed:
             raise fail(field, f"one of {allowed} (the only values implemented)")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     allowed_values = {k: list(v) for k, v in dict(choices).items()}
     values: dict[str, Any] = {}
     for spec in fields(cls):
@@ -549,11 +565,7 @@ def parse_config(
         elif not fits_annotation(value, hints[field], non_negative=True):
             raise fail(field, describe_annotation(hints[field], non_negative=True))
         values[field] = value
-    config = cls(**values)
-    for field in positive:
-        if getattr(config, field) == 0:
-            raise fail(field, "positive")
-    return config
+    return cls(**values)
 
 
 def _listed(names: list[str]) -> str:
