@@ -557,13 +557,15 @@ def load(folder: str | Path) -> Any:
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
     stored = checkpoint.weights(folder, weights)
-    with checkpoint.build_on_meta(stored, source=CONFIG):
-        skeleton = built()
-    codec = _codec_for(skeleton, "model")
-    names = codec.names(skeleton) if codec.names else None
-    expected = codec.module(skeleton).state_dict()
-    checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
+    skeleton = checkpoint.build_on_meta(built, stored, source=CONFIG)
+    if skeleton is not None:
+        codec = _codec_for(skeleton, "model")
+        names = codec.names(skeleton) if codec.names else None
+        expected = codec.module(skeleton).state_dict()
+        checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
     obj = built()
+    codec = _codec_for(obj, "model")
+    names = codec.names(obj) if codec.names else None
     module = codec.module(obj)
     own = module.state_dict()
     state = checkpoint.match(own, stored.read(), names or {k: k for k in own}, weights=stored)

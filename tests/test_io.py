@@ -637,3 +637,40 @@ def test_every_library_class_has_annotations_load_can_check():
         hints = io._hints(codec.init)
         params = [p for p in inspect.signature(codec.init).parameters if p not in ("self",)]
         assert set(params) - {"unexpected"} <= set(hints), codec.name
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads a tensor's value, which the meta device cannot give."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.scale = float(torch.ones(1).sum())
+
+
+def test_a_class_that_cannot_be_built_on_meta_still_loads(tmp_path):
+    """The meta pass is a guard, not a requirement: such a class loads, and its weights are
+    still checked against the config after the real build."""
+    io.register(_ReadsValues)
+    torch.manual_seed(4)
+    model = _ReadsValues(6)
+    mh.save(model, tmp_path)
+    _same_state(model, mh.load(tmp_path))
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(width=5))
+    with pytest.raises(
+        ValueError, match=r"linear\.weight has shape \(6, 6\) in model\.safetensors"
+    ):
+        mh.load(tmp_path)
+
+
+def test_a_negative_size_is_named(tmp_path):
+    mh.save(nn.Sequential(nn.Linear(4, 3)), tmp_path)
+    _edit_config(
+        tmp_path, lambda c: c["model"]["args"]["modules"][0]["args"].update(in_features=-5)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: the model it describes cannot be built \(Trying to create "
+        r"tensor with negative dimension -5.*a size in it is out of range",
+    ):
+        mh.load(tmp_path)

@@ -533,10 +533,11 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
 
     # the config meets the weights' header on a model without memory first: a wrong size
     # is an error naming both shapes, never a huge allocation
-    with checkpoint.build_on_meta(stored):
-        skeleton = Bert(config, pooler=has_pooler)
+    skeleton = checkpoint.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
     names = _hf_names(config, has_pooler)  # after the meta build, which stops absurd layer counts
-    checkpoint.match(skeleton.state_dict(), stored.header, names, weights=stored, unused=unused)
+    if skeleton is not None:
+        own = skeleton.state_dict()
+        checkpoint.match(own, stored.header, names, weights=stored, unused=unused)
     model = Bert(config, pooler=has_pooler)
     checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()

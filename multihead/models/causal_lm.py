@@ -118,10 +118,11 @@ def load_checkpoint(
     def unused(name: str) -> bool:  # a tied output layer saved anyway is the embeddings again
         return name.endswith(unused_suffixes) or (tied and name == "lm_head.weight")
 
-    with checkpoint.build_on_meta(stored):
-        skeleton = model_cls(config)
+    skeleton = checkpoint.build_on_meta(lambda: model_cls(config), stored)
     names_of = names(config, tied)  # after the meta build, which stops absurd layer counts
-    checkpoint.match(skeleton.state_dict(), stored.header, names_of, weights=stored, unused=unused)
+    if skeleton is not None:
+        own = skeleton.state_dict()
+        checkpoint.match(own, stored.header, names_of, weights=stored, unused=unused)
     model = model_cls(config)
     checkpoint.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()

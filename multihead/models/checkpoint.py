@@ -49,6 +49,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _LISTED = 20  # tensor names an error lists before summarizing the rest
 
 C = TypeVar("C")
+M = TypeVar("M")
 
 
 def model_folder(path: str | Path) -> Path:
@@ -355,29 +356,40 @@ _CALLS_PER_TENSOR = 200
 _CALLS_BASE = 10_000
 
 
-@contextlib.contextmanager
-def build_on_meta(stored: Weights, *, source: str = "config.json") -> Iterator[None]:
-    """Build a model inside this block on the meta device: shapes only, no memory, so a
-    config whose sizes disagree with the weights is caught before any allocation. A build
-    that runs far longer than the number of stored tensors justifies (a layer count of a
-    billion) is stopped; sizes torch cannot even describe are a ValueError too."""
+def build_on_meta(
+    make: Callable[[], M], stored: Weights, *, source: str = "config.json"
+) -> M | None:
+    """``make()`` run on the meta device: shapes only, no memory, so a config whose sizes
+    disagree with the weights is caught before any allocation. A build that runs far longer
+    than the number of stored tensors justifies (a layer count of a billion) is stopped, and
+    sizes torch cannot hold are a ValueError. None when the model cannot be built without
+    memory at all (a constructor of the user's that reads tensor values): the caller then
+    checks the weights after the real build.
+
+    Raises:
+        ValueError: the build ran over its budget, or a size is negative or overflows.
+    """
     n = len(stored.header)
     files = ", ".join(sorted(set(stored.files.values()))) or "the weights"
+    limit = _CALLS_BASE + _CALLS_PER_TENSOR * n
     budget = _Budget(
-        _CALLS_BASE + _CALLS_PER_TENSOR * n,
+        limit,
         f"{source} in {stored.folder} describes a model far larger than {files} holds: "
-        f"building it stopped after {_CALLS_BASE + _CALLS_PER_TENSOR * n} tensor operations "
-        f"while the file has {n} tensors. A layer count or size in {source} is wrong for "
-        f"these weights. Received: {n} stored tensors",
+        f"building it stopped after {limit} tensor operations while the file has {n} "
+        f"tensors. A layer count or size in {source} is wrong for these weights. "
+        f"Received: {n} stored tensors",
     )
     try:
         with torch.device("meta"), budget:
-            yield
-    except (RuntimeError, OverflowError, MemoryError) as err:
-        raise ValueError(
-            f"{source} in {stored.folder}: the model it describes cannot be built ({err}); a "
-            f"size in it is out of range. Received: {type(err).__name__}"
-        ) from None
+            return make()
+    except (RuntimeError, NotImplementedError) as err:
+        text = str(err)
+        if "overflow" in text or "negative dimension" in text:
+            raise ValueError(
+                f"{source} in {stored.folder}: the model it describes cannot be built ({text}); "
+                f"a size in it is out of range. Received: {type(err).__name__}"
+            ) from None
+        return None
 
 
 def read_tokenizer(folder: Path, *, required: bool) -> Any:
