@@ -546,7 +546,7 @@ def load(folder: str | Path) -> Any:
                 raise
             raise ValueError(f"{CONFIG} in {folder}: {err}") from None
 
-    if isinstance(spec, dict) and _lookup_quietly(spec.get("class")).whole:
+    if _reads_whole_folder(spec):
         return built()
     weights = checkpoint.file_in(
         folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
@@ -577,12 +577,15 @@ def load(folder: str | Path) -> Any:
     return obj
 
 
-def _lookup_quietly(name: Any) -> _Codec:
-    """The codec for a class name, or a plain one when unknown (``build`` then says why)."""
+def _reads_whole_folder(spec: Any) -> bool:
+    """Whether the top-level class loads the folder itself (an unknown class: no; ``build``
+    then says what is wrong with it)."""
+    if not isinstance(spec, dict):
+        return False
     try:
-        return _lookup(name, "model")
+        return _lookup(spec.get("class"), "model").whole
     except ValueError:
-        return _Codec(object, "", lambda obj: {}, lambda args, folder: None)
+        return False
 
 
 def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:
