@@ -563,6 +563,7 @@ def load(folder: str | Path) -> Any:
         names = codec.names(skeleton) if codec.names else None
         expected = codec.module(skeleton).state_dict()
         checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
+        checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
     obj = built()
     codec = _codec_for(obj, "model")
     names = codec.names(obj) if codec.names else None

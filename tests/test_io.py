@@ -674,3 +674,18 @@ def test_a_negative_size_is_named(tmp_path):
         r"tensor with negative dimension -5.*a size in it is out of range",
     ):
         mh.load(tmp_path)
+
+
+def test_a_table_the_weights_do_not_store_is_sized_against_them(tmp_path):
+    """A sinusoidal encoding stores nothing; max_len=10**9 in its config asked for a 256 GB
+    table (a raw allocator error). The meta build's memory is compared with the file's."""
+    mh.save(mh.SinusoidalPositionalEncoding(64, max_len=40), tmp_path)
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(max_len=10**9))
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .* describes a model of 238\.4 GiB but the weights hold 0\.0 MiB; "
+        r"its largest tensor, table of shape \(1000000000, 64\), is sized by config\.json alone",
+    ):
+        mh.load(tmp_path)
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(max_len=1000))
+    assert mh.load(tmp_path).table.shape == (1000, 64)  # an ordinary size still loads

@@ -538,6 +538,7 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
     if skeleton is not None:
         own = skeleton.state_dict()
         checkpoint.match(own, stored.header, names, weights=stored, unused=unused)
+        checkpoint.check_unstored(skeleton, stored)
     model = Bert(config, pooler=has_pooler)
     checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()

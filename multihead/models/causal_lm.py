@@ -123,6 +123,7 @@ def load_checkpoint(
     if skeleton is not None:
         own = skeleton.state_dict()
         checkpoint.match(own, stored.header, names_of, weights=stored, unused=unused)
+        checkpoint.check_unstored(skeleton, stored)
     model = model_cls(config)
     checkpoint.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()

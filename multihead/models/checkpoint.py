@@ -32,6 +32,7 @@ __all__ = [
     "Weights",
     "assign",
     "build_on_meta",
+    "check_unstored",
     "describe_annotation",
     "file_in",
     "fits_annotation",
@@ -354,6 +355,34 @@ class _Budget(TorchFunctionMode):
 # the parts that store nothing (a sinusoidal table, rotary frequencies)
 _CALLS_PER_TENSOR = 200
 _CALLS_BASE = 10_000
+
+
+# memory a model may hold beyond what its file stores (tables computed at build time, such as
+# sinusoidal positions or rotary frequencies: a few MB in real models), on top of twice the
+# stored bytes (fused or converted copies)
+_UNSTORED_BYTES = 256 * 2**20
+
+
+def check_unstored(skeleton: nn.Module, stored: Weights, *, source: str = "config.json") -> None:
+    """Refuse a meta-built model whose tensors would take far more memory than the weights
+    hold: a table the file does not store (a sinusoidal encoding's ``max_len``) can still be
+    sized by config.json alone.
+
+    Raises:
+        ValueError: naming the largest such tensor and its shape.
+    """
+    tensors = {id(t): (name, t) for name, t in skeleton.named_parameters()}
+    tensors.update({id(t): (name, t) for name, t in skeleton.named_buffers()})
+    need = sum(t.numel() * t.element_size() for _, t in tensors.values())
+    have = sum(t.numel() * t.element_size() for t in stored.header.values())
+    if need > 2 * have + _UNSTORED_BYTES:
+        name, biggest = max(tensors.values(), key=lambda item: item[1].numel())
+        raise ValueError(
+            f"{source} in {stored.folder} describes a model of {need / 2**30:.1f} GiB but the "
+            f"weights hold {have / 2**20:.1f} MiB; its largest tensor, {name} of shape "
+            f"{tuple(biggest.shape)}, is sized by {source} alone. Fix the size in {source}. "
+            f"Received: {name}.shape={tuple(biggest.shape)}"
+        )
 
 
 def build_on_meta(
