@@ -507,8 +507,14 @@ def test_a_layer_count_far_beyond_the_weights_stops_the_build(tmp_path):
 
 @pytest.mark.parametrize(
     "weights",
-    ["/etc/model.safetensors", "../other/model.safetensors", "sub/../../other/model.safetensors"],
-    ids=["absolute", "parent", "climbing"],
+    [
+        "/etc/model.safetensors",
+        "../other/model.safetensors",
+        "sub/../../other/model.safetensors",
+        ".",
+        "",
+    ],
+    ids=["absolute", "parent", "climbing", "the_folder", "empty"],
 )
 def test_the_weights_path_is_confined_to_the_folder(tmp_path, weights):
     """config.json's "weights" may not point outside the folder: here ../other holds a

@@ -123,7 +123,7 @@ def file_in(folder: Path, name: Any, *, source: str, field: str) -> Path:
     absolute or climbs out of the folder (``..``) is refused, so a config cannot point the
     loader at files elsewhere (a symlink the folder's owner placed is still followed)."""
     path = PurePath(name) if isinstance(name, str) else None
-    if path is None or not name or path.is_absolute() or path.anchor or ".." in path.parts:
+    if path is None or not path.parts or path.is_absolute() or ".." in path.parts:
         raise ValueError(
             f"{source} in {folder}: {field} must name a file inside the model folder (a "
             f"relative path without '..'), e.g. 'model.safetensors'. Received: {field}={name!r}"
