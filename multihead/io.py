@@ -25,7 +25,9 @@ import functools
 import importlib
 import inspect
 import json
+import os
 import shutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,12 @@ __all__ = ["FORMAT_VERSION", "build", "describe", "load", "register", "registere
 FORMAT_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+)
 _INIT_ARGS = "_multihead_init_args"  # instance attribute holding the recorded arguments
 
 
@@ -53,6 +61,10 @@ class _Codec:
     header: instance -> extra top-level config.json fields (e.g. Hugging Face's).
     files: (instance, folder) -> None, writes extra files (e.g. a tokenizer).
     restore: (instance, folder) -> None, reads them back after a top-level build.
+    init: the class whose constructor ``build`` calls with the arguments: its annotations
+        check each argument's type before the call (None: no such check).
+    whole: ``build`` reads the folder itself, weights included (a model with a loader of
+        its own): ``load`` returns what it built.
     """
 
     cls: type
@@ -64,6 +76,8 @@ class _Codec:
     header: Callable[[Any], dict[str, Any]] | None = None
     files: Callable[[Any, Path], None] | None = None
     restore: Callable[[Any, Path], None] | None = None
+    init: type | None = None
+    whole: bool = False
 
 
 _BY_NAME: dict[str, _Codec] = {}
@@ -161,6 +175,7 @@ def register(
             (lambda args, folder: build(args)) if build else (lambda args, folder: target(**args)),
             files=files,
             restore=restore,
+            init=None if build else target,
         )
         _add(codec)
         return target
@@ -248,37 +263,95 @@ def _lookup(name: Any, where: str) -> _Codec:
     return _BY_NAME[name]
 
 
-def _decode(value: Any, where: str) -> Any:
+# nesting levels a config may use (a module inside a list inside a module ... ); the deepest the
+# library writes is under 10, and Python's own stack would give out near 300
+_MAX_DEPTH = 64
+
+
+def _decode(value: Any, where: str, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ValueError(
+            f"the config nests values more than {_MAX_DEPTH} levels deep; no model saved by "
+            f"multihead does, so it is corrupt or crafted. Received: {where[:200]}"
+        )
     if isinstance(value, list):
-        return [_decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if not isinstance(value, dict):
         return value
     if "class" in value:
-        return build(value, where)
+        return _build(value, where, None, depth + 1)
     if len(value) != 1:
         raise ValueError(
             f"{where} must be a value, a module {{'class', 'args'}} or one of {{'tuple'}}, "
             f"{{'dict'}}, {{'dtype'}}, {{'float'}}. Received: keys {sorted(value)}"
         )
     ((kind, inner),) = value.items()
+    expected = {
+        "tuple": (list, "a list"),
+        "dict": (dict, "an object"),
+        "float": (str, "one of 'nan', 'inf', '-inf'"),
+        "dtype": (str, "a torch dtype name such as 'float32'"),
+    }
+    if kind not in expected:
+        raise ValueError(
+            f"{where} has an unknown tag; expected tuple, dict, dtype or float. Received: {kind!r}"
+        )
+    kind_type, words = expected[kind]
+    if not isinstance(inner, kind_type):
+        raise ValueError(
+            f"{where}.{kind} must be {words}. Received: {where}.{kind}={inner!r}"[:400]
+        )
     if kind == "tuple":
-        return tuple(_decode(v, f"{where}[{i}]") for i, v in enumerate(inner))
+        return tuple(_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(inner))
     if kind == "dict":
-        return {k: _decode(v, f"{where}.{k}") for k, v in inner.items()}
+        return {k: _decode(v, f"{where}.{k}", depth + 1) for k, v in inner.items()}
     if kind == "float":
+        if inner.lower() not in ("nan", "inf", "-inf", "infinity", "-infinity"):
+            raise ValueError(f"{where}.float must be {words}. Received: {where}.float={inner!r}")
         return float(inner)
-    if kind == "dtype":
-        dtype = getattr(torch, str(inner), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{where}.dtype is not a torch dtype. Received: {inner!r}")
-        return dtype
-    raise ValueError(
-        f"{where} has an unknown tag; expected tuple, dict, dtype or float. Received: {kind!r}"
-    )
+    dtype = getattr(torch, inner, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{where}.dtype is not a torch dtype. Received: {inner!r}")
+    return dtype
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The constructor's resolved annotations; empty when they cannot be resolved (names
+    imported only for type checkers), so nothing is checked rather than something wrongly."""
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:
+        return {}
+
+
+def _check_types(codec: _Codec, args: dict[str, Any], where: str) -> None:
+    """Each argument against its constructor annotation (``norm_first: bool`` refuses
+    ``"no"``): the class's own signature is the one list of what each field may hold."""
+    from .models.checkpoint import describe_annotation, fits_annotation
+
+    if codec.init is None:
+        return
+    hints = _hints(codec.init)
+    for name, value in args.items():
+        if name in hints and not fits_annotation(value, hints[name]):
+            shown = (
+                value
+                if isinstance(value, (bool, int, float, str, type(None)))
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"{where}.args.{name} must be {describe_annotation(hints[name])} "
+                f"({codec.name}'s constructor says so). Received: {where}.args.{name}={shown!r}"
+            )
 
 
 def build(spec: dict[str, Any], where: str = "model", folder: Path | None = None) -> Any:
     """Rebuild (with fresh weights) what ``describe`` wrote."""
+    return _build(spec, where, folder, 0)
+
+
+def _build(spec: Any, where: str, folder: Path | None, depth: int) -> Any:
     if not isinstance(spec, dict) or "class" not in spec:
         raise ValueError(
             f"{where} must be an object with a class field. Received: {where}={spec!r}"[:300]
@@ -287,7 +360,8 @@ def build(spec: dict[str, Any], where: str = "model", folder: Path | None = None
     raw_args = spec.get("args", {})
     if not isinstance(raw_args, dict):
         raise ValueError(f"{where}.args must be an object. Received: {where}.args={raw_args!r}")
-    args = {k: _decode(v, f"{where}.args.{k}") for k, v in raw_args.items()}
+    args = {k: _decode(v, f"{where}.args.{k}", depth + 1) for k, v in raw_args.items()}
+    _check_types(codec, args, where)
     try:
         return codec.build(args, folder)
     except TypeError as err:
@@ -319,13 +393,37 @@ def save(model: Any, folder: str | Path) -> Path:
     encodings, the application models, ...), a ``models.bert.Bert`` or a ``Pretrained`` (then
     in the Hugging Face layout, tokenizer files included). DistributedDataParallel and
     ``torch.compile`` wrappers are removed first. Returns the folder.
+
+    The save is atomic: everything is written into a temporary sibling folder that then takes
+    the place of ``folder`` whole, so a crash or a kill at any point leaves the previous
+    checkpoint or the new one, each loadable, never a mix (temporaries a killed save left
+    behind are removed by the next save to the same place). The files a save writes
+    (config.json, model.safetensors, tokenizer and sentence-transformers files) are replaced
+    as one set: those of a previous save that this model does not have are gone afterwards.
+    Anything else in ``folder`` (notes, logs, subfolders) is carried over into the new folder
+    unchanged (hard links where the file system allows, else copies), and the folder keeps its
+    permissions. A symlinked ``folder`` is written where the link points.
+
+    Raises:
+        TypeError: the model or one of its arguments is not registered (named).
+        ValueError: ``folder`` is the working directory or one of its parents (the swap
+            would pull the working directory away from under the process).
     """
     from safetensors.torch import save_file
+
+    from ._atomic import replace_folder
 
     model = _unwrap(model)
     codec = _codec_for(model, "model")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    dest = Path(os.path.abspath(folder.resolve() if folder.is_symlink() else folder))
+    cwd = Path.cwd()
+    if dest == cwd or dest in cwd.parents:
+        raise ValueError(
+            "save writes a new folder and swaps it into place, so it cannot write into the "
+            "working directory or a folder above it; give a folder of its own, e.g. "
+            f"'checkpoints/model'. Received: folder='{folder}'"
+        )
     module = codec.module(model)
     state = module.state_dict()
     names = codec.names(model) if codec.names else {k: k for k in state}
@@ -353,11 +451,39 @@ def save(model: Any, folder: str | Path) -> Path:
             "multihead_version": _version(),
         }
     )
-    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
-    if codec.files:
-        codec.files(model, folder)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with replace_folder(dest) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if codec.files:
+            codec.files(model, tmp)
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if dest.is_dir():
+            _carry_over(dest, tmp)
     return folder
+
+
+# every name a save may write: a previous save's files under these names are replaced as a set
+_OWNED = frozenset({CONFIG, WEIGHTS, "sentence_bert_config.json", *_TOKENIZER_FILES})
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Bring the entries of ``old`` that a save does not own into ``new``, and its permissions
+    (a private folder stays private after the swap)."""
+    shutil.copymode(old, new)
+    for entry in sorted(old.iterdir()):
+        if entry.name in _OWNED or (new / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(str(entry), str(new / entry.name))
 
 
 def _version() -> str:
@@ -370,29 +496,28 @@ def load(folder: str | Path) -> Any:
     """Rebuild what ``save`` wrote: the same class, arguments and weights, in eval mode.
 
     A Hugging Face BERT folder without multihead's fields loads as ``models.bert.load`` would.
+    Nothing is allocated before config.json agrees with the weights: the model is first built
+    on the meta device (shapes only) and compared with the safetensors header, tensor by
+    tensor.
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights file is missing.
-        ValueError: an unknown format version or class, a bad field (named), or weights that do
-            not match the architecture (missing, unexpected or mis-shaped tensors, named).
+        ValueError: config.json is not UTF-8 JSON, nests too deeply, or has an unknown format
+            version or class, or a field of the wrong type (named, with its file); the
+            weights file is empty, corrupt or outside the folder; or the weights do not match
+            the architecture (missing, unexpected, mis-shaped or integer tensors, named).
     """
-    from safetensors import safe_open
+    from .models import checkpoint
 
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
-    config_file = folder / CONFIG
-    if not config_file.is_file():
+    if not (folder / CONFIG).is_file():
         raise FileNotFoundError(
             f"{CONFIG} is missing from {folder}; multihead.save writes it. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_file} is not valid JSON ({err}). Received: broken JSON") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{CONFIG} must hold an object. Received: {type(config).__name__}")
+    config = checkpoint.read_config(folder)
     if "format_version" not in config:
         if config.get("model_type") == "bert":
             from .models import bert
@@ -411,48 +536,57 @@ def load(folder: str | Path) -> Any:
         )
     if "model" not in config:
         raise ValueError(f"{CONFIG}: the field model is missing. Received: fields {sorted(config)}")
-    obj = build(config["model"], "model", folder)
-    codec = _codec_for(obj, "model")
-    module = codec.module(obj)
-    weights = folder / str(config.get("weights", WEIGHTS))
+    spec = config["model"]
+
+    def built() -> Any:
+        try:
+            return build(spec, "model", folder)
+        except ValueError as err:
+            if str(err).startswith(CONFIG):  # already names the file (a meta-build limit)
+                raise
+            raise ValueError(f"{CONFIG} in {folder}: {err}") from None
+
+    if _reads_whole_folder(spec):
+        return built()
+    weights = checkpoint.file_in(
+        folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
+    )
     if not weights.is_file():
         raise FileNotFoundError(
             f"the weights file {weights.name} is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    expected = module.state_dict()
-    names = codec.names(obj) if codec.names else {k: k for k in expected}
-    with safe_open(str(weights), framework="pt") as f:
-        stored = set(f.keys())
-        missing = sorted(names[k] for k in expected if names[k] not in stored)
-        unexpected = sorted(stored - set(names.values()))
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors {missing[:5]}")
-            if unexpected:
-                parts.append(f"unexpected tensors {unexpected[:5]}")
-            raise ValueError(
-                f"{weights.name} does not match the architecture in {CONFIG}: "
-                f"{'; '.join(parts)}. Received: {len(missing)} missing, "
-                f"{len(unexpected)} unexpected"
-            )
-        state = {}
-        for key, target in expected.items():
-            t = f.get_tensor(names[key])
-            if t.shape != target.shape:
-                raise ValueError(
-                    f"tensor {names[key]} has shape {tuple(t.shape)} in {weights.name} but the "
-                    f"architecture in {CONFIG} needs {tuple(target.shape)}. "
-                    f"Received: {names[key]}.shape={tuple(t.shape)}"
-                )
-            state[key] = t
+    stored = checkpoint.weights(folder, weights)
+    skeleton = checkpoint.build_on_meta(built, stored, source=CONFIG)
+    if skeleton is not None:
+        codec = _codec_for(skeleton, "model")
+        names = codec.names(skeleton) if codec.names else None
+        expected = codec.module(skeleton).state_dict()
+        checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
+        checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
+    obj = built()
+    codec = _codec_for(obj, "model")
+    names = codec.names(obj) if codec.names else None
+    module = codec.module(obj)
+    own = module.state_dict()
+    state = checkpoint.match(own, stored.read(), names or {k: k for k in own}, weights=stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
     if codec.restore:
         codec.restore(obj, folder)
     return obj
+
+
+def _reads_whole_folder(spec: Any) -> bool:
+    """Whether the top-level class loads the folder itself (an unknown class: no; ``build``
+    then says what is wrong with it)."""
+    if not isinstance(spec, dict):
+        return False
+    try:
+        return _lookup(spec.get("class"), "model").whole
+    except ValueError:
+        return False
 
 
 def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:
@@ -490,10 +624,9 @@ def _register_library() -> None:
 
 
 def _torch_module(cls: type, fields: Callable[[Any], dict[str, Any]]) -> None:
-    def build_it(args: dict[str, Any]) -> Any:
-        return cls(**args)
-
-    register(cls, name=f"torch.nn.{cls.__name__}", describe=fields, build=build_it)
+    _add(
+        _Codec(cls, f"torch.nn.{cls.__name__}", fields, lambda args, folder: cls(**args), init=cls)
+    )
 
 
 def _register_torch() -> None:
@@ -607,6 +740,7 @@ def _register_bert() -> None:
             names=lambda pre: hf_names(pre.model),
             header=lambda pre: header(pre.config),
             files=copy_tokenizer,
+            whole=True,
         )
     )
 
@@ -651,13 +785,6 @@ def _register_decoders() -> None:
             )
         )
 
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.txt",
-    "special_tokens_map.json",
-)
 
 _register_library()
 _register_torch()

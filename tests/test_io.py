@@ -3,7 +3,11 @@ by transformers itself), and every error naming the tensor or field at fault."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
+import re
+import signal
 
 import pytest
 import torch
@@ -200,13 +204,13 @@ def _edit_weights(folder, change):
 
 def test_missing_tensor_is_named(saved):
     _edit_weights(saved, lambda s: s.pop("k_proj.bias"))
-    with pytest.raises(ValueError, match=r"missing tensors \['k_proj.bias'\]"):
+    with pytest.raises(ValueError, match=r"lack 1 tensors the config needs: k_proj\.bias\."):
         mh.load(saved)
 
 
 def test_unexpected_tensor_is_named(saved):
     _edit_weights(saved, lambda s: s.update(extra=torch.zeros(2)))
-    with pytest.raises(ValueError, match=r"unexpected tensors \['extra'\]"):
+    with pytest.raises(ValueError, match=r"hold 1 tensors the config does not use: extra\."):
         mh.load(saved)
 
 
@@ -215,7 +219,9 @@ def test_shape_mismatch_is_named(saved):
     config["model"]["args"]["kdim"] = 5
     (saved / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ValueError, match=r"tensor k_proj.weight has shape \(8, 8\).*needs \(8, 5\)"
+        ValueError,
+        match=r"k_proj\.weight has shape \(8, 8\) in model\.safetensors but the config implies "
+        r"\(8, 5\)",
     ):
         mh.load(saved)
 
@@ -332,3 +338,360 @@ def test_loaded_decoders_round_trip_with_their_tokenizer(tmp_path, kind):
     with torch.no_grad():
         assert torch.equal(lm(ids, lengths=lengths), back(ids, lengths=lengths))
     assert back.generate("the weather", 8) == lm.generate("the weather", 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic save
+
+_KILLED_SAVE = """
+import os, signal, sys
+import torch
+import multihead as mh
+import multihead._atomic
+import safetensors.torch
+
+module, attr, when = sys.argv[2].split(":")
+owner = {"safetensors": safetensors.torch, "atomic": multihead._atomic,
+         "shutil": multihead._atomic.shutil}[module]
+real = getattr(owner, attr)
+
+def killing(*args, **kwargs):
+    if when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+setattr(owner, attr, killing)
+torch.manual_seed(1)
+mh.save(mh.MultiHeadAttention(12, 3, num_kv_heads=1), sys.argv[1])
+raise SystemExit("the save was not killed")
+"""
+
+
+def _model_a():
+    torch.manual_seed(0)
+    return mh.MultiHeadAttention(8, 2)
+
+
+def _model_b():
+    torch.manual_seed(1)
+    return mh.MultiHeadAttention(12, 3, num_kv_heads=1)
+
+
+@pytest.mark.parametrize(
+    ("point", "survivor"),
+    [
+        ("safetensors:save_file:before", "old"),  # nothing of the new checkpoint written
+        ("safetensors:save_file:after", "old"),  # new weights written, config.json not yet
+        ("atomic:_fsync_tree:before", "old"),  # every new file written, not yet swapped in
+        ("shutil:rmtree:before", "new"),  # swapped in, the old folder not yet removed
+    ],
+    ids=["before_weights", "between_files", "before_swap", "after_swap"],
+)
+def test_save_killed_at_any_point_leaves_a_loadable_checkpoint(tmp_path, point, survivor):
+    """A SIGKILL during a save over an existing checkpoint leaves the old checkpoint or the
+    new one, whole and loadable (A's config never beside B's weights); the killed save's
+    temporary folder is removed by the next save, and a user's file survives all of it."""
+    import subprocess
+    import sys
+
+    from multihead._atomic import stale_temporaries
+
+    dest = tmp_path / "model"
+    mh.save(_model_a(), dest)
+    (dest / "notes.txt").write_text("trained on the March data")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(dest), point], env=env, timeout=120
+    )
+    assert proc.returncode == -signal.SIGKILL
+    expected = _model_a() if survivor == "old" else _model_b()
+    back = mh.load(dest)
+    assert (back.embed_dim, back.num_heads) == (expected.embed_dim, expected.num_heads)
+    _same_state(expected, back)
+    assert (dest / "notes.txt").read_text() == "trained on the March data"
+    assert len(stale_temporaries(dest)) == 1
+    mh.save(_model_b(), dest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    _same_state(_model_b(), mh.load(dest))
+    assert (dest / "notes.txt").read_text() == "trained on the March data"
+
+
+def test_save_carries_other_files_over_and_replaces_its_own_as_a_set(tmp_path, pretrained):
+    """A user's files and folders in the destination survive a save; files of an earlier
+    save that the new model does not write (a BERT's tokenizer beside an attention module)
+    do not linger, where load would pick them up as the new model's."""
+    dest = tmp_path / "model"
+    mh.save(pretrained, dest)
+    assert (dest / "tokenizer.json").is_file() and (dest / "vocab.txt").is_file()
+    (dest / "logs").mkdir()
+    (dest / "logs" / "train.log").write_text("step 1: loss 2.5\n")
+    (dest / "README.md").write_text("my model\n")
+    dest.chmod(0o700)
+    mh.save(_model_a(), dest)
+    assert dest.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "README.md",
+        "config.json",
+        "logs",
+        "model.safetensors",
+    ]
+    assert (dest / "logs" / "train.log").read_text() == "step 1: loss 2.5\n"
+    assert (dest / "README.md").read_text() == "my model\n"
+    _same_state(_model_a(), mh.load(dest))
+
+
+def test_save_follows_a_symlinked_folder_and_refuses_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    mh.save(_model_a(), tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+    _same_state(_model_a(), mh.load(tmp_path / "real"))
+    work = tmp_path / "project" / "run"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for folder in (".", work, work.parent):
+        with pytest.raises(
+            ValueError, match=r"cannot write into the working directory.*Received: folder="
+        ):
+            mh.save(_model_a(), folder)
+    mh.save(_model_a(), "model")  # a folder below the working directory is fine
+    _same_state(_model_a(), mh.load(work / "model"))
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json against the weights, before anything is built for real
+
+
+def _edit_config(folder, change):
+    config = json.loads((folder / "config.json").read_text())
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("embed_dim", "implied"),
+    [(65536, r"\(8, 65536\)"), (10**9, r"\(8, 1000000000\)")],
+    ids=["17GB", "1e9"],
+)
+def test_sizes_in_the_config_are_checked_against_the_header_first(saved, embed_dim, implied):
+    """A 2 KB folder whose config claims embed_dim=65536 (17 GB of weights) or 10**9 gets an
+    error naming both shapes, from a model built on the meta device: nothing is allocated."""
+    _edit_config(saved, lambda c: c["model"]["args"].update(embed_dim=embed_dim))
+    with pytest.raises(
+        ValueError,
+        match=rf"weight q_proj\.weight has shape \(8, 8\) in model\.safetensors but the config "
+        rf"implies {implied}.*Received: q_proj\.weight\.shape=\(8, 8\)",
+    ):
+        mh.load(saved)
+
+
+def test_a_layer_count_far_beyond_the_weights_stops_the_build(tmp_path):
+    """A config asking for a billion layers: the meta build stops after a budget set by the
+    number of stored tensors, within a second instead of running for hours."""
+    from multihead.models import gpt2
+
+    config = gpt2.GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=2, n_head=2)
+    mh.save(gpt2.GPT2(config), tmp_path / "saved")
+    _edit_config(
+        tmp_path / "saved", lambda c: c["model"]["args"]["config"]["dict"].update(n_layer=10**9)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^config\.json in \S+ describes a model far larger than model\.safetensors holds: "
+        r"building it stopped after (\d+) tensor operations while the file has (\d+) tensors.*"
+        r"Received: \2 stored tensors",
+    ):
+        mh.load(tmp_path / "saved")
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "/etc/model.safetensors",
+        "../other/model.safetensors",
+        "sub/../../other/model.safetensors",
+        ".",
+        "",
+    ],
+    ids=["absolute", "parent", "climbing", "the_folder", "empty"],
+)
+def test_the_weights_path_is_confined_to_the_folder(tmp_path, weights):
+    """config.json's "weights" may not point outside the folder: here ../other holds a
+    checkpoint of the same shape that would otherwise be loaded in its place."""
+    mh.save(_model_a(), tmp_path / "model")
+    mh.save(mh.MultiHeadAttention(8, 2), tmp_path / "other")
+    _edit_config(tmp_path / "model", lambda c: c.update(weights=weights))
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: weights must name a file inside the model folder.*"
+        rf"Received: weights='{re.escape(weights)}'",
+    ):
+        mh.load(tmp_path / "model")
+    _edit_config(tmp_path / "model", lambda c: c.update(weights=5))
+    with pytest.raises(ValueError, match=r"weights must name a file .* Received: weights=5"):
+        mh.load(tmp_path / "model")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("kdim", {"dict": 5}, r"model\.args\.kdim\.dict must be an object\. Received: .*=5"),
+        ("kdim", {"tuple": 5}, r"model\.args\.kdim\.tuple must be a list\. Received: .*=5"),
+        ("dropout", {"float": "abc"}, r"model\.args\.dropout\.float must be one of 'nan'"),
+        ("dropout", {"dtype": "nn"}, r"model\.args\.dropout\.dtype is not a torch dtype"),
+        ("kdim", "8", r"model\.args\.kdim must be an int or null .*Received: .*kdim='8'"),
+        ("bias", "no", r"model\.args\.bias must be true or false .*Received: .*bias='no'"),
+        ("embed_dim", 8.0, r"model\.args\.embed_dim must be an int .*embed_dim=8\.0"),
+        ("num_heads", True, r"model\.args\.num_heads must be an int .*num_heads=True"),
+        ("kdim", "nested", r"nests values more than 64 levels deep"),
+    ],
+    ids=[
+        "dict_tag",
+        "tuple_tag",
+        "float_tag",
+        "dtype_tag",
+        "str_for_int",
+        "str_for_bool",
+        "float_for_int",
+        "bool_for_int",
+        "deep",
+    ],
+)
+def test_bad_config_values_name_the_file_and_the_field(saved, field, value, match):
+    if value == "nested":
+        value = 8
+        for _ in range(100):
+            value = [value]
+    _edit_config(saved, lambda c: c["model"]["args"].update({field: value}))
+    with pytest.raises(ValueError, match=rf"config\.json in .*saved: .*{match}"):
+        mh.load(saved)
+
+
+def test_norm_first_must_be_a_bool(tmp_path):
+    """The constructor's annotation (norm_first: bool) is the check: "no" was accepted (and
+    taken as True) before."""
+    mh.save(mh.TransformerEncoder([mh.TransformerEncoderLayer(8, 2, 16)]), tmp_path)
+    _edit_config(
+        tmp_path, lambda c: c["model"]["args"]["layers"][0]["args"].update(norm_first="no")
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: model\.args\.layers\[0\]\.args\.norm_first must be true or "
+        r"false .*Received: model\.args\.layers\[0\]\.args\.norm_first='no'",
+    ):
+        mh.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"\xff\xfe{}", r"config\.json in .* is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, r"config\.json in .* nests lists or objects too deeply"),
+        (b"", r"config\.json in .* is empty"),
+    ],
+    ids=["not_utf8", "deep_json", "empty"],
+)
+def test_unreadable_config_json_is_named(saved, content, match):
+    (saved / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        mh.load(saved)
+
+
+@pytest.mark.parametrize("content", ["pickle", "empty", "truncated", "text"])
+def test_unreadable_weights_are_named(saved, content):
+    import pickle
+
+    file = saved / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(
+        {
+            "pickle": pickle.dumps({"q_proj.weight": [[0.0] * 8] * 8}),
+            "empty": b"",
+            "truncated": data[: len(data) - 20],
+            "text": b"version https://git-lfs.github.com/spec/v1\n",
+        }[content]
+    )
+    match = "is empty" if content == "empty" else "is truncated or corrupt, or not a safetensors"
+    with pytest.raises(ValueError, match=rf"model\.safetensors in .*saved {match}"):
+        mh.load(saved)
+
+
+def test_integer_tensor_where_floats_belong_is_named(saved):
+    _edit_weights(saved, lambda s: s.update({"q_proj.weight": torch.ones(8, 8, dtype=torch.int32)}))
+    with pytest.raises(
+        ValueError,
+        match=r"weight q_proj\.weight is stored as torch\.int32 in model\.safetensors but the "
+        r"model needs floating-point values there \(torch\.float32\)",
+    ):
+        mh.load(saved)
+
+
+def test_every_library_class_has_annotations_load_can_check():
+    """The type checks on saved arguments come from the constructors' annotations: each of
+    the library's registered classes must have them resolvable, or its arguments would go
+    unchecked."""
+    import multihead.apps.crossmodal
+    import multihead.apps.forecast
+    import multihead.apps.sentiment  # noqa: F401 - registers its models
+
+    checked = [
+        c for c in io._BY_CLASS.values() if c.init is not None and c.name.startswith("multihead.")
+    ]
+    assert len(checked) >= 17
+    for codec in checked:
+        hints = io._hints(codec.init)
+        params = [p for p in inspect.signature(codec.init).parameters if p not in ("self",)]
+        assert set(params) - {"unexpected"} <= set(hints), codec.name
+
+
+class _ReadsValues(nn.Module):
+    """A constructor that reads a tensor's value, which the meta device cannot give."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.scale = float(torch.ones(1).sum())
+
+
+def test_a_class_that_cannot_be_built_on_meta_still_loads(tmp_path):
+    """The meta pass is a guard, not a requirement: such a class loads, and its weights are
+    still checked against the config after the real build."""
+    io.register(_ReadsValues)
+    torch.manual_seed(4)
+    model = _ReadsValues(6)
+    mh.save(model, tmp_path)
+    _same_state(model, mh.load(tmp_path))
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(width=5))
+    with pytest.raises(
+        ValueError, match=r"linear\.weight has shape \(6, 6\) in model\.safetensors"
+    ):
+        mh.load(tmp_path)
+
+
+def test_a_negative_size_is_named(tmp_path):
+    mh.save(nn.Sequential(nn.Linear(4, 3)), tmp_path)
+    _edit_config(
+        tmp_path, lambda c: c["model"]["args"]["modules"][0]["args"].update(in_features=-5)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .*: the model it describes cannot be built \(Trying to create "
+        r"tensor with negative dimension -5.*a size in it is out of range",
+    ):
+        mh.load(tmp_path)
+
+
+def test_a_table_the_weights_do_not_store_is_sized_against_them(tmp_path):
+    """A sinusoidal encoding stores nothing; max_len=10**9 in its config asked for a 256 GB
+    table (a raw allocator error). The meta build's memory is compared with the file's."""
+    mh.save(mh.SinusoidalPositionalEncoding(64, max_len=40), tmp_path)
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(max_len=10**9))
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .* describes a model of 238\.4 GiB but the weights hold 0\.0 MiB; "
+        r"its largest tensor, table of shape \(1000000000, 64\), is sized by config\.json alone",
+    ):
+        mh.load(tmp_path)
+    _edit_config(tmp_path, lambda c: c["model"]["args"].update(max_len=1000))
+    assert mh.load(tmp_path).table.shape == (1000, 64)  # an ordinary size still loads

@@ -28,6 +28,7 @@ from ..modules import (
     TransformerEncoderLayer,
 )
 from . import checkpoint
+from .checkpoint import Size
 
 __all__ = [
     "DEFAULT_PACKAGE",
@@ -66,12 +67,12 @@ _FIXED = {
 class BertConfig:
     """The fields of a BERT ``config.json`` that shape the model (names as in Hugging Face)."""
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
+    vocab_size: Size
+    hidden_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    intermediate_size: Size
+    max_position_embeddings: Size
     type_vocab_size: int = 2
     hidden_act: str = "gelu"
     layer_norm_eps: float = 1e-12
@@ -88,14 +89,6 @@ class BertConfig:
             source=source,
             fixed=_FIXED,
             choices={"hidden_act": _HF_ACTIVATIONS},
-            positive=(
-                "vocab_size",
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "intermediate_size",
-                "max_position_embeddings",
-            ),
         )
         if config.hidden_size % config.num_attention_heads:
             raise ValueError(
@@ -490,15 +483,12 @@ def _hf_names(config: BertConfig, pooler: bool) -> dict[str, str]:
     return names
 
 
-def _normalize_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def _modern_name(key: str) -> str:
     """Strip a ``bert.`` prefix (task checkpoints) and rename old gamma/beta LayerNorm keys."""
-    out = {}
-    for key, value in state.items():
-        key = key.removeprefix("bert.")
-        if ".LayerNorm." in key:
-            key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
-        out[key] = value
-    return out
+    key = key.removeprefix("bert.")
+    if ".LayerNorm." in key:
+        key = key.replace(".gamma", ".weight").replace(".beta", ".bias")
+    return key
 
 
 def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> Pretrained:
@@ -535,15 +525,21 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
                 f"sentence_bert_config.json in {folder}: max_seq_length must be a positive int. "
                 f"Received: max_seq_length={embed_length!r}"
             )
-    state = _normalize_names(checkpoint.read_weights(folder))
-    has_pooler = "pooler.dense.weight" in state
+    stored = checkpoint.weights(folder).renamed(_modern_name)
+    has_pooler = "pooler.dense.weight" in stored.header
+
+    def unused(name: str) -> bool:
+        return name.endswith(_UNUSED_SUFFIXES) or name.startswith(_UNUSED_PREFIXES)
+
+    # the config meets the weights' header on a model without memory first: a wrong size
+    # is an error naming both shapes, never a huge allocation
+    skeleton = checkpoint.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
+    names = _hf_names(config, has_pooler)  # after the meta build, which stops absurd layer counts
+    if skeleton is not None:
+        own = skeleton.state_dict()
+        checkpoint.match(own, stored.header, names, weights=stored, unused=unused)
+        checkpoint.check_unstored(skeleton, stored)
     model = Bert(config, pooler=has_pooler)
-    checkpoint.assign(
-        model,
-        state,
-        _hf_names(config, has_pooler),
-        folder=folder,
-        unused=lambda n: n.endswith(_UNUSED_SUFFIXES) or n.startswith(_UNUSED_PREFIXES),
-    )
+    checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()
     return Pretrained(model, tokenizer, config, folder, embed_length)

@@ -102,8 +102,10 @@ def load_checkpoint(
     unused_suffixes: tuple[str, ...],
     dtype: torch.dtype,
 ) -> Any:
-    """The loading sequence gpt2.load and llama.load share: read and validate config.json,
-    the tokenizer (when present) and the weights (``prefix`` stripped), assign them with
+    """The loading sequence gpt2.load and llama.load share: read and validate config.json and
+    the tokenizer (when present); check the config against the weights' header (names,
+    shapes, dtypes, ``prefix`` stripped) on a model built on the meta device, so a wrong
+    config allocates nothing; then build the model, read the weights and assign them with
     ``names(config, tied)`` (never a partial load; ``unused_suffixes`` and a tied output layer
     saved anyway are the only tensors allowed to be left over), then eval mode in the
     decoding layout with ``.tokenizer`` and ``.path`` set."""
@@ -112,17 +114,20 @@ def load_checkpoint(
     folder = checkpoint.model_folder(path)
     config = config_cls.from_dict(checkpoint.read_config(folder))
     tokenizer = checkpoint.read_tokenizer(folder, required=False)
-    state = {k.removeprefix(prefix): v for k, v in checkpoint.read_weights(folder).items()}
-    model = model_cls(config)
+    stored = checkpoint.weights(folder).renamed(lambda k: k.removeprefix(prefix))
     tied = config.tie_word_embeddings
-    checkpoint.assign(
-        model,
-        state,
-        names(config, tied),
-        folder=folder,
-        # a tied output layer saved anyway is the embedding matrix again
-        unused=lambda n: n.endswith(unused_suffixes) or (tied and n == "lm_head.weight"),
-    )
+
+    def unused(name: str) -> bool:  # a tied output layer saved anyway is the embeddings again
+        return name.endswith(unused_suffixes) or (tied and name == "lm_head.weight")
+
+    skeleton = checkpoint.build_on_meta(lambda: model_cls(config), stored)
+    names_of = names(config, tied)  # after the meta build, which stops absurd layer counts
+    if skeleton is not None:
+        own = skeleton.state_dict()
+        checkpoint.match(own, stored.header, names_of, weights=stored, unused=unused)
+        checkpoint.check_unstored(skeleton, stored)
+    model = model_cls(config)
+    checkpoint.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
     decode_layout(model)
     model.tokenizer, model.path = tokenizer, folder

@@ -1,41 +1,59 @@
-"""Reading transformers-format model folders, shared by the bert, gpt2 and llama loaders.
+"""Reading model folders, shared by the bert, gpt2 and llama loaders and ``multihead.load``.
 
 A folder holds ``config.json``, weights (``model.safetensors``, a sharded
 ``model.safetensors.index.json`` or ``pytorch_model.bin``) and usually ``tokenizer.json``. Every
-problem with a file is reported with the file's name and what is wrong with it, before any
-model is built; weights that do not fit the config (missing, extra or misshapen tensors) are an
-error, never a partial load. Needs the ``pretrained`` extra (safetensors, tokenizers).
+problem with a file is reported with the file's name and what is wrong with it. config.json is
+checked against the weights' header (names, shapes, dtypes) on a model built on the meta device
+before any real model is built, so a config that claims sizes the weights do not have allocates
+nothing; weights that do not fit the config (missing, extra, misshapen or integer tensors) are
+an error, never a partial load. File names read from a config stay inside the folder. Needs the
+``pretrained`` extra (safetensors, tokenizers).
 """
 
 from __future__ import annotations
 
+import collections.abc
+import contextlib
+import dataclasses
 import json
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, fields
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "POSITIVE",
     "WEIGHT_FILES",
+    "Size",
+    "Weights",
     "assign",
+    "build_on_meta",
+    "check_unstored",
+    "describe_annotation",
+    "file_in",
+    "fits_annotation",
+    "match",
     "model_folder",
     "parse_config",
     "read_config",
     "read_json",
     "read_tokenizer",
     "read_weights",
+    "weights",
 ]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _LISTED = 20  # tensor names an error lists before summarizing the rest
 
 C = TypeVar("C")
+M = TypeVar("M")
 
 
 def model_folder(path: str | Path) -> Path:
@@ -82,6 +100,11 @@ def read_json(folder: Path, name: str, *, required: bool = True) -> Any:
             f"{name} in {folder} is not valid JSON: {err.msg} at line {err.lineno}, column "
             f"{err.colno} (truncated or edited by hand?). Received: {raw[:60]!r}"
         ) from None
+    except RecursionError:
+        raise ValueError(
+            f"{name} in {folder} nests lists or objects too deeply to be a model config "
+            f"(thousands of levels); it is corrupt or crafted. Received: {raw[:40]!r}"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(
             f"{name} in {folder} must hold a JSON object ({{...}}). "
@@ -95,25 +118,69 @@ def read_config(folder: Path) -> dict[str, Any]:
     return read_json(folder, "config.json")
 
 
-def _safetensors(file: Path, folder: Path) -> dict[str, Tensor]:
+def file_in(folder: Path, name: Any, *, source: str, field: str) -> Path:
+    """``folder / name`` for a file name read from ``source``; a name that is not a string, is
+    absolute or climbs out of the folder (``..``) is refused, so a config cannot point the
+    loader at files elsewhere (a symlink the folder's owner placed is still followed)."""
+    path = PurePath(name) if isinstance(name, str) else None
+    if path is None or not path.parts or path.is_absolute() or ".." in path.parts:
+        raise ValueError(
+            f"{source} in {folder}: {field} must name a file inside the model folder (a "
+            f"relative path without '..'), e.g. 'model.safetensors'. Received: {field}={name!r}"
+        )
+    return folder / path
+
+
+# safetensors' dtype names (the header's "dtype" field) -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    name: getattr(torch, attr)
+    for name, attr in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }.items()
+    if hasattr(torch, attr)
+}
+
+
+def _need_safetensors() -> Any:
     try:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        import safetensors
+        import safetensors.torch
     except ImportError:  # pragma: no cover - the pretrained extra is part of the test extra
         raise ModuleNotFoundError(
             "reading .safetensors weights needs the safetensors package; run "
             "pip install 'multihead[pretrained]'. Received: no module named safetensors"
         ) from None
+    return safetensors
+
+
+@contextlib.contextmanager
+def _safetensors_errors(file: Path, folder: Path) -> Iterator[None]:
+    """safetensors' own errors (a pickle, an empty or a cut file) as a ValueError naming it."""
+    safetensors = _need_safetensors()
     if file.stat().st_size == 0:
         raise ValueError(
             f"{file.name} in {folder} is empty (0 bytes); download it again. Received: 0 bytes"
         )
     try:
-        return load_file(str(file))
-    except SafetensorError as err:
+        yield
+    except (safetensors.SafetensorError, OSError) as err:
         raise ValueError(
-            f"{file.name} in {folder} is truncated or corrupt ({err}); download it again. "
-            f"Received: {_size(file)}"
+            f"{file.name} in {folder} is truncated or corrupt, or not a safetensors file "
+            f"({err}); download or save it again. Received: {_size(file)}"
         ) from None
 
 
@@ -143,19 +210,94 @@ def _torch_bin(file: Path, folder: Path) -> dict[str, Tensor]:
     return state
 
 
-def read_weights(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint, by its name in the file.
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
-    Tries ``model.safetensors``, then the shards listed in ``model.safetensors.index.json``,
-    then ``pytorch_model.bin`` (read with torch's tensors-only loader).
+
+@dataclass
+class Weights:
+    """A checkpoint's tensors: first their names, shapes and dtypes (``header``: meta tensors,
+    read from the safetensors headers without touching the data), then the data (``read``).
+
+    Attributes:
+        folder: the model folder.
+        header: tensor name -> a meta tensor of the stored shape and dtype.
+        files: tensor name -> the name of the file that holds it (for messages).
+    """
+
+    folder: Path
+    header: dict[str, Tensor]
+    files: dict[str, str]
+    _read: Callable[[], dict[str, Tensor]] = dataclasses.field(repr=False)
+    _rename: Callable[[str], str] = dataclasses.field(default=lambda name: name, repr=False)
+
+    def read(self) -> dict[str, Tensor]:
+        """Every tensor, under the same names as ``header``."""
+        return {self._rename(k): v for k, v in self._read().items()}
+
+    def renamed(self, rename: Callable[[str], str]) -> Weights:
+        """The same weights with every tensor name passed through ``rename`` (a prefix
+        stripped, old names modernized)."""
+        both = lambda name: rename(self._rename(name))  # noqa: E731
+        return Weights(
+            self.folder,
+            {rename(k): v for k, v in self.header.items()},
+            {rename(k): v for k, v in self.files.items()},
+            self._read,
+            both,
+        )
+
+    def file(self, name: str) -> str:
+        """The name of the file holding tensor ``name``, for a message."""
+        return self.files.get(name, "the weights")
+
+
+def _safetensors_weights(files: list[Path], folder: Path) -> Weights:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    header: dict[str, Tensor] = {}
+    where: dict[str, str] = {}
+    for file in files:
+        with _safetensors_errors(file, folder), safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                piece = f.get_slice(name)
+                kind = piece.get_dtype()
+                if kind not in _SAFETENSORS_DTYPES:
+                    raise ValueError(
+                        f"tensor {name} in {file.name} has the dtype {kind}, which torch cannot "
+                        f"hold. Received: {name}.dtype={kind}"
+                    )
+                shape = tuple(piece.get_shape())
+                header[name] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[kind], device="meta")
+                where[name] = file.name
+
+    def read() -> dict[str, Tensor]:
+        state: dict[str, Tensor] = {}
+        for file in files:
+            with _safetensors_errors(file, folder):
+                state.update(load_file(str(file)))
+        return state
+
+    return Weights(folder, header, where, read)
+
+
+def weights(folder: Path, file: Path | None = None) -> Weights:
+    """The checkpoint in ``folder``: ``file`` (a safetensors file) when given; else
+    ``model.safetensors``, then the shards listed in ``model.safetensors.index.json`` (each
+    confined to the folder), then ``pytorch_model.bin`` (read with torch's tensors-only
+    loader, whole: its format has no separate header).
 
     Raises:
         FileNotFoundError: no weights file, or a shard the index lists is missing.
-        ValueError: an empty, truncated or corrupt file (the message names it).
+        ValueError: an empty, truncated or corrupt file, a pickle where safetensors belong, a
+            shard path outside the folder (the message names the file).
     """
+    if file is not None:
+        return _safetensors_weights([file], folder)
     single = folder / "model.safetensors"
     if single.is_file():
-        return _safetensors(single, folder)
+        return _safetensors_weights([single], folder)
     index_name = "model.safetensors.index.json"
     if (folder / index_name).is_file():
         index = read_json(folder, index_name)
@@ -165,24 +307,121 @@ def read_weights(folder: Path) -> dict[str, Tensor]:
                 f"{index_name} in {folder} must map tensor names to shard files under "
                 f"'weight_map'. Received: weight_map={weight_map!r}"
             )
-        state: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            file = folder / str(shard)
-            if not file.is_file():
+        shards = []
+        for shard in sorted(set(map(str, weight_map.values()))):
+            path = file_in(folder, shard, source=index_name, field="weight_map")
+            if not path.is_file():
                 raise FileNotFoundError(
                     f"{index_name} in {folder} lists the shard {shard}, which is missing. "
                     f"Received: {sorted(p.name for p in folder.iterdir())}"
                 )
-            state.update(_safetensors(file, folder))
-        return state
+            shards.append(path)
+        return _safetensors_weights(shards, folder)
     binary = folder / "pytorch_model.bin"
     if binary.is_file():
-        return _torch_bin(binary, folder)
+        state = _torch_bin(binary, folder)
+        return Weights(
+            folder,
+            {k: _meta(v) for k, v in state.items()},
+            dict.fromkeys(state, binary.name),
+            lambda: state,
+        )
     raise FileNotFoundError(
         f"no weights in {folder}: expected model.safetensors or pytorch_model.bin (or the "
         "shards of a model.safetensors.index.json). "
         f"Received: {sorted(p.name for p in folder.iterdir())}"
     )
+
+
+def read_weights(folder: Path) -> dict[str, Tensor]:
+    """Every tensor of the checkpoint in ``folder``, by its name in the file (see
+    ``weights`` for the files tried and the errors)."""
+    return weights(folder).read()
+
+
+class _Budget(TorchFunctionMode):
+    """Counts torch calls and stops a build that makes far more than the weights justify."""
+
+    def __init__(self, limit: int, message: str) -> None:
+        super().__init__()
+        self.limit, self.message, self.calls = limit, message, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls > self.limit:
+            raise ValueError(self.message)
+        return func(*args, **(kwargs or {}))
+
+
+# torch calls a model build may make per stored tensor (creation and initialization of a
+# parameter take about 10; fused checkpoint tensors feed up to 3 parameters), and a base for
+# the parts that store nothing (a sinusoidal table, rotary frequencies)
+_CALLS_PER_TENSOR = 200
+_CALLS_BASE = 10_000
+
+
+# memory a model may hold beyond what its file stores (tables computed at build time, such as
+# sinusoidal positions or rotary frequencies: a few MB in real models), on top of four times
+# the stored bytes (the model is built in fp32 while a file may hold 1-byte fp8 weights)
+_UNSTORED_BYTES = 256 * 2**20
+
+
+def check_unstored(skeleton: nn.Module, stored: Weights, *, source: str = "config.json") -> None:
+    """Refuse a meta-built model whose tensors would take far more memory than the weights
+    hold: a table the file does not store (a sinusoidal encoding's ``max_len``) can still be
+    sized by config.json alone.
+
+    Raises:
+        ValueError: naming the largest such tensor and its shape.
+    """
+    tensors = {id(t): (name, t) for name, t in skeleton.named_parameters()}
+    tensors.update({id(t): (name, t) for name, t in skeleton.named_buffers()})
+    need = sum(t.numel() * t.element_size() for _, t in tensors.values())
+    have = sum(t.numel() * t.element_size() for t in stored.header.values())
+    if need > 4 * have + _UNSTORED_BYTES:
+        name, biggest = max(tensors.values(), key=lambda item: item[1].numel())
+        raise ValueError(
+            f"{source} in {stored.folder} describes a model of {need / 2**30:.1f} GiB but the "
+            f"weights hold {have / 2**20:.1f} MiB; its largest tensor, {name} of shape "
+            f"{tuple(biggest.shape)}, is sized by {source} alone. Fix the size in {source}. "
+            f"Received: {name}.shape={tuple(biggest.shape)}"
+        )
+
+
+def build_on_meta(
+    make: Callable[[], M], stored: Weights, *, source: str = "config.json"
+) -> M | None:
+    """``make()`` run on the meta device: shapes only, no memory, so a config whose sizes
+    disagree with the weights is caught before any allocation. A build that runs far longer
+    than the number of stored tensors justifies (a layer count of a billion) is stopped, and
+    sizes torch cannot hold are a ValueError. None when the model cannot be built without
+    memory at all (a constructor of the user's that reads tensor values): the caller then
+    checks the weights after the real build.
+
+    Raises:
+        ValueError: the build ran over its budget, or a size is negative or overflows.
+    """
+    n = len(stored.header)
+    files = ", ".join(sorted(set(stored.files.values()))) or "the weights"
+    limit = _CALLS_BASE + _CALLS_PER_TENSOR * n
+    budget = _Budget(
+        limit,
+        f"{source} in {stored.folder} describes a model far larger than {files} holds: "
+        f"building it stopped after {limit} tensor operations while the file has {n} "
+        f"tensors. A layer count or size in {source} is wrong for these weights. "
+        f"Received: {n} stored tensors",
+    )
+    try:
+        with torch.device("meta"), budget:
+            return make()
+    except (RuntimeError, NotImplementedError) as err:
+        text = str(err)
+        if "overflow" in text or "negative dimension" in text:
+            raise ValueError(
+                f"{source} in {stored.folder}: the model it describes cannot be built ({text}); "
+                f"a size in it is out of range. Received: {type(err).__name__}"
+            ) from None
+        return None
 
 
 def read_tokenizer(folder: Path, *, required: bool) -> Any:
@@ -221,49 +460,105 @@ def read_tokenizer(folder: Path, *, required: bool) -> Any:
     return tokenizer
 
 
-def _matches(value: Any, tp: Any) -> bool:
-    """Whether a JSON value fits a config field's annotation (ints and floats >= 0)."""
+class _Positive:
+    """Annotation marker: the number must be > 0 (a size or a count)."""
+
+    def __repr__(self) -> str:
+        return "positive"
+
+
+POSITIVE = _Positive()
+Size = typing.Annotated[int, POSITIVE]  # a config field that counts or sizes something: an int > 0
+
+_SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)
+_MAPPINGS = (dict, collections.abc.Mapping)
+
+
+def fits_annotation(value: Any, tp: Any, *, non_negative: bool = False) -> bool:
+    """Whether a value read from a config fits a type annotation (``int``, ``float``, ``bool``,
+    ``str``, ``X | None``, ``Literal``, lists, sequences, tuples, dicts, classes). A bool is
+    not an int and an int is a float; ``non_negative``: numbers must also be >= 0 (floats
+    finite). Annotations that say nothing checkable (``Any``, callables) accept anything."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arm) for arm in typing.get_args(tp))
-    if tp is type(None):
+        return any(
+            fits_annotation(value, arm, non_negative=non_negative) for arm in typing.get_args(tp)
+        )
+    if origin is typing.Annotated:
+        base, *marks = typing.get_args(tp)
+        fits = fits_annotation(value, base, non_negative=non_negative)
+        return fits and (POSITIVE not in marks or value > 0)
+    if origin is typing.Literal:
+        return any(value == v and type(value) is type(v) for v in typing.get_args(tp))
+    if tp is type(None) or tp is None:
         return value is None
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and (value >= 0 or not non_negative)
+        )
     if tp is float:
         return (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value >= 0
+            and (not non_negative or (math.isfinite(value) and value >= 0))
         )
     if tp is str:
         return isinstance(value, str)
-    if origin is list:
-        (arm,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_matches(v, arm) for v in value)
-    if tp is dict or origin is dict:
+    if origin in _SEQUENCES or tp in _SEQUENCES:
+        if not isinstance(value, (list, tuple)):
+            return False
+        arms = typing.get_args(tp)
+        if origin is tuple and arms and arms[-1] is not Ellipsis:
+            return len(arms) == len(value) and all(
+                fits_annotation(v, arm, non_negative=non_negative) for v, arm in zip(value, arms)
+            )
+        return not arms or all(
+            fits_annotation(v, arms[0], non_negative=non_negative) for v in value
+        )
+    if origin in _MAPPINGS or tp in _MAPPINGS:
         return isinstance(value, dict)
-    raise TypeError(f"unsupported config annotation {tp!r}")  # a bug here, not bad input
+    if isinstance(tp, type) and tp is not object:
+        return isinstance(value, tp)
+    return True  # Any, callables, type variables: nothing a config value can be checked against
 
 
-def _describe(tp: Any) -> str:
+def describe_annotation(tp: Any, *, non_negative: bool = False) -> str:
+    """An annotation in words, for messages ("true or false", "a non-negative int or null")."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arm) for arm in typing.get_args(tp))
-    if origin is list:
-        return f"a list of ({_describe(typing.get_args(tp)[0])})"
+        return " or ".join(
+            describe_annotation(arm, non_negative=non_negative) for arm in typing.get_args(tp)
+        )
+    if origin is typing.Annotated:
+        base, *marks = typing.get_args(tp)
+        if POSITIVE in marks and base is int:
+            return "a positive int"
+        return describe_annotation(base, non_negative=non_negative)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin in _SEQUENCES or tp in _SEQUENCES:
+        arms = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        inner = " or ".join(describe_annotation(a, non_negative=non_negative) for a in arms)
+        return f"a list of ({inner})" if inner else "a list"
     names = {
         type(None): "null",
         bool: "true or false",
-        int: "a non-negative int",
-        float: "a number >= 0",
+        int: "a non-negative int" if non_negative else "an int",
+        float: "a number >= 0" if non_negative else "a number",
         str: "a string",
         dict: "an object",
     }
-    return names.get(tp, names.get(origin, str(tp)))
+    if tp in names:
+        return names[tp]
+    if origin in _MAPPINGS or tp in _MAPPINGS:
+        return "an object"
+    if isinstance(tp, type):
+        return f"a {tp.__name__}"
+    return str(tp)
 
 
 def parse_config(
@@ -273,16 +568,15 @@ def parse_config(
     source: str = "config.json",
     fixed: Mapping[str, Iterable[Any]] = (),
     choices: Mapping[str, Iterable[Any]] = (),
-    positive: Iterable[str] = (),
 ) -> C:
     """Build the config dataclass ``cls`` from a parsed config.json, checking every field
-    against its annotation (int: >= 0, float: finite and >= 0, ``X | None``, ``list[int]``).
+    against its annotation (int: >= 0, ``Size``: > 0, float: finite and >= 0, ``X | None``,
+    ``list[int]``): the dataclass is the one list of fields and what each may hold.
 
     Args:
         fixed: fields that change the math, with the only values implemented; other values
             are refused (absent fields are fine).
         choices: fields whose value must be one of a set (e.g. activation names).
-        positive: int fields that must be > 0 (sizes).
 
     Fields that ``cls`` does not declare are ignored. Every error names the field and ends
     with "Received: field=value".
@@ -299,7 +593,7 @@ def parse_config(
         allowed = list(allowed)
         if field in raw and raw[field] not in allowed:
             raise fail(field, f"one of {allowed} (the only values implemented)")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     allowed_values = {k: list(v) for k, v in dict(choices).items()}
     values: dict[str, Any] = {}
     for spec in fields(cls):
@@ -312,14 +606,90 @@ def parse_config(
         if field in allowed_values:
             if value not in allowed_values[field]:
                 raise fail(field, f"one of {allowed_values[field]}")
-        elif not _matches(value, hints[field]):
-            raise fail(field, _describe(hints[field]))
+        elif not fits_annotation(value, hints[field], non_negative=True):
+            raise fail(field, describe_annotation(hints[field], non_negative=True))
         values[field] = value
-    config = cls(**values)
-    for field in positive:
-        if getattr(config, field) == 0:
-            raise fail(field, "positive")
-    return config
+    return cls(**values)
+
+
+def _listed(names: list[str]) -> str:
+    more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
+    return ", ".join(names[:_LISTED]) + more
+
+
+def match(
+    own: Mapping[str, Tensor],
+    stored: Mapping[str, Tensor],
+    names: Mapping[str, str | tuple[str, Callable[[Tensor], Tensor]]],
+    *,
+    weights: Weights,
+    unused: Callable[[str], bool] = lambda name: False,
+) -> dict[str, Tensor]:
+    """Pair a model's state dict ``own`` with checkpoint tensors ``stored``: ``names`` maps
+    each of the model's keys to a checkpoint name, or to ``(name, convert)`` when the stored
+    tensor needs a transform (a slice of a fused projection, a transpose); several keys may
+    share one name (tied weights, fused projections). Works on meta tensors too, so a config
+    is checked against a file's header before anything is allocated.
+
+    ``unused(name)`` says which checkpoint tensors may be left out on purpose (buffers older
+    checkpoints saved, heads of other tasks); any other tensor left over is an error.
+
+    Returns:
+        The model's key -> its tensor (converted).
+
+    Raises:
+        ValueError: a tensor the model needs is missing, has another shape, holds integers
+            where the model has floats (or the reverse), or a checkpoint tensor is left
+            unused (config.json and the weights disagree). The tensor, its file and both
+            shapes are named.
+    """
+    sources = {
+        mine: (spec, None) if isinstance(spec, str) else spec for mine, spec in names.items()
+    }
+    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in stored})
+    if missing:
+        raise ValueError(
+            f"the weights in {weights.folder} lack {len(missing)} tensors the config needs: "
+            f"{_listed(missing)}. config.json and the weights disagree (fewer layers or other "
+            f"parts than the config describes). Received: {len(stored)} tensors"
+        )
+    paired: dict[str, Tensor] = {}
+    for mine, (theirs, convert) in sources.items():
+        tensor, target = stored[theirs], own[mine]
+        if tensor.is_floating_point() != target.is_floating_point():
+            raise ValueError(
+                f"weight {theirs} is stored as {tensor.dtype} in {weights.file(theirs)} but the "
+                f"model needs {'floating-point' if target.is_floating_point() else 'integer'} "
+                f"values there ({target.dtype}); the file was not written for this model. "
+                f"Received: {theirs}.dtype={tensor.dtype}"
+            )
+        if convert is not None:
+            if tensor.dim() != target.dim():
+                raise ValueError(
+                    f"weight {theirs} has shape {tuple(tensor.shape)} in {weights.file(theirs)}, "
+                    f"which does not fit the config (a {target.dim()}-d tensor of shape "
+                    f"{tuple(target.shape)} is taken from it). "
+                    f"Received: {theirs}.shape={tuple(tensor.shape)}"
+                )
+            tensor = convert(tensor)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"weight {theirs} has shape {tuple(stored[theirs].shape)} in "
+                f"{weights.file(theirs)} but the config implies {tuple(target.shape)}; "
+                "config.json and the weights disagree. "
+                f"Received: {theirs}.shape={tuple(stored[theirs].shape)}"
+            )
+        paired[mine] = tensor
+    used = {theirs for theirs, _ in sources.values()}
+    left = sorted(name for name in stored if name not in used and not unused(name))
+    if left:
+        raise ValueError(
+            f"the weights in {weights.folder} hold {len(left)} tensors the config does not "
+            f"use: {_listed(left)}. config.json and the weights disagree (more layers or "
+            "other parts than the config describes); loading only some of them would give a "
+            f"different model. Received: {len(stored)} tensors, {len(used)} used"
+        )
+    return paired
 
 
 def assign(
@@ -327,56 +697,10 @@ def assign(
     state: Mapping[str, Tensor],
     names: Mapping[str, str | tuple[str, Callable[[Tensor], Tensor]]],
     *,
-    folder: Path,
+    weights: Weights,
     unused: Callable[[str], bool] = lambda name: False,
 ) -> None:
-    """Load checkpoint tensors into ``model``: ``names`` maps each of the model's state-dict
-    keys to a checkpoint name, or to ``(name, convert)`` when the stored tensor needs a
-    transform (a slice of a fused projection, a transpose). Several keys may share one name
-    (tied weights, fused projections).
-
-    ``unused(name)`` says which checkpoint tensors may be left out on purpose (buffers older
-    checkpoints saved, heads of other tasks); any other tensor left over is an error.
-
-    Raises:
-        ValueError: a tensor the model needs is missing, has another shape, or a checkpoint
-            tensor is left unused (config.json and the weights disagree).
-    """
-    sources = {
-        mine: (spec, None) if isinstance(spec, str) else spec for mine, spec in names.items()
-    }
-    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in state})
-    if missing:
-        raise ValueError(
-            f"the weights in {folder} lack {len(missing)} tensors the config needs, e.g. "
-            f"{missing[:3]}. Received: {len(state)} tensors"
-        )
-    own = model.state_dict()
-    ours: dict[str, Tensor] = {}
-    for mine, (theirs, convert) in sources.items():
-        tensor = state[theirs]
-        if convert is not None:
-            if tensor.dim() != own[mine].dim():
-                raise ValueError(
-                    f"weight {theirs} has shape {tuple(tensor.shape)}, which does not fit the "
-                    f"config. Received: config.json and weights that disagree"
-                )
-            tensor = convert(tensor)
-        if tuple(tensor.shape) != tuple(own[mine].shape):
-            raise ValueError(
-                f"weight {theirs} has shape {tuple(state[theirs].shape)} but the config implies "
-                f"{tuple(own[mine].shape)}. Received: config.json and weights that disagree"
-            )
-        ours[mine] = tensor
-    used = {theirs for theirs, _ in sources.values()}
-    left = sorted(name for name in state if name not in used and not unused(name))
-    if left:
-        listed = ", ".join(left[:_LISTED])
-        more = f" and {len(left) - _LISTED} more" if len(left) > _LISTED else ""
-        raise ValueError(
-            f"the weights in {folder} hold {len(left)} tensors the config does not use: "
-            f"{listed}{more}. config.json and the weights disagree (more layers or other "
-            "parts than the config describes); loading only some of them would give a "
-            f"different model. Received: {len(state)} tensors, {len(used)} used"
-        )
-    model.load_state_dict(ours, strict=True)
+    """Load checkpoint tensors into ``model`` (see ``match`` for ``names``, ``unused`` and
+    the errors): never a partial load."""
+    paired = match(model.state_dict(), state, names, weights=weights, unused=unused)
+    model.load_state_dict(paired, strict=True)

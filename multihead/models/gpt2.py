@@ -22,6 +22,7 @@ from ..modules import (
 )
 from . import checkpoint
 from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
+from .checkpoint import Size
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
 
@@ -47,12 +48,12 @@ _UNUSED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 class GPT2Config:
     """The fields of a GPT-2 ``config.json`` that shape the model (Hugging Face names)."""
 
-    vocab_size: int
-    n_positions: int = 1024  # learned position table: the longest sequence
-    n_embd: int = 768
-    n_layer: int = 12
-    n_head: int = 12
-    n_inner: int | None = None  # feed-forward width; None means 4 * n_embd
+    vocab_size: Size
+    n_positions: Size = 1024  # learned position table: the longest sequence
+    n_embd: Size = 768
+    n_layer: Size = 12
+    n_head: Size = 12
+    n_inner: Size | None = None  # feed-forward width; None means 4 * n_embd
     activation_function: str = "gelu_new"  # the tanh approximation of GELU
     layer_norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = True  # the output layer reuses the token embeddings
@@ -69,15 +70,12 @@ class GPT2Config:
             source=source,
             fixed=_FIXED,
             choices={"activation_function": _HF_ACTIVATIONS},
-            positive=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
         )
         if config.n_embd % config.n_head:
             raise ValueError(
                 f"{source}: n_head must divide n_embd={config.n_embd}. "
                 f"Received: n_head={config.n_head}"
             )
-        if config.n_inner == 0:
-            raise ValueError(f"{source}: n_inner must be positive or null. Received: n_inner=0")
         return config
 
 

@@ -25,6 +25,7 @@ from ..modules import (
 )
 from . import checkpoint
 from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
+from .checkpoint import Size
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
@@ -37,14 +38,14 @@ _UNUSED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaConfig:
     """The fields of a Llama ``config.json`` that shape the model (Hugging Face names)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int  # SwiGLU hidden width
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None  # H_kv for grouped-query attention; None means H
-    head_dim: int | None = None  # D; None means hidden_size / num_attention_heads
-    max_position_embeddings: int = 2048  # the trained context: inputs and generation stop here
+    vocab_size: Size
+    hidden_size: Size
+    intermediate_size: Size  # SwiGLU hidden width
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size | None = None  # H_kv for grouped-query attention; None means H
+    head_dim: Size | None = None  # D; None means hidden_size / num_attention_heads
+    max_position_embeddings: Size = 2048  # the trained context: inputs and generation stop here
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # older configs; newer ones use rope_parameters
     rope_parameters: dict | None = None  # {"rope_type": "default", "rope_theta": ...}
@@ -64,14 +65,6 @@ class LlamaConfig:
             raw,
             source=source,
             fixed=_FIXED,
-            positive=(
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "max_position_embeddings",
-            ),
         )
         h, e = config.num_attention_heads, config.hidden_size
         if config.head_dim is None and e % h:
@@ -85,7 +78,7 @@ class LlamaConfig:
                 f"Received: head_dim={config.head_dim}"
             )
         h_kv = config.num_key_value_heads
-        if h_kv is not None and (h_kv == 0 or h % h_kv):
+        if h_kv is not None and h % h_kv:
             raise ValueError(
                 f"{source}: num_key_value_heads must divide num_attention_heads={h}. "
                 f"Received: num_key_value_heads={h_kv}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import pickle
+import re
 import shutil
 
 import pytest
@@ -49,8 +51,9 @@ def _writable(source, folder):
         (b'{"hidden_size": 384,', r"config.json in .* is not valid JSON: Expecting .* line 1"),
         (b"[1, 2]", r"config.json in .* must hold a JSON object .* Received: a JSON list"),
         (b"\xff\xfe{}", r"config.json in .* is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, r"config.json in .* nests lists or objects too deeply"),
     ],
-    ids=["empty", "blank", "truncated", "list", "not_utf8"],
+    ids=["empty", "blank", "truncated", "list", "not_utf8", "deep"],
 )
 def test_bad_config_json(bert_folder, tiny, tmp_path, content, match):
     (bert_folder / "config.json").write_bytes(content)
@@ -189,3 +192,101 @@ def test_sharded_safetensors(tiny, tmp_path):
         FileNotFoundError, match=r"lists the shard model-2\.safetensors, which is missing"
     ):
         llama.load(folder)
+
+
+def _edit(folder, **change):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2", "llama"])
+def test_sizes_are_checked_against_the_header_before_building(bert_folder, tiny, tmp_path, kind):
+    """vocab_size=10**9 asked torch for 1.5 TB (a raw allocator error); the config now meets
+    the safetensors header on a model built on the meta device, and the error names the
+    tensor, its file and both shapes."""
+    if kind == "bert":
+        folder, loader, field, tensor = (
+            bert_folder,
+            bert,
+            "vocab_size",
+            r"embeddings\.word_embeddings\.weight has shape \(30522, 384\)",
+        )
+        implied = r"\(1000000000, 384\)"
+    else:
+        folder = _writable(tiny[kind], tmp_path / kind)
+        loader = {"gpt2": gpt2, "llama": llama}[kind]
+        field, tensor = "vocab_size", r"(wte|embed_tokens)\.weight has shape \(\d+, (\d+)\)"
+        implied = r"\(1000000000, \2\)"
+    _edit(folder, **{field: 10**9})
+    with pytest.raises(
+        ValueError, match=rf"weight {tensor} in model\.safetensors but the config implies {implied}"
+    ):
+        loader.load(folder)
+
+
+def test_a_layer_count_far_beyond_the_weights_stops_the_build(tiny, tmp_path):
+    folder = _writable(tiny["llama"], tmp_path / "llama")
+    _edit(folder, num_hidden_layers=10**9)
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json in .* describes a model far larger than model\.safetensors holds.*"
+        r"A layer count or size in config\.json is wrong for these weights",
+    ):
+        llama.load(folder)
+
+
+@pytest.mark.parametrize(
+    "shard", ["../other.safetensors", "/tmp/model-1.safetensors", "a/../../x.safetensors"]
+)
+def test_shard_paths_are_confined_to_the_folder(tiny, tmp_path, shard):
+    """A model.safetensors.index.json naming a shard outside the folder is refused; the
+    same file beside the folder would otherwise be read."""
+    folder = _writable(tiny["llama"], tmp_path / "llama")
+    (folder / "model.safetensors").rename(tmp_path / "other.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "other.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    index = {"weight_map": dict.fromkeys(names, shard)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors\.index\.json in .*: weight_map must name a file inside the "
+        rf"model folder.*Received: weight_map='{re.escape(shard)}'",
+    ):
+        llama.load(folder)
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_a_pickle_where_safetensors_belong_is_named(bert_folder, tiny, tmp_path, kind):
+    """Pickled bytes under the safetensors name: safetensors' own error (raw before) becomes
+    one that names the file; the pickle is never unpickled."""
+    folder = bert_folder if kind == "bert" else _writable(tiny[kind], tmp_path / kind)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").write_bytes(pickle.dumps({"w": [1.0, 2.0]}))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors in .* is truncated or corrupt, or not a safetensors file",
+    ):
+        {"bert": bert, "llama": llama}[kind].load(folder)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_integer_weights_where_floats_belong_are_named(tiny, tmp_path, kind):
+    """An int32 tensor was silently converted into the float parameter before."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _writable(tiny[kind], tmp_path / kind)
+    state = load_file(str(folder / "model.safetensors"))
+    name = {"gpt2": "ln_f.weight", "llama": "model.norm.weight"}[kind]
+    if name not in state:  # GPT-2 folders may keep the transformer. prefix
+        name = f"transformer.{name}"
+    state[name] = torch.ones_like(state[name], dtype=torch.int32)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"weight (ln_f|norm)\.weight is stored as torch\.int32 in model\.safetensors but "
+        r"the model needs floating-point values there \(torch\.float32\).*"
+        r"Received: (ln_f|norm)\.weight\.dtype=torch\.int32",
+    ):
+        {"gpt2": gpt2, "llama": llama}[kind].load(folder)

@@ -446,7 +446,10 @@ def test_a_billion_new_tokens_fail_fast_on_memory(tmp_path_factory):
         ("llama", {"head_dim": 7}, "head_dim must be even"),
         ("llama", {"num_key_value_heads": 3}, "num_key_value_heads must divide"),
         ("llama", {"hidden_act": "gelu"}, r"hidden_act must be one of \['silu'\]"),
-        ("llama", {"vocab_size": "300"}, "vocab_size must be a non-negative int"),
+        ("llama", {"vocab_size": "300"}, "vocab_size must be a positive int"),
+        ("llama", {"num_key_value_heads": 0}, "num_key_value_heads must be a positive int or null"),
+        ("gpt2", {"n_inner": 0}, r"n_inner must be a positive int or null\. Received: n_inner=0"),
+        ("gpt2", {"n_layer": 0}, r"n_layer must be a positive int\. Received: n_layer=0"),
     ],
     ids=lambda x: x if isinstance(x, str) else next(iter(x)) if isinstance(x, dict) else "",
 )
