@@ -110,15 +110,20 @@ def test_health_and_info(server):
     assert info["max_input_length"] == 256 and info["max_batch_tokens"] == 16384
 
 
+def _raw(body: bytes) -> dict:
+    """httpx arguments sending ``body`` as it is, declared as JSON."""
+    return {"content": body, "headers": {"content-type": "application/json"}}
+
+
 def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
     """(method, path, httpx keyword arguments, expected status, words of the message)."""
     long_text = " ".join(["word"] * 300)
     return [
-        ("POST", "/embed", {"content": b"{"}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b""}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"[]"}, 422, "JSON object. Received: list"),
-        ("POST", "/embed", {"content": b'"text"'}, 422, "JSON object. Received: str"),
-        ("POST", "/embed", {"content": b"null"}, 422, "JSON object"),
+        ("POST", "/embed", _raw(b"{"), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b""), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"[]"), 422, "JSON object. Received: list"),
+        ("POST", "/embed", _raw(b'"text"'), 422, "JSON object. Received: str"),
+        ("POST", "/embed", _raw(b"null"), 422, "JSON object"),
         ("POST", "/embed", {"json": {"input": "x"}}, 422, 'must have "inputs"'),
         ("POST", "/embed", {"json": {"inputs": 3}}, 422, "string or a list of strings"),
         ("POST", "/embed", {"json": {"inputs": None}}, 422, "string or a list of strings"),
@@ -132,17 +137,18 @@ def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
         ("POST", "/embed", {"json": {"inputs": long_text}}, 422, "302 tokens but at most 256"),
         ("POST", "/embed", {"json": {"inputs": "x", "normalize": "yes"}}, 422, '"normalize"'),
         ("POST", "/embed", {"json": {"inputs": "x", "truncate": 1}}, 422, '"truncate"'),
-        ("POST", "/embed", {"content": b'{"inputs": "\\ud800"}'}, 422, "not valid Unicode"),
-        ("POST", "/embed", {"content": b"\xff\xfe\x00"}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"[" * 200_000}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"x" * 2_000_001}, 413, "larger than the limit"),
+        ("POST", "/embed", _raw(b'{"inputs": "\\ud800"}'), 422, "not valid Unicode"),
+        ("POST", "/embed", _raw(b"\xff\xfe\x00"), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"[" * 200_000), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"x" * 2_000_001), 413, "larger than the limit"),
         (
             "POST",
             "/embed",
             {"content": b"hello", "headers": {"content-type": "text/plain"}},
-            422,
-            "must be JSON",
+            415,
+            "Received: Content-Type: text/plain",
         ),
+        ("POST", "/embed", {"content": b'{"inputs": "x"}'}, 415, "Content-Type: (none)"),
         ("POST", "/v1/embeddings", {"json": {"inputs": "x"}}, 422, 'must have "input"'),
         (
             "POST",
@@ -154,7 +160,7 @@ def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
         ("POST", "/v1/embeddings", {"json": {"input": "x", "model": 7}}, 422, '"model"'),
         ("POST", "/v1/embeddings", {"json": {"input": "x", "dimensions": 8}}, 422, "384"),
         ("POST", "/v1/embeddings", {"json": {"input": [101, 102]}}, 422, "must be a string"),
-        ("POST", "/v1/embeddings", {"content": b"x" * 2_000_001}, 413, "larger than the limit"),
+        ("POST", "/v1/embeddings", _raw(b"x" * 2_000_001), 413, "larger than the limit"),
         ("POST", "/attention", {"json": {"inputs": ["a", "b"]}}, 422, "must be a string"),
         ("POST", "/attention", {"json": {"inputs": "x", "layers": [6]}}, 422, "[0, 6)"),
         ("POST", "/attention", {"json": {"inputs": "x", "heads": [-1]}}, 422, "[0, 12)"),
