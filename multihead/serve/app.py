@@ -209,12 +209,12 @@ def _attention_json(head: dict[str, Any], weights: np.ndarray, limit: int) -> by
     for i, layer in enumerate(weights):
         for j, matrix in enumerate(layer):
             opening = (b"," if i else b"") + b"[" if j == 0 else b","
-            text = _dumps(matrix.astype(np.float64).tolist())
-            size += len(opening) + len(text) + 1
-            if size > limit:
+            parts += [opening, _dumps(matrix.astype(np.float64).tolist())]
+            size += len(parts[-2]) + len(parts[-1])
+            if size + len(b"]]}") > limit:  # the closing brackets still to come
                 return None
-            parts += [opening, text]
         parts.append(b"]")
+        size += 1
     parts.append(b"]}")
     return b"".join(parts)
 
