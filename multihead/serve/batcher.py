@@ -56,7 +56,7 @@ class MicroBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
-        self._expired: BaseException | None = None
+        self._expired: Callable[[], BaseException] | None = None
 
     @property
     def queued(self) -> int:
@@ -78,14 +78,14 @@ class MicroBatcher:
         await self._task
         self._task = None
 
-    def expire(self, error: BaseException) -> None:
-        """Fail every queued request with ``error`` now, and every later ``submit`` too (the
-        drain deadline of a shutdown). The batch already in the model still finishes."""
+    def expire(self, error: Callable[[], BaseException]) -> None:
+        """Fail every queued request with a fresh ``error()`` now, and every later ``submit``
+        too (the drain deadline of a shutdown). The batch already in the model finishes."""
         self._expired = error
         while self._pending:
             job = self._pending.popleft()
             if not job.future.done():
-                job.future.set_exception(error)
+                job.future.set_exception(error())
         self._pending_tokens = 0
 
     async def submit(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
@@ -94,7 +94,7 @@ class MicroBatcher:
         Cancelling the caller (its client went away) takes the request out of the queue, so
         the model never computes it."""
         if self._expired is not None:
-            raise self._expired
+            raise self._expired()
         if self._task is None or self._closing:
             raise RuntimeError("the batcher is not running (start() it inside the app's lifespan)")
         job = _Job(ids, sum(len(s) for s in ids), asyncio.get_running_loop().create_future())
