@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import unicodedata
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -49,7 +50,7 @@ class Limits:
     payload_limit: most bytes in a request body; more get 413 (TEI: 2 MB).
     max_response_mb: most megabytes (10**6 bytes) in one response; a larger one (all layers
         and heads of a long text from /attention) gets 413 asking for fewer layers, heads or
-        tokens. 16 MB holds every layer and head of a 120-token text of MiniLM.
+        tokens. 16 MB holds every layer and head of MiniLM for up to about 100 tokens.
     header_timeout_s: a connection must send a request's whole header within this time of
         opening (or of its previous answer); else it is closed (nginx: 60 s).
     body_timeout_s: a request's whole body must arrive within this time of its header; else
@@ -186,7 +187,7 @@ def _indices(data: dict[str, Any], field: str, count: int) -> list[int]:
             422, f'"{field}" must be in [0, {count}). Received: {_short(bad)} out of range'
         )
     if len(set(value)) != len(value):  # each copy would repeat an L x L matrix in the answer
-        twice = sorted({v for v in value if value.count(v) > 1})
+        twice = sorted(v for v, n in Counter(value).items() if n > 1)
         raise ClientError(
             422, f'"{field}" must not repeat an index. Received: {_short(twice)} more than once'
         )
@@ -449,9 +450,10 @@ def create_app(engine: Engine, limits: Limits | None = None, access: Access | No
                 special=tokens.special,
                 title=f"attention: {text}",
             )
-            if len(page) > limits.max_response_bytes:  # characters: at least as many bytes
+            body = page.encode()
+            if len(body) > limits.max_response_bytes:
                 raise too_large(engine.layers, engine.heads, len(tokens.ids))
-            return HTMLResponse(page)
+            return HTMLResponse(body)
 
         return await admitted(run)
 

@@ -11,6 +11,7 @@ limit (answered before any of the body is read), 408 a body not received within 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -212,9 +213,11 @@ class Guard:
     def _authorize(self, scope: dict) -> None:
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
-        expected = self.access.api_key.encode()
-        # compare_digest takes as long for a near miss as for a wild guess
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        # equal-length digests, compared in constant time: neither the key's characters nor
+        # its length show in how long a refusal takes
+        sent = hashlib.sha256(token.strip().encode()).digest()
+        expected = hashlib.sha256(self.access.api_key.encode()).digest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, expected):
             received = "no Authorization header" if not header else f"{scheme[:20]} credentials"
             if header and scheme.lower() == "bearer":
                 received = "a wrong key"

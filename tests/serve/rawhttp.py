@@ -19,7 +19,7 @@ def connect(running: Background, data: bytes = b"") -> socket.socket:
 def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, bool]:
     """Everything the server sends within ``timeout`` s, and whether it closed the connection
     by then (False: still open when the time was up)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(timeout, 0.01)
     received = b""
     try:
         while (left := deadline - time.monotonic()) > 0:
