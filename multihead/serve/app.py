@@ -27,6 +27,7 @@ from .._extras import require
 from .batcher import MicroBatcher
 from .engine import Engine, TooLong
 from .guard import ROUTES, Access, Guard, error_body
+from .memory import release_free_memory
 from .metrics import Metrics
 
 __all__ = ["ClientError", "Limits", "create_app"]
@@ -240,8 +241,22 @@ def create_app(engine: Engine, limits: Limits | None = None, access: Access | No
     access = access or Access()
     metrics = Metrics()
     model_thread = ThreadPoolExecutor(1, thread_name_prefix="multihead-model")
+
+    def then_release(call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` on the model thread, then the heap's free pages back to the OS if no
+        request waits for the model (see memory.py: without it the RSS creeps up)."""
+
+        def run(*args: Any) -> Any:
+            try:
+                return call(*args)
+            finally:
+                if not batcher.queued:  # an attention call may wait: trimming takes ms
+                    release_free_memory()
+
+        return run
+
     batcher = MicroBatcher(
-        engine.embed,
+        then_release(engine.embed),
         model_thread,
         max_batch_tokens=limits.max_batch_tokens,
         max_wait_ms=limits.max_wait_ms,
@@ -323,7 +338,8 @@ def create_app(engine: Engine, limits: Limits | None = None, access: Access | No
                 raise unavailable()
             return call(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(model_thread, guarded)
+        run = then_release(guarded)
+        return await asyncio.get_running_loop().run_in_executor(model_thread, run)
 
     async def tokenize(texts: list[str], truncate: bool) -> list[Any]:
         try:
