@@ -103,7 +103,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .serve import Limits, run
+    import os
+
+    from .serve import Access, Limits, run
 
     limits = Limits(
         max_batch_tokens=args.max_batch_tokens,
@@ -111,6 +113,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_client_batch_size=args.max_client_batch_size,
         max_concurrent_requests=args.max_concurrent_requests,
         payload_limit=args.payload_limit,
+        max_response_mb=args.max_response_mb,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        drain_timeout_s=args.drain_timeout,
+    )
+    access = Access(
+        api_key=args.api_key or os.environ.get("MULTIHEAD_API_KEY") or None,
+        allowed_hosts=tuple(args.allowed_hosts),
+        cors_origin=args.cors_origin,
     )
     run(
         model_path=args.model,
@@ -119,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         limits=limits,
+        access=access,
         threads=args.threads,
         say=lambda line: print(line, flush=True),
     )
@@ -318,6 +330,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--payload-limit", type=int, default=2_000_000, help="most bytes per body (else 413)"
+    )
+    serve.add_argument(
+        "--max-response-mb",
+        type=float,
+        default=16.0,
+        help="most MB per response, else 413 asking for fewer layers, heads or tokens",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to send a request's header, else the connection closes (default 10)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to send a request's body after its header, else 408 (default 30)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="on SIGTERM, requests still queued after S seconds get 503 (default 20)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $MULTIHEAD_API_KEY; the environment keeps it out of the process list)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="Host names answered besides localhost, 127.0.0.1 and [::1] when listening on "
+        "a loopback address ('*': any)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        default=None,
+        metavar="ORIGIN",
+        help="the browser origin (https://app.example, or '*') allowed to read answers; "
+        "default: no CORS headers",
     )
     serve.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
     serve.set_defaults(func=_serve)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from .app import ClientError, Limits, create_app
 from .engine import Engine, Tokens, TooLong
-from .server import RUNTIMES, Background, bind, load_engine, run
+from .guard import Access
+from .server import RUNTIMES, Background, bind, load_engine, open_warning, run
 
 __all__ = [
     "RUNTIMES",
+    "Access",
     "Background",
     "ClientError",
     "Engine",
@@ -26,5 +28,6 @@ __all__ = [
     "bind",
     "create_app",
     "load_engine",
+    "open_warning",
     "run",
 ]

@@ -20,7 +20,7 @@ import numpy as np
 __all__ = ["MicroBatcher"]
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are found in the queue by identity: two may hold the same ids
 class _Job:
     ids: Sequence[Sequence[int]]
     tokens: int
@@ -56,6 +56,7 @@ class MicroBatcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._expired: Callable[[], BaseException] | None = None
 
     @property
     def queued(self) -> int:
@@ -77,15 +78,36 @@ class MicroBatcher:
         await self._task
         self._task = None
 
+    def expire(self, error: Callable[[], BaseException]) -> None:
+        """Fail every queued request with a fresh ``error()`` now, and every later ``submit``
+        too (the drain deadline of a shutdown). The batch already in the model finishes."""
+        self._expired = error
+        while self._pending:
+            job = self._pending.popleft()
+            if not job.future.done():
+                job.future.set_exception(error())
+        self._pending_tokens = 0
+
     async def submit(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
-        """Embed these sequences as part of some batch; (len(ids), E) in the same order."""
+        """Embed these sequences as part of some batch; (len(ids), E) in the same order.
+
+        Cancelling the caller (its client went away) takes the request out of the queue, so
+        the model never computes it."""
+        if self._expired is not None:
+            raise self._expired()
         if self._task is None or self._closing:
             raise RuntimeError("the batcher is not running (start() it inside the app's lifespan)")
         job = _Job(ids, sum(len(s) for s in ids), asyncio.get_running_loop().create_future())
         self._pending.append(job)
         self._pending_tokens += job.tokens
         self._wake.set()
-        return await job.future
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            if job in self._pending:  # still queued: nobody will want its rows
+                self._pending.remove(job)
+                self._pending_tokens -= job.tokens
+            raise
 
     async def _loop(self) -> None:
         while True:
@@ -95,6 +117,8 @@ class MicroBatcher:
                 self._wake.clear()
                 await self._wake.wait()
             await self._gather()
+            if not self._pending:  # every waiting client left while the batch gathered
+                continue
             batch = self._take()
             try:
                 vectors = await asyncio.get_running_loop().run_in_executor(

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -16,11 +18,23 @@ from typing import Any
 from .._extras import require
 from .app import Limits, create_app
 from .engine import Engine
+from .guard import Access, is_loopback_host
+from .protocol import header_timeout_protocol
 
-__all__ = ["RUNTIMES", "Background", "bind", "load_engine", "run", "uvicorn_server"]
+__all__ = [
+    "RUNTIMES",
+    "Background",
+    "bind",
+    "load_engine",
+    "open_warning",
+    "run",
+    "uvicorn_server",
+]
 
 RUNTIMES = ("torch", "onnx")
-GRACEFUL_SHUTDOWN_S = 30  # requests in flight get this long to finish after SIGTERM / Ctrl-C
+# after the drain deadline only the batch already in the model is left to finish: uvicorn's
+# own deadline (past which it cancels requests with a 500) comes this much later
+LAST_BATCH_S = 60
 
 
 def load_engine(
@@ -91,17 +105,44 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _limits(app: Any) -> Limits:
+    limits = getattr(getattr(app, "state", None), "limits", None)
+    return limits if isinstance(limits, Limits) else Limits()
+
+
 def uvicorn_server(app: Any) -> Any:
-    """A uvicorn server for ``app``: quiet logs, graceful shutdown of requests in flight."""
+    """A uvicorn server for ``app``: quiet logs, the header deadline, and a graceful shutdown
+    that starts the app's drain deadline (``app.state.drain``) before waiting for requests."""
     uvicorn = require("uvicorn", "serve", "multihead serve")
+    limits = _limits(app)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            drain = getattr(getattr(app, "state", None), "drain", None)
+            if drain is not None:
+                drain()
+            await super().shutdown(sockets)
+
     config = uvicorn.Config(
         app,
+        http=header_timeout_protocol(limits.header_timeout_s),
         log_level="warning",
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=limits.drain_timeout_s + LAST_BATCH_S,
     )
-    return uvicorn.Server(config)
+    return Server(config)
+
+
+def open_warning(host: str, access: Access) -> str | None:
+    """The warning for a server other machines can reach with no API key, else None."""
+    if is_loopback_host(host) or access.api_key is not None:
+        return None
+    return (
+        f"multihead serve: warning: listening on {host}, which other machines may reach, "
+        "without an API key: anyone who can reach this port can use the model and its CPU. "
+        "Set MULTIHEAD_API_KEY (or --api-key), or listen on 127.0.0.1."
+    )
 
 
 def run(
@@ -112,18 +153,27 @@ def run(
     host: str = "127.0.0.1",
     port: int = 8080,
     limits: Limits | None = None,
+    access: Access | None = None,
     threads: int | None = None,
     say: Callable[[str], None] = print,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; the requests in flight then finish before it returns."""
+    """Serve until SIGINT/SIGTERM; the requests in flight then finish before it returns (those
+    still queued ``limits.drain_timeout_s`` after the signal get 503).
+
+    ``access.loopback`` is set from ``host``: only a loopback listener checks Host headers.
+    """
     limits = limits or Limits()
+    access = dataclasses.replace(access or Access(), loopback=is_loopback_host(host))
     _check(runtime, onnx_path, threads)  # before taking the port or loading anything
     sock = bind(host, port)
     try:
+        warning = open_warning(host, access)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         engine = load_engine(
             model_path, runtime=runtime, onnx_path=onnx_path, threads=threads, say=say
         )
-        server = uvicorn_server(create_app(engine, limits))
+        server = uvicorn_server(create_app(engine, limits, access))
         shown = f"[{host}]" if ":" in host else host
         say(
             f"multihead serve: {engine.model_id} on {engine.runtime}, listening on "
@@ -166,8 +216,8 @@ class Background:
     """A server on a daemon thread: ``with Background(app) as server: server.url``.
 
     Listens on 127.0.0.1 and a free port by default. Leaving the block asks the server to stop
-    as SIGTERM would (requests in flight finish) and waits for the thread, at most
-    ``GRACEFUL_SHUTDOWN_S`` + 5 seconds.
+    as SIGTERM would (requests in flight finish, those queued past the drain deadline get 503)
+    and waits for the thread, at most uvicorn's shutdown deadline + 5 seconds.
     """
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -192,7 +242,7 @@ class Background:
     def stop(self) -> None:
         """Ask the server to stop (requests in flight finish) and wait for it."""
         self._server.should_exit = True
-        self._thread.join(GRACEFUL_SHUTDOWN_S + 5)
+        self._thread.join(self._server.config.timeout_graceful_shutdown + 5)
         self._sock.close()
 
     @property

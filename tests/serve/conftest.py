@@ -45,7 +45,12 @@ def wait_until() -> Callable[..., None]:
 
 @pytest.fixture(scope="module")
 def engine(pretrained):
-    return Engine(pretrained)
+    engine = Engine(pretrained)
+    # the first model call of a process picks its attention backends (seconds on a busy
+    # machine): done here, it cannot eat into a request's client timeout
+    engine.embed([[101, 2023, 102]])
+    engine.attention([101, 2023, 102])
+    return engine
 
 
 @pytest.fixture(scope="module")

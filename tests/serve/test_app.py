@@ -4,6 +4,7 @@ every client mistake answered with a 4xx and a JSON error."""
 from __future__ import annotations
 
 import base64
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -108,23 +109,91 @@ def test_health_and_info(server):
     info = httpx.get(server.url + "/info").json()
     assert info["runtime"] == "torch" and info["dim"] == 384
     assert info["max_input_length"] == 256 and info["max_batch_tokens"] == 16384
+    assert info["max_response_mb"] == 16 and info["drain_timeout_s"] == 20
+    assert info["api_key"] is False and info["cors_origin"] is None
+
+
+def test_any_model_name_is_answered_by_the_served_model_and_info_says_so(server, engine):
+    body = {"input": "hello", "model": "text-embedding-3-large"}
+    answer = httpx.post(server.url + "/v1/embeddings", json=body)
+    assert answer.status_code == 200 and answer.json()["model"] == engine.model_id
+    info = httpx.get(server.url + "/info").json()
+    assert info["model_id"] == engine.model_id
+    assert info["model_names"] == (
+        f'any "model" value is accepted; {engine.model_id} answers every request'
+    )
+
+
+def test_attention_answers_past_the_response_limit_get_413(engine):
+    """The answer is counted as it is written: one byte over max_response_mb is refused, with
+    a message saying how to ask for less; the exact size fits."""
+    full = {"inputs": TEXTS[0]}
+    with Background(create_app(engine, Limits())) as running:
+        size = len(httpx.post(running.url + "/attention", json=full).content)
+        # 250 words with all layers and heads (the probe's 100 MB answer): refused before the
+        # model runs, since even "0.0," for every weight would not fit in 16 MB
+        words = {"inputs": " ".join(["word"] * 250)}
+        refused = httpx.post(running.url + "/attention", json=words)
+        assert refused.status_code == 413 and refused.json()["error_type"] == "ResponseTooLarge"
+        assert refused.json()["error"].endswith("Received: 6 layers x 12 heads x 252 tokens")
+        assert 'fewer "layers" or "heads", or send a shorter text' in refused.json()["error"]
+        fewer = httpx.post(running.url + "/attention", json={**words, "layers": [5], "heads": [0]})
+        assert fewer.status_code == 200 and len(fewer.content) < 16_000_000
+    assert 300_000 < size < 16_000_000  # 72 matrices of 16 x 16
+    with Background(create_app(engine, Limits(max_response_mb=size / 1e6))) as running:
+        assert httpx.post(running.url + "/attention", json=full).status_code == 200
+    with Background(create_app(engine, Limits(max_response_mb=(size - 1) / 1e6))) as running:
+        over = httpx.post(running.url + "/attention", json=full)
+    assert over.status_code == 413 and "(max_response_mb)" in over.json()["error"]
+    with Background(create_app(engine, Limits(max_response_mb=0.05))) as running:
+        page = httpx.get(running.url + "/view", params={"text": TEXTS[0]})
+    # the head view holds the same weights (rounded): 16 tokens need more than 50 kB
+    assert page.status_code == 413 and "x 16 tokens" in page.json()["error"]
+
+
+def test_health_answers_within_a_second_while_a_large_answer_is_built(engine):
+    """Before, a 60 MB answer was serialized on the event loop, and /health waited for it."""
+    text = " ".join(["word"] * 200)  # 72 matrices of 202 x 202 weights: about 60 MB of JSON
+    with Background(create_app(engine, Limits(max_response_mb=500))) as running:
+        pool = ThreadPoolExecutor(1)
+        big = pool.submit(httpx.post, running.url + "/attention", json={"inputs": text},
+                          timeout=120)  # fmt: skip
+        waits = []
+        with httpx.Client(base_url=running.url, timeout=10) as client:
+            while not big.done() and len(waits) < 2000:
+                start = time.monotonic()
+                assert client.get("/health").status_code == 200
+                waits.append(time.monotonic() - start)
+                time.sleep(0.02)
+        answer = big.result()
+        pool.shutdown()
+    assert answer.status_code == 200 and len(answer.content) > 30_000_000
+    assert len(waits) >= 10 and max(waits) < 1.0, max(waits)
+
+
+def _raw(body: bytes) -> dict:
+    """httpx arguments sending ``body`` as it is, declared as JSON."""
+    return {"content": body, "headers": {"content-type": "application/json"}}
 
 
 def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
     """(method, path, httpx keyword arguments, expected status, words of the message)."""
     long_text = " ".join(["word"] * 300)
     return [
-        ("POST", "/embed", {"content": b"{"}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b""}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"[]"}, 422, "JSON object. Received: list"),
-        ("POST", "/embed", {"content": b'"text"'}, 422, "JSON object. Received: str"),
-        ("POST", "/embed", {"content": b"null"}, 422, "JSON object"),
+        ("POST", "/embed", _raw(b"{"), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b""), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"[]"), 422, "JSON object. Received: list"),
+        ("POST", "/embed", _raw(b'"text"'), 422, "JSON object. Received: str"),
+        ("POST", "/embed", _raw(b"null"), 422, "JSON object"),
         ("POST", "/embed", {"json": {"input": "x"}}, 422, 'must have "inputs"'),
         ("POST", "/embed", {"json": {"inputs": 3}}, 422, "string or a list of strings"),
         ("POST", "/embed", {"json": {"inputs": None}}, 422, "string or a list of strings"),
         ("POST", "/embed", {"json": {"inputs": []}}, 422, "must not be an empty list"),
         ("POST", "/embed", {"json": {"inputs": ""}}, 422, "is empty"),
         ("POST", "/embed", {"json": {"inputs": " \n "}}, 422, "is empty"),
+        ("POST", "/embed", {"json": {"inputs": "\x00\x00\x00"}}, 422, "is empty"),
+        ("POST", "/embed", {"json": {"inputs": "\u200b\u200b"}}, 422, "is empty"),
+        ("POST", "/embed", {"json": {"inputs": ["ok", "\ufeff \u200d\t"]}}, 422, "inputs[1]"),
         ("POST", "/embed", {"json": {"inputs": ["ok", 5]}}, 422, '"inputs[1]" must be a string'),
         ("POST", "/embed", {"json": {"inputs": ["ok", None]}}, 422, "must be a string"),
         ("POST", "/embed", {"json": {"inputs": [["x"]]}}, 422, "must be a string"),
@@ -132,17 +201,18 @@ def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
         ("POST", "/embed", {"json": {"inputs": long_text}}, 422, "302 tokens but at most 256"),
         ("POST", "/embed", {"json": {"inputs": "x", "normalize": "yes"}}, 422, '"normalize"'),
         ("POST", "/embed", {"json": {"inputs": "x", "truncate": 1}}, 422, '"truncate"'),
-        ("POST", "/embed", {"content": b'{"inputs": "\\ud800"}'}, 422, "not valid Unicode"),
-        ("POST", "/embed", {"content": b"\xff\xfe\x00"}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"[" * 200_000}, 422, "must be JSON"),
-        ("POST", "/embed", {"content": b"x" * 2_000_001}, 413, "larger than the limit"),
+        ("POST", "/embed", _raw(b'{"inputs": "\\ud800"}'), 422, "not valid Unicode"),
+        ("POST", "/embed", _raw(b"\xff\xfe\x00"), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"[" * 200_000), 422, "must be JSON"),
+        ("POST", "/embed", _raw(b"x" * 2_000_001), 413, "larger than the limit"),
         (
             "POST",
             "/embed",
             {"content": b"hello", "headers": {"content-type": "text/plain"}},
-            422,
-            "must be JSON",
+            415,
+            "Received: Content-Type: text/plain",
         ),
+        ("POST", "/embed", {"content": b'{"inputs": "x"}'}, 415, "Content-Type: (none)"),
         ("POST", "/v1/embeddings", {"json": {"inputs": "x"}}, 422, 'must have "input"'),
         (
             "POST",
@@ -153,8 +223,24 @@ def _malformed(url: str) -> list[tuple[str, str, dict, int, str]]:
         ),
         ("POST", "/v1/embeddings", {"json": {"input": "x", "model": 7}}, 422, '"model"'),
         ("POST", "/v1/embeddings", {"json": {"input": "x", "dimensions": 8}}, 422, "384"),
+        (
+            "POST",
+            "/v1/embeddings",
+            {"json": {"input": "x", "dimensions": 384.0}},
+            422,
+            '"dimensions" must be an integer. Received: 384.0',
+        ),
+        ("POST", "/v1/embeddings", {"json": {"input": "x", "dimensions": True}}, 422, "integer"),
+        ("POST", "/attention", {"json": {"inputs": "x", "layers": [1, 0, 1]}}, 422, "repeat"),
+        (
+            "POST",
+            "/attention",
+            {"json": {"inputs": "x", "heads": [0] * 20000}},
+            422,
+            '"heads" must not repeat an index. Received: [0] more than once',
+        ),
         ("POST", "/v1/embeddings", {"json": {"input": [101, 102]}}, 422, "must be a string"),
-        ("POST", "/v1/embeddings", {"content": b"x" * 2_000_001}, 413, "larger than the limit"),
+        ("POST", "/v1/embeddings", _raw(b"x" * 2_000_001), 413, "larger than the limit"),
         ("POST", "/attention", {"json": {"inputs": ["a", "b"]}}, 422, "must be a string"),
         ("POST", "/attention", {"json": {"inputs": "x", "layers": [6]}}, 422, "[0, 6)"),
         ("POST", "/attention", {"json": {"inputs": "x", "heads": [-1]}}, 422, "[0, 12)"),

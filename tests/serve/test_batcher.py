@@ -111,3 +111,46 @@ def test_stop_finishes_the_queue_then_refuses_new_work():
     answers, sizes = asyncio.run(main())
     assert [a.tolist() for a in answers] == [[[2, 0]], [[2, 1]], [[2, 2]]]
     assert sizes == [[2], [2], [2]]
+
+
+def test_a_cancelled_request_leaves_the_queue_and_never_runs():
+    """A request whose client left is cancelled by the app: its sequences must not be part of
+    any later batch (before, the batcher still computed them), and an identical request that
+    stays is not confused with it."""
+
+    async def main():
+        batcher, sizes, pool = _batcher(max_batch_tokens=100, max_wait_ms=200)
+        batcher.start()
+        leaving = asyncio.ensure_future(batcher.submit([[9] * 5]))
+        staying = asyncio.ensure_future(batcher.submit([[9] * 5]))
+        await asyncio.sleep(0)
+        assert batcher.queued == 2
+        leaving.cancel()
+        await asyncio.sleep(0)
+        queued = batcher.queued
+        answer = await staying
+        await batcher.stop()
+        pool.shutdown()
+        return queued, answer, sizes
+
+    queued, answer, sizes = asyncio.run(main())
+    assert queued == 1 and sizes == [[5]] and answer.tolist() == [[5, 9]]
+
+
+def test_expire_fails_the_queue_and_later_requests():
+    async def main():
+        batcher, sizes, pool = _batcher(max_batch_tokens=100, max_wait_ms=1000)
+        batcher.start()
+        pending = [asyncio.ensure_future(batcher.submit([[i]])) for i in range(3)]
+        await asyncio.sleep(0)
+        batcher.expire(lambda: LookupError("past the deadline"))
+        errors = await asyncio.gather(*pending, return_exceptions=True)
+        with pytest.raises(LookupError, match="past the deadline"):
+            await batcher.submit([[1]])
+        await batcher.stop()
+        pool.shutdown()
+        return errors, sizes
+
+    errors, sizes = asyncio.run(main())
+    assert [str(e) for e in errors] == ["past the deadline"] * 3
+    assert len({id(e) for e in errors}) == 3 and sizes == []  # one error each, no model call

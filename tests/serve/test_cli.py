@@ -14,7 +14,7 @@ import pytest
 
 from multihead import cli
 from multihead.bench.texts import sentences
-from multihead.serve import load_engine
+from multihead.serve import Access, load_engine, open_warning
 
 FP32 = 1e-5  # onnxruntime fp32 against torch fp32 (tests/export)
 
@@ -78,6 +78,46 @@ def test_serve_bad_flags(capsys):
     assert "port must be an int in [0, 65535]" in capsys.readouterr().err
     assert cli.main(["serve", "--threads", "0"]) == 2
     assert "threads must be a positive int" in capsys.readouterr().err
+
+
+def test_serve_limits_and_access_flags(monkeypatch, capsys):
+    """The issue-17 flags reach run(); the key comes from MULTIHEAD_API_KEY when not given."""
+    import multihead.serve
+
+    seen: dict = {}
+    monkeypatch.setattr(multihead.serve, "run", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setenv("MULTIHEAD_API_KEY", "from-the-environment")
+    argv = ["serve", "--max-response-mb", "4", "--header-timeout", "3", "--body-timeout", "7"]
+    argv += ["--drain-timeout", "9", "--allowed-hosts", "a.example", "b.example"]
+    argv += ["--cors-origin", "https://app.example"]
+    assert cli.main(argv) == 0
+    limits, access = seen["limits"], seen["access"]
+    assert (limits.max_response_mb, limits.header_timeout_s) == (4, 3)
+    assert (limits.body_timeout_s, limits.drain_timeout_s) == (7, 9)
+    assert access.api_key == "from-the-environment"
+    assert access.allowed_hosts == ("a.example", "b.example")
+    assert access.cors_origin == "https://app.example"
+    assert cli.main(["serve", "--api-key", "from-the-flag"]) == 0
+    assert seen["access"].api_key == "from-the-flag"
+    monkeypatch.delenv("MULTIHEAD_API_KEY")
+    assert cli.main(["serve"]) == 0 and seen["access"].api_key is None
+    assert cli.main(["serve", "--max-response-mb", "0"]) == 2
+    assert "max_response_mb must be a positive number" in capsys.readouterr().err
+    assert cli.main(["serve", "--drain-timeout", "nan"]) == 2
+    assert "drain_timeout_s must be a positive number" in capsys.readouterr().err
+    assert cli.main(["serve", "--cors-origin", "app.example"]) == 2
+    assert "cors_origin must be '*' or an origin" in capsys.readouterr().err
+
+
+def test_listening_beyond_loopback_without_a_key_warns():
+    open_access = Access(loopback=False)
+    for host in ("0.0.0.0", "::", "192.0.2.7", "myhost.example"):
+        warning = open_warning(host, open_access)
+        assert f"listening on {host}" in warning and "without an API key" in warning
+        assert "MULTIHEAD_API_KEY" in warning
+        assert open_warning(host, Access(api_key="k", loopback=False)) is None
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert open_warning(host, Access()) is None
 
 
 def test_onnx_runtime_exports_at_start_up(tiny_bert):
