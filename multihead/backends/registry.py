@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from . import _half, flex, reference, sdpa, tiled
+from . import _half, flex, fused, reference, sdpa, tiled
 from ._call import Call, exporting
 
 
@@ -45,6 +45,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("sdpa", sdpa.run, sdpa.unsupported),
         Backend("reference", reference.run, _always),
         Backend("flex", flex.run, flex.unsupported),
+        Backend("fused", fused.run, fused.unsupported),
     )
 }
 

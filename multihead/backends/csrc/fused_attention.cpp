@@ -1,0 +1,450 @@
+// The fused CPU attention kernel behind backend="fused".
+//
+// The kernel only loops: Python hands it a work list built from the mask's own tile answers
+// (query tiles, each with its key chunks and, for partly visible chunks, a small keep block),
+// and it never knows which mask produced it. Per block of query rows it walks the key blocks
+// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, bias
+// and mask applied in place, exp and row sums in one vectorizable loop, output by a second
+// GEMM. Softmax statistics and accumulators are float32 (float64 for float64 inputs); half
+// inputs are widened once per call, since on CPUs without AMX the float32 GEMM is the faster
+// one and it keeps the 2x error rule with margin.
+//
+// Work is spread over torch's intra-op pool (at::parallel_for), so torch.set_num_threads
+// governs it. Every output row, and in the backward pass every key's gradient, is written by
+// exactly one task in a fixed order: results are bitwise reproducible for a thread count.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 128;  // query rows per task: amortizes the per-GEMM call cost
+constexpr int64_t kKeys = 256;  // keys per block: the score block stays in L2
+
+// ---------------------------------------------------------------------------------------
+// exp for x <= 0 that the compiler vectorizes (std::exp is a libm call per element).
+// Cephes' expf: exp(x) = 2^n exp(r) with |r| <= ln2 / 2, a degree-6 polynomial, under 2 ulp.
+// Inputs below -87 (and -inf) give exactly 0, so hidden keys weigh exactly nothing.
+
+inline float exp_nonpositive(float x) {
+  const bool dead = !(x > -87.0f);
+  x = dead ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return dead ? 0.0f : y * two_n;
+}
+
+inline double exp_nonpositive(double x) { return x > -745.0 ? std::exp(x) : 0.0; }
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM on row-major views: C[m, n] = alpha * op(A) op(B) + beta * C, through ATen (MKL or
+// oneDNN), single-threaded inside a parallel region.
+
+template <typename T>
+at::Tensor view(const T* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<T*>(p), {rows, cols}, {ld, 1},
+                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+}
+
+// ---------------------------------------------------------------------------------------
+// The work list (see fused.py: _flatten).
+
+struct Plan {
+  const int64_t* items;   // [n, 6]: b0, b1, q0, q1, first chunk, end chunk (b0 = -1: all)
+  int64_t n_items;
+  const int64_t* chunks;  // [m, 6]: k0, k1, keep offset (-1: fully visible), keep strides b, h, row
+  const uint8_t* keep;    // every keep block, flattened
+};
+
+Plan make_plan(const at::Tensor& items, const at::Tensor& chunks, const at::Tensor& keep) {
+  TORCH_CHECK(items.dtype() == at::kLong && items.is_contiguous() && items.size(1) == 6);
+  TORCH_CHECK(chunks.dtype() == at::kLong && chunks.is_contiguous() && chunks.size(1) == 6);
+  TORCH_CHECK(keep.dtype() == at::kBool && keep.is_contiguous());
+  return Plan{items.data_ptr<int64_t>(), items.size(0), chunks.data_ptr<int64_t>(),
+              reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>())};
+}
+
+// A query-row block of one item, for one batch entry and one head.
+struct Task {
+  int64_t item, b, h, r0, r1;
+};
+
+std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads) {
+  std::vector<Task> tasks;
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? batch : it[1];
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t r = it[2]; r < it[3]; r += kRows)
+          tasks.push_back({n, b, h, r, std::min(r + kRows, it[3])});
+  }
+  return tasks;
+}
+
+// The additive terms: a dense tensor with broadcast strides and/or a table over the distance
+// j - i (a relative modifier such as ALiBi or T5 buckets, never materialized as L x S).
+template <typename T>
+struct Bias {
+  const T* dense = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0, ss = 0;
+  const T* table = nullptr;
+  int64_t th = 0, tlen = 0, shift = 0;  // value(h, i, j) = table[h * th + j - i - shift]
+
+  Bias(const at::Tensor& d, const at::Tensor& t, int64_t table_shift) {
+    if (d.defined() && d.numel() > 0) {
+      dense = d.data_ptr<T>();
+      sb = d.stride(0), sh = d.stride(1), sl = d.stride(2), ss = d.stride(3);
+    }
+    if (t.defined() && t.numel() > 0) {
+      table = t.data_ptr<T>();
+      th = t.size(0) == 1 ? 0 : t.stride(0);
+      tlen = t.size(1);
+      shift = table_shift;
+    }
+  }
+  bool any() const { return dense != nullptr || table != nullptr; }
+};
+
+// Per key block of one task: where the keep bits start, or null when every key is visible.
+// Returns false when no (row, key) pair of the block is visible (the block is skipped).
+inline bool keep_block(const Plan& plan, const int64_t* ch, int64_t b_rel, int64_t h,
+                       int64_t row0, int64_t rows, int64_t k_rel, int64_t cols,
+                       const uint8_t** out, int64_t* row_stride) {
+  *out = nullptr;
+  if (ch[2] < 0) return true;
+  const uint8_t* p = plan.keep + ch[2] + b_rel * ch[3] + h * ch[4] + row0 * ch[5] + k_rel;
+  bool any = false, all = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* r = p + i * ch[5];
+    int64_t seen = 0;
+    for (int64_t j = 0; j < cols; ++j) seen += r[j];
+    any |= seen > 0;
+    all &= seen == cols;
+  }
+  if (!all) *out = p;
+  *row_stride = ch[5];
+  return any;
+}
+
+// Scores of a block in place: scale, bias, then -inf where hidden.
+template <typename T>
+void finish_scores(T* s, int64_t rows, int64_t cols, T scale, const Bias<T>& bias, int64_t b,
+                   int64_t h, int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* row = s + i * cols;
+    for (int64_t j = 0; j < cols; ++j) row[j] *= scale;
+    if (bias.dense != nullptr) {
+      const T* br = bias.dense + b * bias.sb + h * bias.sh + (i0 + i) * bias.sl + j0 * bias.ss;
+      for (int64_t j = 0; j < cols; ++j) row[j] += br[j * bias.ss];
+    }
+    if (bias.table != nullptr) {
+      // entry j of this row reads the table at (j0 + j) - (i0 + i) - shift: a contiguous run
+      const T* tr = bias.table + h * bias.th + (j0 - (i0 + i) - bias.shift);
+      for (int64_t j = 0; j < cols; ++j) row[j] += tr[j];
+    }
+    if (keep != nullptr) {
+      const uint8_t* kr = keep + i * keep_rs;
+      for (int64_t j = 0; j < cols; ++j) row[j] = kr[j] ? row[j] : neg_inf<T>();
+    }
+  }
+}
+
+template <typename T>
+struct Inputs {
+  const T *q, *k, *v;
+  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
+  int64_t B, H, Hkv, L, S, D, Dv;
+
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_)
+      : q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
+        qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
+        ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
+        vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
+        B(q_.size(0)), H(q_.size(1)), Hkv(k_.size(1)), L(q_.size(2)), S(k_.size(2)),
+        D(q_.size(3)), Dv(v_.size(3)) {}
+
+  const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
+  const T* krow(int64_t b, int64_t h, int64_t j) const {
+    return k + b * ksb + (h / (H / Hkv)) * ksh + j * ksr;
+  }
+  const T* vrow(int64_t b, int64_t h, int64_t j) const {
+    return v + b * vsb + (h / (H / Hkv)) * vsh + j * vsr;
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` defined ([B, H, L, S], zeros where
+// the plan reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in
+// the weights while the row's statistics are gathered, then normalized in place.
+
+template <typename T>
+void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+                  T* out, T* lse, T* weights) {
+  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
+  const int64_t D = in.D, Dv = in.Dv, S = in.S;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
+    for (int64_t t = lo; t < hi; ++t) {
+      const Task& task = tasks[t];
+      const int64_t* it = plan.items + 6 * task.item;
+      const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
+      const int64_t m = task.r1 - task.r0;
+      std::fill(acc.begin(), acc.begin() + m * Dv, T(0));
+      std::fill(mx.begin(), mx.begin() + m, neg_inf<T>());
+      std::fill(sum.begin(), sum.begin() + m, T(0));
+      at::Tensor qv = view(in.qrow(task.b, task.h, task.r0), m, D, in.qsr);
+      at::Tensor acc_v = view(acc.data(), m, Dv, Dv);
+      T* wbase = weights == nullptr ? nullptr
+                                    : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
+      for (int64_t c = it[4]; c < it[5]; ++c) {
+        const int64_t* ch = plan.chunks + 6 * c;
+        for (int64_t kb = ch[0]; kb < ch[1]; kb += kKeys) {
+          const int64_t n = std::min(kKeys, ch[1] - kb);
+          const uint8_t* keep;
+          int64_t keep_rs = 0;
+          if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
+                          &keep_rs))
+            continue;
+          at::Tensor s = view(scores.data(), m, n, n);
+          at::mm_out(s, qv, view(in.krow(task.b, task.h, kb), n, D, in.ksr).t());
+          finish_scores(scores.data(), m, n, scale, bias, task.b, task.h, task.r0, kb, keep,
+                        keep_rs);
+          for (int64_t i = 0; i < m; ++i) {
+            T* row = scores.data() + i * n;
+            if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
+            T best = mx[i];
+            for (int64_t j = 0; j < n; ++j) best = std::max(best, row[j]);
+            if (best == neg_inf<T>()) {  // nothing visible in this row yet
+              std::fill(row, row + n, T(0));
+              continue;
+            }
+            const T alpha = exp_nonpositive(mx[i] - best);
+            T total = 0;
+            for (int64_t j = 0; j < n; ++j) {
+              const T p = exp_nonpositive(row[j] - best);
+              row[j] = p;
+              total += p;
+            }
+            sum[i] = sum[i] * alpha + total;
+            mx[i] = best;
+            if (alpha != T(1)) {
+              T* a = acc.data() + i * Dv;
+              for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+            }
+          }
+          acc_v.addmm_(s, view(in.vrow(task.b, task.h, kb), n, Dv, in.vsr));
+        }
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
+        T* o = out + row * Dv;
+        const T* a = acc.data() + i * Dv;
+        const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
+        for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
+        lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
+      }
+      if (wbase == nullptr) continue;
+      for (int64_t c = it[4]; c < it[5]; ++c) {  // the parked scores become weights
+        const int64_t* ch = plan.chunks + 6 * c;
+        for (int64_t i = 0; i < m; ++i) {
+          const T l = lse[(task.b * in.H + task.h) * in.L + task.r0 + i];
+          T* w = wbase + i * S;
+          if (l == neg_inf<T>()) {
+            std::fill(w + ch[0], w + ch[1], T(0));
+            continue;
+          }
+          for (int64_t j = ch[0]; j < ch[1]; ++j) w[j] = exp_nonpositive(w[j] - l);
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward. One task per (batch entry, key/value head): it owns that head's dK and dV rows
+// outright and writes dQ for the query heads of its group, so no two tasks touch the same
+// memory and the summation order is fixed.
+
+template <typename T>
+void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+                   const T* grad, const T* lse_dead_inf, const T* delta, T* dq, T* dk, T* dv,
+                   T* dbias, T* dtable) {
+  const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
+  const int64_t groups = H / Hkv;
+  at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / Hkv, hk = t % Hkv;
+      at::Tensor dk_all = view(dk + (b * Hkv + hk) * S * D, S, D, D);
+      at::Tensor dv_all = view(dv + (b * Hkv + hk) * S * Dv, S, Dv, Dv);
+      for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
+        for (int64_t n_it = 0; n_it < plan.n_items; ++n_it) {
+          const int64_t* it = plan.items + 6 * n_it;
+          if (it[0] >= 0 && (b < it[0] || b >= it[1])) continue;
+          const int64_t b_rel = it[0] < 0 ? b : b - it[0];
+          for (int64_t r0 = it[2]; r0 < it[3]; r0 += kRows) {
+            const int64_t m = std::min(kRows, it[3] - r0);
+            const int64_t row0 = (b * H + h) * L + r0;
+            std::fill(dq_buf.begin(), dq_buf.begin() + m * D, T(0));
+            at::Tensor qv = view(in.qrow(b, h, r0), m, D, in.qsr);
+            at::Tensor gv = view(grad + row0 * Dv, m, Dv, Dv);
+            at::Tensor dq_v = view(dq_buf.data(), m, D, D);
+            for (int64_t c = it[4]; c < it[5]; ++c) {
+              const int64_t* ch = plan.chunks + 6 * c;
+              for (int64_t kb = ch[0]; kb < ch[1]; kb += kKeys) {
+                const int64_t n = std::min(kKeys, ch[1] - kb);
+                const uint8_t* keep;
+                int64_t keep_rs = 0;
+                if (!keep_block(plan, ch, b_rel, h, r0 - it[2], m, kb - ch[0], n, &keep,
+                                &keep_rs))
+                  continue;
+                at::Tensor kv = view(in.krow(b, h, kb), n, D, in.ksr);
+                at::Tensor vv = view(in.vrow(b, h, kb), n, Dv, in.vsr);
+                at::Tensor p = view(p_buf.data(), m, n, n);
+                at::Tensor ds = view(ds_buf.data(), m, n, n);
+                at::mm_out(p, qv, kv.t());
+                finish_scores(p_buf.data(), m, n, scale, bias, b, h, r0, kb, keep, keep_rs);
+                at::mm_out(ds, gv, vv.t());
+                for (int64_t i = 0; i < m; ++i) {
+                  T* pr = p_buf.data() + i * n;
+                  T* dr = ds_buf.data() + i * n;
+                  const T l = lse_dead_inf[row0 + i], dl = delta[row0 + i];
+                  for (int64_t j = 0; j < n; ++j) {
+                    pr[j] = exp_nonpositive(pr[j] - l);
+                    dr[j] = pr[j] * (dr[j] - dl);
+                  }
+                  if (dbias != nullptr) {
+                    std::copy(dr, dr + n, dbias + (row0 + i) * S + kb);
+                  }
+                  if (dtable != nullptr) {
+                    // entry j sits on distance index (kb + j) - (r0 + i) - shift
+                    T* tr = dtable + (b * H + h) * bias.tlen + (kb - (r0 + i) - bias.shift);
+                    for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
+                  }
+                }
+                dv_all.narrow(0, kb, n).addmm_(p.t(), gv);
+                dk_all.narrow(0, kb, n).addmm_(ds.t(), qv, 1, scale);
+                dq_v.addmm_(ds, kv, 1, scale);
+              }
+            }
+            T* dst = dq + row0 * D;
+            std::copy(dq_buf.begin(), dq_buf.begin() + m * D, dst);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with a unit last stride;
+// bias: empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n].
+
+at::ScalarType compute_type(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
+  at::Tensor x = t.to(type);
+  return x.stride(-1) == 1 ? x : x.contiguous();
+}
+
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& items, const at::Tensor& chunks,
+                                const at::Tensor& keep, const at::Tensor& bias,
+                                const at::Tensor& table, int64_t table_shift, double scale,
+                                bool with_weights) {
+  const at::ScalarType ct = compute_type(q);
+  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
+  at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
+  at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(ct));
+  at::Tensor weights = with_weights ? at::zeros({B, H, L, S}, q.options().dtype(ct))
+                                    : at::Tensor();
+  const Plan plan = make_plan(items, chunks, keep);
+  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
+    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
+                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc), plan, terms,
+                           static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
+                           lse.data_ptr<scalar_t>(),
+                           with_weights ? weights.data_ptr<scalar_t>() : nullptr);
+  });
+  std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
+  if (with_weights) result.push_back(weights.to(q.scalar_type()));
+  return result;
+}
+
+std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                 const at::Tensor& lse, const at::Tensor& items,
+                                 const at::Tensor& chunks, const at::Tensor& keep,
+                                 const at::Tensor& bias, const at::Tensor& table,
+                                 int64_t table_shift, double scale, bool bias_grad,
+                                 bool table_grad) {
+  const at::ScalarType ct = compute_type(q);
+  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  at::Tensor g = grad.to(ct).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), D = q.size(3);
+  // rows that saw nothing: +inf makes every recomputed probability exactly 0
+  at::Tensor lse_c = lse.to(ct);
+  lse_c = at::where(at::isfinite(lse_c), lse_c, at::full({}, INFINITY, lse_c.options()))
+              .contiguous();
+  at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
+  at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
+  at::Tensor dk = at::zeros({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = at::zeros({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
+  at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
+                                 : at::Tensor();
+  const Plan plan = make_plan(items, chunks, keep);
+  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_backward", [&] {
+    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
+                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    backward_impl<scalar_t>(
+        Inputs<scalar_t>(qc, kc, vc), plan, terms, static_cast<scalar_t>(scale),
+        g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+        dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+        bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
+        table_grad ? dtable.data_ptr<scalar_t>() : nullptr);
+  });
+  std::vector<at::Tensor> result{dq.to(q.scalar_type()), dk.to(k.scalar_type()),
+                                 dv.to(v.scalar_type())};
+  result.push_back(bias_grad ? dbias : at::empty({0}, q.options().dtype(ct)));
+  result.push_back(table_grad ? dtable : at::empty({0}, q.options().dtype(ct)));
+  return result;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "fused attention forward: (out, lse[, weights])");
+  m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
+}
