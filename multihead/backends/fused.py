@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -95,6 +96,13 @@ def build():
     if os.environ.get("MULTIHEAD_FUSED", "1") == "0":
         _error = "turned off by MULTIHEAD_FUSED=0"
         raise RuntimeError(_error)
+    compiler = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension will run
+    if shutil.which(compiler) is None:
+        _error = (
+            f"the C++ kernel cannot be built: no C++ compiler {compiler!r} found "
+            "(install g++ or clang++, or set CXX to one)"
+        )
+        raise RuntimeError(_error)
     try:
         from torch.utils import cpp_extension
 
@@ -109,12 +117,22 @@ def build():
             verbose=False,
         )
     except Exception as e:  # any failure of the toolchain: the other backends still run
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        _error = f"the C++ kernel could not be built ({type(e).__name__}: {first.strip()[:200]})"
+        _error = f"the C++ kernel could not be built: {_first_error(e)}"
         raise RuntimeError(_error) from e
     return _module
 
 
+def _first_error(e: Exception) -> str:
+    """The line of a build failure a person can act on: the compiler's first error if there
+    is one (a build log starts with the command line), else the first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if any(word in line for word in ("error:", "not found", "No such file", "fatal")):
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+@torch._dynamo.assume_constant_result  # traced calls see the answer of the eager world
 def build_error() -> str | None:
     """None when the kernel is built (building it now if needed), else why not, in one line."""
     try:
@@ -289,18 +307,30 @@ def _flatten(items: list[Item], device) -> tuple[Tensor, Tensor, Tensor]:
 
 def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     """The work list for this call, reused across calls when the mask's pattern depends only
-    on (L, S) (a training loop plans once)."""
+    on (L, S) (a training loop plans once). While torch.export traces, the plan is computed
+    eagerly: it depends on the mask alone and enters the graph as constants. Under
+    torch.compile the planner's data-dependent steps would break the graph: a compiled
+    function reads the plan an eager call of the same mask and shape left in the cache."""
     b, _, _, length_q, length_k, _ = call.shape
-    tile = query_tile(call)
-    device = call.query.device
-    structure = None if call.mask is None else call.mask.structure_key
-    key = ("none" if call.mask is None else structure, length_q, length_k, tile, str(device))
-    if call.mask is not None and structure is None:
-        return _flatten(plan(call.mask, b, length_q, length_k, tile, device), device)
+    args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)
+    if not torch.compiler.is_exporting():
+        return _planned(*args)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        return _planned(*args)
+
+
+def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor, Tensor]:
+    structure = None if mask is None else mask.structure_key
+    key = ("none" if mask is None else structure, length_q, length_k, tile, str(device))
+    if mask is not None and structure is None:
+        return _flatten(plan(mask, b, length_q, length_k, tile, device), device)
     if key not in _FLAT:
         if len(_FLAT) >= _FLAT_KEPT:
             _FLAT.popitem(last=False)
-        _FLAT[key] = _flatten(plan(call.mask, b, length_q, length_k, tile, device), device)
+        _FLAT[key] = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
     return _FLAT[key]
 
 
