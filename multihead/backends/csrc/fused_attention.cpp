@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -62,14 +63,172 @@ constexpr T neg_inf() {
 }
 
 // ---------------------------------------------------------------------------------------
-// GEMM on row-major views: C[m, n] = alpha * op(A) op(B) + beta * C, through ATen (MKL or
-// oneDNN), single-threaded inside a parallel region.
+// GEMM for the tile sizes attention needs, written for the compiler: a 4-row by 2-vector
+// block of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
+// AVX-512 or NEON, whatever -march allows). ATen's GEMMs cannot be called from inside the
+// intra-op pool without either exported BLAS entry points or a thread-pool round trip per
+// tile (measured 60x slower on two cores), and tiles of 128 x 256 x 64 are small enough that
+// a register-blocked loop reaches most of the core's FMA throughput.
+//
+// C[m, n] = alpha * A B (+ C when accumulating), with A(i, p) = a[i * ars + p * acs] (any
+// strides, so a transposed A costs nothing), B row-major with row stride ldb, C row-major.
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
 
 template <typename T>
-at::Tensor view(const T* p, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<T*>(p), {rows, cols}, {ld, 1},
-                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+struct Vec {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+};
+
+template <typename T>
+inline void gemm_block(int64_t k, T alpha, const T* a, int64_t ars, int64_t acs, const T* b,
+                       int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  V s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
+  for (int64_t p = 0; p < k; ++p) {
+    V b0, b1;
+    std::memcpy(&b0, b + p * ldb, sizeof(V));
+    std::memcpy(&b1, b + p * ldb + lanes, sizeof(V));
+    const T* ap = a + p * acs;
+    const T a0 = ap[0], a1 = ap[ars], a2 = ap[2 * ars], a3 = ap[3 * ars];
+    s00 += a0 * b0;
+    s01 += a0 * b1;
+    s10 += a1 * b0;
+    s11 += a1 * b1;
+    s20 += a2 * b0;
+    s21 += a2 * b1;
+    s30 += a3 * b0;
+    s31 += a3 * b1;
+  }
+  const V* rows[4][2] = {{&s00, &s01}, {&s10, &s11}, {&s20, &s21}, {&s30, &s31}};
+  for (int r = 0; r < 4; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      T* dst = c + r * ldc + h * lanes;
+      V x = alpha * *rows[r][h];
+      if (accumulate) {
+        V old;
+        std::memcpy(&old, dst, sizeof(V));
+        x += old;
+      }
+      std::memcpy(dst, &x, sizeof(V));
+    }
+  }
 }
+
+template <typename T>
+void gemm_edge(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
+               const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* ci = c + i * ldc;
+    if (!accumulate) std::fill(ci, ci + n, T(0));
+    for (int64_t p = 0; p < k; ++p) {
+      const T ap = alpha * a[i * ars + p * acs];
+      const T* bp = b + p * ldb;
+      for (int64_t j = 0; j < n; ++j) ci[j] += ap * bp[j];
+    }
+  }
+}
+
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
+          const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  constexpr int64_t cols = 2 * kVecBytes / sizeof(T);
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) {
+    int64_t j = 0;
+    for (; j + cols <= n; j += cols)
+      gemm_block<T>(k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate, c + i * ldc + j, ldc);
+    if (j < n)
+      gemm_edge<T>(4, n - j, k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
+                   c + i * ldc + j, ldc);
+  }
+  if (i < m)
+    gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc, ldc);
+}
+
+// Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
+// compilers vectorize neither a float sum nor a max, so the lanes are spelled out.
+
+struct IntVec {
+  typedef int32_t type __attribute__((vector_size(kVecBytes)));
+};
+
+// exp_nonpositive for a vector of floats: the same steps, lane by lane
+inline Vec<float>::type exp_vec(Vec<float>::type x) {
+  using V = Vec<float>::type;
+  using I = IntVec::type;
+  const V floor_x = V{} - 87.0f;
+  const I dead = !(x > floor_x);
+  x = dead ? floor_x : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V t = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  const V n = t + __builtin_convertvector(y < t, V);  // floor: truncation moved down by 1
+  V r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const V z = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * z + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return dead ? V{} : p * two_n;
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n, T init) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using V = Vec<float>::type;
+    constexpr int lanes = kVecBytes / sizeof(float);
+    V best = V{} + init;
+    for (; j + lanes <= n; j += lanes) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      best = v > best ? v : best;
+    }
+    for (int l = 0; l < lanes; ++l) init = std::max(init, best[l]);
+  }
+  for (; j < n; ++j) init = std::max(init, x[j]);
+  return init;
+}
+
+// x[j] = exp(x[j] - shift) in place; returns the sum
+template <typename T>
+T exp_shifted(T* x, int64_t n, T shift) {
+  int64_t j = 0;
+  T total = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using V = Vec<float>::type;
+    constexpr int lanes = kVecBytes / sizeof(float);
+    V sum = {};
+    for (; j + lanes <= n; j += lanes) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      v = exp_vec(v - shift);
+      std::memcpy(x + j, &v, sizeof(V));
+      sum += v;
+    }
+    for (int l = 0; l < lanes; ++l) total += sum[l];
+  }
+  for (; j < n; ++j) {
+    x[j] = exp_nonpositive(x[j] - shift);
+    total += x[j];
+  }
+  return total;
+}
+
 
 // ---------------------------------------------------------------------------------------
 // The work list (see fused.py: _flatten).
@@ -152,13 +311,12 @@ inline bool keep_block(const Plan& plan, const int64_t* ch, int64_t b_rel, int64
   return any;
 }
 
-// Scores of a block in place: scale, bias, then -inf where hidden.
+// Scaled scores of a block in place: bias added, then -inf where hidden.
 template <typename T>
-void finish_scores(T* s, int64_t rows, int64_t cols, T scale, const Bias<T>& bias, int64_t b,
-                   int64_t h, int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
+void finish_scores(T* s, int64_t rows, int64_t cols, const Bias<T>& bias, int64_t b, int64_t h,
+                   int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
   for (int64_t i = 0; i < rows; ++i) {
     T* row = s + i * cols;
-    for (int64_t j = 0; j < cols; ++j) row[j] *= scale;
     if (bias.dense != nullptr) {
       const T* br = bias.dense + b * bias.sb + h * bias.sh + (i0 + i) * bias.sl + j0 * bias.ss;
       for (int64_t j = 0; j < cols; ++j) row[j] += br[j * bias.ss];
@@ -175,14 +333,20 @@ void finish_scores(T* s, int64_t rows, int64_t cols, T scale, const Bias<T>& bia
   }
 }
 
+// Keys and values are also kept transposed ([B, H_kv, D, S], one copy per call): the score
+// GEMMs read them as row-major B operands along the keys.
 template <typename T>
 struct Inputs {
-  const T *q, *k, *v;
+  at::Tensor kt_, vt_;
+  const T *q, *k, *v, *kt, *vt;
   int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
   int64_t B, H, Hkv, L, S, D, Dv;
 
-  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_)
-      : q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_vt)
+      : kt_(k_.transpose(2, 3).contiguous()),
+        vt_(with_vt ? v_.transpose(2, 3).contiguous() : at::Tensor()),
+        q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
+        kt(kt_.data_ptr<T>()), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
         ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
         vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
@@ -195,6 +359,13 @@ struct Inputs {
   }
   const T* vrow(int64_t b, int64_t h, int64_t j) const {
     return v + b * vsb + (h / (H / Hkv)) * vsh + j * vsr;
+  }
+  // column j of the transposed keys / values: row stride S
+  const T* ktcol(int64_t b, int64_t h, int64_t j) const {
+    return kt + (b * Hkv + h / (H / Hkv)) * D * S + j;
+  }
+  const T* vtcol(int64_t b, int64_t h, int64_t j) const {
+    return vt + (b * Hkv + h / (H / Hkv)) * Dv * S + j;
   }
 };
 
@@ -218,8 +389,7 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       std::fill(acc.begin(), acc.begin() + m * Dv, T(0));
       std::fill(mx.begin(), mx.begin() + m, neg_inf<T>());
       std::fill(sum.begin(), sum.begin() + m, T(0));
-      at::Tensor qv = view(in.qrow(task.b, task.h, task.r0), m, D, in.qsr);
-      at::Tensor acc_v = view(acc.data(), m, Dv, Dv);
+      const T* qt = in.qrow(task.b, task.h, task.r0);
       T* wbase = weights == nullptr ? nullptr
                                     : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
       for (int64_t c = it[4]; c < it[5]; ++c) {
@@ -231,34 +401,27 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
           if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
                           &keep_rs))
             continue;
-          at::Tensor s = view(scores.data(), m, n, n);
-          at::mm_out(s, qv, view(in.krow(task.b, task.h, kb), n, D, in.ksr).t());
-          finish_scores(scores.data(), m, n, scale, bias, task.b, task.h, task.r0, kb, keep,
-                        keep_rs);
+          gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), S, false,
+                  scores.data(), n);
+          finish_scores(scores.data(), m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
           for (int64_t i = 0; i < m; ++i) {
             T* row = scores.data() + i * n;
             if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
-            T best = mx[i];
-            for (int64_t j = 0; j < n; ++j) best = std::max(best, row[j]);
+            const T best = row_max(row, n, mx[i]);
             if (best == neg_inf<T>()) {  // nothing visible in this row yet
               std::fill(row, row + n, T(0));
               continue;
             }
             const T alpha = exp_nonpositive(mx[i] - best);
-            T total = 0;
-            for (int64_t j = 0; j < n; ++j) {
-              const T p = exp_nonpositive(row[j] - best);
-              row[j] = p;
-              total += p;
-            }
-            sum[i] = sum[i] * alpha + total;
+            sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
             mx[i] = best;
             if (alpha != T(1)) {
               T* a = acc.data() + i * Dv;
               for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
             }
           }
-          acc_v.addmm_(s, view(in.vrow(task.b, task.h, kb), n, Dv, in.vsr));
+          gemm<T>(m, Dv, n, T(1), scores.data(), n, 1, in.vrow(task.b, task.h, kb), in.vsr, true,
+                  acc.data(), Dv);
         }
       }
       for (int64_t i = 0; i < m; ++i) {
@@ -301,8 +464,8 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
     std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / Hkv, hk = t % Hkv;
-      at::Tensor dk_all = view(dk + (b * Hkv + hk) * S * D, S, D, D);
-      at::Tensor dv_all = view(dv + (b * Hkv + hk) * S * Dv, S, Dv, Dv);
+      T* dk_head = dk + (b * Hkv + hk) * S * D;
+      T* dv_head = dv + (b * Hkv + hk) * S * Dv;
       for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
         for (int64_t n_it = 0; n_it < plan.n_items; ++n_it) {
           const int64_t* it = plan.items + 6 * n_it;
@@ -312,9 +475,8 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
             const int64_t m = std::min(kRows, it[3] - r0);
             const int64_t row0 = (b * H + h) * L + r0;
             std::fill(dq_buf.begin(), dq_buf.begin() + m * D, T(0));
-            at::Tensor qv = view(in.qrow(b, h, r0), m, D, in.qsr);
-            at::Tensor gv = view(grad + row0 * Dv, m, Dv, Dv);
-            at::Tensor dq_v = view(dq_buf.data(), m, D, D);
+            const T* qt = in.qrow(b, h, r0);
+            const T* gt = grad + row0 * Dv;
             for (int64_t c = it[4]; c < it[5]; ++c) {
               const int64_t* ch = plan.chunks + 6 * c;
               for (int64_t kb = ch[0]; kb < ch[1]; kb += kKeys) {
@@ -324,21 +486,17 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                 if (!keep_block(plan, ch, b_rel, h, r0 - it[2], m, kb - ch[0], n, &keep,
                                 &keep_rs))
                   continue;
-                at::Tensor kv = view(in.krow(b, h, kb), n, D, in.ksr);
-                at::Tensor vv = view(in.vrow(b, h, kb), n, Dv, in.vsr);
-                at::Tensor p = view(p_buf.data(), m, n, n);
-                at::Tensor ds = view(ds_buf.data(), m, n, n);
-                at::mm_out(p, qv, kv.t());
-                finish_scores(p_buf.data(), m, n, scale, bias, b, h, r0, kb, keep, keep_rs);
-                at::mm_out(ds, gv, vv.t());
+                const T* kr = in.krow(b, h, kb);
+                gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(b, h, kb), S, false, p_buf.data(),
+                        n);
+                finish_scores(p_buf.data(), m, n, bias, b, h, r0, kb, keep, keep_rs);
+                gemm<T>(m, n, Dv, T(1), gt, Dv, 1, in.vtcol(b, h, kb), S, false, ds_buf.data(), n);
                 for (int64_t i = 0; i < m; ++i) {
                   T* pr = p_buf.data() + i * n;
                   T* dr = ds_buf.data() + i * n;
                   const T l = lse_dead_inf[row0 + i], dl = delta[row0 + i];
-                  for (int64_t j = 0; j < n; ++j) {
-                    pr[j] = exp_nonpositive(pr[j] - l);
-                    dr[j] = pr[j] * (dr[j] - dl);
-                  }
+                  exp_shifted(pr, n, l);
+                  for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dl);
                   if (dbias != nullptr) {
                     std::copy(dr, dr + n, dbias + (row0 + i) * S + kb);
                   }
@@ -348,9 +506,10 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                     for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
                   }
                 }
-                dv_all.narrow(0, kb, n).addmm_(p.t(), gv);
-                dk_all.narrow(0, kb, n).addmm_(ds.t(), qv, 1, scale);
-                dq_v.addmm_(ds, kv, 1, scale);
+                // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K (A read transposed)
+                gemm<T>(n, Dv, m, T(1), p_buf.data(), 1, n, gt, Dv, true, dv_head + kb * Dv, Dv);
+                gemm<T>(n, D, m, scale, ds_buf.data(), 1, n, qt, in.qsr, true, dk_head + kb * D, D);
+                gemm<T>(m, D, n, scale, ds_buf.data(), n, 1, kr, in.ksr, true, dq_buf.data(), D);
               }
             }
             T* dst = dq + row0 * D;
@@ -392,7 +551,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
     const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
                                table.defined() ? table.to(ct).contiguous() : table, table_shift);
-    forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc), plan, terms,
+    forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, false), plan, terms,
                            static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
                            lse.data_ptr<scalar_t>(),
                            with_weights ? weights.data_ptr<scalar_t>() : nullptr);
@@ -429,7 +588,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
     const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
                                table.defined() ? table.to(ct).contiguous() : table, table_shift);
     backward_impl<scalar_t>(
-        Inputs<scalar_t>(qc, kc, vc), plan, terms, static_cast<scalar_t>(scale),
+        Inputs<scalar_t>(qc, kc, vc, true), plan, terms, static_cast<scalar_t>(scale),
         g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
         dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
         bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
