@@ -244,3 +244,22 @@ def test_auto_measures_nothing_for_calls_fused_cannot_run(measuring):
     q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.float32)
     assert mh.explain_backend(q, k, v, dropout_p=0.2).backend != "fused"
     assert fused._MEASURED == {}
+
+
+@pytest.mark.parametrize("length_q", [1, 16])
+@pytest.mark.parametrize("kind", ["none", "causal", "lengths"])
+def test_decode_splits_keys_across_threads_and_merges_exactly(kind, length_q):
+    """L <= 16 over a long cache with fewer (batch, head) pairs than threads: each pair's keys
+    are cut into parts computed in parallel and merged by their (max, sum)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        b, h, length_k = 2, 2, 2100  # 9 key blocks; lengths gives batch 1 no key at all
+        q, k, v = qkv(1 if kind != "lengths" else b, h, 1, length_q, length_k, 16)
+        case = make_case(kind, q.shape[0], h, length_q, length_k)
+        want, _ = naive_attention(q, k, v, case.keep)
+        got = mh.attention(q, k, v, case.mask, backend="fused")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert torch.equal(got, mh.attention(q, k, v, case.mask, backend="fused"))
+    finally:
+        torch.set_num_threads(before)

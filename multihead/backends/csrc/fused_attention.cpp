@@ -374,75 +374,155 @@ struct Inputs {
 // the plan reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in
 // the weights while the row's statistics are gathered, then normalized in place.
 
+// One task's online softmax over its key blocks numbered [first, last) (counted across its
+// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
+// the scaled scores are parked there (weights rows of this task, row stride S).
+template <typename T>
+void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+            const Task& task, int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum,
+            T* wbase) {
+  const int64_t* it = plan.items + 6 * task.item;
+  const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  std::fill(acc, acc + m * Dv, T(0));
+  std::fill(mx, mx + m, neg_inf<T>());
+  std::fill(sum, sum + m, T(0));
+  const T* qt = in.qrow(task.b, task.h, task.r0);
+  int64_t index = 0;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    for (int64_t kb = ch[0]; kb < ch[1]; kb += kKeys) {
+      const int64_t block = index++;
+      if (block < first) continue;
+      if (block >= last) return;
+      const int64_t n = std::min(kKeys, ch[1] - kb);
+      const uint8_t* keep;
+      int64_t keep_rs = 0;
+      if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
+                      &keep_rs))
+        continue;
+      gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), S, false, scores, n);
+      finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
+      for (int64_t i = 0; i < m; ++i) {
+        T* row = scores + i * n;
+        if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
+        const T best = row_max(row, n, mx[i]);
+        if (best == neg_inf<T>()) {  // nothing visible in this row yet
+          std::fill(row, row + n, T(0));
+          continue;
+        }
+        const T alpha = exp_nonpositive(mx[i] - best);
+        sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
+        mx[i] = best;
+        if (alpha != T(1)) {
+          T* a = acc + i * Dv;
+          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+        }
+      }
+      gemm<T>(m, Dv, n, T(1), scores, n, 1, in.vrow(task.b, task.h, kb), in.vsr, true, acc, Dv);
+    }
+  }
+}
+
+int64_t key_blocks(const Plan& plan, const Task& task) {
+  const int64_t* it = plan.items + 6 * task.item;
+  int64_t count = 0;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    count += (ch[1] - ch[0] + kKeys - 1) / kKeys;
+  }
+  return count;
+}
+
+// Normalized output and log-sum-exp of a task's rows; rows that saw nothing get 0 and -inf.
+template <typename T>
+void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* mx, const T* sum,
+                 T* out, T* lse) {
+  const int64_t Dv = in.Dv;
+  for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
+    const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
+    T* o = out + row * Dv;
+    const T* a = acc + i * Dv;
+    const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
+    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
+    lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
+  }
+}
+
+// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` ([B, H, L, S], zeros where the plan
+// reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in the
+// weights while the rows' statistics are gathered, then normalized in place.
+//
+// Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
+// parts run in parallel; the parts merge through their (max, sum) in a fixed order.
+constexpr int64_t kDecodeRows = 16;
+
 template <typename T>
 void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
                   T* out, T* lse, T* weights) {
   const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
-  const int64_t D = in.D, Dv = in.Dv, S = in.S;
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t Dv = in.Dv, S = in.S;
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
+    int64_t most = 0;
+    for (const Task& task : tasks) most = std::max(most, key_blocks(plan, task));
+    parts = std::min(most, (2 * threads + n_tasks - 1) / n_tasks);
+  }
+  if (parts > 1) {
+    const int64_t stride = kDecodeRows * Dv;
+    std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
+        sums(n_tasks * parts * kDecodeRows);
+    at::parallel_for(0, n_tasks * parts, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<T> scores(kDecodeRows * kKeys);
+      for (int64_t u = lo; u < hi; ++u) {
+        const Task& task = tasks[u / parts];
+        const int64_t part = u % parts, blocks = key_blocks(plan, task);
+        attend(in, plan, bias, scale, task, blocks * part / parts, blocks * (part + 1) / parts,
+               scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
+               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr));
+      }
+    });
+    for (int64_t t = 0; t < n_tasks; ++t) {  // merge the parts, always in part order
+      const int64_t m = tasks[t].r1 - tasks[t].r0;
+      std::vector<T> acc(m * Dv, T(0)), mx(m, neg_inf<T>()), sum(m, T(0));
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t p = 0; p < parts; ++p) mx[i] = std::max(mx[i], mxs[(t * parts + p) * kDecodeRows + i]);
+        if (mx[i] == neg_inf<T>()) continue;
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t u = t * parts + p;
+          const T w = exp_nonpositive(mxs[u * kDecodeRows + i] - mx[i]);
+          sum[i] += sums[u * kDecodeRows + i] * w;
+          const T* a = accs.data() + u * stride + i * Dv;
+          for (int64_t d = 0; d < Dv; ++d) acc[i * Dv + d] += a[d] * w;
+        }
+      }
+      finish_rows(in, tasks[t], acc.data(), mx.data(), sum.data(), out, lse);
+    }
+    return;
+  }
+  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
     for (int64_t t = lo; t < hi; ++t) {
       const Task& task = tasks[t];
-      const int64_t* it = plan.items + 6 * task.item;
-      const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
       const int64_t m = task.r1 - task.r0;
-      std::fill(acc.begin(), acc.begin() + m * Dv, T(0));
-      std::fill(mx.begin(), mx.begin() + m, neg_inf<T>());
-      std::fill(sum.begin(), sum.begin() + m, T(0));
-      const T* qt = in.qrow(task.b, task.h, task.r0);
       T* wbase = weights == nullptr ? nullptr
                                     : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
-      for (int64_t c = it[4]; c < it[5]; ++c) {
-        const int64_t* ch = plan.chunks + 6 * c;
-        for (int64_t kb = ch[0]; kb < ch[1]; kb += kKeys) {
-          const int64_t n = std::min(kKeys, ch[1] - kb);
-          const uint8_t* keep;
-          int64_t keep_rs = 0;
-          if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
-                          &keep_rs))
-            continue;
-          gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), S, false,
-                  scores.data(), n);
-          finish_scores(scores.data(), m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
-          for (int64_t i = 0; i < m; ++i) {
-            T* row = scores.data() + i * n;
-            if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
-            const T best = row_max(row, n, mx[i]);
-            if (best == neg_inf<T>()) {  // nothing visible in this row yet
-              std::fill(row, row + n, T(0));
-              continue;
-            }
-            const T alpha = exp_nonpositive(mx[i] - best);
-            sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
-            mx[i] = best;
-            if (alpha != T(1)) {
-              T* a = acc.data() + i * Dv;
-              for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-            }
-          }
-          gemm<T>(m, Dv, n, T(1), scores.data(), n, 1, in.vrow(task.b, task.h, kb), in.vsr, true,
-                  acc.data(), Dv);
-        }
-      }
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
-        T* o = out + row * Dv;
-        const T* a = acc.data() + i * Dv;
-        const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
-        for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
-        lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
-      }
+      attend(in, plan, bias, scale, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+             acc.data(), mx.data(), sum.data(), wbase);
+      finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
       if (wbase == nullptr) continue;
+      const int64_t* it = plan.items + 6 * task.item;
       for (int64_t c = it[4]; c < it[5]; ++c) {  // the parked scores become weights
         const int64_t* ch = plan.chunks + 6 * c;
         for (int64_t i = 0; i < m; ++i) {
           const T l = lse[(task.b * in.H + task.h) * in.L + task.r0 + i];
           T* w = wbase + i * S;
-          if (l == neg_inf<T>()) {
+          if (l == neg_inf<T>())
             std::fill(w + ch[0], w + ch[1], T(0));
-            continue;
-          }
-          for (int64_t j = ch[0]; j < ch[1]; ++j) w[j] = exp_nonpositive(w[j] - l);
+          else
+            exp_shifted(w + ch[0], ch[1] - ch[0], l);
         }
       }
     }
