@@ -30,6 +30,7 @@ import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -433,16 +434,35 @@ def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
 
     Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
     dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
-    times, forward only, and the best times are compared. Nothing is measured while the
+    times (forward only, or forward and backward when the call needs gradients), and the best
+    times are compared. Nothing is measured while the
     automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not built.
     """
     if os.environ.get("MULTIHEAD_FUSED_AUTO", "1") == "0" or unsupported(call) is not None:
         return False
     key = _shape_class(call)
     if key not in _MEASURED:
-        with torch.no_grad():
-            mine = lambda: run(call)  # noqa: E731
-            theirs = lambda: rival(call)  # noqa: E731
-            mine(), theirs()
-            _MEASURED[key] = _best_time(mine) < _MARGIN * _best_time(theirs)
+        mine, theirs = _timed(run, call), _timed(rival, call)
+        mine(), theirs()
+        _MEASURED[key] = _best_time(mine) < _MARGIN * _best_time(theirs)
     return _MEASURED[key]
+
+
+def _timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]:
+    """One run of ``backend`` as the caller will use it: forward only, or forward and backward
+    when the call needs gradients (on detached copies: the caller's .grad stays untouched)."""
+    if not call.needs_grad:
+
+        def forward() -> object:
+            with torch.no_grad():
+                return backend(call)
+
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (call.query, call.key, call.value)]
+    trial = replace(call, query=leaves[0], key=leaves[1], value=leaves[2])
+
+    def step() -> object:
+        out = backend(trial)[0]
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    return step

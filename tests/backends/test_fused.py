@@ -263,3 +263,16 @@ def test_decode_splits_keys_across_threads_and_merges_exactly(kind, length_q):
         assert torch.equal(got, mh.attention(q, k, v, case.mask, backend="fused"))
     finally:
         torch.set_num_threads(before)
+
+
+def test_auto_measures_training_calls_with_their_backward(measuring, monkeypatch):
+    """A call that needs gradients is timed forward and backward, on copies: the caller's
+    tensors gain no .grad from the measurement."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 8, dtype=torch.float32, requires_grad=True)
+    seen = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    measuring += [1.0, 2.0]
+    assert mh.explain_backend(q, k, v, masks.causal()).backend == "fused"
+    assert len(seen) == 2 * 2  # a warm-up and a timed step on each side
+    assert q.grad is None and k.grad is None and v.grad is None
