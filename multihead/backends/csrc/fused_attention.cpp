@@ -63,8 +63,8 @@ constexpr T neg_inf() {
 }
 
 // ---------------------------------------------------------------------------------------
-// GEMM for the tile sizes attention needs, written for the compiler: a 4-row by 2-vector
-// block of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
+// GEMM for the tile sizes attention needs, written for the compiler: a block of rows by 2
+// vectors of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
 // AVX-512 or NEON, whatever -march allows). ATen's GEMMs cannot be called from inside the
 // intra-op pool without either exported BLAS entry points or a thread-pool round trip per
 // tile (measured 60x slower on two cores), and tiles of 128 x 256 x 64 are small enough that
@@ -86,39 +86,51 @@ struct Vec {
   typedef T type __attribute__((vector_size(kVecBytes)));
 };
 
+// Rows of A per register block: 2 * rows vector accumulators plus 3 working registers must fit
+// the register file (32 vector registers with AVX-512, 16 with AVX2 or SSE; NEON has 32).
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kBlockRows = 12;
+#else
+constexpr int kBlockRows = 6;
+#endif
+
 template <typename T>
+inline void put(T* dst, typename Vec<T>::type x, T alpha, bool accumulate) {
+  using V = typename Vec<T>::type;
+  x = alpha * x;
+  if (accumulate) {
+    V old;
+    std::memcpy(&old, dst, sizeof(V));
+    x += old;
+  }
+  std::memcpy(dst, &x, sizeof(V));
+}
+
+// C[rows, 2 vectors] for one register block; accumulators are plain locals (never addressed),
+// so they stay in registers
+template <typename T, int rows>
 inline void gemm_block(int64_t k, T alpha, const T* a, int64_t ars, int64_t acs, const T* b,
                        int64_t ldb, bool accumulate, T* c, int64_t ldc) {
   using V = typename Vec<T>::type;
   constexpr int lanes = kVecBytes / sizeof(T);
-  V s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
+  V s0[rows], s1[rows];
+  for (int r = 0; r < rows; ++r) s0[r] = s1[r] = V{};
   for (int64_t p = 0; p < k; ++p) {
     V b0, b1;
     std::memcpy(&b0, b + p * ldb, sizeof(V));
     std::memcpy(&b1, b + p * ldb + lanes, sizeof(V));
     const T* ap = a + p * acs;
-    const T a0 = ap[0], a1 = ap[ars], a2 = ap[2 * ars], a3 = ap[3 * ars];
-    s00 += a0 * b0;
-    s01 += a0 * b1;
-    s10 += a1 * b0;
-    s11 += a1 * b1;
-    s20 += a2 * b0;
-    s21 += a2 * b1;
-    s30 += a3 * b0;
-    s31 += a3 * b1;
-  }
-  const V* rows[4][2] = {{&s00, &s01}, {&s10, &s11}, {&s20, &s21}, {&s30, &s31}};
-  for (int r = 0; r < 4; ++r) {
-    for (int h = 0; h < 2; ++h) {
-      T* dst = c + r * ldc + h * lanes;
-      V x = alpha * *rows[r][h];
-      if (accumulate) {
-        V old;
-        std::memcpy(&old, dst, sizeof(V));
-        x += old;
-      }
-      std::memcpy(dst, &x, sizeof(V));
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; ++r) {
+      const T ar = ap[r * ars];
+      s0[r] += ar * b0;
+      s1[r] += ar * b1;
     }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < rows; ++r) {
+    put(c + r * ldc, s0[r], alpha, accumulate);
+    put(c + r * ldc + lanes, s1[r], alpha, accumulate);
   }
 }
 
@@ -136,21 +148,32 @@ void gemm_edge(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars
   }
 }
 
+// rows [i, i + rows) of C in register blocks of `rows`, the columns past the last full pair
+// of vectors by the plain loop
+template <typename T, int rows>
+int64_t gemm_rows(int64_t i, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars,
+                  int64_t acs, const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  constexpr int64_t cols = 2 * kVecBytes / sizeof(T);
+  for (; i + rows <= m; i += rows) {
+    int64_t j = 0;
+    for (; j + cols <= n; j += cols)
+      gemm_block<T, rows>(k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
+                          c + i * ldc + j, ldc);
+    if (j < n)
+      gemm_edge<T>(rows, n - j, k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
+                   c + i * ldc + j, ldc);
+  }
+  return i;
+}
+
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
           const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
-  constexpr int64_t cols = 2 * kVecBytes / sizeof(T);
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) {
-    int64_t j = 0;
-    for (; j + cols <= n; j += cols)
-      gemm_block<T>(k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate, c + i * ldc + j, ldc);
-    if (j < n)
-      gemm_edge<T>(4, n - j, k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
-                   c + i * ldc + j, ldc);
-  }
+  int64_t i = gemm_rows<T, kBlockRows>(0, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
+  i = gemm_rows<T, 4>(i, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   if (i < m)
-    gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc, ldc);
+    gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc,
+                 ldc);
 }
 
 // Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
