@@ -67,6 +67,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .bench.doctor import run
+
+    return 0 if run(measure=not args.no_measure).built else 1
+
+
 def _explain(args: argparse.Namespace) -> int:
     from .explain import run
 
@@ -221,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="process counts for --context-parallel (default 1 2 4)",
     )
     bench.set_defaults(func=_bench)
+    doctor = commands.add_parser(
+        "doctor",
+        help="is the fused C++ kernel built (or why not), the CPU's instruction sets and its "
+        "measured fp32/bf16 matmul peaks",
+    )
+    doctor.add_argument(
+        "--no-measure", action="store_true", help="skip timing the matmul peaks (a few seconds)"
+    )
+    doctor.set_defaults(func=_doctor)
     explain = commands.add_parser(
         "explain", help="show what every head of a pretrained model attends to in TEXT"
     )

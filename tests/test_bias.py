@@ -13,7 +13,7 @@ from multihead import bias as mb
 from multihead import masks
 from multihead.backends import tiled
 
-BACKENDS = ["reference", "sdpa", "tiled"]
+BACKENDS = ["reference", "sdpa", "tiled", "fused"]
 
 
 def _alibi_by_formula(slopes: list[float], length_q: int, length_k: int) -> torch.Tensor:

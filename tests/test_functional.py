@@ -11,7 +11,7 @@ from helpers import MASK_KINDS, make_case, naive_attention, qkv
 import multihead as mh
 from multihead import masks
 
-BACKENDS = ["reference", "sdpa", "tiled"]
+BACKENDS = ["reference", "sdpa", "tiled", "fused"]
 # (B, H, H_kv, L, S, D, D_v)
 SMALL = [(2, 4, 2, 7, 5, 6, 6), (2, 2, 2, 5, 9, 3, 4), (1, 3, 1, 6, 6, 5, 5)]
 ODD = [(2, 4, 2, 113, 203, 59, 59), (1, 2, 1, 203, 113, 59, 33)]

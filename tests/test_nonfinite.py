@@ -29,6 +29,9 @@ PATHS = [
     "sdpa",
     "tiled",
     "tiled_weights_grad",
+    "fused",
+    "fused_grad",
+    "fused_weights",
     "attention_weights",
 ]
 
@@ -44,9 +47,9 @@ def _run(path: str, q, k, v, mask):
         bias = bias.view(1, 1, q.shape[2], k.shape[2]).requires_grad_(grad)
     if path == "attention_weights":
         return None, mh.attention_weights(q, k, mask), None
-    backend = path if path in ("reference", "sdpa", "tiled") else "auto"
-    if path == "tiled_weights_grad":
-        backend = "tiled"
+    backend = path if path in ("reference", "sdpa", "tiled", "fused") else "auto"
+    if path in ("tiled_weights_grad", "fused_grad", "fused_weights"):
+        backend = path.split("_")[0]
     weights_on = "weights" in path
     result = mh.attention(
         q,
@@ -108,7 +111,7 @@ def test_top_left_causal_with_fewer_queries_never_reads_later_keys():
     assert torch.equal(dk[..., 4:, :], torch.zeros(1, 1, 2, 8))
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "tiled", "fused"])
 @pytest.mark.parametrize("kind", ["none", "causal", "window", "lengths", "documents", "dense"])
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 def test_non_finite_marks_exactly_the_rows_that_depend_on_it(backend, kind, where):
@@ -132,7 +135,7 @@ def test_non_finite_marks_exactly_the_rows_that_depend_on_it(backend, kind, wher
     torch.testing.assert_close(out[~expect_bad], want[~expect_bad], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference", "tiled"])
+@pytest.mark.parametrize("backend", ["auto", "reference", "tiled", "fused"])
 def test_nan_query_row_gives_nan_weights_for_that_row_only(backend):
     q, k, v = qkv(1, 2, 2, 5, 5, 4, seed=1)
     q[0, 0, 2, 0] = torch.nan
@@ -155,7 +158,7 @@ def test_per_query_dense_mask_broadcast_over_keys():
     keep = torch.tensor([True, False] * 4).view(1, 1, 8, 1)
     q, k, v = qkv(1, 1, 1, 8, 8, 8, seed=2)
     want, want_w = naive_attention(q, k, v, keep)
-    for backend in ("tiled", "reference", "sdpa", "auto"):
+    for backend in ("tiled", "reference", "sdpa", "fused", "auto"):
         got = mh.attention(q, k, v, masks.dense(keep), backend=backend)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     _, w = mh.attention(q, k, v, masks.dense(keep), return_weights=True)
@@ -191,11 +194,11 @@ def test_large_float32_bias_with_half_inputs(dtype, value):
     # outputs are rounded to the half dtype once and the kernels multiply the weights by V in
     # that dtype: up to 2 units of roundoff of the largest |v| per output
     tol = 2 * torch.finfo(dtype).eps * float(v.abs().max())
-    for backend in ("reference", "sdpa", "tiled", "auto"):
+    for backend in ("reference", "sdpa", "tiled", "fused", "auto"):
         out = mh.attention(q, k, v, bias=bias, backend=backend)
         assert torch.isfinite(out).all(), backend
         assert (out.double() - want).abs().max() <= tol, backend
-    for backend in ("reference", "tiled"):
+    for backend in ("reference", "tiled", "fused"):
         _, w = mh.attention(q, k, v, bias=bias, backend=backend, return_weights=True)
         assert torch.isfinite(w).all(), backend
         # one unit of half roundoff per weight, plus the float32 scores' own rounding: near
@@ -262,6 +265,6 @@ def test_bias_is_kept_in_float32_on_every_backend():
     v = torch.tensor([[[[1.0] * 4, [0.0] * 4]]], dtype=torch.bfloat16)
     bias = torch.tensor([[[[32769.5, 32768.0]]]])
     expected = torch.sigmoid(torch.tensor(1.5)).item()  # 0.8176
-    for backend in ("reference", "sdpa", "tiled"):
+    for backend in ("reference", "sdpa", "tiled", "fused"):
         out = mh.attention(q, k, v, bias=bias, backend=backend)
         assert abs(float(out[0, 0, 0, 0]) - expected) <= 4e-3, backend  # bf16 rounding of out

@@ -11,7 +11,7 @@ import multihead as mh
 from multihead import MultiHeadAttention, masks, merge_heads, split_heads
 
 PROPS = settings(max_examples=25, deadline=None, derandomize=True)
-backends = st.sampled_from(["reference", "sdpa", "tiled"])
+backends = st.sampled_from(["reference", "sdpa", "tiled", "fused"])
 sizes = st.integers(1, 9)
 seeds = st.integers(0, 2**16)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
-from . import _half, flex, reference, sdpa, tiled
+from . import _half, flex, fused, reference, sdpa, tiled
 from ._call import Call, exporting
 
 
@@ -45,12 +46,27 @@ BACKENDS: dict[str, Backend] = {
         Backend("sdpa", sdpa.run, sdpa.unsupported),
         Backend("reference", reference.run, _always),
         Backend("flex", flex.run, flex.unsupported),
+        Backend("fused", fused.run, fused.unsupported),
     )
 }
 
 
 def _ranking(call: Call) -> tuple[list[str], str]:
     """Backends from fastest expected to slowest for this call, and why the first leads."""
+    order, why = _ranking_without_fused(call)
+    # the fused kernel leads only where it ran faster on this machine (fused.measured_faster);
+    # never while tracing, where a measurement would be a data-dependent branch
+    if _device(call) == "cpu" and not exporting() and not torch.compiler.is_compiling():
+        rival = next(name for name in order if BACKENDS[name].unsupported(call) is None)
+        if fused.measured_faster(call, BACKENDS[rival].run):
+            return (
+                ["fused", *order],
+                f"it measured faster than {rival} on this machine for calls of this shape class",
+            )
+    return [*order, "fused"], why
+
+
+def _ranking_without_fused(call: Call) -> tuple[list[str], str]:
     order, why = _ranking_without_flex(call)
     device = _device(call)
     if device == "cuda" and _structured(call) and flex.unsupported(call) is None:

@@ -281,6 +281,7 @@ def _contenders(
         causal = False
     if w.weights:
         out["multihead+weights"] = step(lambda: attention(q, k, v, mask, return_weights=True))
+    _add_fused(out, notes, w, step, q, k, v, mask, modifier)
     if causal:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     elif "sdpa" not in out:
@@ -309,6 +310,24 @@ def _contenders(
             out["flex"] = flex
             notes["flex"] = f"compile + first call {compile_s:.1f} s, not included"
     return out, notes, entries
+
+
+def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
+    """The fused C++ kernel by name (``backend="fused"``), with the same companions as auto's
+    row (without bias, with weights), or a note saying why it is missing."""
+    from ..backends import fused
+
+    why = fused.build_error()
+    if why is not None:
+        notes["multihead, fused"] = f"skipped: {why}"
+        return
+    out["multihead, fused"] = step(lambda: attention(q, k, v, mask, bias=modifier, backend="fused"))
+    if modifier is not None:
+        out["multihead, fused, no bias"] = step(lambda: attention(q, k, v, mask, backend="fused"))
+    if w.weights:
+        out["multihead, fused+weights"] = step(
+            lambda: attention(q, k, v, mask, return_weights=True, backend="fused")
+        )
 
 
 def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
@@ -436,6 +455,7 @@ def _memory(length: int) -> dict:
 class Report:
     machine: dict = field(default_factory=dict)
     peak_gflops: dict = field(default_factory=dict)
+    bf16_case: str = ""  # which bf16 goal applies: it depends on the bf16 / fp32 peak ratio
     workloads: list = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     command: str = ""
@@ -477,6 +497,11 @@ def run_suite(
         f"matmul peak: fp32 {report.peak_gflops['float32']:.0f} GFLOP/s, "
         f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s ({report.machine['threads']} threads)"
     )
+    ratio = report.peak_gflops["bfloat16"] / report.peak_gflops["float32"]
+    report.bf16_case = f"bf16 matmul peak {ratio:.2f}x fp32: " + (
+        "bf16 goal >= 1.7x SDPA" if ratio >= 2 else "bf16 goal >= 1.0x SDPA (peak < 2x fp32)"
+    )
+    say(report.bf16_case)
     for name in names:
         if name == "memory_window":
             continue
@@ -533,6 +558,14 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
     if w.weights:
         result["weights_overhead"] = (
             rows["multihead+weights"]["median_s"] / rows["multihead"]["median_s"]
+        )
+    if w.bias != "none" and "multihead, fused" in rows:
+        result["fused_bias_overhead"] = (
+            rows["multihead, fused"]["median_s"] / rows["multihead, fused, no bias"]["median_s"]
+        )
+    if w.weights and "multihead, fused" in rows:
+        result["fused_weights_overhead"] = (
+            rows["multihead, fused+weights"]["median_s"] / rows["multihead, fused"]["median_s"]
         )
     say(
         f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"

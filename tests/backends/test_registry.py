@@ -27,7 +27,7 @@ def test_auto_choice_and_reasons(mask, expected):
     q, k, v = qkv(2, 2, 2, 4, 4, 5)
     choice = mh.explain_backend(q, k, v, mask)
     assert choice.backend == expected
-    assert set(choice.reasons) == {"tiled", "sdpa", "reference", "flex"} - {expected}
+    assert set(choice.reasons) == {"tiled", "sdpa", "reference", "flex", "fused"} - {expected}
     assert all(
         r.startswith(f"supported, but {expected} is expected to be faster: ")
         for name, r in choice.reasons.items()

@@ -31,6 +31,14 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
         if w["weights"]:
             expected.add("multihead+weights")
             assert w["weights_overhead"] > 0
+        if not w["module"]:  # the fused kernel by name, with the same companions
+            expected.add("multihead, fused")
+            if w["bias"] != "none":
+                expected.add("multihead, fused, no bias")
+                assert w["fused_bias_overhead"] > 0
+            if w["weights"]:
+                expected.add("multihead, fused+weights")
+                assert w["fused_weights_overhead"] > 0
         assert set(w["contenders"]) == expected, w["name"]
         for name, row in w["contenders"].items():
             assert row["median_s"] > 0 and len(row["times_s"]) == 1, (w["name"], name)
@@ -48,6 +56,7 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     out = capsys.readouterr().out
     assert "matmul peak" in out and "x vs sdpa" in out
+    assert report["bf16_case"] in out and report["bf16_case"].startswith("bf16 matmul peak")
 
 
 def test_visible_entries_counts_exactly():

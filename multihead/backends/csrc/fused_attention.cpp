@@ -1,0 +1,733 @@
+// The fused CPU attention kernel behind backend="fused".
+//
+// The kernel only loops: Python hands it a work list built from the mask's own tile answers
+// (query tiles, each with its key chunks and, for partly visible chunks, a small keep block),
+// and it never knows which mask produced it. Per block of query rows it walks the key blocks
+// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, bias
+// and mask applied in place, exp and row sums in one vectorizable loop, output by a second
+// GEMM. Softmax statistics and accumulators are float32 (float64 for float64 inputs); half
+// inputs are widened once per call, since on CPUs without AMX the float32 GEMM is the faster
+// one and it keeps the 2x error rule with margin.
+//
+// Work is spread over torch's intra-op pool (at::parallel_for), so torch.set_num_threads
+// governs it. Every output row, and in the backward pass every key's gradient, is written by
+// exactly one task in a fixed order: results are bitwise reproducible for a thread count.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRows = 128;  // query rows per task: amortizes the per-GEMM call cost
+constexpr int64_t kKeys = 256;  // keys per block: the score block stays in L2
+
+// ---------------------------------------------------------------------------------------
+// exp for x <= 0 that the compiler vectorizes (std::exp is a libm call per element).
+// Cephes' expf: exp(x) = 2^n exp(r) with |r| <= ln2 / 2, a degree-6 polynomial, under 2 ulp.
+// Inputs below -87 (and -inf) give exactly 0, so hidden keys weigh exactly nothing.
+
+inline float exp_nonpositive(float x) {
+  const bool dead = !(x > -87.0f);
+  x = dead ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return dead ? 0.0f : y * two_n;
+}
+
+inline double exp_nonpositive(double x) { return x > -745.0 ? std::exp(x) : 0.0; }
+
+template <typename T>
+constexpr T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// ---------------------------------------------------------------------------------------
+// GEMM for the tile sizes attention needs, written for the compiler: a block of rows by 2
+// vectors of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
+// AVX-512 or NEON, whatever -march allows). ATen's GEMMs cannot be called from inside the
+// intra-op pool without either exported BLAS entry points or a thread-pool round trip per
+// tile (measured 60x slower on two cores), and tiles of 128 x 256 x 64 are small enough that
+// a register-blocked loop reaches most of the core's FMA throughput.
+//
+// C[m, n] = alpha * A B (+ C when accumulating), with A(i, p) = a[i * ars + p * acs] (any
+// strides, so a transposed A costs nothing), B row-major with row stride ldb, C row-major.
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+
+template <typename T>
+struct Vec {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+};
+
+// Rows of A per register block: 2 * rows vector accumulators plus 3 working registers must fit
+// the register file (32 vector registers with AVX-512, 16 with AVX2 or SSE; NEON has 32).
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kBlockRows = 12;
+#else
+constexpr int kBlockRows = 6;
+#endif
+
+template <typename T>
+inline void put(T* dst, typename Vec<T>::type x, T alpha, bool accumulate) {
+  using V = typename Vec<T>::type;
+  x = alpha * x;
+  if (accumulate) {
+    V old;
+    std::memcpy(&old, dst, sizeof(V));
+    x += old;
+  }
+  std::memcpy(dst, &x, sizeof(V));
+}
+
+// C[rows, 2 vectors] for one register block; accumulators are plain locals (never addressed),
+// so they stay in registers
+template <typename T, int rows>
+inline void gemm_block(int64_t k, T alpha, const T* a, int64_t ars, int64_t acs, const T* b,
+                       int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  V s0[rows], s1[rows];
+  for (int r = 0; r < rows; ++r) s0[r] = s1[r] = V{};
+  for (int64_t p = 0; p < k; ++p) {
+    V b0, b1;
+    std::memcpy(&b0, b + p * ldb, sizeof(V));
+    std::memcpy(&b1, b + p * ldb + lanes, sizeof(V));
+    const T* ap = a + p * acs;
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; ++r) {
+      const T ar = ap[r * ars];
+      s0[r] += ar * b0;
+      s1[r] += ar * b1;
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < rows; ++r) {
+    put(c + r * ldc, s0[r], alpha, accumulate);
+    put(c + r * ldc + lanes, s1[r], alpha, accumulate);
+  }
+}
+
+template <typename T>
+void gemm_edge(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
+               const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; ++i) {
+    T* ci = c + i * ldc;
+    if (!accumulate) std::fill(ci, ci + n, T(0));
+    for (int64_t p = 0; p < k; ++p) {
+      const T ap = alpha * a[i * ars + p * acs];
+      const T* bp = b + p * ldb;
+      for (int64_t j = 0; j < n; ++j) ci[j] += ap * bp[j];
+    }
+  }
+}
+
+// rows [i, i + rows) of C in register blocks of `rows`, the columns past the last full pair
+// of vectors by the plain loop
+template <typename T, int rows>
+int64_t gemm_rows(int64_t i, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars,
+                  int64_t acs, const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  constexpr int64_t cols = 2 * kVecBytes / sizeof(T);
+  for (; i + rows <= m; i += rows) {
+    int64_t j = 0;
+    for (; j + cols <= n; j += cols)
+      gemm_block<T, rows>(k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
+                          c + i * ldc + j, ldc);
+    if (j < n)
+      gemm_edge<T>(rows, n - j, k, alpha, a + i * ars, ars, acs, b + j, ldb, accumulate,
+                   c + i * ldc + j, ldc);
+  }
+  return i;
+}
+
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
+          const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  int64_t i = gemm_rows<T, kBlockRows>(0, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
+  i = gemm_rows<T, 4>(i, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
+  if (i < m)
+    gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc,
+                 ldc);
+}
+
+// Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
+// compilers vectorize neither a float sum nor a max, so the lanes are spelled out.
+
+struct IntVec {
+  typedef int32_t type __attribute__((vector_size(kVecBytes)));
+};
+
+// exp_nonpositive for a vector of floats: the same steps, lane by lane
+inline Vec<float>::type exp_vec(Vec<float>::type x) {
+  using V = Vec<float>::type;
+  using I = IntVec::type;
+  const V floor_x = V{} - 87.0f;
+  const I dead = !(x > floor_x);
+  x = dead ? floor_x : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  const V t = __builtin_convertvector(__builtin_convertvector(y, I), V);
+  const V n = t + __builtin_convertvector(y < t, V);  // floor: truncation moved down by 1
+  V r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  const V z = r * r;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * z + r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return dead ? V{} : p * two_n;
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n, T init) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using V = Vec<float>::type;
+    constexpr int lanes = kVecBytes / sizeof(float);
+    V best = V{} + init;
+    for (; j + lanes <= n; j += lanes) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      best = v > best ? v : best;
+    }
+    for (int l = 0; l < lanes; ++l) init = std::max(init, best[l]);
+  }
+  for (; j < n; ++j) init = std::max(init, x[j]);
+  return init;
+}
+
+// x[j] = exp(x[j] - shift) in place; returns the sum
+template <typename T>
+T exp_shifted(T* x, int64_t n, T shift) {
+  int64_t j = 0;
+  T total = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    using V = Vec<float>::type;
+    constexpr int lanes = kVecBytes / sizeof(float);
+    V sum = {};
+    for (; j + lanes <= n; j += lanes) {
+      V v;
+      std::memcpy(&v, x + j, sizeof(V));
+      v = exp_vec(v - shift);
+      std::memcpy(x + j, &v, sizeof(V));
+      sum += v;
+    }
+    for (int l = 0; l < lanes; ++l) total += sum[l];
+  }
+  for (; j < n; ++j) {
+    x[j] = exp_nonpositive(x[j] - shift);
+    total += x[j];
+  }
+  return total;
+}
+
+
+// ---------------------------------------------------------------------------------------
+// The work list (see fused.py: _flatten).
+
+struct Plan {
+  const int64_t* items;   // [n, 6]: b0, b1, q0, q1, first chunk, end chunk (b0 = -1: all)
+  int64_t n_items;
+  const int64_t* chunks;  // [m, 6]: k0, k1, keep offset (-1: fully visible), keep strides b, h, row
+  const uint8_t* keep;    // every keep block, flattened
+};
+
+Plan make_plan(const at::Tensor& items, const at::Tensor& chunks, const at::Tensor& keep) {
+  TORCH_CHECK(items.dtype() == at::kLong && items.is_contiguous() && items.size(1) == 6);
+  TORCH_CHECK(chunks.dtype() == at::kLong && chunks.is_contiguous() && chunks.size(1) == 6);
+  TORCH_CHECK(keep.dtype() == at::kBool && keep.is_contiguous());
+  return Plan{items.data_ptr<int64_t>(), items.size(0), chunks.data_ptr<int64_t>(),
+              reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>())};
+}
+
+// The end of the key block starting at kb: the next multiple of kKeys, or the chunk's end.
+inline int64_t next_block(int64_t kb, int64_t stop) {
+  return std::min(stop, (kb / kKeys + 1) * kKeys);
+}
+
+// A query-row block of one item, for one batch entry and one head.
+struct Task {
+  int64_t item, b, h, r0, r1;
+};
+
+std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads) {
+  std::vector<Task> tasks;
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? batch : it[1];
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t r = it[2]; r < it[3]; r += kRows)
+          tasks.push_back({n, b, h, r, std::min(r + kRows, it[3])});
+  }
+  return tasks;
+}
+
+// The additive terms: a dense tensor with broadcast strides and/or a table over the distance
+// j - i (a relative modifier such as ALiBi or T5 buckets, never materialized as L x S).
+template <typename T>
+struct Bias {
+  const T* dense = nullptr;
+  int64_t sb = 0, sh = 0, sl = 0, ss = 0;
+  const T* table = nullptr;
+  int64_t th = 0, tlen = 0, shift = 0;  // value(h, i, j) = table[h * th + j - i - shift]
+
+  Bias(const at::Tensor& d, const at::Tensor& t, int64_t table_shift) {
+    if (d.defined() && d.numel() > 0) {
+      dense = d.data_ptr<T>();
+      sb = d.stride(0), sh = d.stride(1), sl = d.stride(2), ss = d.stride(3);
+    }
+    if (t.defined() && t.numel() > 0) {
+      table = t.data_ptr<T>();
+      th = t.size(0) == 1 ? 0 : t.stride(0);
+      tlen = t.size(1);
+      shift = table_shift;
+    }
+  }
+  bool any() const { return dense != nullptr || table != nullptr; }
+};
+
+// Per key block of one task: where the keep bits start, or null when every key is visible.
+// Returns false when no (row, key) pair of the block is visible (the block is skipped).
+inline bool keep_block(const Plan& plan, const int64_t* ch, int64_t b_rel, int64_t h,
+                       int64_t row0, int64_t rows, int64_t k_rel, int64_t cols,
+                       const uint8_t** out, int64_t* row_stride) {
+  *out = nullptr;
+  if (ch[2] < 0) return true;
+  const uint8_t* p = plan.keep + ch[2] + b_rel * ch[3] + h * ch[4] + row0 * ch[5] + k_rel;
+  bool any = false, all = true;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* r = p + i * ch[5];
+    int64_t seen = 0;
+    for (int64_t j = 0; j < cols; ++j) seen += r[j];
+    any |= seen > 0;
+    all &= seen == cols;
+  }
+  if (!all) *out = p;
+  *row_stride = ch[5];
+  return any;
+}
+
+// Scaled scores of a block in place: bias added, then -inf where hidden.
+template <typename T>
+void finish_scores(T* s, int64_t rows, int64_t cols, const Bias<T>& bias, int64_t b, int64_t h,
+                   int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* row = s + i * cols;
+    if (bias.dense != nullptr) {
+      const T* br = bias.dense + b * bias.sb + h * bias.sh + (i0 + i) * bias.sl + j0 * bias.ss;
+      for (int64_t j = 0; j < cols; ++j) row[j] += br[j * bias.ss];
+    }
+    if (bias.table != nullptr) {
+      // entry j of this row reads the table at (j0 + j) - (i0 + i) - shift: a contiguous run
+      const T* tr = bias.table + h * bias.th + (j0 - (i0 + i) - bias.shift);
+      for (int64_t j = 0; j < cols; ++j) row[j] += tr[j];
+    }
+    if (keep != nullptr) {
+      const uint8_t* kr = keep + i * keep_rs;
+      for (int64_t j = 0; j < cols; ++j) row[j] = kr[j] ? row[j] : neg_inf<T>();
+    }
+  }
+}
+
+// [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
+// on its own (zero-padded), so a GEMM walking a block's columns reads rows kKeys apart. Rows S
+// apart alias in L1 when S is a multiple of 1024 (measured 12x slower at S = 2048).
+at::Tensor blocked_transpose(const at::Tensor& x) {
+  const int64_t S = x.size(2), n = (S + kKeys - 1) / kKeys;
+  at::Tensor padded = at::constant_pad_nd(x, {0, 0, 0, n * kKeys - S});
+  return padded.reshape({x.size(0), x.size(1), n, kKeys, x.size(3)}).transpose(3, 4).contiguous();
+}
+
+// Keys and values are also kept transposed block by block (one copy per call): the score
+// GEMMs read them as row-major B operands along the keys. Key blocks never cross a multiple
+// of kKeys (see next_block), so each lies inside one transposed block.
+template <typename T>
+struct Inputs {
+  at::Tensor kt_, vt_;
+  const T *q, *k, *v, *kt, *vt;
+  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
+  int64_t B, H, Hkv, L, S, D, Dv, blocks;
+
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_vt)
+      : kt_(blocked_transpose(k_)),
+        vt_(with_vt ? blocked_transpose(v_) : at::Tensor()),
+        q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
+        kt(kt_.data_ptr<T>()), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
+        qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
+        ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
+        vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
+        B(q_.size(0)), H(q_.size(1)), Hkv(k_.size(1)), L(q_.size(2)), S(k_.size(2)),
+        D(q_.size(3)), Dv(v_.size(3)), blocks(kt_.size(2)) {}
+
+  const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
+  const T* krow(int64_t b, int64_t h, int64_t j) const {
+    return k + b * ksb + (h / (H / Hkv)) * ksh + j * ksr;
+  }
+  const T* vrow(int64_t b, int64_t h, int64_t j) const {
+    return v + b * vsb + (h / (H / Hkv)) * vsh + j * vsr;
+  }
+  // column j of the transposed keys / values: row stride kKeys
+  const T* ktcol(int64_t b, int64_t h, int64_t j) const {
+    return kt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * D * kKeys + j % kKeys;
+  }
+  const T* vtcol(int64_t b, int64_t h, int64_t j) const {
+    return vt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * Dv * kKeys + j % kKeys;
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` defined ([B, H, L, S], zeros where
+// the plan reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in
+// the weights while the row's statistics are gathered, then normalized in place.
+
+// One task's online softmax over its key blocks numbered [first, last) (counted across its
+// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
+// the scaled scores are parked there (weights rows of this task, row stride S).
+template <typename T>
+void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+            const Task& task, int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum,
+            T* wbase) {
+  const int64_t* it = plan.items + 6 * task.item;
+  const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  std::fill(acc, acc + m * Dv, T(0));
+  std::fill(mx, mx + m, neg_inf<T>());
+  std::fill(sum, sum + m, T(0));
+  const T* qt = in.qrow(task.b, task.h, task.r0);
+  int64_t index = 0;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
+      const int64_t block = index++;
+      if (block < first) continue;
+      if (block >= last) return;
+      const int64_t n = next_block(kb, ch[1]) - kb;
+      const uint8_t* keep;
+      int64_t keep_rs = 0;
+      if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
+                      &keep_rs)) {
+        if (wbase != nullptr)  // nothing visible: weights 0 once normalized
+          for (int64_t i = 0; i < m; ++i)
+            std::fill(wbase + i * S + kb, wbase + i * S + kb + n, neg_inf<T>());
+        continue;
+      }
+      gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), kKeys, false, scores,
+              n);
+      finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
+      for (int64_t i = 0; i < m; ++i) {
+        T* row = scores + i * n;
+        if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
+        const T best = row_max(row, n, mx[i]);
+        if (best == neg_inf<T>()) {  // nothing visible in this row yet
+          std::fill(row, row + n, T(0));
+          continue;
+        }
+        const T alpha = exp_nonpositive(mx[i] - best);
+        sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
+        mx[i] = best;
+        if (alpha != T(1)) {
+          T* a = acc + i * Dv;
+          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+        }
+      }
+      gemm<T>(m, Dv, n, T(1), scores, n, 1, in.vrow(task.b, task.h, kb), in.vsr, true, acc, Dv);
+    }
+  }
+}
+
+int64_t key_blocks(const Plan& plan, const Task& task) {
+  const int64_t* it = plan.items + 6 * task.item;
+  int64_t count = 0;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) ++count;
+  }
+  return count;
+}
+
+// Normalized output and log-sum-exp of a task's rows; rows that saw nothing get 0 and -inf.
+template <typename T>
+void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* mx, const T* sum,
+                 T* out, T* lse) {
+  const int64_t Dv = in.Dv;
+  for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
+    const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
+    T* o = out + row * Dv;
+    const T* a = acc + i * Dv;
+    const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
+    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
+    lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
+  }
+}
+
+// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` ([B, H, L, S], zeros where the plan
+// reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in the
+// weights while the rows' statistics are gathered, then normalized in place.
+//
+// Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
+// parts run in parallel; the parts merge through their (max, sum) in a fixed order.
+constexpr int64_t kDecodeRows = 16;
+
+template <typename T>
+void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+                  T* out, T* lse, T* weights) {
+  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t Dv = in.Dv, S = in.S;
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
+    int64_t most = 0;
+    for (const Task& task : tasks) most = std::max(most, key_blocks(plan, task));
+    parts = std::min(most, (2 * threads + n_tasks - 1) / n_tasks);
+  }
+  if (parts > 1) {
+    const int64_t stride = kDecodeRows * Dv;
+    std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
+        sums(n_tasks * parts * kDecodeRows);
+    at::parallel_for(0, n_tasks * parts, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<T> scores(kDecodeRows * kKeys);
+      for (int64_t u = lo; u < hi; ++u) {
+        const Task& task = tasks[u / parts];
+        const int64_t part = u % parts, blocks = key_blocks(plan, task);
+        attend(in, plan, bias, scale, task, blocks * part / parts, blocks * (part + 1) / parts,
+               scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
+               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr));
+      }
+    });
+    for (int64_t t = 0; t < n_tasks; ++t) {  // merge the parts, always in part order
+      const int64_t m = tasks[t].r1 - tasks[t].r0;
+      std::vector<T> acc(m * Dv, T(0)), mx(m, neg_inf<T>()), sum(m, T(0));
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t p = 0; p < parts; ++p) mx[i] = std::max(mx[i], mxs[(t * parts + p) * kDecodeRows + i]);
+        if (mx[i] == neg_inf<T>()) continue;
+        for (int64_t p = 0; p < parts; ++p) {
+          const int64_t u = t * parts + p;
+          const T w = exp_nonpositive(mxs[u * kDecodeRows + i] - mx[i]);
+          sum[i] += sums[u * kDecodeRows + i] * w;
+          const T* a = accs.data() + u * stride + i * Dv;
+          for (int64_t d = 0; d < Dv; ++d) acc[i * Dv + d] += a[d] * w;
+        }
+      }
+      finish_rows(in, tasks[t], acc.data(), mx.data(), sum.data(), out, lse);
+    }
+    return;
+  }
+  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
+    for (int64_t t = lo; t < hi; ++t) {
+      const Task& task = tasks[t];
+      const int64_t m = task.r1 - task.r0;
+      T* wbase = weights == nullptr ? nullptr
+                                    : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
+      attend(in, plan, bias, scale, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+             acc.data(), mx.data(), sum.data(), wbase);
+      finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
+      if (wbase == nullptr) continue;
+      const int64_t* it = plan.items + 6 * task.item;
+      for (int64_t c = it[4]; c < it[5]; ++c) {  // the parked scores become weights
+        const int64_t* ch = plan.chunks + 6 * c;
+        for (int64_t i = 0; i < m; ++i) {
+          const T l = lse[(task.b * in.H + task.h) * in.L + task.r0 + i];
+          T* w = wbase + i * S;
+          if (l == neg_inf<T>())
+            std::fill(w + ch[0], w + ch[1], T(0));
+          else
+            exp_shifted(w + ch[0], ch[1] - ch[0], l);
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward. One task per (batch entry, key/value head): it owns that head's dK and dV rows
+// outright and writes dQ for the query heads of its group, so no two tasks touch the same
+// memory and the summation order is fixed.
+
+template <typename T>
+void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+                   const T* grad, const T* lse_dead_inf, const T* delta, T* dq, T* dk, T* dv,
+                   T* dbias, T* dtable) {
+  const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
+  const int64_t groups = H / Hkv;
+  at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t b = t / Hkv, hk = t % Hkv;
+      T* dk_head = dk + (b * Hkv + hk) * S * D;
+      T* dv_head = dv + (b * Hkv + hk) * S * Dv;
+      for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
+        for (int64_t n_it = 0; n_it < plan.n_items; ++n_it) {
+          const int64_t* it = plan.items + 6 * n_it;
+          if (it[0] >= 0 && (b < it[0] || b >= it[1])) continue;
+          const int64_t b_rel = it[0] < 0 ? b : b - it[0];
+          for (int64_t r0 = it[2]; r0 < it[3]; r0 += kRows) {
+            const int64_t m = std::min(kRows, it[3] - r0);
+            const int64_t row0 = (b * H + h) * L + r0;
+            std::fill(dq_buf.begin(), dq_buf.begin() + m * D, T(0));
+            const T* qt = in.qrow(b, h, r0);
+            const T* gt = grad + row0 * Dv;
+            for (int64_t c = it[4]; c < it[5]; ++c) {
+              const int64_t* ch = plan.chunks + 6 * c;
+              for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
+                const int64_t n = next_block(kb, ch[1]) - kb;
+                const uint8_t* keep;
+                int64_t keep_rs = 0;
+                if (!keep_block(plan, ch, b_rel, h, r0 - it[2], m, kb - ch[0], n, &keep,
+                                &keep_rs))
+                  continue;
+                const T* kr = in.krow(b, h, kb);
+                gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(b, h, kb), kKeys, false,
+                        p_buf.data(), n);
+                finish_scores(p_buf.data(), m, n, bias, b, h, r0, kb, keep, keep_rs);
+                gemm<T>(m, n, Dv, T(1), gt, Dv, 1, in.vtcol(b, h, kb), kKeys, false,
+                        ds_buf.data(), n);
+                for (int64_t i = 0; i < m; ++i) {
+                  T* pr = p_buf.data() + i * n;
+                  T* dr = ds_buf.data() + i * n;
+                  const T l = lse_dead_inf[row0 + i], dl = delta[row0 + i];
+                  exp_shifted(pr, n, l);
+                  for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dl);
+                  if (dbias != nullptr) {
+                    std::copy(dr, dr + n, dbias + (row0 + i) * S + kb);
+                  }
+                  if (dtable != nullptr) {
+                    // entry j sits on distance index (kb + j) - (r0 + i) - shift
+                    T* tr = dtable + (b * H + h) * bias.tlen + (kb - (r0 + i) - bias.shift);
+                    for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
+                  }
+                }
+                // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K (A read transposed)
+                gemm<T>(n, Dv, m, T(1), p_buf.data(), 1, n, gt, Dv, true, dv_head + kb * Dv, Dv);
+                gemm<T>(n, D, m, scale, ds_buf.data(), 1, n, qt, in.qsr, true, dk_head + kb * D, D);
+                gemm<T>(m, D, n, scale, ds_buf.data(), n, 1, kr, in.ksr, true, dq_buf.data(), D);
+              }
+            }
+            T* dst = dq + row0 * D;
+            std::copy(dq_buf.begin(), dq_buf.begin() + m * D, dst);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with a unit last stride;
+// bias: empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n].
+
+at::ScalarType compute_type(const at::Tensor& q) {
+  return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
+  at::Tensor x = t.to(type);
+  return x.stride(-1) == 1 ? x : x.contiguous();
+}
+
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& items, const at::Tensor& chunks,
+                                const at::Tensor& keep, const at::Tensor& bias,
+                                const at::Tensor& table, int64_t table_shift, double scale,
+                                bool with_weights) {
+  const at::ScalarType ct = compute_type(q);
+  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
+  at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
+  at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(ct));
+  at::Tensor weights = with_weights ? at::zeros({B, H, L, S}, q.options().dtype(ct))
+                                    : at::Tensor();
+  const Plan plan = make_plan(items, chunks, keep);
+  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
+    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
+                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, false), plan, terms,
+                           static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
+                           lse.data_ptr<scalar_t>(),
+                           with_weights ? weights.data_ptr<scalar_t>() : nullptr);
+  });
+  std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
+  if (with_weights) result.push_back(weights.to(q.scalar_type()));
+  return result;
+}
+
+std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                 const at::Tensor& lse, const at::Tensor& items,
+                                 const at::Tensor& chunks, const at::Tensor& keep,
+                                 const at::Tensor& bias, const at::Tensor& table,
+                                 int64_t table_shift, double scale, bool bias_grad,
+                                 bool table_grad) {
+  const at::ScalarType ct = compute_type(q);
+  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  at::Tensor g = grad.to(ct).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), D = q.size(3);
+  // rows that saw nothing: +inf makes every recomputed probability exactly 0
+  at::Tensor lse_c = lse.to(ct);
+  lse_c = at::where(at::isfinite(lse_c), lse_c, at::full({}, INFINITY, lse_c.options()))
+              .contiguous();
+  at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
+  at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
+  at::Tensor dk = at::zeros({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = at::zeros({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
+  at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
+                                 : at::Tensor();
+  const Plan plan = make_plan(items, chunks, keep);
+  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_backward", [&] {
+    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
+                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    backward_impl<scalar_t>(
+        Inputs<scalar_t>(qc, kc, vc, true), plan, terms, static_cast<scalar_t>(scale),
+        g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
+        dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+        bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
+        table_grad ? dtable.data_ptr<scalar_t>() : nullptr);
+  });
+  std::vector<at::Tensor> result{dq.to(q.scalar_type()), dk.to(k.scalar_type()),
+                                 dv.to(v.scalar_type())};
+  result.push_back(bias_grad ? dbias : at::empty({0}, q.options().dtype(ct)));
+  result.push_back(table_grad ? dtable : at::empty({0}, q.options().dtype(ct)));
+  return result;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "fused attention forward: (out, lse[, weights])");
+  m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
+}

@@ -1,0 +1,468 @@
+"""The fused C++ attention kernel (``backend="fused"``), built on first use, run as one torch op.
+
+The kernel (``csrc/fused_attention.cpp``) walks a work list made from the mask's own tile
+answers (the planner in ``_plan.py``; cached per mask structure and shape), so it skips what
+the mask hides without knowing any mask kind. Per block of query rows it computes scores by
+GEMM, adds the bias (a dense tensor read through broadcast strides, or a relative modifier
+such as ALiBi or T5 buckets read from one row per head of values by distance: never an L x S
+tensor), applies the keep bits and runs an online softmax; the backward pass recomputes the
+probabilities from the saved log-sum-exp.
+
+It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
+(``$MULTIHEAD_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/multihead/extensions``, else
+``~/.cache/multihead/extensions``), in a folder named by a hash of the sources, the compiler
+flags, the torch version and the CPU, so a change of any of them builds afresh and nothing
+else ever rebuilds. Where the build cannot run (no compiler, no headers) the failure is
+remembered, ``unsupported`` reports it in one line and ``auto`` uses the other backends.
+Setting ``MULTIHEAD_FUSED=0`` turns the kernel off without trying to build it.
+
+The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._backward``,
+``..._weights``) with fake kernels and an autograd formula, so ``torch.compile`` and
+``torch.export`` see one op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ._call import Call, stat_dtype
+from ._plan import Item, plan, query_tile
+
+__all__ = [
+    "build",
+    "build_dir",
+    "build_error",
+    "measured_faster",
+    "run",
+    "unsupported",
+]
+
+_SOURCES = ("fused_attention.cpp",)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FLAGS = ["-O3"]
+# the kernel's exp and row loops are written for the compiler to vectorize: on x86 let it use
+# every instruction set of the machine it is built on (the cache key includes the CPU)
+_NATIVE = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+
+_module = None  # the loaded extension
+_error: str | None = None  # why it could not be built, once tried
+
+
+def build_dir() -> Path:
+    """The folder the extension is built into (created on demand)."""
+    root = os.environ.get("MULTIHEAD_EXTENSION_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "multihead" / "extensions"
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on besides the sources: -march=native bakes in the CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((Path(__file__).parent / "csrc" / name).read_bytes())
+    h.update(" ".join([*_FLAGS, *_NATIVE, torch.__version__, _cpu_signature()]).encode())
+    return h.hexdigest()[:16]
+
+
+def build():
+    """The compiled extension module, building it on first use; raises RuntimeError with the
+    reason when it cannot be built (the reason is kept for ``build_error``)."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise RuntimeError(_error)
+    if os.environ.get("MULTIHEAD_FUSED", "1") == "0":
+        _error = "turned off by MULTIHEAD_FUSED=0"
+        raise RuntimeError(_error)
+    compiler = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension will run
+    if shutil.which(compiler) is None:
+        _error = (
+            f"the C++ kernel cannot be built: no C++ compiler {compiler!r} found "
+            "(install g++ or clang++, or set CXX to one)"
+        )
+        raise RuntimeError(_error)
+    try:
+        from torch.utils import cpp_extension
+
+        name = f"multihead_fused_{_digest()}"
+        folder = build_dir() / name
+        folder.mkdir(parents=True, exist_ok=True)
+        _module = cpp_extension.load(
+            name,
+            [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES],
+            extra_cflags=[*_FLAGS, *_NATIVE],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as e:  # any failure of the toolchain: the other backends still run
+        _error = f"the C++ kernel could not be built: {_first_error(e)}"
+        raise RuntimeError(_error) from e
+    return _module
+
+
+def _first_error(e: Exception) -> str:
+    """The line of a build failure a person can act on: the compiler's first error if there
+    is one (a build log starts with the command line), else the first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if any(word in line for word in ("error:", "not found", "No such file", "fatal")):
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+@torch._dynamo.assume_constant_result  # traced calls see the answer of the eager world
+def build_error() -> str | None:
+    """None when the kernel is built (building it now if needed), else why not, in one line."""
+    try:
+        build()
+    except RuntimeError:
+        return _error
+    return None
+
+
+def _forget_build() -> None:
+    """Drop the loaded module and any remembered failure (tests rebuild from a clean cache)."""
+    global _module, _error
+    _module, _error = None, None
+
+
+# ------------------------------------------------------------------------------------------
+# The ops. Plans arrive as tensors: items int64 [n, 6] (b0, b1, q0, q1, first chunk, end
+# chunk; b0 = -1 for every batch entry), chunks int64 [m, 6] (k0, k1, offset of the keep block
+# or -1, its strides over batch, head and row) and keep, every keep block flattened (bool).
+
+
+@torch.library.custom_op("multihead::fused_attention", mutates_args=())
+def _attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    items: Tensor,
+    chunks: Tensor,
+    keep: Tensor,
+    bias: Tensor,
+    table: Tensor,
+    table_shift: int,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    out, lse = build().forward(q, k, v, items, chunks, keep, bias, table, table_shift, scale, False)
+    return out, lse
+
+
+@torch.library.custom_op("multihead::fused_attention_weights", mutates_args=())
+def _weights_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    items: Tensor,
+    chunks: Tensor,
+    keep: Tensor,
+    bias: Tensor,
+    table: Tensor,
+    table_shift: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, w = build().forward(
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, True
+    )
+    return out, lse, w
+
+
+@torch.library.custom_op("multihead::fused_attention_backward", mutates_args=())
+def _backward_op(
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    items: Tensor,
+    chunks: Tensor,
+    keep: Tensor,
+    bias: Tensor,
+    table: Tensor,
+    table_shift: int,
+    scale: float,
+    bias_grad: bool,
+    table_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dq, dk, dv, dbias, dtable = build().backward(
+        grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale,
+        bias_grad, table_grad,
+    )  # fmt: skip
+    return dq, dk, dv, dbias, dtable
+
+
+def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    b, h, length_q, _ = q.shape
+    out = q.new_empty(b, h, length_q, v.shape[-1])
+    return out, q.new_empty(b, h, length_q, dtype=stat_dtype(q.dtype))
+
+
+@_attention_op.register_fake
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+    return _out_shapes(q, k, v)
+
+
+@_weights_op.register_fake
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+    out, lse = _out_shapes(q, k, v)
+    return out, lse, q.new_empty(*q.shape[:3], k.shape[2])
+
+
+@_backward_op.register_fake
+def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, bg, tg):
+    stat = stat_dtype(q.dtype)
+    b, h, length_q, _ = q.shape
+    dbias = q.new_empty(b, h, length_q, k.shape[2], dtype=stat) if bg else q.new_empty(0)
+    dtable = q.new_empty(b, h, table.shape[-1], dtype=stat) if tg else q.new_empty(0)
+    return (
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+        dbias.to(stat),
+        dtable.to(stat),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, items, chunks, keep, bias, table, table_shift, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table)
+    ctx.table_shift, ctx.scale = table_shift, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, items, chunks, keep, bias, table = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[6] and bias.numel() > 0
+    table_grad = ctx.needs_input_grad[7] and table.numel() > 0
+    dq, dk, dv, dbias, dtable = _backward_op(
+        grad_out, q, k, v, out, lse, items, chunks, keep, bias, table, ctx.table_shift,
+        ctx.scale, bias_grad, table_grad,
+    )  # fmt: skip
+    d_bias = dbias.to(bias.dtype) if bias_grad else None
+    d_table = None
+    if table_grad:  # [B, H, n] -> the table's (H or 1, n)
+        d_table = dtable.sum(0).sum_to_size(table.shape).to(table.dtype)
+    return dq, dk, dv, None, None, None, d_bias, d_table, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------
+# From a call to the op's arguments.
+
+_FLAT: OrderedDict[Hashable, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+_FLAT_KEPT = 16  # flattened plans of (L, S)-only mask structures kept for reuse
+
+
+def _flatten(items: list[Item], device) -> tuple[Tensor, Tensor, Tensor]:
+    """The planner's items as the kernel's three tensors (see the ops above)."""
+    rows, chunk_rows, keeps = [], [], []
+    offset = 0
+    for item in items:
+        b0, b1 = (-1, -1) if item.batch.start is None else (item.batch.start, item.batch.stop)
+        first = len(chunk_rows)
+        n_rows = item.q1 - item.q0
+        for chunk in item.chunks:
+            if chunk.keep is None:
+                chunk_rows.append((chunk.start, chunk.stop, -1, 0, 0, 0))
+                continue
+            cols = chunk.stop - chunk.start
+            block = chunk.keep.expand(*chunk.keep.shape[:2], n_rows, cols).contiguous()
+            sb = 0 if block.shape[0] == 1 else block.shape[1] * n_rows * cols
+            sh = 0 if block.shape[1] == 1 else n_rows * cols
+            chunk_rows.append((chunk.start, chunk.stop, offset, sb, sh, cols))
+            keeps.append(block.flatten())
+            offset += block.numel()
+        rows.append((b0, b1, item.q0, item.q1, first, len(chunk_rows)))
+    as_long = lambda x: torch.tensor(x, dtype=torch.long).reshape(-1, 6)  # noqa: E731
+    keep = torch.cat(keeps) if keeps else torch.zeros(0, dtype=torch.bool)
+    return as_long(rows), as_long(chunk_rows), keep.to(device)
+
+
+def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    """The work list for this call, reused across calls when the mask's pattern depends only
+    on (L, S) (a training loop plans once). While torch.export traces, the plan is computed
+    eagerly: it depends on the mask alone and enters the graph as constants. Under
+    torch.compile the planner's data-dependent steps would break the graph: a compiled
+    function reads the plan an eager call of the same mask and shape left in the cache."""
+    b, _, _, length_q, length_k, _ = call.shape
+    args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)
+    if not torch.compiler.is_exporting():
+        return _planned(*args)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        return _planned(*args)
+
+
+def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor, Tensor]:
+    structure = None if mask is None else mask.structure_key
+    key = ("none" if mask is None else structure, length_q, length_k, tile, str(device))
+    if mask is not None and structure is None:
+        return _flatten(plan(mask, b, length_q, length_k, tile, device), device)
+    if key not in _FLAT:
+        if len(_FLAT) >= _FLAT_KEPT:
+            _FLAT.popitem(last=False)
+        _FLAT[key] = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
+    return _FLAT[key]
+
+
+def _terms(call: Call) -> tuple[Tensor, Tensor, int]:
+    """(dense bias [B, H, L, S] through broadcast strides or empty, relative table (H|1, n) or
+    empty, the table's shift). A modifier that depends on the distance alone becomes a table
+    of L + S - 1 values per head; a tensor stays a view of itself; any other modifier is
+    lowered to a dense tensor."""
+    b, h, _, length_q, length_k, _ = call.shape
+    q = call.query
+    stat = stat_dtype(q.dtype)
+    empty = q.new_empty(0, dtype=stat)
+    bias = call.bias
+    if bias is None or length_q == 0 or length_k == 0:
+        return empty, empty, 0
+    off = bias.offset(length_q, length_k)
+    lo, hi = -(length_q - 1) - off, length_k - off
+    table = bias.diagonals(length_q, length_k, lo, hi, device=q.device, dtype=stat)
+    if table is not None:
+        return empty, table, off + lo
+    dense = call.dense_bias(stat)
+    return dense.expand(b, h, length_q, length_k), empty, 0
+
+
+def _args(call: Call) -> tuple:
+    items, chunks, keep = _plan_tensors(call)
+    bias, table, shift = _terms(call)
+    return (call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale)
+
+
+def unsupported(call: Call) -> str | None:
+    dtype, device = call.query.dtype, call.query.device
+    if device.type != "cpu":
+        return f"the fused kernel runs on CPU; received device {device.type}"
+    if dtype not in _DTYPES:
+        return f"the fused kernel takes float32, float64, bfloat16 or float16; received {dtype}"
+    if call.dropout_p > 0.0:
+        return "the fused kernel has no dropout (dropout runs on tiled)"
+    if call.return_weights and call.needs_grad:
+        return "gradients through returned weights run on tiled"
+    why = build_error()
+    return None if why is None else why
+
+
+def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    if call.return_weights:
+        out, _, weights = _weights_op(*_args(call))
+        return out, weights
+    out, _ = _attention_op(*_args(call))
+    return out, None
+
+
+def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
+    """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
+    have out 0 and lse -inf."""
+    with torch.no_grad():
+        return _attention_op(*_args(call))
+
+
+# ------------------------------------------------------------------------------------------
+# auto's measurement: once per shape class, the kernel against the backend auto would pick
+# otherwise, on the call itself; the faster one is remembered for the process.
+
+_MEASURED: dict[Hashable, bool] = {}
+_MARGIN = 0.9  # the kernel must be at least 10% faster: closer calls are noise
+
+
+def _shape_class(call: Call) -> Hashable:
+    b, h, h_kv, length_q, length_k, d = call.shape
+    bucket = lambda n: max(n, 1).bit_length()  # noqa: E731  powers of two
+    mask = None if call.mask is None else (type(call.mask).__name__, call.mask.structure_key)
+    bias = None if call.bias is None else (type(call.bias).__name__, call.bias.computed)
+    return (
+        str(call.query.device),
+        call.query.dtype,
+        bucket(b * h),
+        h // h_kv,
+        bucket(length_q),
+        bucket(length_k),
+        d,
+        call.value.shape[-1],
+        mask,
+        bias,
+        call.return_weights,
+        call.needs_grad,
+    )
+
+
+def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
+    """True when the kernel ran faster than ``rival`` on a call of this shape class.
+
+    Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
+    dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
+    times (forward only, or forward and backward when the call needs gradients), and the best
+    times are compared. Nothing is measured while the
+    automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not built.
+    """
+    if os.environ.get("MULTIHEAD_FUSED_AUTO", "1") == "0" or unsupported(call) is not None:
+        return False
+    key = _shape_class(call)
+    if key not in _MEASURED:
+        mine, theirs = _timed(run, call), _timed(rival, call)
+        mine(), theirs()
+        _MEASURED[key] = _best_time(mine) < _MARGIN * _best_time(theirs)
+    return _MEASURED[key]
+
+
+def _timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]:
+    """One run of ``backend`` as the caller will use it: forward only, or forward and backward
+    when the call needs gradients (on detached copies: the caller's .grad stays untouched)."""
+    if not call.needs_grad:
+
+        def forward() -> object:
+            with torch.no_grad():
+                return backend(call)
+
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (call.query, call.key, call.value)]
+    trial = replace(call, query=leaves[0], key=leaves[1], value=leaves[2])
+
+    def step() -> object:
+        out = backend(trial)[0]
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    return step

@@ -1,0 +1,281 @@
+"""The fused C++ kernel: what the shared matrix (tests/test_functional.py and neighbours) does
+not cover: learnable modifiers, weights from the kernel, determinism, the torch ops under
+torch.compile and torch.export, building, falling back, and auto's measured choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_case, naive_attention, qkv
+
+import multihead as mh
+from multihead import bias as mb
+from multihead import masks
+from multihead.backends import fused
+from multihead.functional import _prepare
+
+pytestmark = pytest.mark.skipif(
+    fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
+)
+
+KINDS = ["none", "causal", "window_both", "lengths_per_query", "documents&causal", "dense"]
+
+
+def _t5_table(heads: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, heads, generator=g, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64_through_learnable_modifiers(kind):
+    """ALiBi slopes and a T5 table reach the kernel as one row of values per head by distance;
+    their gradients come back from the kernel summed along each distance."""
+    b, h, length_q, length_k, d = 2, 2, 5, 7, 3
+    q, k, v = qkv(b, h, 1, length_q, length_k, d, requires_grad=True, seed=5)
+    mask = make_case(kind, b, h, length_q, length_k, seed=5).mask
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    table = _t5_table(h)
+
+    def f(q, k, v, slopes, table):
+        bias = mb.alibi(slopes=slopes) + mb.relative_buckets(table, max_distance=4)
+        return mh.attention(q, k, v, mask, bias=bias, backend="fused")
+
+    assert torch.autograd.gradcheck(f, (q, k, v, slopes, table))
+
+
+def test_relative_modifiers_are_never_lowered_to_a_dense_bias(monkeypatch):
+    """ALiBi and T5 buckets run from their per-distance values: no (L, S) block is built."""
+    q, k, v = qkv(1, 4, 2, 40, 50, 8)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a relative modifier was lowered to a block")
+
+    bias = mb.alibi(4) + mb.relative_buckets(_t5_table(4).detach(), max_distance=16)
+    want = mh.attention(q, k, v, masks.causal(), bias=bias, backend="reference")
+    for modifier in (bias, *bias.parts):
+        monkeypatch.setattr(type(modifier), "block", refuse)
+    got = mh.attention(q, k, v, masks.causal(), bias=bias, backend="fused")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("length_q,length_k", [(150, 290), (300, 600)])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_weights_come_from_the_kernel_and_match_the_formula(kind, dtype, length_q, length_k):
+    """(300, 600): key blocks that no row of a query block sees are skipped; their weights
+    must still come out 0."""
+    b, h, h_kv, d = 2, 4, 2, 16
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, d)
+    case = make_case(kind, b, h, length_q, length_k)
+    bias = torch.randn(1, h, length_q, length_k, dtype=torch.float64)
+    want_out, want_w = naive_attention(q, k, v, case.keep, bias=bias)
+    lo = [t.to(dtype) for t in (q, k, v, bias)]
+    out, w = mh.attention(*lo[:3], case.mask, bias=lo[3], backend="fused", return_weights=True)
+    # float32: scores of |s| <= ~10 carry ~1e-6 relative error into exp
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert (w.double() - want_w).abs().max() <= tol
+    assert (out.double() - want_out).abs().max() <= tol
+    hidden = ~case.keep.expand(b, h, length_q, length_k)
+    assert torch.equal(w[hidden], torch.zeros_like(w[hidden]))  # exactly 0, not tiny
+
+
+def test_weights_with_gradients_are_left_to_tiled():
+    q, k, v = qkv(1, 2, 2, 4, 5, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"gradients through returned weights run on tiled"):
+        mh.attention(q, k, v, return_weights=True, backend="fused")
+    assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
+
+
+def test_dropout_is_left_to_tiled_and_explained():
+    q, k, v = qkv(1, 2, 2, 4, 5, 3)
+    with pytest.raises(ValueError, match=r"no dropout \(dropout runs on tiled\)"):
+        mh.attention(q, k, v, dropout_p=0.1, backend="fused")
+    reason = mh.explain_backend(q, k, v, dropout_p=0.1).reasons["fused"]
+    assert reason == "the fused kernel has no dropout (dropout runs on tiled)"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bitwise_deterministic_for_a_thread_count(threads):
+    """Every output row and every key's gradient is written by one task in a fixed order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = qkv(2, 4, 2, 300, 520, 32, dtype=torch.float32, requires_grad=True)
+        mask = masks.causal() & masks.lengths(torch.tensor([520, 301]))
+        g = torch.randn(2, 4, 300, 32)
+        runs = []
+        for _ in range(2):
+            out = mh.attention(q, k, v, mask, bias=mb.alibi(4), backend="fused")
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_half_inputs_keep_their_dtype_and_lse_is_float32():
+    q, k, v = qkv(1, 2, 2, 9, 11, 8, dtype=torch.bfloat16)
+    call = _prepare(q, k, v, masks.causal(), None, None, 0.0, False)
+    out, lse = fused.forward_with_lse(call)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = torch.logsumexp((q.float() @ k.float().transpose(-2, -1)) * 8**-0.5 + torch.where(
+        make_case("causal", 1, 2, 9, 11).keep, 0.0, float("-inf")
+    ), dim=-1)  # fmt: skip
+    torch.testing.assert_close(lse, ref, rtol=0, atol=1e-5)
+
+
+def test_ops_pass_torch_library_opcheck():
+    """Schema, fake kernel and autograd registration agree with the real kernel."""
+    q, k, v = qkv(2, 4, 2, 6, 9, 5, dtype=torch.float32, requires_grad=True)
+    call = _prepare(q, k, v, masks.causal(), mb.alibi(4), None, 0.0, False)
+    args = fused._args(call)
+    torch.library.opcheck(torch.ops.multihead.fused_attention.default, args)
+    torch.library.opcheck(
+        torch.ops.multihead.fused_attention_weights.default,
+        tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+    )
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal()], ids=["none", "causal"])
+def test_compiled_function_has_no_graph_break(mask):
+    torch._dynamo.reset()
+    q, k, v = qkv(2, 4, 2, 33, 33, 8, dtype=torch.float32)
+
+    def f(q, k, v):
+        return mh.attention(q, k, v, mask, backend="fused")
+
+    eager = f(q, k, v)
+    report = torch._dynamo.explain(f)(q, k, v)
+    assert report.graph_break_count == 0 and report.graph_count == 1
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), eager, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_exported_program_calls_the_op():
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return mh.attention(q, k, v, masks.causal(), backend="fused")
+
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.float32)
+    program = torch.export.export(Attend(), (q, k, v))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "multihead.fused_attention.default" in targets
+    torch.testing.assert_close(program.module()(q, k, v), Attend()(q, k, v), rtol=0, atol=0)
+
+
+@pytest.fixture
+def unbuilt(monkeypatch, tmp_path):
+    """A process that has not tried to build the kernel, with an empty build cache."""
+    monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fused, "_module", None)
+    monkeypatch.setattr(fused, "_error", None)
+    return tmp_path / "cache"
+
+
+def test_missing_compiler_falls_back_and_says_why_in_one_line(monkeypatch, unbuilt):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
+    q, k, v = qkv(1, 2, 2, 6, 6, 4, dtype=torch.float32)
+    choice = mh.explain_backend(q, k, v, masks.sliding_window(2))
+    assert choice.backend == "tiled"
+    reason = choice.reasons["fused"]
+    assert "\n" not in reason
+    assert "no C++ compiler '/nonexistent/c++' found" in reason
+    torch.testing.assert_close(
+        mh.attention(q, k, v, masks.sliding_window(2)),
+        mh.attention(q, k, v, masks.sliding_window(2), backend="reference"),
+    )
+    with pytest.raises(ValueError, match=r"backend 'fused' cannot run this call: .*install g\+\+"):
+        mh.attention(q, k, v, backend="fused")
+
+
+def test_failed_build_reports_the_compiler_error(monkeypatch, unbuilt):
+    from torch.utils import cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension\n[1/2] c++ -O3 ...\nx.cpp:3:1: error: boom")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    assert fused.build_error() == "the C++ kernel could not be built: x.cpp:3:1: error: boom"
+    assert fused.build_error() is not None  # remembered: no second attempt
+    q, k, v = qkv(1, 2, 2, 6, 6, 4)
+    assert "error: boom" in mh.explain_backend(q, k, v).reasons["fused"]
+
+
+@pytest.mark.slow
+def test_builds_from_a_clean_cache(unbuilt):
+    """The first use compiles into the per-user cache (about a minute on two cores)."""
+    assert fused.build_error() is None
+    built = list(unbuilt.glob("multihead_fused_*/*.so"))
+    assert len(built) == 1
+    q, k, v = qkv(1, 2, 1, 5, 7, 4)
+    want, _ = naive_attention(q, k, v)
+    torch.testing.assert_close(mh.attention(q, k, v, backend="fused"), want, rtol=0, atol=1e-12)
+
+
+def test_turned_off_by_environment(monkeypatch, unbuilt):
+    monkeypatch.setenv("MULTIHEAD_FUSED", "0")
+    assert fused.build_error() == "turned off by MULTIHEAD_FUSED=0"
+    assert not unbuilt.exists()
+
+
+@pytest.fixture
+def measuring(monkeypatch):
+    monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
+    monkeypatch.setattr(fused, "_MEASURED", {})
+    times: list[float] = []
+    monkeypatch.setattr(fused, "_best_time", lambda fn, repeats=3: (fn(), times.pop(0))[1])
+    return times
+
+
+def test_auto_picks_fused_only_where_it_measured_faster(measuring):
+    q, k, v = qkv(2, 4, 2, 100, 100, 16, dtype=torch.float32)
+    measuring += [1.0, 2.0]  # fused, then sdpa (auto's choice without it)
+    choice = mh.explain_backend(q, k, v)
+    assert choice.backend == "fused"
+    assert "measured faster than sdpa on this machine" in choice.reasons["sdpa"]
+    assert mh.explain_backend(q, k, v).backend == "fused"  # remembered: nothing measured again
+    assert mh.explain_backend(q[:, :, :70], k, v).backend == "fused"  # the same shape class
+    measuring += [1.95, 2.0]  # a new class (L=256); 2.5% faster is noise
+    q2, k2, v2 = qkv(2, 4, 2, 256, 256, 16, dtype=torch.float32)
+    assert mh.explain_backend(q2, k2, v2).backend == "sdpa"
+    assert measuring == []
+
+
+def test_auto_measures_nothing_for_calls_fused_cannot_run(measuring):
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.float32)
+    assert mh.explain_backend(q, k, v, dropout_p=0.2).backend != "fused"
+    assert fused._MEASURED == {}
+
+
+@pytest.mark.parametrize("length_q", [1, 16])
+@pytest.mark.parametrize("kind", ["none", "causal", "lengths"])
+def test_decode_splits_keys_across_threads_and_merges_exactly(kind, length_q):
+    """L <= 16 over a long cache with fewer (batch, head) pairs than threads: each pair's keys
+    are cut into parts computed in parallel and merged by their (max, sum)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        b, h, length_k = 2, 2, 2100  # 9 key blocks; lengths gives batch 1 no key at all
+        q, k, v = qkv(1 if kind != "lengths" else b, h, 1, length_q, length_k, 16)
+        case = make_case(kind, q.shape[0], h, length_q, length_k)
+        want, _ = naive_attention(q, k, v, case.keep)
+        got = mh.attention(q, k, v, case.mask, backend="fused")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert torch.equal(got, mh.attention(q, k, v, case.mask, backend="fused"))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_measures_training_calls_with_their_backward(measuring, monkeypatch):
+    """A call that needs gradients is timed forward and backward, on copies: the caller's
+    tensors gain no .grad from the measurement."""
+    q, k, v = qkv(1, 2, 2, 40, 40, 8, dtype=torch.float32, requires_grad=True)
+    seen = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    measuring += [1.0, 2.0]
+    assert mh.explain_backend(q, k, v, masks.causal()).backend == "fused"
+    assert len(seen) == 2 * 2  # a warm-up and a timed step on each side
+    assert q.grad is None and k.grad is None and v.grad is None
