@@ -6,8 +6,8 @@ the keys the mask lets it see (the tiled plan's ranges: hidden tiles are skipped
 them with a half-in, half-out softmax (float32 inside) and multiplies them by V with a second
 half-precision matmul. That is the naive formula's arithmetic in the input dtype, so its error
 is the naive formula's (the 2x rule of DESIGN.md). The backward pass recomputes each block's
-softmax from scratch (a block holds whole rows, so no log-sum-exp is needed) and accumulates
-the key and value gradients in float32.
+softmax from scratch (a block holds whole rows, so no log-sum-exp is needed), keeps those weights
+in float32 for the score gradient and accumulates the gradients in float32.
 """
 
 from __future__ import annotations

@@ -520,9 +520,9 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
 
 
 def _zero_of(t: Tensor) -> Tensor:
-    """A 0 in the autograd graph of ``t``, read from one entry: a sum over all of ``t`` would
-    overflow to inf for a large finite bias (1e36 over a few hundred keys), and inf * 0 is NaN.
-    The entries are finite here (the NaN rule cleans inputs first, biases are checked)."""
+    """A 0 in the autograd graph of ``t``, read from one entry: a sum over all of ``t``
+    overflows to inf for a finite bias whose entries add up past float32's 3.4e38, and
+    inf * 0 is NaN. One entry is finite (the NaN rule cleans inputs first, biases are checked)."""
     return t[(slice(0, 1),) * t.dim()].sum() * 0
 
 

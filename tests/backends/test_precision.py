@@ -115,7 +115,7 @@ def test_a_row_that_sees_one_key_has_exactly_zero_dq_on_the_half_kernel(dtype):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(
-    kind=st.sampled_from([*MASK_KINDS, "key_padding|key_padding"]),
+    kind=st.sampled_from([*MASK_KINDS, "key_padding OR itself"]),
     length_q=st.sampled_from([1, 2, 3, 5, 7]),
     length_k=st.sampled_from([1, 2, 5, 11, 13]),
     d=st.sampled_from([1, 3, 8, 32]),
@@ -128,8 +128,9 @@ def test_twice_naive_rule_on_every_training_path(
     kind, length_q, length_k, d, h_kv, scale, dtype, seed
 ):
     b, h = 2, 2
-    case = make_case(kind.split("|")[0], b, h, length_q, length_k, seed=seed)
-    mask = case.mask | case.mask if "|key_padding" in kind else case.mask
+    itself = kind == "key_padding OR itself"  # issue 17's worst case
+    case = make_case("key_padding" if itself else kind, b, h, length_q, length_k, seed=seed)
+    mask = case.mask | case.mask if itself else case.mask
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, h, length_q, d, generator=g).to(dtype)
     k, v = (torch.randn(b, h_kv, length_k, d, generator=g).to(dtype) for _ in range(2))
