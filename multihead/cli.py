@@ -376,6 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=None,
+        metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route but /health "
         "(default: $MULTIHEAD_API_KEY; the environment keeps it out of the process list)",
     )

@@ -148,12 +148,12 @@ class Guard:
             return
         start = time.perf_counter()
         path = scope.get("path", "")
-        status = {"code": 500}
+        status = {"code": 500, "started": False}  # 500 if the app fails before answering
         cors = self._cors_headers(scope)
 
         async def sending(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
                 if cors:
                     message = {**message, "headers": [*message.get("headers", ()), *cors]}
             await send(message)
@@ -172,7 +172,7 @@ class Guard:
                 status["code"] = _CLIENT_GONE
         except asyncio.CancelledError:
             # the server's last resort at shutdown: answer 503 rather than uvicorn's 500
-            if status["code"] == 500:
+            if not status["started"]:
                 err = _Answer(503, "the server is shutting down; retry. Received: a request "
                                "still unanswered at the end of the shutdown", "Unavailable",
                                {"Retry-After": "1"})  # fmt: skip

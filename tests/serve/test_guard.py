@@ -4,6 +4,7 @@ or too slowly. Real uvicorn on 127.0.0.1; raw sockets where httpx would finish t
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -12,6 +13,8 @@ import pytest
 from rawhttp import connect, read_until_closed, request_head
 
 from multihead.serve import Access, Background, Limits, create_app
+from multihead.serve.guard import Guard
+from multihead.serve.metrics import Metrics
 
 TEXT = {"inputs": "hello world"}
 
@@ -229,3 +232,38 @@ def test_metric_labels_stay_bounded(server):
         after = client.get("/metrics").text
     assert 'multihead_requests_total{endpoint="other",status="404"}' in after
     assert after.count("\n") == before.count("\n")
+
+
+def test_a_request_cancelled_at_the_end_of_shutdown_gets_503_not_500():
+    """uvicorn cancels what is still running when its own shutdown deadline passes and then
+    answers 500; the guard answers 503 with Retry-After first. (ASGI level: the app hangs.)"""
+
+    async def hanging_app(scope, receive, send):
+        await asyncio.Event().wait()
+
+    async def main():
+        sent, calls = [], 0
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        guard = Guard(hanging_app, Limits(), Access(), Metrics())
+        scope = {"type": "http", "method": "GET", "path": "/info", "headers": []}
+        task = asyncio.ensure_future(guard(scope, receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return sent, guard.metrics.render()[0].decode()
+
+    sent, metrics = asyncio.run(main())
+    assert sent[0]["status"] == 503 and (b"retry-after", b"1") in sent[0]["headers"]
+    assert b"shutting down" in sent[1]["body"]
+    assert 'multihead_requests_total{endpoint="/info",status="503"} 1.0' in metrics
