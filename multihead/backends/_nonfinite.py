@@ -19,11 +19,24 @@ from torch import Tensor
 from ..masks import TileKind
 from ._call import Call, exporting, repeat_kv
 
-__all__ = ["run_guarded"]
+__all__ = ["NonFiniteInput", "checks_inputs", "run_guarded"]
 
 _ROWS = 256  # query rows per visibility block when finding the rows that see a bad key
 
 Result = tuple[Tensor | None, Tensor | None]
+
+
+class NonFiniteInput(Exception):
+    """Raised by a backend that checks its inputs as it reads them (see ``checks_inputs``)
+    when it met NaN or ±inf: the careful path takes over."""
+
+
+def checks_inputs(run: Callable[[Call], Result]) -> Callable[[Call], Result]:
+    """Mark a backend's ``run`` as checking q, k and v itself while it reads them (raising
+    ``NonFiniteInput``), so the guard skips its own pass over them: at decode that pass reads
+    the whole cache a second time."""
+    run.checks_inputs = True
+    return run
 
 
 def _finite(t: Tensor) -> bool:
@@ -44,7 +57,12 @@ def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = Tru
         # a traced graph cannot branch on data (under torch.compile the check would be a graph
         # break in every attention call): it computes the plain formula
         return run(call)
-    if _finite(q) and _finite(k) and (not values or _finite(v)):
+    if getattr(run, "checks_inputs", False):
+        try:
+            return run(call)
+        except NonFiniteInput:
+            pass
+    elif _finite(q) and _finite(k) and (not values or _finite(v)):
         return run(call)
     with torch.no_grad():
         q_bad = ~torch.isfinite(q).all(-1)  # [B, H, L]

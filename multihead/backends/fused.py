@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ._call import Call, stat_dtype
+from ._call import Call, exporting, stat_dtype
+from ._nonfinite import NonFiniteInput, checks_inputs
 from ._plan import Item, plan, query_tile
 
 __all__ = [
@@ -167,9 +168,11 @@ def _attention_op(
     table: Tensor,
     table_shift: int,
     scale: float,
-) -> tuple[Tensor, Tensor]:
-    out, lse = build().forward(q, k, v, items, chunks, keep, bias, table, table_shift, scale, False)
-    return out, lse
+) -> tuple[Tensor, Tensor, Tensor]:
+    out, lse, bad = build().forward(
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, False
+    )
+    return out, lse, bad
 
 
 @torch.library.custom_op("multihead::fused_attention_weights", mutates_args=())
@@ -184,11 +187,11 @@ def _weights_op(
     table: Tensor,
     table_shift: int,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    out, lse, w = build().forward(
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    out, lse, w, bad = build().forward(
         q, k, v, items, chunks, keep, bias, table, table_shift, scale, True
     )
-    return out, lse, w
+    return out, lse, w, bad
 
 
 @torch.library.custom_op("multihead::fused_attention_backward", mutates_args=())
@@ -216,10 +219,11 @@ def _backward_op(
     return dq, dk, dv, dbias, dtable
 
 
-def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     b, h, length_q, _ = q.shape
     out = q.new_empty(b, h, length_q, v.shape[-1])
-    return out, q.new_empty(b, h, length_q, dtype=stat_dtype(q.dtype))
+    lse = q.new_empty(b, h, length_q, dtype=stat_dtype(q.dtype))
+    return out, lse, q.new_empty((), dtype=torch.bool)
 
 
 @_attention_op.register_fake
@@ -229,8 +233,8 @@ def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
 
 @_weights_op.register_fake
 def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
-    out, lse = _out_shapes(q, k, v)
-    return out, lse, q.new_empty(*q.shape[:3], k.shape[2])
+    out, lse, bad = _out_shapes(q, k, v)
+    return out, lse, q.new_empty(*q.shape[:3], k.shape[2]), bad
 
 
 @_backward_op.register_fake
@@ -250,13 +254,13 @@ def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, sc
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, items, chunks, keep, bias, table, table_shift, scale = inputs
-    out, lse = output
+    out, lse, bad = output
     ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table)
     ctx.table_shift, ctx.scale = table_shift, scale
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, bad)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _backward(ctx, grad_out, grad_lse, grad_bad):
     q, k, v, out, lse, items, chunks, keep, bias, table = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[6] and bias.numel() > 0
     table_grad = ctx.needs_input_grad[7] and table.numel() > 0
@@ -376,19 +380,26 @@ def unsupported(call: Call) -> str | None:
     return None if why is None else why
 
 
+@checks_inputs
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
+    """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
+    graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
+    weights = None
     if call.return_weights:
-        out, _, weights = _weights_op(*_args(call))
-        return out, weights
-    out, _ = _attention_op(*_args(call))
-    return out, None
+        out, _, weights, bad = _weights_op(*_args(call))
+    else:
+        out, _, bad = _attention_op(*_args(call))
+    if not (exporting() or torch.compiler.is_compiling()) and bool(bad):
+        raise NonFiniteInput
+    return out, weights
 
 
 def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
     """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
     have out 0 and lse -inf."""
     with torch.no_grad():
-        return _attention_op(*_args(call))
+        out, lse, _ = _attention_op(*_args(call))
+        return out, lse
 
 
 # ------------------------------------------------------------------------------------------
@@ -443,7 +454,10 @@ def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
     key = _shape_class(call)
     if key not in _MEASURED:
         mine, theirs = _timed(run, call), _timed(rival, call)
-        mine(), theirs()
+        try:
+            mine(), theirs()
+        except NonFiniteInput:  # NaN in the inputs: measure on a later, cleaner call
+            return False
         _MEASURED[key] = _best_time(mine) < _MARGIN * _best_time(theirs)
     return _MEASURED[key]
 

@@ -279,3 +279,31 @@ def test_auto_measures_training_calls_with_their_backward(measuring, monkeypatch
     assert mh.explain_backend(q, k, v, masks.causal()).backend == "fused"
     assert len(seen) == 2 * 2  # a warm-up and a timed step on each side
     assert q.grad is None and k.grad is None and v.grad is None
+
+
+def test_nan_rule_is_checked_while_reading_not_by_a_second_pass(monkeypatch):
+    """The guard's pass over q, k and v (a second read of a whole KV cache at decode) is
+    skipped for the kernel, which reports NaN or ±inf in the blocks it reads."""
+    from multihead.backends import _nonfinite
+
+    q, k, v = qkv(1, 2, 2, 3, 2100, 8)
+    window = masks.sliding_window(100)  # rows see keys 1997..2099
+    want = mh.attention(q, k, v, window, backend="reference")
+    checked = []
+    real = _nonfinite._finite
+    monkeypatch.setattr(_nonfinite, "_finite", lambda t: checked.append(1) or real(t))
+    clean = mh.attention(q, k, v, backend="fused")
+    assert checked == []
+    v_bad = v.clone()
+    v_bad[0, 1, 2000] = torch.nan
+    k_bad = k.clone()
+    k_bad[0, 0, 5] = -torch.inf
+    out = mh.attention(q, k_bad, v_bad, backend="fused")
+    assert torch.isnan(out).all()  # every row of both heads sees a bad key
+    out = mh.attention(q, k_bad, v_bad, window, backend="fused")  # head 1 sees a bad key
+    assert torch.isnan(out[0, 1]).all()
+    torch.testing.assert_close(out[0, 0], want[0, 0], rtol=0, atol=1e-12)
+    assert checked == []  # the careful path looks at rows, not at the whole tensors again
+    mh.attention(q, k, v, backend="tiled")
+    assert checked  # other backends keep the guard's pass
+    assert torch.isfinite(clean).all()

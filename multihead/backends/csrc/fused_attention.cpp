@@ -29,6 +29,7 @@ namespace {
 
 constexpr int64_t kRows = 128;  // query rows per task: amortizes the per-GEMM call cost
 constexpr int64_t kKeys = 256;  // keys per block: the score block stays in L2
+constexpr int64_t kDecodeRows = 16;  // L up to this is decoding: keys read in place, split
 
 // ---------------------------------------------------------------------------------------
 // exp for x <= 0 that the compiler vectorizes (std::exp is a libm call per element).
@@ -174,6 +175,56 @@ void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int
   if (i < m)
     gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc,
                  ldc);
+}
+
+// C[m, n] = alpha * A B^T for few rows of A (decoding): B's rows are read once each, in
+// place, and every entry is a dot product over whole vectors.
+template <typename T>
+void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
+             int64_t ldb, T* c, int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* bj = b + j * ldb;
+    for (int64_t i = 0; i < m; ++i) {
+      const T* ai = a + i * lda;
+      V acc = {};
+      int64_t p = 0;
+      for (; p + lanes <= k; p += lanes) {
+        V x, y;
+        std::memcpy(&x, ai + p, sizeof(V));
+        std::memcpy(&y, bj + p, sizeof(V));
+        acc += x * y;
+      }
+      T total = 0;
+      for (int l = 0; l < lanes; ++l) total += acc[l];
+      for (; p < k; ++p) total += ai[p] * bj[p];
+      c[i * ldc + j] = alpha * total;
+    }
+  }
+}
+
+// True when any of rows x cols entries (row stride ld) is NaN or infinite: x * 0 is 0 exactly
+// for finite x and NaN otherwise. Run on blocks the kernel has just read, so the NaN rule needs
+// no separate pass over q, k and v (at decode that pass would double the bytes read).
+template <typename T>
+bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  V acc = {};
+  T tail = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* r = x + i * ld;
+    int64_t j = 0;
+    for (; j + lanes <= cols; j += lanes) {
+      V v;
+      std::memcpy(&v, r + j, sizeof(V));
+      acc += v * T(0);
+    }
+    for (; j < cols; ++j) tail += r[j] * T(0);
+  }
+  for (int l = 0; l < lanes; ++l) tail += acc[l];
+  return tail != T(0);
 }
 
 // Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
@@ -380,16 +431,19 @@ struct Inputs {
   int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
   int64_t B, H, Hkv, L, S, D, Dv, blocks;
 
-  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_vt)
-      : kt_(blocked_transpose(k_)),
+  // with_kt false: no transposed keys (decoding reads each key row once; a transposed copy
+  // of the whole cache would cost more than the attention itself)
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_kt,
+         bool with_vt)
+      : kt_(with_kt ? blocked_transpose(k_) : at::Tensor()),
         vt_(with_vt ? blocked_transpose(v_) : at::Tensor()),
         q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
-        kt(kt_.data_ptr<T>()), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
+        kt(with_kt ? kt_.data_ptr<T>() : nullptr), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
         ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
         vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
         B(q_.size(0)), H(q_.size(1)), Hkv(k_.size(1)), L(q_.size(2)), S(k_.size(2)),
-        D(q_.size(3)), Dv(v_.size(3)), blocks(kt_.size(2)) {}
+        D(q_.size(3)), Dv(v_.size(3)), blocks(with_kt ? kt_.size(2) : 0) {}
 
   const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
   const T* krow(int64_t b, int64_t h, int64_t j) const {
@@ -418,7 +472,7 @@ struct Inputs {
 template <typename T>
 void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
             const Task& task, int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum,
-            T* wbase) {
+            T* wbase, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
   const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
@@ -426,6 +480,7 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
   std::fill(mx, mx + m, neg_inf<T>());
   std::fill(sum, sum + m, T(0));
   const T* qt = in.qrow(task.b, task.h, task.r0);
+  *bad |= any_nonfinite(qt, m, D, in.qsr);
   int64_t index = 0;
   for (int64_t c = it[4]; c < it[5]; ++c) {
     const int64_t* ch = plan.chunks + 6 * c;
@@ -443,8 +498,14 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
             std::fill(wbase + i * S + kb, wbase + i * S + kb + n, neg_inf<T>());
         continue;
       }
-      gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), kKeys, false, scores,
-              n);
+      const T* kr = in.krow(task.b, task.h, kb);
+      const T* vr = in.vrow(task.b, task.h, kb);
+      *bad |= any_nonfinite(kr, n, D, in.ksr) || any_nonfinite(vr, n, Dv, in.vsr);
+      if (in.kt != nullptr)
+        gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), kKeys, false,
+                scores, n);
+      else
+        gemm_nt<T>(m, n, D, scale, qt, in.qsr, kr, in.ksr, scores, n);
       finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
       for (int64_t i = 0; i < m; ++i) {
         T* row = scores + i * n;
@@ -462,7 +523,7 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
           for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
         }
       }
-      gemm<T>(m, Dv, n, T(1), scores, n, 1, in.vrow(task.b, task.h, kb), in.vsr, true, acc, Dv);
+      gemm<T>(m, Dv, n, T(1), scores, n, 1, vr, in.vsr, true, acc, Dv);
     }
   }
 }
@@ -498,10 +559,9 @@ void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* m
 //
 // Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
-constexpr int64_t kDecodeRows = 16;
 
 template <typename T>
-void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
                   T* out, T* lse, T* weights) {
   const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
@@ -513,6 +573,8 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
     for (const Task& task : tasks) most = std::max(most, key_blocks(plan, task));
     parts = std::min(most, (2 * threads + n_tasks - 1) / n_tasks);
   }
+  parts = std::max<int64_t>(parts, 1);
+  std::vector<uint8_t> bad(n_tasks * parts, 0);  // per unit of work: no shared writes
   if (parts > 1) {
     const int64_t stride = kDecodeRows * Dv;
     std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
@@ -524,7 +586,7 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
         const int64_t part = u % parts, blocks = key_blocks(plan, task);
         attend(in, plan, bias, scale, task, blocks * part / parts, blocks * (part + 1) / parts,
                scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
-               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr));
+               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr), &bad[u]);
       }
     });
     for (int64_t t = 0; t < n_tasks; ++t) {  // merge the parts, always in part order
@@ -543,7 +605,7 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       }
       finish_rows(in, tasks[t], acc.data(), mx.data(), sum.data(), out, lse);
     }
-    return;
+    return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
   at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
     std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
@@ -553,7 +615,7 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       T* wbase = weights == nullptr ? nullptr
                                     : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
       attend(in, plan, bias, scale, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
-             acc.data(), mx.data(), sum.data(), wbase);
+             acc.data(), mx.data(), sum.data(), wbase, &bad[t]);
       finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
       if (wbase == nullptr) continue;
       const int64_t* it = plan.items + 6 * task.item;
@@ -570,6 +632,7 @@ void forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       }
     }
   });
+  return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -672,16 +735,19 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor weights = with_weights ? at::zeros({B, H, L, S}, q.options().dtype(ct))
                                     : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
+  bool bad = false;
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
     const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
                                table.defined() ? table.to(ct).contiguous() : table, table_shift);
-    forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, false), plan, terms,
+    bad = forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, L > kDecodeRows, false), plan, terms,
                            static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
                            lse.data_ptr<scalar_t>(),
                            with_weights ? weights.data_ptr<scalar_t>() : nullptr);
   });
+  // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
   if (with_weights) result.push_back(weights.to(q.scalar_type()));
+  result.push_back(at::scalar_tensor(bad, q.options().dtype(at::kBool)));
   return result;
 }
 
@@ -712,7 +778,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
     const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
                                table.defined() ? table.to(ct).contiguous() : table, table_shift);
     backward_impl<scalar_t>(
-        Inputs<scalar_t>(qc, kc, vc, true), plan, terms, static_cast<scalar_t>(scale),
+        Inputs<scalar_t>(qc, kc, vc, true, true), plan, terms, static_cast<scalar_t>(scale),
         g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
         dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
         bias_grad ? dbias.data_ptr<scalar_t>() : nullptr,
@@ -728,6 +794,6 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "fused attention forward: (out, lse[, weights])");
+  m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
 }
