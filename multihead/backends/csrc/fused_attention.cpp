@@ -593,7 +593,8 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       const int64_t m = tasks[t].r1 - tasks[t].r0;
       std::vector<T> acc(m * Dv, T(0)), mx(m, neg_inf<T>()), sum(m, T(0));
       for (int64_t i = 0; i < m; ++i) {
-        for (int64_t p = 0; p < parts; ++p) mx[i] = std::max(mx[i], mxs[(t * parts + p) * kDecodeRows + i]);
+        for (int64_t p = 0; p < parts; ++p)
+          mx[i] = std::max(mx[i], mxs[(t * parts + p) * kDecodeRows + i]);
         if (mx[i] == neg_inf<T>()) continue;
         for (int64_t p = 0; p < parts; ++p) {
           const int64_t u = t * parts + p;
