@@ -27,6 +27,7 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -111,6 +112,13 @@ def build():
         name = f"multihead_fused_{_digest()}"
         folder = build_dir() / name
         folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob(f"{name}*.so")):  # a compile, not a load from the cache
+            print(
+                f"multihead: building the fused attention kernel for this machine into {folder} "
+                "(once, about a minute; MULTIHEAD_FUSED=0 turns it off)",
+                file=sys.stderr,
+                flush=True,
+            )
         _module = cpp_extension.load(
             name,
             [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES],
