@@ -540,6 +540,7 @@ class _Combine(Mask):
         self.batch_size = _merge_size("batch size", a.batch_size, b.batch_size)
         self.num_heads = _merge_size("head count", a.num_heads, b.num_heads)
         self.arbitrary = a.arbitrary or b.arbitrary
+        self._home = a._home if a._home is not None else b._home
 
     @property
     def structure_key(self):
