@@ -27,11 +27,11 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
+from . import _geometry as G
 from . import _validation as V
 
 __all__ = ["ScoreModifier", "alibi", "alibi_slopes", "as_modifier", "relative_buckets"]
 
-_ALIGNS = ("bottom_right", "top_left")
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -225,58 +225,45 @@ class _TensorBias(ScoreModifier):
 
 class _Crop(ScoreModifier):
     def __init__(self, parent: ScoreModifier, length_q, length_k, q0, q1, k0, k1) -> None:
-        self.parent, self.size = parent, (length_q, length_k)
-        self.q0, self.q1, self.k0, self.k1 = q0, q1, k0, k1
+        self.parent, self.window = parent, G.Window(length_q, length_k, q0, q1, k0, k1)
+        self.size = self.window.size
         self.batch_size, self.num_heads = parent.batch_size, parent.num_heads
         self.computed = parent.computed
 
     def check(self, batch, heads, length_q, length_k):
-        if (length_q, length_k) != (self.q1 - self.q0, self.k1 - self.k0):
-            raise ValueError(
-                f"this cropped bias is for (L, S)={(self.q1 - self.q0, self.k1 - self.k0)}. "
-                f"Received: (L, S)={(length_q, length_k)}"
-            )
+        self.window.check_shape("bias", length_q, length_k)
         self.parent.check(batch, heads, *self.size)
 
     def tensors(self):
         return self.parent.tensors()
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None, dtype=None):
-        return self.parent.block(
-            *self.size,
-            self.q0 + q0,
-            self.q0 + q1,
-            self.k0 + k0,
-            self.k0 + k1,
-            batch=batch,
-            device=device,
-            dtype=dtype,
-        )
+        rect = self.window.outer(q0, q1, k0, k1)
+        return self.parent.block(*self.size, *rect, batch=batch, device=device, dtype=dtype)
 
     def offset(self, length_q, length_k):
         # the aligned distance j - (i + offset) of the whole, in the crop's own indices
-        return self.parent.offset(*self.size) + self.q0 - self.k0
+        return self.parent.offset(*self.size) - self.window.shift
 
     def diagonals(self, length_q, length_k, lo, hi, *, device=None, dtype=torch.float32):
         return self.parent.diagonals(*self.size, lo, hi, device=device, dtype=dtype)
 
     def score_mod(self, length_q, length_k, *, device=None):
-        mod, q0, k0 = self.parent.score_mod(*self.size, device=device), self.q0, self.k0
+        mod = self.parent.score_mod(*self.size, device=device)
+        q0, k0 = self.window.q0, self.window.k0
         return lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_idx + q0, kv_idx + k0)
 
     def heads(self, index):
-        return _Crop(self.parent.heads(index), *self.size, self.q0, self.q1, self.k0, self.k1)
+        w = self.window
+        return _Crop(self.parent.heads(index), *self.size, w.q0, w.q1, w.k0, w.k1)
 
     @property
     def structure_key(self):
         key = self.parent.structure_key
-        return None if key is None else ("crop", key, self.size, self.q0, self.q1, self.k0, self.k1)
+        return None if key is None else ("crop", key, *self.window.key())
 
     def __repr__(self):
-        return (
-            f"crop of {self.parent!r} to queries [{self.q0}, {self.q1}) and keys "
-            f"[{self.k0}, {self.k1})"
-        )
+        return f"crop of {self.parent!r} to {self.window.describe()}"
 
 
 class _Sum(ScoreModifier):
@@ -359,17 +346,13 @@ class _Relative(ScoreModifier):
     """
 
     def __init__(self, align: str) -> None:
-        if align not in _ALIGNS:
-            raise ValueError(
-                f"align must be 'bottom_right' or 'top_left'. Received: align={align!r}"
-            )
-        self.align = align
+        self.align = G.check_align(align)
 
     def _at(self, h: Tensor, d: Tensor) -> Tensor:
         raise NotImplementedError
 
     def offset(self, length_q, length_k):
-        return length_k - length_q if self.align == "bottom_right" else 0
+        return G.offset(self.align, length_q, length_k)
 
     def _heads(self, device) -> Tensor:
         return torch.arange(self.num_heads, device=device)

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..modules.attention import MultiHeadAttention
 from ._backend import import_keras
 
-__all__ = ["check_supported", "module_from_keras", "module_to_keras"]
+__all__ = ["check_supported", "from_keras", "to_keras"]
 
 
 def check_supported(
@@ -67,12 +67,19 @@ def _value(variable: object) -> Tensor:
     return variable.value.detach()
 
 
-def module_from_keras(layer: object, cls: type[MultiHeadAttention]) -> MultiHeadAttention:
-    """Build ``cls`` (a ``multihead.MultiHeadAttention``) with the weights of a Keras layer.
+def from_keras(
+    layer: object, cls: type[MultiHeadAttention] = MultiHeadAttention
+) -> MultiHeadAttention:
+    """A ``multihead.MultiHeadAttention`` with the weights of a built Keras 3
+    ``keras.layers.MultiHeadAttention`` (torch backend).
+
+    ``key_dim``, ``value_dim`` and ``output_shape`` become ``head_dim``, ``value_head_dim`` and
+    ``out_dim``; the (E, H, D) and (H, D_v, out_dim) einsum kernels become the four linear
+    layers. The result is in eval mode, as a Keras layer called outside ``fit``.
 
     Args:
         layer: a built ``keras.layers.MultiHeadAttention`` (or ``multihead.keras``'s layer).
-        cls: the module class to build.
+        cls: the module class to build (a subclass of ``multihead.MultiHeadAttention``).
 
     Raises:
         TypeError: ``layer`` is not a Keras MultiHeadAttention.
@@ -122,8 +129,9 @@ def module_from_keras(layer: object, cls: type[MultiHeadAttention]) -> MultiHead
     return new.eval()
 
 
-def module_to_keras(module: MultiHeadAttention) -> object:
-    """A built ``keras.layers.MultiHeadAttention`` with the weights of ``module``.
+def to_keras(module: MultiHeadAttention) -> object:
+    """A built ``keras.layers.MultiHeadAttention`` (torch backend, the module's dtype) with the
+    weights of ``module``. Its call order is ``layer(query, value, key)``.
 
     Raises:
         ValueError: grouped-query attention (``num_kv_heads != num_heads``), which Keras'

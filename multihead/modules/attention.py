@@ -307,7 +307,8 @@ class MultiHeadAttention(nn.Module):
         ):
             raise ValueError(
                 "torch.nn.MultiheadAttention needs head_dim == embed_dim / num_heads, "
-                "value_head_dim == head_dim and out_dim == embed_dim; convert with to_keras() or "
+                "value_head_dim == head_dim and out_dim == embed_dim; convert with "
+                "multihead.keras.to_keras(module) or "
                 f"keep this module. Received: embed_dim={self.embed_dim}, "
                 f"num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"value_head_dim={self.value_head_dim}, out_dim={self.out_dim}"
@@ -339,25 +340,3 @@ class MultiHeadAttention(nn.Module):
                 module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
                 module.out_proj.bias.copy_(self.out_proj.bias)
         return module.train(self.training)
-
-    @classmethod
-    def from_keras(cls, layer: object) -> MultiHeadAttention:
-        """Copy a built Keras 3 ``keras.layers.MultiHeadAttention`` (torch backend).
-
-        ``key_dim``, ``value_dim`` and ``output_shape`` become ``head_dim``,
-        ``value_head_dim`` and ``out_dim``; the (E, H, D) and (H, D_v, out_dim) einsum kernels
-        become the four linear layers. The result is in eval mode, as a Keras layer called
-        outside ``fit``. Needs the ``keras`` extra; see ``multihead.keras.convert``.
-        """
-        from ..keras.convert import module_from_keras
-
-        return module_from_keras(layer, cls)
-
-    def to_keras(self) -> object:
-        """Copy into a built ``keras.layers.MultiHeadAttention`` (torch backend, same dtype).
-
-        Its call order is ``layer(query, value, key)``. Needs the ``keras`` extra.
-        """
-        from ..keras.convert import module_to_keras
-
-        return module_to_keras(self)

@@ -1,4 +1,4 @@
-"""MultiHeadAttention.from_keras / to_keras against the real keras.layers.MultiHeadAttention.
+"""multihead.keras.from_keras / to_keras against the real keras.layers.MultiHeadAttention.
 
 Keras 3 on the torch backend is the reference: random weights (biases included, since Keras
 initializes them to zero), outputs and per-head scores compared in float32.
@@ -6,11 +6,16 @@ initializes them to zero), outputs and per-head scores compared in float32.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from keras_cases import LAYOUTS, TOL, Layout, inputs, keras_layer, random_keras_mask
 
+import multihead
 from multihead import MultiHeadAttention, masks
+from multihead.keras import from_keras, to_keras
 
 MASK_MODES = ["none", "attention_mask", "causal", "attention_mask+causal"]
 
@@ -20,7 +25,7 @@ MASK_MODES = ["none", "attention_mask", "causal", "attention_mask+causal"]
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.name)
 def test_from_keras_parity(keras, layout, use_bias, mode):
     theirs = keras_layer(keras, layout, use_bias)
-    ours = MultiHeadAttention.from_keras(theirs)
+    ours = from_keras(theirs)
     assert (ours.head_dim, ours.value_head_dim) == (
         layout.key_dim,
         layout.value_dim or layout.key_dim,
@@ -50,7 +55,7 @@ def test_bottom_right_causal_is_not_keras_causal(keras):
     # guards the table in the README: with L != S our default causal() differs from Keras'
     layout = LAYOUTS[1]  # L = 4 < S = 7
     theirs = keras_layer(keras, layout)
-    ours = MultiHeadAttention.from_keras(theirs)
+    ours = from_keras(theirs)
     q, v, k = inputs(layout)
     want = theirs(q, v, k, use_causal_mask=True)
     assert (ours(q, k, v, mask=masks.causal()) - want).abs().max() > 1e-2
@@ -61,8 +66,8 @@ def test_bottom_right_causal_is_not_keras_causal(keras):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.name)
 def test_round_trip_is_exact(keras, layout, use_bias):
     theirs = keras_layer(keras, layout, use_bias, dropout=0.25)
-    ours = MultiHeadAttention.from_keras(theirs)
-    back = ours.to_keras()
+    ours = from_keras(theirs)
+    back = to_keras(ours)
     assert isinstance(back, keras.layers.MultiHeadAttention)
     assert back.get_config()["output_shape"] == (
         None if layout.output_shape in (None, layout.e) else (layout.output_shape,)
@@ -77,7 +82,7 @@ def test_round_trip_is_exact(keras, layout, use_bias):
     q, v, k = inputs(layout)
     assert torch.equal(back(q, v, k), theirs(q, v, k))
     # and the other way: module -> Keras -> module keeps every tensor
-    again = MultiHeadAttention.from_keras(back)
+    again = from_keras(back)
     for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -88,7 +93,7 @@ def test_to_keras_from_a_trained_module(keras):
     with torch.no_grad():  # nn.Linear biases are small at init: make them matter
         for p in ours.parameters():
             p.normal_(0, 0.5)
-    theirs = ours.to_keras()
+    theirs = to_keras(ours)
     layout = Layout("x", 2, 3, value_dim=4, output_shape=5, e=10, kdim=6, vdim=7, length_k=6)
     q, v, k = inputs(layout)
     keep = random_keras_mask(3, 5, 6)
@@ -100,10 +105,10 @@ def test_to_keras_from_a_trained_module(keras):
 
 def test_dtype_travels(keras):
     ours = MultiHeadAttention(8, 2, value_head_dim=3).double()
-    theirs = ours.to_keras()
+    theirs = to_keras(ours)
     assert theirs.dtype_policy.name == "float64"
     assert all(w.dtype == "float64" for w in theirs.weights)
-    back = MultiHeadAttention.from_keras(theirs)
+    back = from_keras(theirs)
     assert back.q_proj.weight.dtype == torch.float64
     for a, b in zip(ours.state_dict().values(), back.state_dict().values()):
         assert torch.equal(a, b)
@@ -117,7 +122,7 @@ def test_fully_masked_rows_differ_on_purpose(keras):
     # weights 0, attention output 0, so the module's output is the output projection's bias.
     layout = Layout("x", 2, 3, e=6, vdim=6, length_q=3, length_k=4)
     theirs = keras_layer(keras, layout)
-    ours = MultiHeadAttention.from_keras(theirs)
+    ours = from_keras(theirs)
     q, v, _ = inputs(layout, batch=2)
     keep = torch.ones(2, 3, 4, dtype=torch.bool)
     keep[1, 2] = False  # batch 1, query 2 sees nothing
@@ -140,13 +145,13 @@ def test_fully_masked_rows_differ_on_purpose(keras):
 
 def test_conversion_errors(keras):
     with pytest.raises(TypeError, match=r"expects a keras.layers.MultiHeadAttention.*Dense"):
-        MultiHeadAttention.from_keras(keras.layers.Dense(3))
+        from_keras(keras.layers.Dense(3))
     with pytest.raises(ValueError, match=r"needs a built layer.*layer.built=False"):
-        MultiHeadAttention.from_keras(keras.layers.MultiHeadAttention(2, 3))
+        from_keras(keras.layers.MultiHeadAttention(2, 3))
     over_2d = keras.layers.MultiHeadAttention(2, 3)
     over_2d.build((None, 4, 5, 6), (None, 4, 5, 6))  # attends over two axes of (B, T1, T2, E)
     with pytest.raises(ValueError, match=r"attention_axes must be None.*\(1, 2\)"):
-        MultiHeadAttention.from_keras(over_2d)
+        from_keras(over_2d)
     for kwargs, match in (
         ({"use_gate": True}, r"gated attention.*use_gate=True"),
         ({"sliding_window": 3}, r"sliding_window\(w - 1, w - 1\).*sliding_window=3"),
@@ -155,6 +160,17 @@ def test_conversion_errors(keras):
         layer = keras.layers.MultiHeadAttention(2, 3, **kwargs)
         layer.build((None, None, 6), (None, None, 6))
         with pytest.raises(ValueError, match=match):
-            MultiHeadAttention.from_keras(layer)
+            from_keras(layer)
     with pytest.raises(ValueError, match=r"one key/value head per query head.*num_kv_heads=2"):
-        MultiHeadAttention(8, 4, num_kv_heads=2).to_keras()
+        to_keras(MultiHeadAttention(8, 4, num_kv_heads=2))
+
+
+def test_the_core_layer_no_longer_converts_itself():
+    # the conversion lives beside the Keras code, so modules/ never imports keras/
+    assert not hasattr(MultiHeadAttention, "from_keras")
+    assert not hasattr(MultiHeadAttention, "to_keras")
+    root = Path(multihead.__file__).parent
+    for path in sorted((root / "modules").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "keras" not in (node.module or ""), f"{path.name} imports {node.module}"
