@@ -64,6 +64,7 @@ def run(
         )
     else:
         model = models.load(model_path)
+        kinds.check_encoder(model, model_path, "multihead embed")
         bar = None
         if len(lines) >= PROGRESS_FROM:
             from tqdm import tqdm

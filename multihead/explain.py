@@ -80,6 +80,7 @@ def _attend(
         raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
     model = models.load(model_path)
     if kind in (None, "bert"):
+        kinds.check_encoder(model, model_path, "multihead explain")
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
         return model, batch.tokens[0], batch.special[0], weights, False

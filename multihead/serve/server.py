@@ -64,6 +64,7 @@ def load_engine(
     if threads is not None:
         torch.set_num_threads(threads)
     pretrained = models.load(model_path)
+    kinds.check_encoder(pretrained, model_path, "multihead serve")
     if runtime == "torch":
         return Engine(pretrained)
     from ..export import OnnxBert, to_onnx

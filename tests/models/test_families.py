@@ -5,6 +5,7 @@ only the family that folder names; ``multihead.models.register`` adds a family f
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,26 @@ def test_the_version_lives_in_one_place(tmp_path):
     assert '\nversion = "' not in pyproject  # no literal version beside it
     saved = mh.save(mh.RMSNorm(4), tmp_path / "norm")
     assert json.loads((saved / "config.json").read_text())["multihead_version"] == "0.2.0"
+
+
+@pytest.mark.parametrize("command", ["embed", "explain"])
+def test_a_saved_bare_bert_is_refused_by_text_commands(tiny_bert, tmp_path, capsys, command):
+    """A multihead.save folder of the Bert module alone says model_type 'bert' but has no
+    tokenizer: the text commands name what it holds instead of failing inside the model."""
+    from multihead import cli
+    from multihead.models import bert
+
+    bare = mh.save(bert.load(tiny_bert).model, tmp_path / "bare")
+    (tmp_path / "lines.txt").write_text("one line\n")
+    args = {
+        "embed": ["embed", str(tmp_path / "lines.txt"), "--out", str(tmp_path / "e.npy")],
+        "explain": ["explain", "a text", "--out", str(tmp_path / "x")],
+    }[command]
+    assert cli.main([*args, "--model", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        rf"holds a multihead.save folder of Bert, a model without its tokenizer, but "
+        rf"multihead {command} supports BERT-family encoders.*"
+        r"Received: multihead.models.bert.Bert",
+        err,
+    ), err
