@@ -13,9 +13,11 @@ decoder layer that takes its parts as arguments needs nothing beyond one ``regis
     multihead.io.register(TransformerDecoderLayer)     # or @register above the class
 
 ``register`` records each instance's constructor arguments when it is built, so ``describe`` can
-later write them out. BERT models are saved in the Hugging Face layout (its ``config.json``
-fields and tensor names, with the tokenizer files copied along), so ``transformers`` loads the
-folder too. Needs ``safetensors`` (the ``pretrained`` extra).
+later write them out; the library's own modules declare the same with ``@saveable`` in their
+files. This module is the mechanism only: each model family registers its own layout at the end
+of its file (BERT in the Hugging Face layout, so ``transformers`` loads the folder too), and is
+imported on demand from the qualified class name a folder names. ``multihead.models.load``
+opens folders of other kinds. Needs ``safetensors`` (the ``pretrained`` extra).
 """
 
 from __future__ import annotations
