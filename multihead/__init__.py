@@ -10,9 +10,11 @@ Kernels (``attention``) take (B, H, L, D) tensors like
 Masks use one polarity everywhere: True = may attend.
 """
 
-from . import masks
+from . import masks, models
+from ._version import __version__
 from .functional import attention, attention_weights, explain_backend
-from .io import load, save
+from .io import save
+from .models import load
 from .modules import (
     FeedForward,
     GatedFeedForward,
@@ -30,8 +32,6 @@ from .modules import (
     split_heads,
 )
 
-__version__ = "0.1.0"
-
 __all__ = [
     "FeedForward",
     "GatedFeedForward",
@@ -45,12 +45,14 @@ __all__ = [
     "TransformerDecoderLayer",
     "TransformerEncoder",
     "TransformerEncoderLayer",
+    "__version__",
     "attention",
     "attention_weights",
     "explain_backend",
     "load",
     "masks",
     "merge_heads",
+    "models",
     "save",
     "split_heads",
 ]

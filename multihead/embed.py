@@ -41,7 +41,8 @@ def run(
 
     Returns the (lines, E) float32 array that was saved.
     """
-    from .models import bert, kinds
+    from . import models
+    from .models import kinds
 
     target = V.check_out_file("--out", out, ".npy")
     kinds.check_bert(model_path, "multihead embed")
@@ -62,7 +63,8 @@ def run(
             address=ray_address,
         )
     else:
-        model = bert.load(model_path)
+        model = models.load(model_path)
+        kinds.check_encoder(model, model_path, "multihead embed")
         bar = None
         if len(lines) >= PROGRESS_FROM:
             from tqdm import tqdm
@@ -87,10 +89,10 @@ class _RayEmbedder:
     def __init__(self, model_path: str | None, max_tokens: int, threads: int) -> None:
         import torch
 
-        from .models import bert
+        from . import models
 
         torch.set_num_threads(threads)  # one actor per CPU Ray gave it: no oversubscription
-        self.model = bert.load(model_path)
+        self.model = models.load(model_path)
         self.max_tokens = max_tokens
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

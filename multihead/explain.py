@@ -67,25 +67,23 @@ def _attend(
     causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
     import torch
 
-    from . import io
-    from .models import bert, checkpoint, gpt2, kinds, llama
+    from . import models
+    from .models import checkpoint, kinds
 
-    decoders = {"gpt2": gpt2, "llama": llama}
     if model_path is not None:
         checkpoint.model_folder(model_path)
     found = kinds.folder_kind(model_path)
     kind = None if found is None else found.kind
-    if kind == kinds.SAVED and found.saved_class in _SAVED_LANGUAGE_MODELS:
-        model = io.load(model_path)
-    elif kind in decoders:
-        model = decoders[kind].load(model_path)
-    elif kind in (None, "bert"):
-        model = bert.load(model_path)
+    if kind not in (None, "bert", "gpt2", "llama") and not (
+        kind == kinds.SAVED and found.saved_class in _SAVED_LANGUAGE_MODELS
+    ):
+        raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
+    model = models.load(model_path)
+    if kind in (None, "bert"):
+        kinds.check_encoder(model, model_path, "multihead explain")
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
         return model, batch.tokens[0], batch.special[0], weights, False
-    else:
-        raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
     if model.tokenizer is None:
         raise FileNotFoundError(
             f"explain needs the model's tokenizer.json, which is missing from {model.path}. "

@@ -13,9 +13,11 @@ decoder layer that takes its parts as arguments needs nothing beyond one ``regis
     multihead.io.register(TransformerDecoderLayer)     # or @register above the class
 
 ``register`` records each instance's constructor arguments when it is built, so ``describe`` can
-later write them out. BERT models are saved in the Hugging Face layout (its ``config.json``
-fields and tensor names, with the tokenizer files copied along), so ``transformers`` loads the
-folder too. Needs ``safetensors`` (the ``pretrained`` extra).
+later write them out; the library's own modules declare the same with ``@saveable`` in their
+files. This module is the mechanism only: each model family registers its own layout at the end
+of its file (BERT in the Hugging Face layout, so ``transformers`` loads the folder too), and is
+imported on demand from the qualified class name a folder names. ``multihead.models.load``
+opens folders of other kinds. Needs ``safetensors`` (the ``pretrained`` extra).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
 import json
 import os
 import shutil
@@ -36,18 +37,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._saveable import DECLARED, INIT_ARGS, record_init
+from ._version import __version__
+
 __all__ = ["FORMAT_VERSION", "build", "describe", "load", "register", "registered", "save"]
 
 FORMAT_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (  # a tokenizer a family saves beside the weights; a new save replaces them
     "tokenizer.json",
     "tokenizer_config.json",
     "vocab.txt",
     "special_tokens_map.json",
 )
-_INIT_ARGS = "_multihead_init_args"  # instance attribute holding the recorded arguments
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def _qualified(cls: type) -> str:
 def _recorded(obj: Any) -> dict[str, Any]:
     """The constructor arguments recorded by ``register``; plain attributes of the same name
     override them, so a value changed after construction (``layer.dropout = 0.2``) is saved."""
-    args = getattr(obj, _INIT_ARGS, None)
+    args = getattr(obj, INIT_ARGS, None)
     if args is None:
         raise ValueError(
             f"{type(obj).__name__} was built before multihead.io.register({type(obj).__name__}) "
@@ -106,38 +109,6 @@ def _recorded(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _record_init(cls: type) -> None:
-    """Wrap ``cls.__init__`` so every instance keeps the arguments it was built with."""
-    init = cls.__init__
-    if getattr(init, "_multihead_records", False):
-        return
-    signature = inspect.signature(init)
-    extra = None  # a **kwargs parameter: its entries are recorded as keyword arguments
-    for p in signature.parameters.values():
-        if p.kind == p.VAR_POSITIONAL:
-            raise TypeError(
-                f"register needs a constructor without *args to record its arguments by name; "
-                f"pass describe= and build= instead. Received: {cls.__name__}{signature}"
-            )
-        if p.kind == p.VAR_KEYWORD:
-            extra = p.name
-
-    @functools.wraps(init)
-    def wrapped(self, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        if type(self) is cls:  # a subclass records its own arguments, or none
-            bound = signature.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            values = dict(bound.arguments)
-            values.pop(next(iter(signature.parameters)))  # self
-            if extra is not None:
-                values.update(values.pop(extra, {}))
-            object.__setattr__(self, _INIT_ARGS, values)
-
-    wrapped._multihead_records = True  # type: ignore[attr-defined]
-    cls.__init__ = wrapped  # type: ignore[method-assign]
-
-
 def register(
     cls: type | None = None,
     *,
@@ -146,6 +117,10 @@ def register(
     build: Callable[[dict[str, Any]], Any] | None = None,
     files: Callable[[Any, Path], None] | None = None,
     restore: Callable[[Any, Path], None] | None = None,
+    module: Callable[[Any], nn.Module] | None = None,
+    names: Callable[[Any], dict[str, str]] | None = None,
+    header: Callable[[Any], dict[str, Any]] | None = None,
+    load_folder: Callable[[Path], Any] | None = None,
 ) -> Any:
     """Make a class saveable; usable as ``register(Cls)`` or as a ``@register`` decorator.
 
@@ -156,26 +131,43 @@ def register(
     are imported on demand when a folder is loaded, others must be registered before ``load``.
     ``files(obj, folder)`` writes extra files beside the weights (e.g. a tokenizer) and
     ``restore(obj, folder)`` reads them back when the object is the folder's top-level model.
+
+    A model family with a file layout of its own also gives ``module`` (instance -> the
+    ``nn.Module`` holding the weights), ``names`` (state dict name -> name in the file),
+    ``header`` (extra top-level config.json fields) or, instead of ``build``, ``load_folder``
+    (folder -> instance, weights included; such a class loads only as a whole folder).
     """
 
     def apply(target: type) -> type:
         if not isinstance(target, type):
             raise TypeError(f"register expects a class. Received: {target!r}")
-        if (describe is None) != (build is None):
+        rebuild = build if load_folder is None else _whole_only(target, load_folder)
+        if (describe is None) != (rebuild is None):
             raise ValueError(
-                "give both describe and build, or neither. Received: "
-                f"describe={describe is not None}, build={build is not None}"
+                "give both describe and build (or load_folder), or neither. Received: "
+                f"describe={describe is not None}, build={rebuild is not None}"
             )
         if describe is None:
-            _record_init(target)
+            record_init(target)
+        make: Callable[[dict[str, Any], Path | None], Any]
+        if load_folder is not None:
+            make = rebuild
+        elif build is not None:
+            make = lambda args, folder: build(args)  # noqa: E731
+        else:
+            make = lambda args, folder: target(**args)  # noqa: E731
         codec = _Codec(
             target,
             name or _qualified(target),
             describe or _recorded,
-            (lambda args, folder: build(args)) if build else (lambda args, folder: target(**args)),
+            make,
+            module=module or (lambda obj: obj),
+            names=names,
+            header=header,
             files=files,
             restore=restore,
-            init=None if build else target,
+            init=None if rebuild else target,
+            whole=load_folder is not None,
         )
         _add(codec)
         return target
@@ -183,13 +175,39 @@ def register(
     return apply if cls is None else apply(cls)
 
 
+def _whole_only(cls: type, load_folder: Callable[[Path], Any]) -> Callable[..., Any]:
+    def rebuild(args: dict[str, Any], folder: Path | None) -> Any:
+        if folder is None:
+            raise ValueError(
+                f"a {cls.__name__} can only be loaded as a whole folder (it reads files of its "
+                f"own), not as a part of another model. Received: a nested {cls.__name__}"
+            )
+        return load_folder(folder)
+
+    return rebuild
+
+
 def _add(codec: _Codec) -> None:
     _BY_NAME[codec.name] = codec
     _BY_CLASS[codec.cls] = codec
 
 
+def _sync_declared() -> None:
+    """Take in the classes declared with ``@saveable`` in their own files since the last call
+    (their modules may be imported after this one)."""
+    for name, cls in list(DECLARED.items()):
+        if cls not in _BY_CLASS:
+            _add(_Codec(cls, name, _recorded, lambda args, folder, cls=cls: cls(**args), init=cls))
+
+
+def _class_codec(cls: type) -> _Codec | None:
+    _sync_declared()
+    return _BY_CLASS.get(cls)
+
+
 def registered() -> list[str]:
     """The class names ``load`` can build right now."""
+    _sync_declared()
     return sorted(_BY_NAME)
 
 
@@ -198,7 +216,7 @@ def registered() -> list[str]:
 
 
 def _codec_for(obj: Any, where: str) -> _Codec:
-    codec = _BY_CLASS.get(type(obj))
+    codec = _class_codec(type(obj))
     if codec is None:
         raise TypeError(
             f"{where}: {type(obj).__name__} is not a registered class, so it cannot be written "
@@ -225,7 +243,7 @@ def _encode(value: Any, where: str) -> Any:
         if bad:
             raise TypeError(f"{where}: dict keys must be strings. Received: keys {bad[:3]}")
         return {"dict": {k: _encode(v, f"{where}.{k}") for k, v in value.items()}}
-    if type(value) in _BY_CLASS:
+    if _class_codec(type(value)) is not None:
         return describe(value, where)
     if isinstance(value, nn.Module):
         _codec_for(value, where)  # raises, naming the class
@@ -254,6 +272,7 @@ def _lookup(name: Any, where: str) -> _Codec:
         # the library's own classes register themselves when their module is imported
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+        _sync_declared()
     if name not in _BY_NAME:
         raise ValueError(
             f"{where}.class names a class that is not registered; import the module that "
@@ -448,7 +467,7 @@ def save(model: Any, folder: str | Path) -> Path:
             "format_version": FORMAT_VERSION,
             "model": describe(model),
             "weights": WEIGHTS,
-            "multihead_version": _version(),
+            "multihead_version": __version__,
         }
     )
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -463,7 +482,7 @@ def save(model: Any, folder: str | Path) -> Path:
 
 
 # every name a save may write: a previous save's files under these names are replaced as a set
-_OWNED = frozenset({CONFIG, WEIGHTS, "sentence_bert_config.json", *_TOKENIZER_FILES})
+_OWNED = frozenset({CONFIG, WEIGHTS, "sentence_bert_config.json", *TOKENIZER_FILES})
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -486,19 +505,13 @@ def _carry_over(old: Path, new: Path) -> None:
             _link_or_copy(str(entry), str(new / entry.name))
 
 
-def _version() -> str:
-    from . import __version__
-
-    return __version__
-
-
 def load(folder: str | Path) -> Any:
     """Rebuild what ``save`` wrote: the same class, arguments and weights, in eval mode.
 
-    A Hugging Face BERT folder without multihead's fields loads as ``models.bert.load`` would.
     Nothing is allocated before config.json agrees with the weights: the model is first built
     on the meta device (shapes only) and compared with the safetensors header, tensor by
-    tensor.
+    tensor. Folders of other kinds (a Hugging Face BERT, GPT-2 or Llama checkpoint) open with
+    ``multihead.models.load`` (which is ``multihead.load``).
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights file is missing.
@@ -510,33 +523,7 @@ def load(folder: str | Path) -> Any:
     from .models import checkpoint
 
     folder = Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
-    if not (folder / CONFIG).is_file():
-        raise FileNotFoundError(
-            f"{CONFIG} is missing from {folder}; multihead.save writes it. "
-            f"Received: {sorted(p.name for p in folder.iterdir())}"
-        )
-    config = checkpoint.read_config(folder)
-    if "format_version" not in config:
-        if config.get("model_type") == "bert":
-            from .models import bert
-
-            return bert.load(folder)
-        raise ValueError(
-            f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
-            f"multihead.save. Received: fields {sorted(config)[:10]}"
-        )
-    version = config["format_version"]
-    if version != FORMAT_VERSION:
-        raise ValueError(
-            f"{CONFIG}: format_version {version!r} is not one this multihead reads "
-            f"({FORMAT_VERSION}); a newer multihead may have written it, so upgrade. "
-            f"Received: format_version={version!r}"
-        )
-    if "model" not in config:
-        raise ValueError(f"{CONFIG}: the field model is missing. Received: fields {sorted(config)}")
-    spec = config["model"]
+    spec, config = _saved_spec(folder)
 
     def built() -> Any:
         try:
@@ -559,23 +546,65 @@ def load(folder: str | Path) -> Any:
     stored = checkpoint.weights(folder, weights)
     skeleton = checkpoint.build_on_meta(built, stored, source=CONFIG)
     if skeleton is not None:
-        codec = _codec_for(skeleton, "model")
-        names = codec.names(skeleton) if codec.names else None
-        expected = codec.module(skeleton).state_dict()
-        checkpoint.match(expected, stored.header, names or {k: k for k in expected}, weights=stored)
-        checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
+        _check_layout(skeleton, stored)
     obj = built()
     codec = _codec_for(obj, "model")
-    names = codec.names(obj) if codec.names else None
     module = codec.module(obj)
     own = module.state_dict()
-    state = checkpoint.match(own, stored.read(), names or {k: k for k in own}, weights=stored)
+    state = checkpoint.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
     if codec.restore:
         codec.restore(obj, folder)
     return obj
+
+
+def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
+    """The ``model`` field and the whole config.json of a ``save`` folder, checked."""
+    from .models import checkpoint
+
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
+    if not (folder / CONFIG).is_file():
+        raise FileNotFoundError(
+            f"{CONFIG} is missing from {folder}; multihead.save writes it. "
+            f"Received: {sorted(p.name for p in folder.iterdir())}"
+        )
+    config = checkpoint.read_config(folder)
+    if "format_version" not in config:
+        raise ValueError(
+            f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
+            "multihead.save (a Hugging Face folder opens with multihead.models.load). "
+            f"Received: fields {sorted(config)[:10]}"
+        )
+    version = config["format_version"]
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{CONFIG}: format_version {version!r} is not one this multihead reads "
+            f"({FORMAT_VERSION}); a newer multihead may have written it, so upgrade. "
+            f"Received: format_version={version!r}"
+        )
+    if "model" not in config:
+        raise ValueError(f"{CONFIG}: the field model is missing. Received: fields {sorted(config)}")
+    return config["model"], config
+
+
+def _file_names(codec: _Codec, obj: Any, state: dict[str, Tensor]) -> dict[str, str]:
+    """State dict name -> name in the weights file."""
+    return codec.names(obj) if codec.names else {k: k for k in state}
+
+
+def _check_layout(skeleton: Any, stored: Any) -> None:
+    """The meta-device model against the weights' header: names, shapes and dtypes agree
+    before anything is allocated."""
+    from .models import checkpoint
+
+    codec = _codec_for(skeleton, "model")
+    expected = codec.module(skeleton).state_dict()
+    names = _file_names(codec, skeleton, expected)
+    checkpoint.match(expected, stored.header, names, weights=stored)
+    checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
 
 
 def _reads_whole_folder(spec: Any) -> bool:
@@ -602,25 +631,6 @@ def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # the library's own classes and the torch modules they take as parts
-
-
-def _register_library() -> None:
-    from . import modules as m
-
-    for cls in (
-        m.MultiHeadAttention,
-        m.FeedForward,
-        m.TransformerEncoderLayer,
-        m.TransformerEncoder,
-        m.SinusoidalPositionalEncoding,
-        m.LearnedPositionalEncoding,
-        m.TransformerDecoderLayer,
-        m.TransformerDecoder,
-        m.GatedFeedForward,
-        m.RMSNorm,
-        m.RotaryEmbedding,
-    ):
-        register(cls, name=f"multihead.{cls.__name__}")
 
 
 def _torch_module(cls: type, fields: Callable[[Any], dict[str, Any]]) -> None:
@@ -677,116 +687,4 @@ def _register_torch() -> None:
     )
 
 
-def _register_bert() -> None:
-    """BERT in the Hugging Face layout, so ``transformers`` opens the folder too."""
-    from dataclasses import asdict
-
-    from .models import bert
-
-    def header(config: bert.BertConfig) -> dict[str, Any]:
-        return {
-            "architectures": ["BertModel"],
-            "model_type": "bert",
-            "position_embedding_type": "absolute",
-            **asdict(config),
-        }
-
-    def bert_args(model: bert.Bert) -> dict[str, Any]:
-        return {"config": asdict(model.config), "pooler": model.pooler is not None}
-
-    def build_bert(args: dict[str, Any], folder: Path | None) -> bert.Bert:
-        return bert.Bert(bert.BertConfig.from_dict(args["config"]), pooler=args["pooler"])
-
-    def hf_names(model: bert.Bert) -> dict[str, str]:
-        return bert._hf_names(model.config, model.pooler is not None)
-
-    _add(
-        _Codec(
-            bert.Bert,
-            "multihead.models.bert.Bert",
-            bert_args,
-            build_bert,
-            names=hf_names,
-            header=lambda model: header(model.config),
-        )
-    )
-
-    def copy_tokenizer(pre: bert.Pretrained, folder: Path) -> None:
-        for name in _TOKENIZER_FILES:
-            source = pre.path / name
-            if source.is_file() and source.resolve() != (folder / name).resolve():
-                shutil.copyfile(source, folder / name)
-        if not (folder / "tokenizer.json").is_file():  # a Pretrained built in memory
-            pre.tokenizer.save(str(folder / "tokenizer.json"))
-        (folder / "sentence_bert_config.json").write_text(
-            json.dumps({"max_seq_length": pre.embed_length, "do_lower_case": False}) + "\n"
-        )
-
-    def build_pretrained(args: dict[str, Any], folder: Path | None) -> bert.Pretrained:
-        if folder is None:
-            raise ValueError(
-                "a Pretrained model can only be loaded as a whole folder (its tokenizer lives "
-                "in files). Received: a nested Pretrained"
-            )
-        return bert.load(folder)
-
-    _add(
-        _Codec(
-            bert.Pretrained,
-            "multihead.models.bert.Pretrained",
-            lambda pre: {},
-            build_pretrained,
-            module=lambda pre: pre.model,
-            names=lambda pre: hf_names(pre.model),
-            header=lambda pre: header(pre.config),
-            files=copy_tokenizer,
-            whole=True,
-        )
-    )
-
-
-def _register_decoders() -> None:
-    """GPT-2 and Llama as their config (data) plus the weights under this library's names; the
-    tokenizer, when the model has one, is saved beside them as tokenizer.json. A loaded model
-    keeps the decoding layout of ``causal_lm.decode_layout``."""
-    from dataclasses import asdict
-
-    from .models import causal_lm, gpt2, llama
-
-    def save_tokenizer(model: causal_lm.CausalLM, folder: Path) -> None:
-        if model.tokenizer is not None:
-            model.tokenizer.save(str(folder / "tokenizer.json"))
-
-    def restore_tokenizer(model: causal_lm.CausalLM, folder: Path) -> None:
-        if (folder / "tokenizer.json").is_file():
-            from .models import checkpoint
-
-            model.tokenizer = checkpoint.read_tokenizer(folder, required=False)
-        model.path = folder
-
-    for module, cls, config_cls in (
-        (gpt2, gpt2.GPT2, gpt2.GPT2Config),
-        (llama, llama.Llama, llama.LlamaConfig),
-    ):
-
-        def build_it(args: dict[str, Any], cls=cls, config_cls=config_cls) -> Any:
-            model = cls(config_cls.from_dict(args["config"], source="config.json model.args"))
-            causal_lm.decode_layout(model)
-            return model.eval()
-
-        _add(
-            _Codec(
-                cls,
-                f"{module.__name__}.{cls.__name__}",
-                lambda model: {"config": asdict(model.config)},
-                lambda args, folder, build_it=build_it: build_it(args),
-                files=save_tokenizer,
-                restore=restore_tokenizer,
-            )
-        )
-
-
-_register_library()
 _register_torch()
-_register_bert()
-_register_decoders()

@@ -344,21 +344,18 @@ def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
         ValueError: a folder of another kind (T5, a saved application model, ...): the message
             names the kind found and what export supports.
     """
-    from .. import io
-    from ..models import bert, checkpoint, gpt2, kinds, llama
+    from .. import models
+    from ..models import checkpoint, kinds
 
-    decoders = {"gpt2": gpt2, "llama": llama}
     if path is None:
-        return bert.load(None)
+        return models.load(None)
     folder = checkpoint.model_folder(path)
     found = kinds.folder_kind(folder)
     kind = None if found is None else found.kind
-    if kind in decoders:
-        return decoders[kind].load(folder)
-    if kind in (None, "bert"):
-        return bert.load(folder)
-    if kind == kinds.SAVED and found.saved_class in _SAVED_EXPORTS:
-        return io.load(folder)
+    if kind in (None, "bert", "gpt2", "llama") or (
+        kind == kinds.SAVED and found.saved_class in _SAVED_EXPORTS
+    ):
+        return models.load(folder)
     raise kinds.wrong_kind(found, "multihead export onnx", EXPORTS)
 
 

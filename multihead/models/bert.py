@@ -8,10 +8,12 @@ extra (safetensors, tokenizers).
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import masks
+from .. import io, masks
 from ..masks import Mask
 from ..modules import (
     EncoderOutput,
@@ -29,6 +31,7 @@ from ..modules import (
 )
 from . import checkpoint
 from .checkpoint import Size
+from .families import register_builtin
 
 __all__ = [
     "DEFAULT_PACKAGE",
@@ -543,3 +546,51 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
     checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()
     return Pretrained(model, tokenizer, config, folder, embed_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# the family registers itself: multihead.save writes BERT in the Hugging Face layout (its
+# config.json fields and tensor names, the tokenizer files copied along), so ``transformers``
+# opens the folder too, and multihead.models.load opens folders whose model_type is "bert"
+
+
+def _header(config: BertConfig) -> dict[str, Any]:
+    return {
+        "architectures": ["BertModel"],
+        "model_type": "bert",
+        "position_embedding_type": "absolute",
+        **asdict(config),
+    }
+
+
+def _copy_tokenizer(pre: Pretrained, folder: Path) -> None:
+    for name in io.TOKENIZER_FILES:
+        source = pre.path / name
+        if source.is_file() and source.resolve() != (folder / name).resolve():
+            shutil.copyfile(source, folder / name)
+    if not (folder / "tokenizer.json").is_file():  # a Pretrained built in memory
+        pre.tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": pre.embed_length, "do_lower_case": False}) + "\n"
+    )
+
+
+io.register(
+    Bert,
+    name="multihead.models.bert.Bert",
+    describe=lambda model: {"config": asdict(model.config), "pooler": model.pooler is not None},
+    build=lambda args: Bert(BertConfig.from_dict(args["config"]), pooler=args["pooler"]),
+    names=lambda model: _hf_names(model.config, model.pooler is not None),
+    header=lambda model: _header(model.config),
+)
+io.register(
+    Pretrained,
+    name="multihead.models.bert.Pretrained",
+    describe=lambda pre: {},
+    load_folder=load,
+    module=lambda pre: pre.model,
+    names=lambda pre: _hf_names(pre.config, pre.model.pooler is not None),
+    header=lambda pre: _header(pre.config),
+    files=_copy_tokenizer,
+)
+register_builtin("bert", load)

@@ -616,3 +616,51 @@ def _sample(
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     scores = filter_top_p(filter_top_k(shifted / temperature, top_k), top_p)
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# saving: the decoder families (gpt2.py, llama.py) register themselves through this
+
+
+def _save_tokenizer(model: CausalLM, folder: Path) -> None:
+    if model.tokenizer is not None:
+        model.tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def _restore_tokenizer(model: CausalLM, folder: Path) -> None:
+    if (folder / "tokenizer.json").is_file():
+        from . import checkpoint
+
+        model.tokenizer = checkpoint.read_tokenizer(folder, required=False)
+    model.path = folder
+
+
+def register_family(
+    model_type: str,
+    cls: type[CausalLM],
+    config_cls: Any,
+    loader: Callable[[Path], CausalLM],
+) -> None:
+    """Make a decoder family saveable by ``multihead.save`` (its config as data plus the
+    weights under this library's names; the tokenizer, when the model has one, beside them as
+    tokenizer.json) and openable by ``multihead.models.load`` through its ``model_type``. A
+    loaded model keeps the decoding layout of ``decode_layout``."""
+    from dataclasses import asdict
+
+    from .. import io
+    from .families import register_builtin
+
+    def build(args: dict[str, Any]) -> CausalLM:
+        model = cls(config_cls.from_dict(args["config"], source="config.json model.args"))
+        decode_layout(model)
+        return model.eval()
+
+    io.register(
+        cls,
+        name=f"{cls.__module__}.{cls.__qualname__}",
+        describe=lambda model: {"config": asdict(model.config)},
+        build=build,
+        files=_save_tokenizer,
+        restore=_restore_tokenizer,
+    )
+    register_builtin(model_type, loader)

@@ -21,7 +21,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
+from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
 from .checkpoint import Size
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
@@ -184,3 +184,6 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
         unused_suffixes=_UNUSED_SUFFIXES,
         dtype=dtype,
     )
+
+
+register_family("gpt2", GPT2, GPT2Config, load)

@@ -11,7 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BERT_ONLY", "SAVED", "FolderKind", "check_bert", "folder_kind", "wrong_kind"]
+__all__ = [
+    "BERT_ONLY",
+    "SAVED",
+    "FolderKind",
+    "check_bert",
+    "check_encoder",
+    "folder_kind",
+    "wrong_kind",
+]
 
 SAVED = "multihead.save"  # the kind of a multihead.save folder without a model_type
 _NAMES = {
@@ -89,3 +97,17 @@ def check_bert(path: str | Path | None, command: str) -> None:
     found = folder_kind(path)
     if found is not None and found.kind is not None and found.kind != "bert":
         raise wrong_kind(found, command, BERT_ONLY)
+
+
+def check_encoder(model: object, path: str | Path | None, command: str) -> None:
+    """Refuse, after loading, a ``multihead.save`` folder of a bare ``Bert`` module: its
+    config.json says model_type 'bert', but without the tokenizer there is no text to run."""
+    from .bert import Pretrained
+
+    if not isinstance(model, Pretrained):
+        raise ValueError(
+            f"{path} holds a multihead.save folder of {type(model).__name__}, a model without "
+            f"its tokenizer, but {command} supports {BERT_ONLY}; save the whole "
+            "models.bert.Pretrained (model and tokenizer) instead. "
+            f"Received: {type(model).__module__}.{type(model).__qualname__}"
+        )

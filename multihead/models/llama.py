@@ -24,7 +24,7 @@ from ..modules import (
     TransformerDecoderLayer,
 )
 from . import checkpoint
-from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint
+from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
 from .checkpoint import Size
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
@@ -210,3 +210,6 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
         unused_suffixes=_UNUSED_SUFFIXES,
         dtype=dtype,
     )
+
+
+register_family("llama", Llama, LlamaConfig, load)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._saveable import saveable
 from ..functional import attention
 from ..masks import Mask
 from .cache import LayerCache
@@ -41,6 +42,7 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, length, h * d)
 
 
+@saveable("multihead.MultiHeadAttention")
 class MultiHeadAttention(nn.Module):
     """Multi-head attention on batch-first (B, L, E) tensors.
 

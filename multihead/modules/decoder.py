@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .. import _validation as V
 from .. import masks
+from .._saveable import saveable
 from ..masks import Mask
 from .cache import KVCache, LayerCache
 from .transformer import check_layers
@@ -28,6 +29,7 @@ def _check_part(name: str, part: object) -> nn.Module:
     return part
 
 
+@saveable("multihead.TransformerDecoderLayer")
 class TransformerDecoderLayer(nn.Module):
     """One pre-norm decoder block built from the parts it is given::
 
@@ -111,6 +113,7 @@ class DecoderOutput(NamedTuple):
     weights: tuple[Tensor, ...] | None
 
 
+@saveable("multihead.TransformerDecoder")
 class TransformerDecoder(nn.Module):
     """A stack of decoder layers with a final norm; threads one ``KVCache`` through them.
 

@@ -6,10 +6,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._saveable import saveable
 
 __all__ = ["RMSNorm"]
 
 
+@saveable("multihead.RMSNorm")
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim; no centering, no bias.
 

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._saveable import saveable
 
 __all__ = ["LearnedPositionalEncoding", "SinusoidalPositionalEncoding", "sinusoidal_table"]
 
@@ -62,6 +63,7 @@ def _positions(x: Tensor, positions: Tensor | None, limit: int | None) -> Tensor
     return positions
 
 
+@saveable("multihead.SinusoidalPositionalEncoding")
 class SinusoidalPositionalEncoding(nn.Module):
     """``x + table[positions]`` with the fixed sinusoidal table; no parameters.
 
@@ -101,6 +103,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         return x + table[positions].to(x.dtype)
 
 
+@saveable("multihead.LearnedPositionalEncoding")
 class LearnedPositionalEncoding(nn.Module):
     """``x + embedding[positions]`` with one trained vector per position (BERT, GPT-2).
 

@@ -12,10 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._saveable import saveable
 
 __all__ = ["RotaryEmbedding"]
 
 
+@saveable("multihead.RotaryEmbedding")
 class RotaryEmbedding(nn.Module):
     """Rotate (B, H, L, D) queries or keys by their positions; no parameters.
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._saveable import saveable
 from ..masks import Mask
 from .attention import MultiHeadAttention
 
@@ -41,6 +42,7 @@ def _activation(name: str) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
+@saveable("multihead.FeedForward")
 class FeedForward(nn.Module):
     """Position-wise feed-forward: ``linear2(dropout(act(linear1(x))))``, (..., E) -> (..., E).
 
@@ -73,6 +75,7 @@ class FeedForward(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
+@saveable("multihead.GatedFeedForward")
 class GatedFeedForward(nn.Module):
     """Gated feed-forward (GLU family, Shazeer 2020): ``down(dropout(act(gate(x)) * up(x)))``.
 
@@ -109,6 +112,7 @@ class GatedFeedForward(nn.Module):
         return self.down_proj(self.dropout(self.activation(self.gate_proj(x)) * self.up_proj(x)))
 
 
+@saveable("multihead.TransformerEncoderLayer")
 class TransformerEncoderLayer(nn.Module):
     """Self-attention then feed-forward, each wrapped in a residual connection and LayerNorm.
 
@@ -257,6 +261,7 @@ class EncoderOutput(NamedTuple):
     weights: tuple[Tensor, ...] | None
 
 
+@saveable("multihead.TransformerEncoder")
 class TransformerEncoder(nn.Module):
     """A stack of encoder layers sharing one mask, with an optional final norm (for pre-norm).
 

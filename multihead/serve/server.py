@@ -56,13 +56,15 @@ def load_engine(
     """
     import torch
 
-    from ..models import bert, kinds
+    from .. import models
+    from ..models import kinds
 
     _check(runtime, onnx_path, threads)
     kinds.check_bert(model_path, "multihead serve")
     if threads is not None:
         torch.set_num_threads(threads)
-    pretrained = bert.load(model_path)
+    pretrained = models.load(model_path)
+    kinds.check_encoder(pretrained, model_path, "multihead serve")
     if runtime == "torch":
         return Engine(pretrained)
     from ..export import OnnxBert, to_onnx

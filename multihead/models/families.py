@@ -1,0 +1,107 @@
+"""Model families by ``model_type``: ``load(folder)`` opens a folder by what its config.json
+says, ``register(model_type, loader)`` adds a family.
+
+The built-in families (``bert``, ``gpt2``, ``llama``) register themselves at the end of their
+own files; this module only knows which file to import for which ``model_type``, so neither
+``import multihead`` nor ``import multihead.models`` loads a family (or safetensors and
+tokenizers) before a folder asks for one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load", "register", "register_builtin", "supported"]
+
+Loader = Callable[[Path], Any]
+
+# model_type -> the module whose import registers the family (imported on first use)
+_BUILTIN = {
+    "bert": "multihead.models.bert",
+    "gpt2": "multihead.models.gpt2",
+    "llama": "multihead.models.llama",
+}
+_LOADERS: dict[str, Loader] = {}
+
+
+def register(model_type: str, loader: Loader) -> None:
+    """Open folders whose config.json has ``"model_type": model_type`` with ``loader(folder)``
+    (``folder`` is a ``pathlib.Path``); a later call for the same ``model_type`` replaces the
+    loader, built-in families included.
+
+    Raises:
+        TypeError: ``model_type`` is not a string or ``loader`` is not callable.
+        ValueError: ``model_type`` is empty.
+    """
+    if not isinstance(model_type, str):
+        raise TypeError(
+            "model_type must be a string, as config.json's model_type field (e.g. 'bert'). "
+            f"Received: {type(model_type).__name__} {model_type!r}"
+        )
+    if not model_type:
+        raise ValueError(
+            "model_type must be a non-empty string such as 'bert'. Received: model_type=''"
+        )
+    if not callable(loader):
+        raise TypeError(
+            "loader must be callable as loader(folder) -> model. "
+            f"Received: {type(loader).__name__} {loader!r}"[:300]
+        )
+    _LOADERS[model_type] = loader
+
+
+def register_builtin(model_type: str, loader: Loader) -> None:
+    """What a built-in family's file calls when imported: a loader registered from outside
+    before that import stays in place."""
+    _LOADERS.setdefault(model_type, loader)
+
+
+def supported() -> list[str]:
+    """The ``model_type`` values ``load`` opens, built-in and registered."""
+    return sorted({*_BUILTIN, *_LOADERS})
+
+
+def _loader(model_type: str) -> Loader | None:
+    if model_type not in _LOADERS and model_type in _BUILTIN:
+        importlib.import_module(_BUILTIN[model_type])
+    return _LOADERS.get(model_type)
+
+
+def load(folder: str | Path | None = None) -> Any:
+    """The model in ``folder``, by its config.json: a folder written by ``multihead.save``
+    (``format_version``) loads as ``multihead.io.load`` does; otherwise ``model_type`` picks
+    the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
+    tokenizer, when the folder has one; or a family added with ``register``). None: the
+    default BERT model, all-MiniLM-L6-v2 from its package.
+
+    Raises:
+        FileNotFoundError: the folder, its config.json or its weights are missing.
+        ValueError: config.json is not a JSON object, has neither ``format_version`` nor
+            ``model_type``, or names a ``model_type`` no family opens (the message names it and
+            the supported ones); or the family's loader refuses the folder (named).
+    """
+    from .. import io
+    from . import checkpoint, kinds
+
+    if folder is None:
+        from . import bert
+
+        return bert.load(None)
+    path = Path(folder)
+    config = checkpoint.read_config(path) if (path / io.CONFIG).is_file() else {}
+    model_type = config.get("model_type")
+    if "format_version" in config or not isinstance(model_type, str):
+        return io.load(path)  # a multihead.save folder, or io.load names what is missing
+    loader = _loader(model_type)
+    if loader is None:
+        found = kinds.FolderKind(path, model_type)
+        raise ValueError(
+            f"{path} holds {found.describe()}, which no model family opens; "
+            f"multihead.models.load opens model_type {', '.join(map(repr, supported()))} and "
+            "multihead.save folders (add a family with multihead.models.register(model_type, "
+            f"loader)). Received: {found.received}"
+        )
+    return loader(path)
