@@ -135,18 +135,14 @@ def _unsupported(call: Call) -> str | None:
 
 
 def rank(call: Call) -> Rank:
-    if call.device_type == "cuda" and structured(call) and unsupported(call) is None:
+    # the registry skips this rank when the call is unsupported: no need to ask here
+    if call.device_type == "cuda" and structured(call):
         # FlexAttention generates one fused kernel that skips the mask's empty blocks, where
         # tiled's per-chunk torch ops would be many small kernel launches
         return Rank(LEADS, "its one compiled kernel skips the blocks the mask hides")
     # not while exporting: measured_faster compares L with a threshold, and a symbolic L
     # would turn that comparison into a bound on the exported graph's length axis
-    if (
-        call.device_type == "cpu"
-        and not exporting()
-        and measured_faster(call)
-        and unsupported(call) is None
-    ):
+    if call.device_type == "cpu" and not exporting() and measured_faster(call):
         return Rank(
             LEADS,
             "its compiled kernel measured faster than tiled on long sliding windows "
