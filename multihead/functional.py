@@ -8,59 +8,11 @@ from torch import Tensor
 from . import _validation as V
 from . import bias as _bias
 from .backends import registry, tiled
-from .backends._call import Call
+from .backends._call import prepare as _prepare
 from .backends._nonfinite import run_guarded
-from .masks import Mask, TorchMasks, dense
+from .masks import Mask
 
 __all__ = ["attention", "attention_weights", "explain_backend"]
-
-
-def _prepare(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Mask | Tensor | None,
-    bias: Tensor | _bias.ScoreModifier | None,
-    scale: float | None,
-    dropout_p: float,
-    return_weights: bool,
-) -> Call:
-    b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
-    modifier = _bias.as_modifier(bias)
-    if isinstance(mask, TorchMasks):  # from masks.from_torch: visibility plus additive part
-        mask, extra = mask
-        if extra is not None:
-            extra = _bias.as_modifier(extra.to(query.device))
-            modifier = extra if modifier is None else modifier + extra
-    if isinstance(mask, Tensor):
-        V.check_mask_tensor_dtype("mask", mask)
-        mask = dense(mask)
-    elif mask is not None and not isinstance(mask, Mask):
-        raise TypeError(
-            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend), the result "
-            "of masks.from_torch(...) or None. "
-            f"Received: mask of type {type(mask).__name__}"
-        )
-    if mask is not None:
-        mask.check(b, h, length_q, length_k)
-    if modifier is not None:
-        modifier.check(b, h, length_q, length_k)
-        for t in modifier.tensors():
-            if t.device != query.device:
-                raise ValueError(
-                    "bias must be on the same device as query. "
-                    f"Received: bias on {t.device}, query.device={query.device}"
-                )
-    return Call(
-        query=query,
-        key=key,
-        value=value,
-        mask=mask,
-        bias=modifier,
-        scale=V.check_scale(scale, d),
-        dropout_p=V.check_dropout(dropout_p),
-        return_weights=V.check_bool("return_weights", return_weights),
-    )
 
 
 def attention(
@@ -110,9 +62,11 @@ def attention(
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         return_weights: also return the softmax weights (before dropout).
-        backend: "auto" (fastest backend that honours the call), "tiled", "sdpa",
-            "reference" or "flex" (FlexAttention compiled from the mask; inference only on
-            CPU). ``explain_backend`` says why each backend was or was not chosen.
+        backend: "auto" (fastest backend that honours the call), "tiled", "half" (bf16/fp16
+            matmuls on CPU), "sdpa", "reference", "flex" (FlexAttention compiled from the
+            mask; inference only on CPU), "fused" (the C++ kernel), or any name given to
+            ``multihead.backends.register``. ``explain_backend`` says why each backend was
+            or was not chosen.
 
     Returns:
         The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when
@@ -131,7 +85,7 @@ def attention(
     """
     V.reject_foreign_keywords("attention()", unexpected)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
-    out, weights = run_guarded(registry.select(call, backend).run, call)
+    out, weights = run_guarded(registry.runner(call, backend), call)
     return (out, weights) if call.return_weights else out
 
 

@@ -1,1 +1,20 @@
-"""Attention kernels, one file per backend, all called with one ``Call`` record."""
+"""Attention kernels, one file per backend, all called with one ``Call`` record.
+
+``register(name, backend)`` adds a backend from outside: ``attention(..., backend=name)`` then
+runs it and ``auto`` ranks it by its own rule (see ``Backend`` for the protocol).
+"""
+
+from ._call import BackendUnavailable, Call
+from .protocol import Backend, Capabilities, Rank
+from .registry import BACKENDS, register, unregister
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendUnavailable",
+    "Call",
+    "Capabilities",
+    "Rank",
+    "register",
+    "unregister",
+]

@@ -1,4 +1,5 @@
-"""The validated request every backend receives, and helpers shared by the eager backends."""
+"""The validated request every backend receives (``prepare`` builds it), and helpers shared by
+the eager backends."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .. import _validation as V
+from .. import bias as _bias
 from ..bias import ScoreModifier
-from ..masks import Mask
+from ..masks import Mask, TorchMasks, dense
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a backend's ``run`` when it finds only on trying that it cannot run the call
+    (a compile that fails). The registry catches it and runs the next backend ``auto`` would
+    choose; the backend's ``unsupported`` should report the reason from then on."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,12 @@ class Call:
         return b, h, self.key.shape[1], l_q, self.key.shape[2], d
 
     @property
+    def device_type(self) -> str:
+        """The device type the call runs on ("cpu", "cuda", ...): what ranking rules read, in
+        one place so that tests can stand in for a GPU."""
+        return self.query.device.type
+
+    @property
     def needs_grad(self) -> bool:
         tensors = (self.query, self.key, self.value, *self.bias_tensors)
         return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -45,6 +60,74 @@ class Call:
             return None
         _, _, _, length_q, length_k, _ = self.shape
         return self.bias.to_dense(length_q, length_k, device=self.query.device, dtype=dtype)
+
+
+def prepare(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | Tensor | None,
+    bias: Tensor | ScoreModifier | None,
+    scale: float | None,
+    dropout_p: float,
+    return_weights: bool,
+) -> Call:
+    """Validate the arguments of an attention call and normalize mask and bias into a ``Call``
+    (what ``attention()`` and context parallelism hand to backends)."""
+    b, h, _, length_q, length_k, d = V.check_qkv(query, key, value)
+    modifier = _bias.as_modifier(bias)
+    if isinstance(mask, TorchMasks):  # from masks.from_torch: visibility plus additive part
+        mask, extra = mask
+        if extra is not None:
+            extra = _bias.as_modifier(extra.to(query.device))
+            modifier = extra if modifier is None else modifier + extra
+    if isinstance(mask, Tensor):
+        V.check_mask_tensor_dtype("mask", mask)
+        mask = dense(mask)
+    elif mask is not None and not isinstance(mask, Mask):
+        raise TypeError(
+            "mask must be a multihead.masks.Mask, a bool tensor (True = may attend), the result "
+            "of masks.from_torch(...) or None. "
+            f"Received: mask of type {type(mask).__name__}"
+        )
+    if mask is not None:
+        mask.check(b, h, length_q, length_k)
+    if modifier is not None:
+        modifier.check(b, h, length_q, length_k)
+        for t in modifier.tensors():
+            if t.device != query.device:
+                raise ValueError(
+                    "bias must be on the same device as query. "
+                    f"Received: bias on {t.device}, query.device={query.device}"
+                )
+    return Call(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        bias=modifier,
+        scale=V.check_scale(scale, d),
+        dropout_p=V.check_dropout(dropout_p),
+        return_weights=V.check_bool("return_weights", return_weights),
+    )
+
+
+def plain_causal(call: Call) -> bool:
+    """True when torch's ``is_causal`` expresses the mask exactly (and there is no bias)."""
+    _, _, _, length_q, length_k, _ = call.shape
+    return (
+        call.mask is not None
+        and call.bias is None
+        and call.mask.torch_is_causal(length_q, length_k)
+    )
+
+
+def structured(call: Call) -> bool:
+    """A mask or computed bias with structure to exploit (not a dense tensor, not plain
+    causal): what block-skipping backends rank themselves by."""
+    if call.bias is not None and call.bias.computed:
+        return True
+    return call.mask is not None and not call.mask.arbitrary and not plain_causal(call)
 
 
 def exporting() -> bool:

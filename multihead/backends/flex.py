@@ -9,8 +9,9 @@ blocks and the score modifier's ``score_mod`` adds the bias inside the generated
 ``torch.compile`` turns ``flex_attention`` into one fused kernel per mask structure, bias
 structure, shape and dtype; each is compiled on first use (seconds to tens of seconds on a small
 CPU, listed by ``compile_log``) and cached for the process. A structure Inductor cannot compile
-is remembered: later calls report it through ``unsupported`` (and so ``explain_backend``) and
-``auto`` picks another backend. On CPU, Inductor compiles FlexAttention for inference only.
+is remembered and raised as ``BackendUnavailable``: the registry runs the call on the next
+backend ``auto`` would pick, and later calls report the failure through ``unsupported`` (and
+so ``explain_backend``). On CPU, Inductor compiles FlexAttention for inference only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import itertools
 import math
 import time
 import types
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -29,15 +29,18 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind
-from ._call import Call, exporting, stat_dtype
+from ._call import BackendUnavailable, Call, exporting, stat_dtype, structured
+from .protocol import LAST, LEADS, Backend, Capabilities, Rank
 
 __all__ = [
+    "BACKEND",
     "BLOCK",
     "CompileRecord",
     "block_mask",
     "clear_cache",
     "compile_log",
     "measured_faster",
+    "rank",
     "run",
     "unsupported",
 ]
@@ -94,6 +97,11 @@ def clear_cache() -> None:
 
 
 def unsupported(call: Call) -> str | None:
+    return BACKEND.why_not(call)
+
+
+def _unsupported(call: Call) -> str | None:
+    """What the capabilities cannot say: tracing, sizes, CPU limits, earlier failures."""
     if exporting():
         return "an exported graph needs plain ops; FlexAttention needs torch.compile"
     if torch.compiler.is_compiling():
@@ -101,10 +109,6 @@ def unsupported(call: Call) -> str | None:
             "inside torch.compile the surrounding graph is compiled as a whole; the flex "
             "backend's own compiled kernels are for eager callers"
         )
-    if call.return_weights:
-        return "FlexAttention does not return attention weights"
-    if call.dropout_p > 0.0:
-        return "FlexAttention has no dropout"
     _, _, _, length_q, length_k, _ = call.shape
     if length_q == 0 or length_k == 0:
         return f"FlexAttention needs L > 0 and S > 0; received L={length_q}, S={length_k}"
@@ -128,6 +132,23 @@ def unsupported(call: Call) -> str | None:
             f"Inductor failed to compile FlexAttention for this mask and bias earlier ({failure})"
         )
     return None
+
+
+def rank(call: Call) -> Rank:
+    # the registry skips this rank when the call is unsupported: no need to ask here
+    if call.device_type == "cuda" and structured(call):
+        # FlexAttention generates one fused kernel that skips the mask's empty blocks, where
+        # tiled's per-chunk torch ops would be many small kernel launches
+        return Rank(LEADS, "its one compiled kernel skips the blocks the mask hides")
+    # not while exporting: measured_faster compares L with a threshold, and a symbolic L
+    # would turn that comparison into a bound on the exported graph's length axis
+    if call.device_type == "cpu" and not exporting() and measured_faster(call):
+        return Rank(
+            LEADS,
+            "its compiled kernel measured faster than tiled on long sliding windows "
+            "(compiled once per shape, the compile time not counted)",
+        )
+    return Rank(LAST + 5, "it compiles a kernel per mask structure and shape")
 
 
 def measured_faster(call: Call) -> bool:
@@ -251,7 +272,10 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         why = f"{type(e).__name__}: {first_line}"
         _failures[_structure(call)] = why
         _log.append(CompileRecord(_describe(call), time.perf_counter() - start, why))
-        return _fall_back(call, why)
+        # unsupported(call) reports the failure from now on, so auto picks another backend
+        raise BackendUnavailable(
+            f"FlexAttention could not be compiled for this mask and bias ({why})"
+        ) from e
     kernel.compiled = True
     _log.append(CompileRecord(_describe(call), time.perf_counter() - start, None))
     return out, None
@@ -278,20 +302,6 @@ def _compile(tag: str) -> Callable:
     code = _attend.__code__.replace(co_name=f"_attend_{tag}")
     fn = types.FunctionType(code, _attend.__globals__, code.co_name)
     return torch.compile(fn, dynamic=False, fullgraph=True)
-
-
-def _fall_back(call: Call, why: str) -> tuple[Tensor, Tensor | None]:
-    from . import registry  # the registry imports this module
-
-    # unsupported(call) now reports the failure, so auto's choice is another backend
-    other = registry.explain(call).backend
-    warnings.warn(
-        f"FlexAttention could not be compiled for this mask and bias ({why}); this call and "
-        f"later ones run on {other!r}. explain_backend() gives the reason.",
-        RuntimeWarning,
-        stacklevel=5,  # the caller of attention()
-    )
-    return registry.BACKENDS[other].run(call)
 
 
 def _cached_block_mask(call: Call):
@@ -373,3 +383,11 @@ def _signature(obj: object, sizes: bool = True, depth: int = 0) -> Hashable:
     if hasattr(obj, "__dict__"):
         return (type(obj), inner(vars(obj)))
     return ("object", id(obj))
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=Capabilities(label="FlexAttention", weights=False, dropout=False),
+    unsupported=_unsupported,
+)

@@ -14,6 +14,8 @@ It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
 flags, the torch version and the CPU, so a change of any of them builds afresh and nothing
 else ever rebuilds. Where the build cannot run (no compiler, no headers) the failure is
 remembered, ``unsupported`` reports it in one line and ``auto`` uses the other backends.
+``auto`` runs the kernel only where it measured faster than the backend it would otherwise
+choose (``measured_faster``).
 Setting ``MULTIHEAD_FUSED=0`` turns the kernel off without trying to build it.
 
 The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._backward``,
@@ -40,12 +42,15 @@ from torch import Tensor
 from ._call import Call, exporting, stat_dtype
 from ._nonfinite import NonFiniteInput, checks_inputs
 from ._plan import Item, plan, query_tile
+from .protocol import LAST, Backend, Capabilities, Rank
 
 __all__ = [
+    "BACKEND",
     "build",
     "build_dir",
     "build_error",
     "measured_faster",
+    "rank",
     "run",
     "unsupported",
 ]
@@ -375,13 +380,15 @@ def _args(call: Call) -> tuple:
 
 
 def unsupported(call: Call) -> str | None:
-    dtype, device = call.query.dtype, call.query.device
-    if device.type != "cpu":
-        return f"the fused kernel runs on CPU; received device {device.type}"
-    if dtype not in _DTYPES:
-        return f"the fused kernel takes float32, float64, bfloat16 or float16; received {dtype}"
-    if call.dropout_p > 0.0:
-        return "the fused kernel has no dropout (dropout runs on tiled)"
+    return BACKEND.why_not(call)
+
+
+def rank(call: Call) -> Rank:
+    # it leads only through ``measured``, where it ran faster on this machine
+    return Rank(LAST + 10, "the C++ kernel leads only where it measured faster")
+
+
+def _unsupported(call: Call) -> str | None:
     if call.return_weights and call.needs_grad:
         return "gradients through returned weights run on tiled"
     why = build_error()
@@ -470,6 +477,11 @@ def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
     return _MEASURED[key]
 
 
+def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
+    # a stand-in GPU in tests keeps the CPU measurement out
+    return call.device_type == "cpu" and measured_faster(call, rival)
+
+
 def _timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]:
     """One run of ``backend`` as the caller will use it: forward only, or forward and backward
     when the call needs gradients (on detached copies: the caller's .grad stays untouched)."""
@@ -488,3 +500,19 @@ def _timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]
         return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
     return step
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=Capabilities(
+        label="the fused kernel",
+        dtypes=_DTYPES,
+        devices=("cpu",),
+        weights=True,
+        # dropout runs on tiled
+        dropout=False,
+    ),
+    unsupported=_unsupported,
+    measured=_measured,
+)

@@ -9,7 +9,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, repeat_kv, stat_dtype
+from ._call import Call, dense_keep, drop_dead_keys, exporting, repeat_kv, stat_dtype
+from .protocol import LAST, LEADS, Backend, Capabilities, Rank
+
+
+def rank(call: Call) -> Rank:
+    if exporting():
+        return Rank(LEADS, "an exported graph needs plain ops without data-dependent branches")
+    return Rank(LAST, "it is the readable ground truth and builds the whole (B, H, L, S) scores")
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
@@ -39,3 +46,10 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         dropped = torch.nn.functional.dropout(weights, p=call.dropout_p)
     out = dropped @ v  # [B, H, L, D_v]
     return out.to(dtype), (weights.to(dtype) if call.return_weights else None)
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=Capabilities(label="the reference backend", weights=True, dropout=True),
+)

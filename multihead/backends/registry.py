@@ -1,25 +1,30 @@
-"""Which backends exist, what each can do, and how ``backend="auto"`` chooses among them.
+"""Which backends exist, how ``backend="auto"`` chooses among them, and running the choice.
 
-A new backend is one file plus one ``Backend`` entry in ``BACKENDS``.
+Every backend is a ``Backend`` record (``protocol.py``) registered under a name: the built-in
+ones at the end of this file, others through ``register``. A new backend is one file plus one
+``register`` call. ``auto`` orders the backends by the ``Rank`` each one's rule gives the call
+(the registry holds no list of names), skips those that cannot run it, and lets a backend that
+times itself take the lead where it measured faster.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-from . import _half, flex, fused, reference, sdpa, tiled
-from ._call import Call, exporting
+from . import flex, fused, half, reference, sdpa, tiled
+from ._call import BackendUnavailable, Call, exporting
+from .protocol import Backend
 
+__all__ = ["BACKENDS", "Choice", "explain", "register", "runner", "select", "unregister"]
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    run: Callable[[Call], tuple[Tensor, Tensor | None]]
-    unsupported: Callable[[Call], str | None]  # why this call cannot run here, or None
+_registered: dict[str, Backend] = {}
+BACKENDS = MappingProxyType(_registered)  # name -> Backend, read-only; change with register()
 
 
 @dataclass(frozen=True)
@@ -35,132 +40,141 @@ class Choice:
         return "\n".join(lines)
 
 
-def _always(call: Call) -> str | None:
-    return None
+def register(name: str, backend: Backend, *, replace: bool = False) -> None:
+    """Make ``backend`` available as ``attention(..., backend=name)`` and to ``auto``.
 
+    Args:
+        name: a non-empty string other than "auto".
+        backend: a ``multihead.backends.Backend`` (run, rank, capabilities, unsupported,
+            measured); see its docstring for the protocol.
+        replace: replace a backend already registered under ``name``.
 
-BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        Backend("tiled", tiled.run, tiled.unsupported),
-        Backend("sdpa", sdpa.run, sdpa.unsupported),
-        Backend("reference", reference.run, _always),
-        Backend("flex", flex.run, flex.unsupported),
-        Backend("fused", fused.run, fused.unsupported),
-    )
-}
-
-
-def _ranking(call: Call) -> tuple[list[str], str]:
-    """Backends from fastest expected to slowest for this call, and why the first leads."""
-    order, why = _ranking_without_fused(call)
-    # the fused kernel leads only where it ran faster on this machine (fused.measured_faster);
-    # never while tracing, where a measurement would be a data-dependent branch
-    if _device(call) == "cpu" and not exporting() and not torch.compiler.is_compiling():
-        rival = next(name for name in order if BACKENDS[name].unsupported(call) is None)
-        if fused.measured_faster(call, BACKENDS[rival].run):
-            return (
-                ["fused", *order],
-                f"it measured faster than {rival} on this machine for calls of this shape class",
-            )
-    return [*order, "fused"], why
-
-
-def _ranking_without_fused(call: Call) -> tuple[list[str], str]:
-    order, why = _ranking_without_flex(call)
-    device = _device(call)
-    if device == "cuda" and _structured(call) and flex.unsupported(call) is None:
-        # FlexAttention generates one fused kernel that skips the mask's empty blocks, where
-        # tiled's per-chunk torch ops would be many small kernel launches
-        return ["flex", *order], "its one compiled kernel skips the blocks the mask hides"
-    # not while exporting: measured_faster compares L with a threshold, and a symbolic L
-    # would turn that comparison into a bound on the exported graph's length axis
-    if (
-        device == "cpu"
-        and not exporting()
-        and flex.measured_faster(call)
-        and flex.unsupported(call) is None
-    ):
-        return (
-            ["flex", *order],
-            "its compiled kernel measured faster than tiled on long sliding windows "
-            "(compiled once per shape, the compile time not counted)",
+    Raises:
+        TypeError: ``name`` is not a string or ``backend`` is not a ``Backend``.
+        ValueError: ``name`` is empty or "auto", or taken and ``replace`` is False.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a string. Received: name of type {type(name).__name__}")
+    if not name or name == "auto":
+        raise ValueError(
+            f"name must be a non-empty string other than 'auto' (auto chooses among the "
+            f"registered backends). Received: name={name!r}"
         )
-    return [*order, "flex"], why
-
-
-def _device(call: Call) -> str:
-    """The device type the call runs on ("cpu", "cuda", ...); one place, so tests can stand
-    in for a GPU."""
-    return call.query.device.type
-
-
-def _structured(call: Call) -> bool:
-    """A mask or computed bias with structure to exploit (not a dense tensor, not plain causal)."""
-    if call.bias is not None and call.bias.computed:
-        return True
-    return call.mask is not None and not call.mask.arbitrary and not sdpa.is_plain_causal(call)
-
-
-def _ranking_without_flex(call: Call) -> tuple[list[str], str]:
-    if exporting():
-        return (
-            ["reference", "sdpa", "tiled"],
-            "an exported graph needs plain ops without data-dependent branches",
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            "backend must be a multihead.backends.Backend record (run, rank, capabilities, "
+            "unsupported, measured); wrap your functions in one. "
+            f"Received: backend of type {type(backend).__name__}"
         )
-    if call.return_weights:
-        return ["tiled", "reference", "sdpa"], "it computes the output fused and weights by tile"
-    if _device(call) != "cpu":
-        return ["sdpa", "tiled", "reference"], "torch's fused kernels lead on accelerators"
-    if _half.fast(call):
-        return (
-            ["tiled", "sdpa", "reference"],
-            "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "
-            "instructions; torch's CPU flash kernel computes half inputs in float32",
+    if name in _registered and not replace:
+        raise ValueError(
+            f"a backend named {name!r} is already registered; pass replace=True to replace it "
+            f"or pick another name. Received: name={name!r}"
         )
-    if call.bias is not None and call.bias.computed:
-        return (
-            ["tiled", "sdpa", "reference"],
-            "it computes the score modifier tile by tile; the others need it as a dense "
-            "(B, H, L, S) tensor",
-        )
-    if call.mask is None:
-        return ["sdpa", "tiled", "reference"], "with no mask there is nothing to skip"
-    if sdpa.is_plain_causal(call):
-        return ["sdpa", "tiled", "reference"], "torch's is_causal kernel skips the same tiles"
-    if call.mask.arbitrary:
-        return ["sdpa", "tiled", "reference"], "an arbitrary dense mask has little to skip"
-    return ["tiled", "sdpa", "reference"], "it skips the tiles the mask hides"
+    _registered[name] = backend
 
 
-def explain(call: Call) -> Choice:
-    order, why_first = _ranking(call)
-    reasons: dict[str, str] = {}
-    chosen = None
-    for name in order:
-        why = BACKENDS[name].unsupported(call)
-        if why is not None:
-            reasons[name] = why
-        elif chosen is None:
-            chosen = name
-        else:
-            reasons[name] = f"supported, but {chosen} is expected to be faster: {why_first}"
-    assert chosen is not None, "the reference backend supports every call"
+def unregister(name: str) -> None:
+    """Remove the backend registered under ``name``.
+
+    Raises:
+        ValueError: no backend has that name.
+    """
+    if name not in _registered:
+        raise ValueError(
+            f"no backend named {name!r} is registered; registered: {sorted(_registered)}. "
+            f"Received: name={name!r}"
+        )
+    del _registered[name]
+
+
+def explain(call: Call, *, skip: frozenset[str] = frozenset()) -> Choice:
+    """The backend ``auto`` runs for ``call`` (leaving out ``skip``) and why not the others."""
+    ranks = {name: b.rank(call) for name, b in _registered.items()}
+    order = sorted(_registered, key=lambda name: ranks[name].cost)  # ties: registration order
+    why_not = {name: _registered[name].why_not(call) for name in order}
+    for name in skip:
+        why_not[name] = "it failed on this call"
+    able = [name for name in order if why_not[name] is None]
+    if not able:
+        raise ValueError(
+            "no registered backend can run this call (the reference backend runs every call; "
+            f"was it unregistered?). Received: {why_not}"
+        )
+    chosen, why_first = able[0], ranks[able[0]].why
+    # a measurement is a data-dependent branch: never while a graph is traced
+    if not exporting() and not torch.compiler.is_compiling():
+        rival = _registered[chosen]
+        for name in able[1:]:
+            measured = _registered[name].measured
+            if measured is not None and measured(call, rival.run):
+                why_first = (
+                    f"it measured faster than {chosen} on this machine for calls of this "
+                    "shape class"
+                )
+                chosen = name
+                break
+    reasons = {
+        name: why_not[name] or f"supported, but {chosen} is expected to be faster: {why_first}"
+        for name in order
+        if name != chosen
+    }
     return Choice(chosen, reasons)
 
 
-def select(call: Call, backend: str) -> Backend:
-    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+def select(call: Call, backend: str) -> str:
+    """The name of the backend that runs ``call`` for ``backend=`` (checked)."""
+    if not isinstance(backend, str) or (backend != "auto" and backend not in _registered):
         raise ValueError(
-            f"backend must be 'auto' or one of {sorted(BACKENDS)}. Received: backend={backend!r}"
+            f"backend must be 'auto' or one of {sorted(_registered)} (more can be added with "
+            f"multihead.backends.register). Received: backend={backend!r}"
         )
     if backend == "auto":
-        return BACKENDS[explain(call).backend]
-    chosen = BACKENDS[backend]
-    why = chosen.unsupported(call)
+        return explain(call).backend
+    why = _registered[backend].why_not(call)
     if why is not None:
         hint = " Use backend='auto' or backend='reference'." if call.return_weights else ""
         raise ValueError(
             f"backend {backend!r} cannot run this call: {why}.{hint} Received: backend={backend!r}"
         )
-    return chosen
+    return backend
+
+
+def runner(call: Call, backend: str) -> Callable[[Call], tuple[Tensor, Tensor | None]]:
+    """A function running a call like ``call`` on the backend ``backend=`` selects.
+
+    The backend is checked now (errors raise here). A backend that raises
+    ``BackendUnavailable`` while running is replaced, with a warning, by the next backend
+    ``auto`` would choose.
+    """
+    first = select(call, backend)
+
+    def run(call: Call) -> tuple[Tensor, Tensor | None]:
+        failed: set[str] = set()
+        name = first
+        while True:
+            try:
+                return _registered[name].run(call)
+            except BackendUnavailable as e:
+                failed.add(name)
+                successor = explain(call, skip=frozenset(failed)).backend
+                warnings.warn(
+                    f"{e}; this call and later ones like it run on {successor!r}. "
+                    "explain_backend() gives the reason.",
+                    RuntimeWarning,
+                    stacklevel=4,  # run <- run_guarded <- attention() <- its caller
+                )
+                name = successor
+
+    return run
+
+
+for _name, _module in (
+    ("tiled", tiled),
+    ("half", half),
+    ("sdpa", sdpa),
+    ("reference", reference),
+    ("flex", flex),
+    ("fused", fused),
+):
+    register(_name, _module.BACKEND)

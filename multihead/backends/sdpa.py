@@ -11,29 +11,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, stat_dtype
+from ._call import Call, dense_keep, drop_dead_keys, exporting, plain_causal, stat_dtype
+from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
+
+
+def rank(call: Call) -> Rank:
+    if exporting():
+        return Rank(FALLBACK, "it runs torch's own op, which exports")
+    if call.device_type != "cpu":
+        return Rank(PREFERRED, "torch's fused kernels lead on accelerators")
+    if call.bias is not None and call.bias.computed:
+        return Rank(FALLBACK, "it takes the score modifier as a dense (B, H, L, S) tensor")
+    if call.mask is None:
+        return Rank(PREFERRED, "with no mask there is nothing to skip")
+    if plain_causal(call):
+        return Rank(PREFERRED, "torch's is_causal kernel skips the same tiles")
+    if call.mask.arbitrary:
+        return Rank(PREFERRED, "an arbitrary dense mask has little to skip")
+    return Rank(FALLBACK, "it lowers the mask to a dense (B, H, L, S) tensor")
 
 
 def unsupported(call: Call) -> str | None:
-    if call.return_weights:
-        return "torch's scaled_dot_product_attention does not return attention weights"
-    return None
-
-
-def is_plain_causal(call: Call) -> bool:
-    """True when torch's ``is_causal`` expresses the mask exactly."""
-    _, _, _, length_q, length_k, _ = call.shape
-    return (
-        call.mask is not None
-        and call.bias is None
-        and call.mask.torch_is_causal(length_q, length_k)
-    )
+    return BACKEND.why_not(call)
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
     common = dict(dropout_p=call.dropout_p, scale=call.scale)
-    if call.mask is None or is_plain_causal(call):
+    if call.mask is None or plain_causal(call):
         attn = call.dense_bias(stat_dtype(q.dtype))  # float32 beside half: torch accepts it
         causal = call.mask is not None
         if causal and q.shape[2] < k.shape[2]:
@@ -57,3 +62,12 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, enable_gqa=gqa, **common)
     return torch.where(row_any, out, 0.0), None
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=Capabilities(
+        label="torch's scaled_dot_product_attention", weights=False, dropout=True
+    ),
+)

@@ -16,19 +16,47 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _half
-from ._call import Call, repeat_kv, stat_dtype
+from ._call import Call, exporting, plain_causal, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
+from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
-__all__ = ["backward_with_lse", "forward_with_lse", "plan", "run", "unsupported", "weights"]
+__all__ = [
+    "BACKEND",
+    "backward_with_lse",
+    "forward_with_lse",
+    "plan",
+    "rank",
+    "run",
+    "unsupported",
+    "weights",
+]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _TABLE_TILE = 1024  # query rows per tile when a relative bias meets an unbounded band
 
 
+def rank(call: Call) -> Rank:
+    skips = "it skips the tiles the mask hides"
+    if exporting():
+        return Rank(FALLBACK, "its plan branches on the mask, which an exported graph cannot")
+    if call.return_weights:
+        return Rank(PREFERRED, "it computes the output fused and weights by tile")
+    if call.device_type != "cpu":
+        return Rank(FALLBACK, skips)
+    if call.bias is not None and call.bias.computed:
+        return Rank(
+            PREFERRED,
+            "it computes the score modifier tile by tile; the others need it as a dense "
+            "(B, H, L, S) tensor",
+        )
+    if call.mask is None or plain_causal(call) or call.mask.arbitrary:
+        return Rank(FALLBACK, skips)
+    return Rank(PREFERRED, skips)
+
+
 def unsupported(call: Call) -> str | None:
-    return None
+    return BACKEND.why_not(call)
 
 
 class _Ctx:
@@ -400,8 +428,6 @@ def _prepare(call: Call, seed: int = 0):
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
-    if _half.fast(call):
-        return _half.run(call), None
     seed = 0
     if call.dropout_p > 0.0:
         seed = int(torch.randint(0, 2**62, (), device="cpu"))
@@ -541,3 +567,10 @@ def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) 
 def weights(call: Call) -> Tensor:
     """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
     return _one_pass(call, output=False)[1]
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=Capabilities(label="the tiled backend", weights=True, dropout=True),
+)

@@ -26,9 +26,8 @@ from torch import Tensor
 from .. import _validation as V
 from .. import masks
 from ..backends import tiled
-from ..backends._call import Call, stat_dtype
+from ..backends._call import Call, prepare, stat_dtype
 from ..bias import ScoreModifier
-from ..functional import _prepare
 from ..masks import Mask, TileKind, dense
 
 __all__ = ["ProcessGroupError", "context_attention", "visible_shards"]
@@ -352,7 +351,7 @@ def context_attention(
     one = torch.zeros((), dtype=query.dtype, device=query.device)
     # the whole problem's mask and bias, validated once against (B, H, L, S); the same objects
     # on every rank, so every rank raises the same error here
-    whole = _prepare(
+    whole = prepare(
         one.expand(b, h, ring.query_cuts[-1], d),
         one.expand(b, h_kv, ring.key_cuts[-1], d),
         one.expand(b, h_kv, ring.key_cuts[-1], d_v),

@@ -12,7 +12,7 @@ import multihead as mh
 from multihead import bias as mb
 from multihead import masks
 from multihead.backends import fused
-from multihead.functional import _prepare
+from multihead.backends._call import prepare
 
 pytestmark = pytest.mark.skipif(
     fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
@@ -88,10 +88,11 @@ def test_weights_with_gradients_are_left_to_tiled():
 
 def test_dropout_is_left_to_tiled_and_explained():
     q, k, v = qkv(1, 2, 2, 4, 5, 3)
-    with pytest.raises(ValueError, match=r"no dropout \(dropout runs on tiled\)"):
+    # the message comes from the kernel's declared capabilities
+    with pytest.raises(ValueError, match=r"cannot run this call: the fused kernel has no dropout"):
         mh.attention(q, k, v, dropout_p=0.1, backend="fused")
     reason = mh.explain_backend(q, k, v, dropout_p=0.1).reasons["fused"]
-    assert reason == "the fused kernel has no dropout (dropout runs on tiled)"
+    assert reason == "the fused kernel has no dropout"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -115,7 +116,7 @@ def test_bitwise_deterministic_for_a_thread_count(threads):
 
 def test_half_inputs_keep_their_dtype_and_lse_is_float32():
     q, k, v = qkv(1, 2, 2, 9, 11, 8, dtype=torch.bfloat16)
-    call = _prepare(q, k, v, masks.causal(), None, None, 0.0, False)
+    call = prepare(q, k, v, masks.causal(), None, None, 0.0, False)
     out, lse = fused.forward_with_lse(call)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = torch.logsumexp((q.float() @ k.float().transpose(-2, -1)) * 8**-0.5 + torch.where(
@@ -127,7 +128,7 @@ def test_half_inputs_keep_their_dtype_and_lse_is_float32():
 def test_ops_pass_torch_library_opcheck():
     """Schema, fake kernel and autograd registration agree with the real kernel."""
     q, k, v = qkv(2, 4, 2, 6, 9, 5, dtype=torch.float32, requires_grad=True)
-    call = _prepare(q, k, v, masks.causal(), mb.alibi(4), None, 0.0, False)
+    call = prepare(q, k, v, masks.causal(), mb.alibi(4), None, 0.0, False)
     args = fused._args(call)
     torch.library.opcheck(torch.ops.multihead.fused_attention.default, args)
     torch.library.opcheck(

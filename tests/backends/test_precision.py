@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import multihead as mh
 from multihead import masks
-from multihead.backends import _half
-from multihead.functional import _prepare
+from multihead.backends import half
+from multihead.backends._call import prepare
 
-# "tiled" and "auto" take the half kernel where this CPU has native bf16/fp16 matmuls;
-# "..._other_cpu" runs them as on CPUs without (tiled in float32, auto on sdpa); "half" is
-# the half kernel everywhere
+# "auto" takes the half kernel where this CPU has native bf16/fp16 matmuls; "..._other_cpu"
+# runs as on CPUs without (auto on sdpa); "tiled" computes half inputs in float32 everywhere
+# and "half" is the half kernel everywhere
 PATHS = ["tiled", "tiled_other_cpu", "half", "auto", "auto_other_cpu", "sdpa"]
 
 
@@ -42,8 +42,6 @@ def _assert_rule(path, mask, keep, q, k, v, grad_out, scale):
     backend = path.removesuffix("_other_cpu")
 
     def run(q, k, v):
-        if path == "half":
-            return _half.run(_prepare(q, k, v, mask, None, scale, 0.0, False))
         return mh.attention(q, k, v, mask, scale=scale, backend=backend)
 
     with _cpu_for(path):
@@ -108,7 +106,7 @@ def test_a_row_that_sees_one_key_has_exactly_zero_dq_on_the_half_kernel(dtype):
     scale * k * a rounding of dO.V)."""
     q, k, v = (torch.randn(1, 2, 3, 8).to(dtype).requires_grad_() for _ in range(3))
     keep = torch.tensor([[True, False, False]])
-    out = _half.run(_prepare(q, k, v, masks.key_padding(keep), None, 10.0, 0.0, False))
+    out = half.run(prepare(q, k, v, masks.key_padding(keep), None, 10.0, 0.0, False))[0]
     dq, dk, _ = torch.autograd.grad(out, (q, k, v), torch.randn(1, 2, 3, 8).to(dtype))
     assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
 

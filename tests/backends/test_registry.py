@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import MASK_KINDS, make_case, qkv
+from helpers import MASK_KINDS, make_case, naive_attention, qkv
 
 import multihead as mh
-from multihead import masks
-from multihead.backends import registry
-from multihead.functional import _prepare
+from multihead import backends, masks
+from multihead.backends import half, registry
+from multihead.backends._call import prepare
 
 
 @pytest.mark.parametrize(
@@ -27,11 +27,13 @@ def test_auto_choice_and_reasons(mask, expected):
     q, k, v = qkv(2, 2, 2, 4, 4, 5)
     choice = mh.explain_backend(q, k, v, mask)
     assert choice.backend == expected
-    assert set(choice.reasons) == {"tiled", "sdpa", "reference", "flex", "fused"} - {expected}
+    everything = {"tiled", "half", "sdpa", "reference", "flex", "fused"}
+    assert set(choice.reasons) == everything - {expected}
     assert all(
         r.startswith(f"supported, but {expected} is expected to be faster: ")
         for name, r in choice.reasons.items()
-        if name != "flex"  # float64 inputs: flex says why it cannot run them on CPU
+        # float64 inputs: flex and the half kernel say why they cannot run them
+        if name not in ("flex", "half")
     )
     assert str(choice).splitlines()[0] == f"chosen: {expected}"
 
@@ -55,9 +57,9 @@ def test_auto_never_picks_an_unsupported_backend(kind, return_weights):
     q, k, v = qkv(2, 2, 2, 5, 6, 3)
     mask = make_case(kind, 2, 2, 5, 6).mask
     for bias in (None, torch.zeros(5, 6, dtype=torch.float64, requires_grad=True)):
-        call = _prepare(q, k, v, mask, bias, None, 0.0, return_weights)
+        call = prepare(q, k, v, mask, bias, None, 0.0, return_weights)
         chosen = registry.explain(call).backend
-        assert registry.BACKENDS[chosen].unsupported(call) is None
+        assert registry.BACKENDS[chosen].why_not(call) is None
 
 
 def test_sdpa_uses_is_causal_only_when_equivalent(monkeypatch):
@@ -114,3 +116,155 @@ def test_export_puts_no_bound_on_the_length():
     q, k, v = qkv(2, 2, 2, 3, 3, 4, dtype=torch.float32)
     keep = keep[:, 2:]
     torch.testing.assert_close(program.module()(q, k, v, keep), Attend()(q, k, v, keep))
+
+
+# ---------------------------------------------------------------- backends from outside
+
+
+def _toy_run(seen):
+    """A backend written from outside: the naive formula in float64, logging every call."""
+
+    def run(call):
+        seen.append(call)
+        keep = None if call.mask is None else call.mask.to_dense(*call.shape[3:5])
+        out, weights = naive_attention(call.query, call.key, call.value, keep, scale=call.scale)
+        return out, (weights if call.return_weights else None)
+
+    return run
+
+
+@pytest.fixture
+def toy():
+    """Registers "toy" (float64 on CPU, weights, no dropout) and removes it afterwards."""
+    seen: list = []
+    lead = {"cost": 1000.0}
+    backend = backends.Backend(
+        run=_toy_run(seen),
+        rank=lambda call: backends.Rank(lead["cost"], "it is a toy that wins when told to"),
+        capabilities=backends.Capabilities(
+            label="the toy", dtypes=(torch.float64,), devices=("cpu",), weights=True
+        ),
+        unsupported=lambda call: "the toy takes L <= 8" if call.shape[3] > 8 else None,
+    )
+    backends.register("toy", backend)
+    yield seen, lead
+    backends.unregister("toy")
+
+
+def test_a_registered_backend_runs_by_name_and_explain_lists_it(toy):
+    seen, _ = toy
+    q, k, v = qkv(2, 4, 2, 5, 7, 3)
+    mask = masks.sliding_window(2)
+    out = mh.attention(q, k, v, mask, backend="toy")
+    assert len(seen) == 1
+    want, _ = naive_attention(q, k, v, mask.to_dense(5, 7))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # the toy computed exactly this
+    choice = mh.explain_backend(q, k, v, mask)
+    assert choice.backend == "tiled"  # the toy ranks last
+    assert choice.reasons["toy"] == (
+        "supported, but tiled is expected to be faster: it skips the tiles the mask hides"
+    )
+    assert "not toy: supported" in str(choice)
+
+
+def test_auto_follows_a_registered_backends_rank(toy):
+    seen, lead = toy
+    q, k, v = qkv(1, 2, 2, 4, 4, 3)
+    lead["cost"] = -1.0  # ahead of every built-in tier
+    choice = mh.explain_backend(q, k, v)
+    assert choice.backend == "toy"
+    assert choice.reasons["sdpa"].endswith(
+        "expected to be faster: it is a toy that wins when told to"
+    )
+    mh.attention(q, k, v)
+    assert len(seen) == 1
+    # calls outside its capabilities or its own rule go to the built-ins
+    reasons = mh.explain_backend(q.float(), k.float(), v.float()).reasons
+    assert reasons["toy"] == "the toy takes float64; received torch.float32"
+    long = qkv(1, 2, 2, 9, 9, 3)
+    assert mh.explain_backend(*long).reasons["toy"] == "the toy takes L <= 8"
+    assert mh.explain_backend(q, k, v, dropout_p=0.5).reasons["toy"] == "the toy has no dropout"
+    with pytest.raises(ValueError, match=r"backend 'toy' cannot run this call: the toy takes L"):
+        mh.attention(*long, backend="toy")
+    assert len(seen) == 1
+
+
+def test_register_and_unregister_refuse_what_they_cannot_do(toy):
+    backend = registry.BACKENDS["toy"]
+    with pytest.raises(ValueError, match=r"'toy' is already registered; pass replace=True.*"
+                       r"Received: name='toy'"):  # fmt: skip
+        backends.register("toy", backend)
+    backends.register("toy", backend, replace=True)
+    with pytest.raises(ValueError, match=r"other than 'auto'.*Received: name='auto'"):
+        backends.register("auto", backend)
+    with pytest.raises(TypeError, match=r"Received: name of type int"):
+        backends.register(3, backend)
+    with pytest.raises(TypeError, match=r"must be a multihead.backends.Backend.*Received: "
+                       r"backend of type function"):  # fmt: skip
+        backends.register("other", backend.run)
+    with pytest.raises(ValueError, match=r"no backend named 'nope' is registered.*Received"):
+        backends.unregister("nope")
+    with pytest.raises(ValueError, match=r"one of \[.*'toy'.*\].*Received: backend='nope'"):
+        mh.attention(*qkv(1, 1, 1, 2, 2, 2), backend="nope")
+
+
+def test_a_backend_that_fails_on_trying_hands_the_call_to_the_next_choice(toy):
+    seen, lead = toy
+    tries = []
+
+    def fails(call):
+        tries.append(call)
+        raise backends.BackendUnavailable("the flaky backend lost its device")
+
+    flaky = backends.Backend(run=fails, rank=lambda call: backends.Rank(-5.0, "flaky"))
+    backends.register("flaky", flaky)
+    try:
+        q, k, v = qkv(1, 2, 2, 4, 4, 3)
+        lead["cost"] = -1.0  # the toy is auto's next choice once flaky failed
+        with pytest.warns(RuntimeWarning, match=r"lost its device; this call and later ones "
+                          r"like it run on 'toy'") as caught:  # fmt: skip
+            out = mh.attention(q, k, v, backend="flaky")
+        assert caught[0].filename == __file__  # the warning points at the caller
+        assert len(tries) == 1 and len(seen) == 1
+        torch.testing.assert_close(out, naive_attention(q, k, v)[0], rtol=0, atol=0)
+        with pytest.warns(RuntimeWarning, match="run on 'toy'"):
+            mh.attention(q, k, v)  # auto picks flaky first, then moves on
+        assert len(tries) == 2 and len(seen) == 2
+    finally:
+        backends.unregister("flaky")
+
+
+def test_the_half_kernel_is_named_when_it_runs(monkeypatch):
+    """Before, tiled.run switched to the half kernel inside and explain_backend said "tiled"."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
+    assert mh.explain_backend(q, k, v, masks.sliding_window(2)).backend == "half"
+    calls = []
+    monkeypatch.setattr(half, "_output", lambda call: calls.append(call) or call.query)
+    mh.attention(q, k, v, backend="tiled")  # tiled is tiled: half inputs in float32
+    assert calls == []
+    mh.attention(q, k, v, backend="half")
+    assert len(calls) == 1
+
+
+def test_no_backend_imports_the_registry():
+    """The registry knows the backends; a backend never reaches back (flex once imported it to
+    pick its own successor after a failed compile). Context parallelism prepares its call
+    through the backends' shared module, not a private of functional."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(backends.__file__).parent
+    for path in folder.glob("*.py"):
+        if path.name in ("registry.py", "__init__.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        names = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        } | {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any("registry" in n for n in names), path.name
+    context = Path(backends.__file__).parent.parent / "parallel" / "context.py"
+    assert "functional" not in context.read_text()

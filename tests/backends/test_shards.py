@@ -13,7 +13,7 @@ from helpers import MASK_KINDS, make_case, qkv
 import multihead as mh
 from multihead import bias as mb
 from multihead.backends import tiled
-from multihead.functional import _prepare
+from multihead.backends._call import prepare
 
 
 def _merge(parts):
@@ -48,7 +48,7 @@ def test_key_shards_merge_to_the_whole(kind, with_bias):
                 (
                     c0,
                     c1,
-                    _prepare(
+                    prepare(
                         q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], mask, crop, None, 0.0, False
                     ),
                 )
@@ -71,7 +71,7 @@ def test_key_shards_merge_to_the_whole(kind, with_bias):
         for c0, c1 in itertools.pairwise(cuts):
             mask = None if case.mask is None else case.mask.crop(length, length, r0, r1, c0, c1)
             crop = None if bias is None else bias.crop(length, length, r0, r1, c0, c1)
-            call = _prepare(
+            call = prepare(
                 q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], mask, crop, None, 0.0, False
             )
             calls.append((c0, c1, call))
@@ -118,4 +118,4 @@ def test_crop_errors():
         mh.masks.causal().crop(10, 10, 0, 11, 0, 10)
     with pytest.raises(ValueError, match=r"forward_with_lse computes no dropout"):
         q = torch.randn(1, 1, 2, 2)
-        tiled.forward_with_lse(_prepare(q, q, q, None, None, None, 0.5, False))
+        tiled.forward_with_lse(prepare(q, q, q, None, None, None, 0.5, False))

@@ -1,4 +1,4 @@
-"""Half-precision attention on CPU with the matmuls in bf16/fp16.
+"""Half-precision attention on CPU with the matmuls in bf16/fp16 (``backend="half"``).
 
 torch's CPU flash kernel converts bf16 and fp16 inputs to float32 and computes at float32
 speed. Here each block of query rows computes its scores with one half-precision matmul over
@@ -15,28 +15,45 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, repeat_kv
+from ._call import Call, exporting, repeat_kv
 from ._plan import Item, plan
+from .protocol import FALLBACK, FAVOURED, Backend, Capabilities, Rank
 
-__all__ = ["ROWS", "fast", "run", "unsupported"]
+__all__ = ["BACKEND", "ROWS", "fast", "rank", "run", "unsupported"]
 
 ROWS = 128  # query rows per block: see README "Performance" for the measurement
-_HALF = (torch.bfloat16, torch.float16)
+
+_CAPABILITIES = Capabilities(
+    label="the half-precision kernel",
+    dtypes=(torch.bfloat16, torch.float16),
+    # accelerators have fused kernels of their own
+    devices=("cpu",),
+    # weights come from the tiled backend's float32 weights pass
+    weights=False,
+    dropout=False,
+)
+
+
+def _no_bias(call: Call) -> str | None:
+    if call.bias is not None:
+        return "a bias is added in float32 (the bias rule), which the half kernel would round"
+    return None
 
 
 def unsupported(call: Call) -> str | None:
     """Why this call cannot run on the half-precision kernel, or None."""
-    if call.query.dtype not in _HALF:
-        return "the half-precision kernel takes bf16 or fp16 inputs"
-    if call.query.device.type != "cpu":
-        return "the half-precision kernel is for CPUs (accelerators have fused kernels)"
-    if call.dropout_p > 0.0:
-        return "the half-precision kernel has no dropout"
-    if call.bias is not None:
-        return "a bias is added in float32 (the bias rule), which the half kernel would round"
-    if call.return_weights:
-        return "weights come from the float32 weights pass"
-    return None
+    return BACKEND.why_not(call)
+
+
+def rank(call: Call) -> Rank:
+    if fast(call) and not exporting():
+        return Rank(
+            FAVOURED,
+            "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "
+            "instructions; torch's CPU flash kernel computes half inputs in float32",
+        )
+    # without native half matmuls they are emulated: torch's float32 kernels are faster
+    return Rank(FALLBACK + 5, "it computes half inputs with half-precision matmuls")
 
 
 def fast(call: Call) -> bool:
@@ -142,11 +159,18 @@ class _HalfAttention(torch.autograd.Function):
         return (*_backward(g, q, k, v, fctx.items, fctx.scale), None, None)
 
 
-def run(call: Call) -> Tensor:
-    """The output of ``call`` (see ``unsupported`` for what it takes)."""
+def _output(call: Call) -> Tensor:
     b, h, h_kv, length_q, length_k, _ = call.shape
     k, v = repeat_kv(call.key, h // h_kv), repeat_kv(call.value, h // h_kv)
     items = plan(call.mask, b, length_q, length_k, ROWS, call.query.device)
     if call.needs_grad:
         return _HalfAttention.apply(call.query, k, v, items, call.scale)
     return _forward(call.query, k, v, items, call.scale)
+
+
+def run(call: Call) -> tuple[Tensor, None]:
+    """The output of ``call`` (see ``unsupported`` for what it takes); never weights."""
+    return _output(call), None
+
+
+BACKEND = Backend(run=run, rank=rank, capabilities=_CAPABILITIES, unsupported=_no_bias)

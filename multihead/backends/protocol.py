@@ -1,0 +1,116 @@
+"""What a backend is: a run function, what it can do, and its rule for ``auto``'s ranking.
+
+A backend is a ``Backend`` record handed to ``multihead.backends.register(name, backend)``.
+The registry never asks which backend it holds: it refuses calls outside the backend's
+``Capabilities`` (one message per capability), then asks the backend's own ``unsupported``
+rule, and orders the backends that remain by the ``Rank`` each one's ``rank`` rule gives the
+call (lowest cost first). A backend that can time itself against the leader (``measured``)
+takes the lead where it ran faster on this machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ._call import BackendUnavailable, Call
+
+__all__ = ["Backend", "BackendUnavailable", "Capabilities", "Rank"]
+
+# what the built-in rules agree on; any float works, these name the usual tiers
+LEADS = 0.0  # a backend that is clearly best for this call
+FAVOURED = 5.0  # ahead of the usual choice where this machine favours it
+PREFERRED = 10.0  # the usual choice for this kind of call
+FALLBACK = 20.0  # honours the call, but another is expected to be faster
+LAST = 30.0  # runs only what no other backend can
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A backend's place for one call: lower ``cost`` runs first; ``why`` says why it is
+    expected to be fast (shown by ``explain_backend`` when it is chosen)."""
+
+    cost: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run at all; calls outside it never reach the backend.
+
+    Attributes:
+        label: how messages name the backend ("FlexAttention", "the fused kernel").
+        dtypes: input dtypes it takes; None for every floating dtype.
+        devices: device types it runs on ("cpu", "cuda", ...); None for every device.
+        weights: returns the softmax weights when the call asks for them.
+        dropout: applies dropout on the weights.
+        backward: its output is differentiable.
+    """
+
+    label: str = "this backend"
+    dtypes: tuple[torch.dtype, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    weights: bool = False
+    dropout: bool = False
+    backward: bool = True
+
+    def unsupported(self, call: Call) -> str | None:
+        """Why ``call`` is outside these capabilities, or None."""
+        dtype, device = call.query.dtype, call.query.device.type
+        if self.devices is not None and device not in self.devices:
+            where = _listed(self.devices, str.upper)
+            return f"{self.label} runs on {where}; received device {device}"
+        if self.dtypes is not None and dtype not in self.dtypes:
+            names = _listed(self.dtypes, lambda d: str(d).removeprefix("torch."))
+            return f"{self.label} takes {names}; received {dtype}"
+        if call.return_weights and not self.weights:
+            return f"{self.label} does not return attention weights"
+        if call.dropout_p > 0.0 and not self.dropout:
+            return f"{self.label} has no dropout"
+        if call.needs_grad and not self.backward:
+            return f"{self.label} has no backward; call under torch.no_grad()"
+        return None
+
+
+def _listed(items, name: Callable) -> str:
+    names = [name(i) for i in items]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _nothing_more(call: Call) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend, as ``multihead.backends.register`` takes it.
+
+    Attributes:
+        run: ``run(call) -> (output, weights or None)``; output (B, H, L, D_v) in the
+            query's dtype, weights (B, H, L, S) when ``call.return_weights``. ``call`` is a
+            validated ``Call`` (``multihead.backends.Call``): query (B, H, L, D), key
+            (B, H_kv, S, D), value (B, H_kv, S, D_v), mask (a ``Mask`` or None), bias (a
+            score modifier or None), scale, dropout_p, return_weights. Raise
+            ``BackendUnavailable`` when the call turns out impossible only once tried (a
+            compile that fails): the registry then runs the next backend ``auto`` would pick.
+        rank: ``rank(call) -> Rank``, the ranking rule ``auto`` orders backends by.
+        capabilities: what the backend can run at all.
+        unsupported: ``unsupported(call) -> reason or None`` for what capabilities cannot
+            say (sizes, build failures, mask shapes...).
+        measured: ``measured(call, rival_run) -> bool``, optional: True when this backend ran
+            faster than ``rival_run`` (the backend ``auto`` would otherwise lead with) on calls
+            like this one, measured on this machine. Never asked while tracing.
+    """
+
+    run: Callable[[Call], tuple[Tensor, Tensor | None]]
+    rank: Callable[[Call], Rank]
+    capabilities: Capabilities = Capabilities()
+    unsupported: Callable[[Call], str | None] = _nothing_more
+    measured: Callable[[Call, Callable[[Call], object]], bool] | None = None
+
+    def why_not(self, call: Call) -> str | None:
+        """Why this backend cannot run ``call``, or None when it can."""
+        return self.capabilities.unsupported(call) or self.unsupported(call)
