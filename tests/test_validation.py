@@ -173,6 +173,6 @@ def test_return_weights_with_a_backend_that_cannot():
         mh.attention(q, k, v, return_weights=True, backend="sdpa")
     with pytest.raises(
         ValueError,
-        match=r"backend must be 'auto' or one of \['flex', 'fused', 'reference', 'sdpa', 'tiled'\]. Received: backend='flash'",
+        match=r"backend must be 'auto' or one of \['flex', 'fused', 'half', 'reference', 'sdpa', 'tiled'\] \(more can be added with multihead.backends.register\). Received: backend='flash'",
     ):
         mh.attention(q, k, v, backend="flash")
