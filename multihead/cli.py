@@ -18,7 +18,7 @@ def _positive_int(text: str) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .apps.demo import run
 
     run()
     return 0
@@ -74,14 +74,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from .explain import run
+    from .apps.explain import run
 
     run(args.text, focus=args.focus, out_dir=args.out, model_path=args.model)
     return 0
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from .embed import run
+    from .apps.embed import run
 
     run(
         args.file,
