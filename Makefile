@@ -32,6 +32,8 @@ demo: install
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	# the layering contract in pyproject.toml ([tool.importlinter]): no upward imports, no circles
+	$(BIN)/lint-imports
 
 test: lint browser
 	$(BIN)/python -m pytest

@@ -18,53 +18,92 @@ def _positive_int(text: str) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .apps.demo import run
 
     run()
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.decode:
-        from .bench.decode import QUICK, DecodeShape, run_decode_bench
-
-        shape = QUICK if args.quick else DecodeShape()
-        run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
-        return 0
-    if args.serve:
-        from .bench.serve import run_serve_bench
-
-        report = run_serve_bench(
-            requests=args.requests,
-            clients=args.clients,
-            threads=args.threads,
-            model_path=args.model,
-            out_dir=args.out,
-        )
-        return 0 if report["ok"] else 1
-    if args.context_parallel:
-        from .bench.context import run_context_bench
-
-        run_context_bench(
-            quick=args.quick, processes=args.processes, repeats=args.repeats, out_dir=args.out
-        )
-        return 0
-    if args.embed:
-        from .bench.embed import run_embed_bench
-
-        run_embed_bench(
-            count=args.sentences,
-            repeats=args.repeats or 3,
-            out_dir=args.out,
-            model_path=args.model,
-            onnx_path=args.onnx,
-            threads=args.threads,
-        )
-        return 0
+def _bench_kernels(args: argparse.Namespace) -> int:
     from .bench import run_suite
 
     run_suite(quick=args.quick, only=args.only, repeats=args.repeats, out_dir=args.out)
     return 0
+
+
+def _bench_embed(args: argparse.Namespace) -> int:
+    from .bench.embed import run_embed_bench
+
+    run_embed_bench(
+        count=args.sentences,
+        repeats=args.repeats or 3,
+        out_dir=args.out,
+        model_path=args.model,
+        onnx_path=args.onnx,
+        threads=args.threads,
+    )
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace) -> int:
+    from .bench.decode import QUICK, DecodeShape, run_decode_bench
+
+    shape = QUICK if args.quick else DecodeShape()
+    run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from .bench.serve import run_serve_bench
+
+    report = run_serve_bench(
+        requests=args.requests,
+        clients=args.clients,
+        threads=args.threads,
+        model_path=args.model,
+        out_dir=args.out,
+    )
+    return 0 if report["ok"] else 1
+
+
+def _bench_context(args: argparse.Namespace) -> int:
+    from .bench.context import run_context_bench
+
+    run_context_bench(
+        quick=args.quick, processes=args.processes, repeats=args.repeats, out_dir=args.out
+    )
+    return 0
+
+
+# The flags that chose a benchmark before 0.2.0, and the sub-command that replaced each; a
+# bare option after `bench` (`--quick`, `--only`) belonged to the kernel suite.
+_OLD_BENCH_FLAGS = {
+    "--embed": "embed",
+    "--decode": "decode",
+    "--serve": "serve",
+    "--context-parallel": "context-parallel",
+}
+
+
+def _old_bench_call(argv: list[str]) -> str | None:
+    """The error for a pre-0.2.0 `bench --FLAG` call, or None for a current one."""
+    if len(argv) < 2 or argv[0] != "bench" or not argv[1].startswith("-"):
+        return None
+    if argv[1] in ("-h", "--help"):
+        return None
+    chosen = [_OLD_BENCH_FLAGS[a] for a in argv[1:] if a in _OLD_BENCH_FLAGS]
+    if len(chosen) > 1:
+        return (
+            "bench runs one benchmark at a time: expected one sub-command, use "
+            + " and ".join(f"'multihead bench {c}'" for c in chosen)
+            + f" as separate runs. Received: {' '.join(argv)}"
+        )
+    sub = chosen[0] if chosen else "kernels"
+    rest = [a for a in argv[1:] if a not in _OLD_BENCH_FLAGS]
+    return (
+        f"bench takes a sub-command first (kernels, embed, decode, serve, context-parallel): "
+        f"use 'multihead bench {' '.join([sub, *rest])}'. Received: {' '.join(argv)}"
+    )
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -74,14 +113,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from .explain import run
+    from .apps.explain import run
 
     run(args.text, focus=args.focus, out_dir=args.out, model_path=args.model)
     return 0
 
 
 def _embed(args: argparse.Namespace) -> int:
-    from .embed import run
+    from .apps.embed import run
 
     run(
         args.file,
@@ -171,62 +210,73 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.set_defaults(func=_demo)
     bench = commands.add_parser(
-        "bench", help="time multihead against torch SDPA, the naive formula and FlexAttention"
+        "bench", help="benchmarks: kernels, embed, decode, serve, context-parallel"
     )
-    bench.add_argument("--quick", action="store_true", help="small sizes, under a minute")
-    bench.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
-    bench.add_argument(
-        "--repeats", type=_positive_int, default=None, help="timed repeats per contender"
+    benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+
+    def add_bench(
+        name: str, help_text: str, func, *, repeats: bool = True
+    ) -> argparse.ArgumentParser:
+        sub = benches.add_parser(name, help=help_text)
+        sub.add_argument("--out", default="bench-results", help="folder for the results")
+        if repeats:
+            sub.add_argument(
+                "--repeats", type=_positive_int, default=None, help="timed repeats per contender"
+            )
+        sub.set_defaults(func=func)
+        return sub
+
+    kernels = add_bench(
+        "kernels",
+        "time multihead against torch SDPA, the naive formula and FlexAttention",
+        _bench_kernels,
     )
-    bench.add_argument("--out", default="bench-results", help="folder for results.json/.png")
-    bench.add_argument(
-        "--embed",
-        action="store_true",
-        help="instead: sentence-embedding throughput against sentence-transformers",
+    kernels.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    kernels.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
+    embed = add_bench(
+        "embed", "sentence-embedding throughput against sentence-transformers", _bench_embed
     )
-    bench.add_argument(
-        "--sentences", type=_positive_int, default=2000, help="sentences for --embed (default 2000)"
+    embed.add_argument(
+        "--sentences", type=_positive_int, default=2000, help="sentences (default 2000)"
     )
-    bench.add_argument(
-        "--decode",
-        action="store_true",
-        help="instead: greedy decoding tokens/s of a GPT-2-small-shaped model against "
-        "transformers generate() (B=1 and B=8, prompt 128, 128 new tokens)",
+    embed.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
+    embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    embed.add_argument(
+        "--onnx", metavar="FILE.onnx", help="time this exported graph (default: export)"
     )
-    bench.add_argument(
-        "--serve",
-        action="store_true",
-        help="instead: load-test multihead serve against a FastAPI + sentence-transformers server",
+    decode = add_bench(
+        "decode",
+        "greedy decoding tokens/s of a GPT-2-small-shaped model against transformers "
+        "generate() (B=1 and B=8, prompt 128, 128 new tokens)",
+        _bench_decode,
     )
-    bench.add_argument(
-        "--requests", type=int, default=512, help="requests per client count for --serve"
+    decode.add_argument("--quick", action="store_true", help="a small model, seconds")
+    serve_bench = add_bench(
+        "serve",
+        "load-test multihead serve against a FastAPI + sentence-transformers server",
+        _bench_serve,
+        repeats=False,
     )
-    bench.add_argument(
-        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients (--serve)"
+    serve_bench.add_argument("--requests", type=int, default=512, help="requests per client count")
+    serve_bench.add_argument(
+        "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients"
     )
-    bench.add_argument(
-        "--threads", type=int, default=None, help="torch/onnxruntime threads (--embed, --serve)"
+    serve_bench.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
+    serve_bench.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    context = add_bench(
+        "context-parallel",
+        "one L=131072 sequence across 1, 2, 4 processes (memory and time)",
+        _bench_context,
     )
-    bench.add_argument(
-        "--model", metavar="PATH", help="BERT-family model folder (--embed, --serve)"
-    )
-    bench.add_argument(
-        "--onnx", metavar="FILE.onnx", help="--embed: time this exported graph (default: export)"
-    )
-    bench.add_argument(
-        "--context-parallel",
-        action="store_true",
-        help="instead: one L=131072 sequence across 1, 2, 4 processes (memory and time)",
-    )
-    bench.add_argument(
+    context.add_argument("--quick", action="store_true", help="a short sequence, seconds")
+    context.add_argument(
         "--processes",
         type=_positive_int,
         nargs="+",
         default=[1, 2, 4],
         metavar="P",
-        help="process counts for --context-parallel (default 1 2 4)",
+        help="process counts (default 1 2 4)",
     )
-    bench.set_defaults(func=_bench)
     doctor = commands.add_parser(
         "doctor",
         help="is the fused C++ kernel built (or why not), the CPU's instruction sets and its "
@@ -402,6 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    old = _old_bench_call(sys.argv[1:] if argv is None else argv)
+    if old is not None:
+        print(f"multihead bench: error: {old}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -70,28 +70,28 @@ def test_explain_rejects_an_argument_that_is_not_utf8(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
 def test_bench_repeats_must_be_positive(capsys, value):
     with pytest.raises(SystemExit) as stop:
-        cli.main(["bench", "--quick", "--repeats", value])
+        cli.main(["bench", "kernels", "--quick", "--repeats", value])
     assert stop.value.code == 2
     assert "expected a whole number >= 1" in capsys.readouterr().err
 
 
 def test_bench_sentences_must_be_positive(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--embed", "--sentences", "0"])
+        cli.main(["bench", "embed", "--sentences", "0"])
     assert "expected a whole number >= 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_out_below_a_file(tmp_path, capsys):
     blocker = tmp_path / "f"
     blocker.write_text("x")
-    assert cli.main(["bench", "--quick", "--out", str(blocker / "r")]) == 2
+    assert cli.main(["bench", "kernels", "--quick", "--out", str(blocker / "r")]) == 2
     assert "is an existing file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench", "--context-parallel", "--processes", "0"],
+        ["bench", "context-parallel", "--processes", "0"],
         ["embed", "in.txt", "--out", "e.npy", "--ray", "--workers", "0"],
         ["embed", "in.txt", "--out", "e.npy", "--ray", "--ray-batch-size", "-4"],
         ["train", "forecast", "--out", "o", "--epochs", "0"],
@@ -100,7 +100,7 @@ def test_bench_out_below_a_file(tmp_path, capsys):
     ids=lambda argv: " ".join(argv[:2] + argv[-2:-1]),
 )
 def test_impossible_sizes_are_refused_by_argparse(capsys, argv):
-    # (bench --serve and serve check their sizes themselves: tests/serve, tests/bench)
+    # (bench serve and serve check their sizes themselves: tests/serve, tests/bench)
     with pytest.raises(SystemExit) as stop:
         cli.main(argv)
     assert stop.value.code == 2

@@ -1,4 +1,4 @@
-"""Context-parallel benchmark behind ``multihead bench --context-parallel``.
+"""Context-parallel benchmark behind ``multihead bench context-parallel``.
 
 One long sequence, forward + backward through ``multihead.parallel.context_attention``, split
 across 1, 2 and 4 processes that this benchmark launches itself (gloo on CPU, rendezvous
@@ -238,7 +238,7 @@ def run_context_bench(
         raise RuntimeError("the context-parallel benchmark reads peak memory from Linux's /proc")
     cores = _cores()
     report: dict = {
-        "command": "multihead bench --context-parallel"
+        "command": "multihead bench context-parallel"
         + (" --quick" if quick else "")
         + f" --processes {' '.join(map(str, processes))}",
         "machine": {

@@ -161,7 +161,7 @@ def run_decode_bench(
                 extra = f"  multihead at {row['speedup_vs'][name]:.2f}x its tokens/s, {same}"
             say(f"  {name:40} {row['tokens_per_s'][name]:7.1f} tokens/s{extra}")
     report = {
-        "command": "multihead bench --decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
+        "command": "multihead bench decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
         "shape": shape.__dict__,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -104,7 +104,7 @@ def run_embed_bench(
     med = {name: statistics.median(t) for name, t in times.items()}
     base = med["sentence-transformers encode"]
     report = {
-        "command": f"multihead bench --embed --sentences {count} --repeats {repeats} "
+        "command": f"multihead bench embed --sentences {count} --repeats {repeats} "
         f"--threads {threads}",
         "sentences": count,
         "tokens": tokens,

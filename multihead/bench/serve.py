@@ -1,4 +1,4 @@
-"""``multihead bench --serve``: a load test of ``multihead serve`` against a plain baseline.
+"""``multihead bench serve``: a load test of ``multihead serve`` against a plain baseline.
 
 Both servers run as their own processes on 127.0.0.1 (free ports): ours is ``multihead serve``
 exactly as a user starts it; the baseline is a FastAPI handler that calls sentence-transformers'
@@ -43,7 +43,7 @@ _WARM_UP = 8  # untimed requests per server before the first level
 def baseline_app(model_path: str | Path | None = None) -> Any:
     """The baseline: POST /embed (TEI's request and response) -> ``SentenceTransformer.encode``
     per request. A plain ``def`` handler, which FastAPI runs on its thread pool."""
-    fastapi = require("fastapi", "serve", "the baseline server of bench --serve")
+    fastapi = require("fastapi", "serve", "the baseline server of bench serve")
     from sentence_transformers import SentenceTransformer
 
     from ..models.bert import default_path
@@ -81,7 +81,7 @@ async def drive(
     answers, exceptions and requests never sent before the deadline) and a few error samples.
     ``keep`` collects each text's embedding (by text index) from the first answer for it.
     """
-    httpx = require("httpx", "serve", "bench --serve")
+    httpx = require("httpx", "serve", "bench serve")
     latencies: list[float] = []
     errors: list[str] = []
     answered_ok = 0
@@ -205,8 +205,8 @@ def run_serve_bench(
     Returns the report; ``report["ok"]`` is True when no request failed and the embeddings
     agree to 1e-5 (the speed goal is reported, not enforced).
     """
-    require("httpx", "serve", "bench --serve")
-    require("fastapi", "serve", "bench --serve")
+    require("httpx", "serve", "bench serve")
+    require("fastapi", "serve", "bench serve")
     if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
         raise ValueError(f"requests must be a positive int. Received: requests={requests!r}")
     if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
@@ -280,7 +280,7 @@ def run_serve_bench(
     ]
     errors = sum(r["errors"] for rows in results.values() for r in rows)
     report = {
-        "command": f"multihead bench --serve --requests {requests} --clients "
+        "command": f"multihead bench serve --requests {requests} --clients "
         + " ".join(map(str, clients))
         + ("" if threads is None else f" --threads {threads}"),
         "threads": threads,
@@ -321,7 +321,7 @@ def _chart(report: dict[str, Any], clients: Sequence[int], path: Path) -> Path |
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(clients), [str(c) for c in clients])
         ax.legend(fontsize=8)
-    fig.suptitle(f"multihead bench --serve ({report['threads'] or 'default'} threads)")
+    fig.suptitle(f"multihead bench serve ({report['threads'] or 'default'} threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ import torch
 from ..export.runtime import OnnxBert
 from ..models.bert import Pretrained
 
-__all__ = ["Engine", "Tokens", "TooLong"]
+__all__ = ["Engine", "OnnxRuntime", "Runtime", "Tokens", "TooLong", "TorchRuntime"]
 
 
 class TooLong(ValueError):
@@ -37,6 +38,53 @@ class Tokens:
     special: list[bool]
 
 
+class Runtime(Protocol):
+    """What runs the model for the engine: torch or onnxruntime, behind the same two calls."""
+
+    name: str
+
+    def embed(self, ids: Sequence[Sequence[int]], *, max_tokens: int) -> np.ndarray:
+        """Mean-pooled last hidden states (N, E) float32, not normalized, in input order."""
+        ...
+
+    def attention(self, ids: Sequence[int]) -> np.ndarray:
+        """Per-layer, per-head weights (layers, H, L, L) float32 of one tokenized text."""
+        ...
+
+
+class TorchRuntime:
+    """The loaded model on torch (packed rows for embeddings)."""
+
+    name = "torch"
+
+    def __init__(self, pretrained: Pretrained) -> None:
+        self.pretrained = pretrained
+
+    def embed(self, ids: Sequence[Sequence[int]], *, max_tokens: int) -> np.ndarray:
+        return self.pretrained.embed_ids(ids, max_tokens=max_tokens, normalize=False).numpy()
+
+    def attention(self, ids: Sequence[int]) -> np.ndarray:
+        with torch.inference_mode():
+            batch = torch.tensor([list(ids)], dtype=torch.long)
+            out = self.pretrained.model(batch, return_weights=True)
+        return torch.stack(out.weights)[:, 0].numpy()
+
+
+class OnnxRuntime:
+    """An exported graph under onnxruntime."""
+
+    name = "onnx"
+
+    def __init__(self, onnx: OnnxBert) -> None:
+        self.onnx = onnx
+
+    def embed(self, ids: Sequence[Sequence[int]], *, max_tokens: int) -> np.ndarray:
+        return self.onnx.embed_ids(ids, max_tokens=max_tokens, normalize=False)
+
+    def attention(self, ids: Sequence[int]) -> np.ndarray:
+        return self.onnx.attention(ids)
+
+
 class Engine:
     """Tokenizer plus model, shared by every request.
 
@@ -45,7 +93,8 @@ class Engine:
 
     Args:
         pretrained: the loaded BERT-family model (its tokenizer is used on both runtimes).
-        onnx: run the model on this exported graph instead of torch.
+        runtime: what runs the model (default: ``TorchRuntime(pretrained)``); the tokenizer is
+            always the pretrained model's.
         model_id: the name reported in responses (default: the model folder's name).
         max_tokens: tokens per packed row on torch, padded tokens per batch on onnxruntime.
     """
@@ -54,17 +103,19 @@ class Engine:
         self,
         pretrained: Pretrained,
         *,
-        onnx: OnnxBert | None = None,
+        runtime: Runtime | None = None,
         model_id: str | None = None,
         max_tokens: int = 1536,
     ) -> None:
-        self.pretrained, self.onnx = pretrained, onnx
+        self.pretrained = pretrained
+        self.backend: Runtime = runtime if runtime is not None else TorchRuntime(pretrained)
         self.model_id = model_id or _model_id(pretrained)
         self.max_tokens = max(max_tokens, pretrained.embed_length)
 
     @property
     def runtime(self) -> str:
-        return "torch" if self.onnx is None else "onnx"
+        """The runtime's name, as responses report it ("torch" or "onnx")."""
+        return self.backend.name
 
     @property
     def dim(self) -> int:
@@ -98,18 +149,11 @@ class Engine:
 
     def embed(self, ids: Sequence[Sequence[int]]) -> np.ndarray:
         """Mean-pooled last hidden states (N, E) float32, not normalized, in input order."""
-        if self.onnx is not None:
-            return self.onnx.embed_ids(ids, max_tokens=self.max_tokens, normalize=False)
-        return self.pretrained.embed_ids(ids, max_tokens=self.max_tokens, normalize=False).numpy()
+        return self.backend.embed(ids, max_tokens=self.max_tokens)
 
     def attention(self, ids: Sequence[int]) -> np.ndarray:
         """Per-layer, per-head weights (layers, H, L, L) float32 of one tokenized text."""
-        if self.onnx is not None:
-            return self.onnx.attention(ids)
-        with torch.inference_mode():
-            batch = torch.tensor([list(ids)], dtype=torch.long)
-            out = self.pretrained.model(batch, return_weights=True)
-        return torch.stack(out.weights)[:, 0].numpy()
+        return self.backend.attention(ids)
 
 
 def _model_id(pretrained: Pretrained) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .._extras import require
 from .app import Limits, create_app
-from .engine import Engine
+from .engine import Engine, OnnxRuntime
 from .guard import Access, is_loopback_host
 from .protocol import header_timeout_protocol
 
@@ -70,12 +70,13 @@ def load_engine(
     from ..export import OnnxBert, to_onnx
 
     if onnx_path is not None:
-        return Engine(pretrained, onnx=OnnxBert(onnx_path, pretrained, threads=threads))
+        given = OnnxRuntime(OnnxBert(onnx_path, pretrained, threads=threads))
+        return Engine(pretrained, runtime=given)
     say("exporting the model to ONNX for onnxruntime (with attention weights)...")
     with tempfile.TemporaryDirectory(prefix="multihead-serve-") as folder:
         graph = to_onnx(pretrained, Path(folder) / "model.onnx", weights=True)
         onnx = OnnxBert(graph, pretrained, threads=threads)  # sessions hold the graph in memory
-    return Engine(pretrained, onnx=onnx)
+    return Engine(pretrained, runtime=OnnxRuntime(onnx))
 
 
 def _check(runtime: str, onnx_path: str | Path | None, threads: int | None) -> None:

@@ -1,4 +1,4 @@
-"""`multihead bench --decode` end to end on a tiny model (the real run is GPT-2 small)."""
+"""`multihead bench decode` end to end on a tiny model (the real run is GPT-2 small)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from multihead import cli
 
 
 def test_decode_bench_runs_and_reports(tmp_path, capsys):
-    args = ["bench", "--decode", "--quick", "--repeats", "1", "--out", str(tmp_path)]
+    args = ["bench", "decode", "--quick", "--repeats", "1", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
     assert report["shape"]["layers"] == 2 and report["bandwidth_gb_s"] > 0

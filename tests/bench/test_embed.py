@@ -1,4 +1,4 @@
-"""`multihead bench --embed` end to end on a few sentences."""
+"""`multihead bench embed` end to end on a few sentences."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from multihead.bench.texts import sentences
 
 
 def test_embed_bench_runs_and_reports(tmp_path, capsys, minilm_onnx):
-    args = ["bench", "--embed", "--sentences", "12", "--repeats", "1", "--out", str(tmp_path)]
+    args = ["bench", "embed", "--sentences", "12", "--repeats", "1", "--out", str(tmp_path)]
     args += ["--onnx", str(minilm_onnx), "--threads", "1"]
     assert cli.main(args) == 0
     report = json.loads((tmp_path / "embed.json").read_text())

@@ -1,4 +1,4 @@
-"""`multihead bench --serve` end to end, small: both servers as processes on 127.0.0.1."""
+"""`multihead bench serve` end to end, small: both servers as processes on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from multihead import cli
 
 
 def test_serve_bench_runs_both_servers_and_agrees(tmp_path, capsys):
-    args = ["bench", "--serve", "--requests", "16", "--clients", "1", "8", "32"]
+    args = ["bench", "serve", "--requests", "16", "--clients", "1", "8", "32"]
     args += ["--threads", "1", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     report = json.loads((tmp_path / "serve.json").read_text())
@@ -31,9 +31,9 @@ def test_serve_bench_runs_both_servers_and_agrees(tmp_path, capsys):
 
 
 def test_serve_bench_bad_arguments(capsys):
-    assert cli.main(["bench", "--serve", "--clients", "0"]) == 2
+    assert cli.main(["bench", "serve", "--clients", "0"]) == 2
     assert "clients must be positive ints. Received: clients=[0]" in capsys.readouterr().err
-    assert cli.main(["bench", "--serve", "--threads", "0"]) == 2
+    assert cli.main(["bench", "serve", "--threads", "0"]) == 2
     assert "threads must be a positive int. Received: threads=0" in capsys.readouterr().err
-    assert cli.main(["bench", "--serve", "--requests", "0"]) == 2
+    assert cli.main(["bench", "serve", "--requests", "0"]) == 2
     assert "requests must be a positive int" in capsys.readouterr().err

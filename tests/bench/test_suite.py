@@ -1,4 +1,4 @@
-"""`multihead bench --quick` runs end to end and writes a complete JSON report and a chart."""
+"""`multihead bench kernels --quick` runs end to end and writes a full JSON report and a chart."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from multihead.bench.suite import visible_entries
 
 
 def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
-    assert cli.main(["bench", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "kernels", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["peak_gflops"]["float32"] > 0 and report["peak_gflops"]["bfloat16"] > 0
     assert [w["name"] for w in report["workloads"]] == list(WORKLOADS)
@@ -67,5 +67,41 @@ def test_visible_entries_counts_exactly():
 
 
 def test_unknown_workload_is_an_error(tmp_path, capsys):
-    assert cli.main(["bench", "--only", "nope", "--out", str(tmp_path)]) == 2
+    assert cli.main(["bench", "kernels", "--only", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown workloads ['nope']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "use"),
+    [
+        (["bench", "--embed", "--sentences", "12"], "'multihead bench embed --sentences 12'"),
+        (["bench", "--decode", "--quick"], "'multihead bench decode --quick'"),
+        (["bench", "--serve"], "'multihead bench serve'"),
+        (["bench", "--context-parallel"], "'multihead bench context-parallel'"),
+        (["bench", "--quick"], "'multihead bench kernels --quick'"),
+    ],
+)
+def test_old_bench_flags_name_the_sub_command(capsys, argv, use):
+    """The pre-0.2.0 flags are refused with the sub-command that replaced them."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"use {use}" in err
+    assert f"Received: {' '.join(argv)}" in err
+
+
+def test_two_old_bench_flags_are_refused_not_half_run(capsys):
+    """`--decode --serve` once silently ran only the decode benchmark."""
+    assert cli.main(["bench", "--decode", "--serve"]) == 2
+    err = capsys.readouterr().err
+    assert "'multihead bench decode' and 'multihead bench serve' as separate runs" in err
+
+
+def test_bench_options_belong_to_their_sub_command(capsys):
+    """Each benchmark's options exist only on its sub-command."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "kernels", "--sentences", "12"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --sentences 12" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench"])
+    assert "BENCHMARK" in capsys.readouterr().err

@@ -69,7 +69,7 @@ def test_bert_graph_equals_torch(pretrained, minilm_onnx, batch):
 
 def test_onnx_embeddings_equal_torch_embed(pretrained, minilm_onnx):
     """The exported graph plus mean pooling against the torch model's packed ``embed`` (itself
-    within 1e-5 of sentence-transformers, tests/models; bench --embed compares onnxruntime
+    within 1e-5 of sentence-transformers, tests/models; bench embed compares onnxruntime
     with sentence-transformers directly), texts of 3 to 300 words, some truncated to 256."""
     texts = sentences(10, min_words=3, max_words=300, seed=7)
     with pytest.warns(UserWarning, match="were truncated"):

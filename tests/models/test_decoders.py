@@ -13,7 +13,8 @@ import pytest
 import torch
 from decoders import EOS, VOCAB, build, pad, transformers_model
 
-from multihead import cli, explain
+from multihead import cli
+from multihead.apps import explain
 from multihead.models import gpt2, llama
 from multihead.models.causal_lm import filter_top_k, filter_top_p
 

@@ -1,4 +1,4 @@
-"""``multihead bench --context-parallel``: launches its own processes, measures every mask and
+"""``multihead bench context-parallel``: launches its own processes, measures every mask and
 process count, checks the shards against the one-process run, writes JSON and a chart."""
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def test_bench_runs_one_and_two_processes(tmp_path, capsys):
 def test_cli_flag_reaches_the_bench(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(context, "run_context_bench", lambda **kw: seen.update(kw))
-    argv = ["bench", "--context-parallel", "--processes", "1", "4", "--out", str(tmp_path)]
+    argv = ["bench", "context-parallel", "--processes", "1", "4", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     assert seen == {"quick": False, "processes": [1, 4], "repeats": None, "out_dir": str(tmp_path)}
 
 
 def test_bench_input_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--context-parallel", "--processes", "0"])
+        cli.main(["bench", "context-parallel", "--processes", "0"])
     assert "expected a whole number >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"at least one position.*Received: L=3"):
         run_context_bench(processes=[4], config=ContextConfig(length=3), out_dir=tmp_path)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from multihead.bench.texts import sentences
 from multihead.export import OnnxBert
 from multihead.serve import Background, Engine, Limits, create_app
+from multihead.serve.engine import OnnxRuntime
 
 # the service's embeddings against the model's own embed (itself within 1e-5 of
 # sentence-transformers, tests/models): the same packed path, so only the order of the rows
@@ -368,7 +369,7 @@ def _refused(url: str) -> bool:
 
 
 def test_onnx_runtime_answers_like_torch(pretrained, minilm_onnx):
-    engine = Engine(pretrained, onnx=OnnxBert(minilm_onnx, pretrained, threads=1))
+    engine = Engine(pretrained, runtime=OnnxRuntime(OnnxBert(minilm_onnx, pretrained, threads=1)))
     with Background(create_app(engine)) as running:
         vectors = httpx.post(running.url + "/embed", json={"inputs": TEXTS}).json()
         attention = httpx.post(running.url + "/attention", json={"inputs": TEXTS[0]}).json()

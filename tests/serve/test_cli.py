@@ -124,7 +124,7 @@ def test_onnx_runtime_exports_at_start_up(tiny_bert):
     """--runtime onnx without --onnx: the model is exported when the server starts."""
     said: list[str] = []
     engine = load_engine(tiny_bert, runtime="onnx", threads=1, say=said.append)
-    assert engine.runtime == "onnx" and engine.onnx.has_weights
+    assert engine.runtime == "onnx" and engine.backend.onnx.has_weights
     assert "exporting the model to ONNX" in said[0]
     assert engine.model_id == tiny_bert.name and engine.max_input_length == 48
     texts = ["a short text", " ".join(["word"] * 30)]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from multihead import cli, explain
+from multihead import cli
+from multihead.apps import explain
 
 TEXT = "The animal didn't cross the street because it was too tired"
 

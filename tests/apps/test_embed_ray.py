@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multihead import cli, embed
+from multihead import cli
+from multihead.apps import embed
 from multihead.bench.texts import sentences
 
 # the same texts go through the same packed path; only which texts share a packed row (and

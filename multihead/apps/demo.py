@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .modules import MultiHeadAttention, merge_heads, split_heads
+from ..modules import MultiHeadAttention, merge_heads, split_heads
 
 __all__ = ["run"]
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from multihead import cli, demo
+from multihead import cli
+from multihead.apps import demo
 
 
 def test_demo_prints_every_stage_and_agrees_with_module():

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _validation as V
-from ._extras import require
+from .. import _validation as V
+from .._extras import require
 
 __all__ = ["PROGRESS_FROM", "RAY_BATCH", "embed_on_ray", "run"]
 
@@ -41,8 +41,8 @@ def run(
 
     Returns the (lines, E) float32 array that was saved.
     """
-    from . import models
-    from .models import kinds
+    from .. import models
+    from ..models import kinds
 
     target = V.check_out_file("--out", out, ".npy")
     kinds.check_bert(model_path, "multihead embed")
@@ -89,7 +89,7 @@ class _RayEmbedder:
     def __init__(self, model_path: str | None, max_tokens: int, threads: int) -> None:
         import torch
 
-        from . import models
+        from .. import models
 
         torch.set_num_threads(threads)  # one actor per CPU Ray gave it: no oversubscription
         self.model = models.load(model_path)

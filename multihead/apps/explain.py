@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import Tensor
 
-from . import _validation as V
-from .inspect import HeadStats, for_text, head_stats, rollout, top_tokens
+from .. import _validation as V
+from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
 __all__ = ["SUPPORTED", "Explained", "find_focus", "run"]
 
@@ -67,8 +67,8 @@ def _attend(
     causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
     import torch
 
-    from . import models
-    from .models import checkpoint, kinds
+    from .. import models
+    from ..models import checkpoint, kinds
 
     if model_path is not None:
         checkpoint.model_folder(model_path)
@@ -135,8 +135,8 @@ def run(
     say: Callable[[str], None] = print,
 ) -> Explained:
     """Explain ``text``; see the module docstring. Returns what was computed and written."""
-    from .viz import head_heatmap, heatmap_grid, surface
-    from .viz.html import save_head_view
+    from ..viz import head_heatmap, heatmap_grid, surface
+    from ..viz.html import save_head_view
 
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
