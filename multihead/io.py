@@ -347,7 +347,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _check_types(codec: _Codec, args: dict[str, Any], where: str) -> None:
     """Each argument against its constructor annotation (``norm_first: bool`` refuses
     ``"no"``): the class's own signature is the one list of what each field may hold."""
-    from .models.checkpoint import describe_annotation, fits_annotation
+    from .checkpoint import describe_annotation, fits_annotation
 
     if codec.init is None:
         return
@@ -520,7 +520,7 @@ def load(folder: str | Path) -> Any:
             weights file is empty, corrupt or outside the folder; or the weights do not match
             the architecture (missing, unexpected, mis-shaped or integer tensors, named).
     """
-    from .models import checkpoint
+    from . import checkpoint
 
     folder = Path(folder)
     spec, config = _saved_spec(folder)
@@ -562,7 +562,7 @@ def load(folder: str | Path) -> Any:
 
 def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
     """The ``model`` field and the whole config.json of a ``save`` folder, checked."""
-    from .models import checkpoint
+    from . import checkpoint
 
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
@@ -598,7 +598,7 @@ def _file_names(codec: _Codec, obj: Any, state: dict[str, Tensor]) -> dict[str, 
 def _check_layout(skeleton: Any, stored: Any) -> None:
     """The meta-device model against the weights' header: names, shapes and dtypes agree
     before anything is allocated."""
-    from .models import checkpoint
+    from . import checkpoint
 
     codec = _codec_for(skeleton, "model")
     expected = codec.module(skeleton).state_dict()

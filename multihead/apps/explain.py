@@ -67,8 +67,8 @@ def _attend(
     causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
     import torch
 
-    from .. import models
-    from ..models import checkpoint, kinds
+    from .. import checkpoint, models
+    from ..models import kinds
 
     if model_path is not None:
         checkpoint.model_folder(model_path)

@@ -344,8 +344,8 @@ def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
         ValueError: a folder of another kind (T5, a saved application model, ...): the message
             names the kind found and what export supports.
     """
-    from .. import models
-    from ..models import checkpoint, kinds
+    from .. import checkpoint, models
+    from ..models import kinds
 
     if path is None:
         return models.load(None)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import io, masks
+from .. import checkpoint, io, masks
+from ..checkpoint import Size
 from ..masks import Mask
 from ..modules import (
     EncoderOutput,
@@ -29,8 +30,6 @@ from ..modules import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from . import checkpoint
-from .checkpoint import Size
 from .families import register_builtin
 
 __all__ = [

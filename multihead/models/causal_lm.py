@@ -109,7 +109,7 @@ def load_checkpoint(
     ``names(config, tied)`` (never a partial load; ``unused_suffixes`` and a tied output layer
     saved anyway are the only tensors allowed to be left over), then eval mode in the
     decoding layout with ``.tokenizer`` and ``.path`` set."""
-    from . import checkpoint
+    from .. import checkpoint
 
     folder = checkpoint.model_folder(path)
     config = config_cls.from_dict(checkpoint.read_config(folder))
@@ -629,7 +629,7 @@ def _save_tokenizer(model: CausalLM, folder: Path) -> None:
 
 def _restore_tokenizer(model: CausalLM, folder: Path) -> None:
     if (folder / "tokenizer.json").is_file():
-        from . import checkpoint
+        from .. import checkpoint
 
         model.tokenizer = checkpoint.read_tokenizer(folder, required=False)
     model.path = folder

@@ -83,8 +83,8 @@ def load(folder: str | Path | None = None) -> Any:
             ``model_type``, or names a ``model_type`` no family opens (the message names it and
             the supported ones); or the family's loader refuses the folder (named).
     """
-    from .. import io
-    from . import checkpoint, kinds
+    from .. import checkpoint, io
+    from . import kinds
 
     if folder is None:
         from . import bert

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import checkpoint
+from ..checkpoint import Size
 from ..modules import (
     FeedForward,
     LearnedPositionalEncoding,
@@ -20,9 +22,7 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from . import checkpoint
 from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
-from .checkpoint import Size
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
 

@@ -62,7 +62,7 @@ def folder_kind(path: str | Path | None) -> FolderKind | None:
     Raises:
         ValueError: config.json is empty, not UTF-8, not JSON or not an object (named).
     """
-    from . import checkpoint
+    from .. import checkpoint
 
     if path is None:
         return None

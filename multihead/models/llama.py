@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import checkpoint
+from ..checkpoint import Size
 from ..modules import (
     GatedFeedForward,
     MultiHeadAttention,
@@ -23,9 +25,7 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from . import checkpoint
 from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
-from .checkpoint import Size
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
