@@ -86,10 +86,8 @@ def load(folder: str | Path | None = None) -> Any:
     from .. import checkpoint, io
     from . import kinds
 
-    if folder is None:
-        from . import bert
-
-        return bert.load(None)
+    if folder is None:  # the default model, MiniLM, is the BERT family's to find
+        return importlib.import_module(_BUILTIN["bert"]).load(None)
     path = Path(folder)
     config = checkpoint.read_config(path) if (path / io.CONFIG).is_file() else {}
     model_type = config.get("model_type")

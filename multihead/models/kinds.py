@@ -102,9 +102,7 @@ def check_bert(path: str | Path | None, command: str) -> None:
 def check_encoder(model: object, path: str | Path | None, command: str) -> None:
     """Refuse, after loading, a ``multihead.save`` folder of a bare ``Bert`` module: its
     config.json says model_type 'bert', but without the tokenizer there is no text to run."""
-    from .bert import Pretrained
-
-    if not isinstance(model, Pretrained):
+    if getattr(model, "tokenizer", None) is None:  # a models.bert.Pretrained carries one
         raise ValueError(
             f"{path} holds a multihead.save folder of {type(model).__name__}, a model without "
             f"its tokenizer, but {command} supports {BERT_ONLY}; save the whole "
