@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ._extras import require
+
 __all__ = [
     "POSITIVE",
     "WEIGHT_FILES",
@@ -156,14 +158,9 @@ _SAFETENSORS_DTYPES = {
 
 
 def _need_safetensors() -> Any:
-    try:
-        import safetensors
-        import safetensors.torch
-    except ImportError:  # pragma: no cover - the pretrained extra is part of the test extra
-        raise ModuleNotFoundError(
-            "reading .safetensors weights needs the safetensors package; run "
-            "pip install 'multihead[pretrained]'. Received: no module named safetensors"
-        ) from None
+    require("safetensors.torch", "pretrained", "reading .safetensors weights")
+    import safetensors
+
     return safetensors
 
 
@@ -440,13 +437,7 @@ def read_tokenizer(folder: Path, *, required: bool) -> Any:
             f"tokenizer.json is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - the pretrained extra is part of the test extra
-        raise ModuleNotFoundError(
-            "reading tokenizer.json needs the tokenizers package; run "
-            "pip install 'multihead[pretrained]'. Received: no module named tokenizers"
-        ) from None
+    Tokenizer = require("tokenizers", "pretrained", "reading tokenizer.json").Tokenizer
     try:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:
