@@ -11,10 +11,11 @@ Needs the ``serve`` extra (starlette, uvicorn, prometheus-client), imported only
 
 from __future__ import annotations
 
-from .app import ClientError, Limits, create_app
+from .app import create_app
 from .engine import Engine, Tokens, TooLong
 from .guard import Access
 from .server import RUNTIMES, Background, bind, load_engine, open_warning, run
+from .state import ClientError, Limits, ServeState
 
 __all__ = [
     "RUNTIMES",
@@ -23,6 +24,7 @@ __all__ = [
     "ClientError",
     "Engine",
     "Limits",
+    "ServeState",
     "Tokens",
     "TooLong",
     "bind",

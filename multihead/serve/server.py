@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from .._extras import require
-from .app import Limits, create_app
+from .app import create_app
 from .engine import Engine, OnnxRuntime
 from .guard import Access, is_loopback_host
 from .protocol import header_timeout_protocol
+from .state import Limits
 
 __all__ = [
     "RUNTIMES",

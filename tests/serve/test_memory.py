@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import multihead.serve.app
+import multihead.serve.state
 from multihead.serve import Background, Limits, create_app
 
 glibc = pytest.mark.skipif(
@@ -57,8 +57,8 @@ def test_free_heap_pages_between_live_blocks_go_back_to_the_os():
 
 def test_the_app_releases_memory_when_the_model_is_idle(engine, monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(multihead.serve.app, "release_free_memory", lambda: calls.append(1))
-    monkeypatch.setattr(multihead.serve.app, "_RELEASE_EVERY_S", 0.0)  # else once a second
+    monkeypatch.setattr(multihead.serve.state, "release_free_memory", lambda: calls.append(1))
+    monkeypatch.setattr(multihead.serve.state, "_RELEASE_EVERY_S", 0.0)  # else once a second
     with Background(create_app(engine, Limits())) as running:
         assert httpx.post(running.url + "/embed", json={"inputs": "hello"}).status_code == 200
         assert len(calls) == 1  # after the batch, with nothing queued
