@@ -30,7 +30,7 @@ import math
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -452,30 +452,54 @@ def _choose(
     return int(np.argmax(margins)), table
 
 
-def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
-    """Fine-tune, choose the stretch, measure the baselines, write the run into ``out`` (None
-    on processes other than rank 0, which write nothing; see module docstring)."""
-    from ..models import bert
+@dataclass
+class _Domain:
+    """One corpus in the run: its two halves, the training half cut into fit and validation
+    rows, and the token ids of every text."""
 
-    started = time.perf_counter()
-    seed_everything(options.seed)
-    corpora = read_corpora(options.data)
-    if options.quick:  # a seeded sample of 32 rows per domain
-        rng = np.random.default_rng(options.seed)
-        for c in corpora:
-            keep = np.sort(rng.permutation(len(c.ids))[:32])
-            c.ids = [c.ids[i] for i in keep]
-            c.ratings = c.ratings[keep]
-            c.texts = [c.texts[i] for i in keep]
-    splits = {c.domain: split(c, options.seed) for c in corpora}
-    held = {c.domain: validation_split(splits[c.domain][0], c.domain, options.seed)
-            for c in corpora}  # fmt: skip
-    pretrained = bert.load()
-    max_tokens = 48 if options.quick else 128
-    ids = {c.domain: encode(pretrained.tokenizer, c.texts, max_tokens) for c in corpora}
-    fit_rows = [(c, i) for c in corpora for i in held[c.domain][0]]
-    fit_ids = [ids[c.domain][i] for c, i in fit_rows]
-    fit_ratings = np.array([c.ratings[i] for c, i in fit_rows])
+    corpus: Corpus
+    train: np.ndarray
+    test: np.ndarray
+    fit: np.ndarray
+    validation: np.ndarray
+    ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.corpus.domain
+
+    def token_ids(self, rows: np.ndarray) -> list[list[int]]:
+        return [self.ids[i] for i in rows]
+
+    def texts(self, rows: np.ndarray) -> list[str]:
+        return [self.corpus.texts[i] for i in rows]
+
+
+def _sample(corpora: list[Corpus], seed: int, size: int = 32) -> None:
+    """Quick runs: keep a seeded sample of ``size`` rows per domain (in file order)."""
+    rng = np.random.default_rng(seed)
+    for c in corpora:
+        keep = np.sort(rng.permutation(len(c.ids))[:size])
+        c.ids = [c.ids[i] for i in keep]
+        c.ratings = c.ratings[keep]
+        c.texts = [c.texts[i] for i in keep]
+
+
+def _split_domains(corpora: list[Corpus], seed: int) -> list[_Domain]:
+    domains = []
+    for c in corpora:
+        train, test = split(c, seed)
+        domains.append(_Domain(c, train, test, *validation_split(train, c.domain, seed)))
+    return domains
+
+
+def _fit_regressor(
+    pretrained: Any, domains: list[_Domain], max_tokens: int, options: Options, info: Dist
+) -> tuple[SentimentRegressor, FitResult]:
+    """MiniLM with the regression head, fine-tuned on every domain's fit rows towards the
+    targets of every stretch at once."""
+    fit_ids = [d.ids[i] for d in domains for i in d.fit]
+    fit_ratings = np.array([d.corpus.ratings[i] for d in domains for i in d.fit])
     targets = np.stack([stretch(fit_ratings, a) for a in STRETCHES], axis=1)  # [N, K]
 
     model = SentimentRegressor(pretrained.model, max_tokens=max_tokens, alphas=STRETCHES)
@@ -488,84 +512,123 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
         {"params": list(model.encoder.parameters())},
         {"params": list(model.head.parameters()), "lr_scale": 20.0},  # a new head learns faster
     ]
-    fitted = {"model": _train(model, fit_ids, targets, config, info, "MiniLM", groups)}
-    baseline = None
-    if options.baselines:  # trained on the whole training halves, as before the stretch
-        train_ids = [ids[c.domain][i] for c in corpora for i in splits[c.domain][0]]
-        train_y = np.concatenate([stretch(c.ratings[splits[c.domain][0]], None) for c in corpora])
-        baseline = AttentionClassifier(pretrained.config.vocab_size)
-        small = options.train_config(
-            epochs=1 if options.quick else 8, batch_size=8 if options.quick else 64, lr=2e-3
-        )
-        fitted["attention_classifier"] = _train(
-            baseline, train_ids, train_y, small, info, "AttentionClassifier"
-        )
-    if out is None:
-        return {}
+    return model, _train(model, fit_ids, targets, config, info, "MiniLM", groups)
 
+
+def _fit_baseline(
+    vocab_size: int, domains: list[_Domain], options: Options, info: Dist
+) -> tuple[AttentionClassifier, FitResult]:
+    """The from-scratch classifier, trained on the whole training halves (as before the
+    stretch)."""
+    train_ids = [d.ids[i] for d in domains for i in d.train]
+    train_y = np.concatenate([stretch(d.corpus.ratings[d.train], None) for d in domains])
+    baseline = AttentionClassifier(vocab_size)
+    small = options.train_config(
+        epochs=1 if options.quick else 8, batch_size=8 if options.quick else 64, lr=2e-3
+    )
+    return baseline, _train(baseline, train_ids, train_y, small, info, "AttentionClassifier")
+
+
+def _scores(model: nn.Module, domain: _Domain, rows: np.ndarray, precision: str) -> np.ndarray:
+    """The regressor's outputs (rows, K): one column per stretch."""
+    return _predict(model, domain.token_ids(rows), 128, precision).reshape(len(rows), -1)
+
+
+def _choose_stretch(
+    model: SentimentRegressor, domains: list[_Domain], precision: str
+) -> tuple[int, dict[str, Any]]:
+    """``_choose`` on every domain's validation rows (never the test halves)."""
     validation = {}
-    for c in corpora:
-        rows = held[c.domain][1]
-        scores = _predict(model, [ids[c.domain][i] for i in rows], 128, options.precision)
-        vader = _vader([c.texts[i] for i in rows])
-        validation[c.domain] = (scores.reshape(len(rows), -1), vader, c.ratings[rows])
-    chosen, selection = _choose(validation)
-    all_test: dict[str, Any] = {}
-    domains: dict[str, Any] = {}
-    confusion: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    test_scores = {}
-    for c in corpora:
-        rows = splits[c.domain][1]
-        every = _predict(model, [ids[c.domain][i] for i in rows], 128, options.precision)
-        test_scores[c.domain] = every.reshape(len(rows), -1)
-    model.keep(chosen)
-    save(model, out / "model")
-    for c in corpora:
-        train_idx, test_idx = splits[c.domain]
-        truth = c.ratings[test_idx]
-        test_ids = [ids[c.domain][i] for i in test_idx]
-        every = test_scores[c.domain]
-        scores = {"model": every[:, chosen]}
-        all_test[c.domain] = {
-            "inf" if a is None else str(a): evaluate(every[:, k], truth)
-            for k, a in enumerate(STRETCHES)
-        }
-        if options.baselines:
-            scores["vader"] = _vader([c.texts[i] for i in test_idx])
-            scores["tfidf_logreg"] = _tfidf(
-                [c.texts[i] for i in train_idx],
-                c.ratings[train_idx],
-                [c.texts[i] for i in test_idx],
-                options.quick,
-            )
-            scores["attention_classifier"] = _predict(baseline, test_ids, 128, options.precision)
-        metrics = {k: evaluate(v, truth) for k, v in scores.items()}
-        if c.domain in PAPER_VADER:
-            metrics["paper_vader"] = PAPER_VADER[c.domain]
-        domains[c.domain] = {
-            "n_train": len(train_idx),
-            "n_fit": len(held[c.domain][0]),
-            "n_validation": len(held[c.domain][1]),
-            "n_test": len(test_idx),
-            "validation_ids": [c.ids[i] for i in held[c.domain][1]],
-            "test_ids": [c.ids[i] for i in test_idx],
-            "metrics": metrics,
-            "first_scores": [round(float(v), 6) for v in scores["model"][:20]],
-        }
-        confusion[c.domain] = (np.sign(truth), classify(scores["model"]))
-    goal = None
-    if options.baselines:
-        goal = all(
+    for d in domains:
+        rows = d.validation
+        scores = _scores(model, d, rows, precision)
+        validation[d.name] = (scores, _vader(d.texts(rows)), d.corpus.ratings[rows])
+    return _choose(validation)
+
+
+def _baseline_scores(
+    domain: _Domain, baseline: AttentionClassifier, options: Options
+) -> dict[str, np.ndarray]:
+    """VADER, TF-IDF + logistic regression (trained on this domain's half) and the
+    from-scratch classifier on the domain's test half."""
+    d, test = domain, domain.test
+    return {
+        "vader": _vader(d.texts(test)),
+        "tfidf_logreg": _tfidf(
+            d.texts(d.train), d.corpus.ratings[d.train], d.texts(test), options.quick
+        ),
+        "attention_classifier": _predict(baseline, d.token_ids(test), 128, options.precision),
+    }
+
+
+def _domain_entry(domain: _Domain, scores: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One domain's part of the summary: its sizes, rows and the metrics of every scorer."""
+    d = domain
+    truth = d.corpus.ratings[d.test]
+    metrics = {k: evaluate(v, truth) for k, v in scores.items()}
+    if d.name in PAPER_VADER:
+        metrics["paper_vader"] = PAPER_VADER[d.name]
+    return {
+        "n_train": len(d.train),
+        "n_fit": len(d.fit),
+        "n_validation": len(d.validation),
+        "n_test": len(d.test),
+        "validation_ids": [d.corpus.ids[i] for i in d.validation],
+        "test_ids": [d.corpus.ids[i] for i in d.test],
+        "metrics": metrics,
+        "first_scores": [round(float(v), 6) for v in scores["model"][:20]],
+    }
+
+
+@dataclass
+class _TestReport:
+    """The test halves: per domain, the metrics of every stretch (reported, not used for the
+    choice), the summary's entry and the (truth, predicted) classes of the confusion figure."""
+
+    every_alpha: dict[str, Any] = field(default_factory=dict)
+    domains: dict[str, Any] = field(default_factory=dict)
+    confusion: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def above_vader_everywhere(self) -> bool:
+        return all(
             d["metrics"]["model"][k] > d["metrics"]["vader"][k]
-            for d in domains.values()
+            for d in self.domains.values()
             for k in ("r", "f1")
         )
-    training_curve(fitted, out / "training_curve.png", "sentiment: MSE on the stretched ratings")
-    _confusion_figure(confusion, out / "confusion.png")
-    example = min(corpora[0].texts, key=lambda t: abs(len(t) - 60))
-    _attention_figure(model, pretrained, example, out / "attention.png", options.quick)
+
+
+def _test(
+    every: dict[str, np.ndarray],
+    chosen: int,
+    domains: list[_Domain],
+    baseline: AttentionClassifier | None,
+    options: Options,
+) -> _TestReport:
+    """Score the test halves: ``every`` holds the regressor's outputs at every stretch."""
+    report = _TestReport()
+    for d in domains:
+        truth = d.corpus.ratings[d.test]
+        scores = {"model": every[d.name][:, chosen]}
+        report.every_alpha[d.name] = {
+            "inf" if a is None else str(a): evaluate(every[d.name][:, k], truth)
+            for k, a in enumerate(STRETCHES)
+        }
+        if baseline is not None:
+            scores.update(_baseline_scores(d, baseline, options))
+        report.domains[d.name] = _domain_entry(d, scores)
+        report.confusion[d.name] = (np.sign(truth), classify(scores["model"]))
+    return report
+
+
+def _summary(
+    chosen: int,
+    selection: dict[str, Any],
+    report: _TestReport,
+    goal: bool | None,
+    fitted: dict[str, FitResult],
+) -> dict[str, Any]:
     alpha = STRETCHES[chosen]
-    summary = {
+    return {
         "task": "sentiment",
         "protocol": "per domain: a seeded random half trains, the other half tests; one model "
         f"fine-tuned on all training halves less a seeded {VALIDATION:.0%} validation slice of "
@@ -580,14 +643,53 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
             "criterion": "largest worst-case margin over VADER (min over domains of ours - VADER "
             "in r and F1) on the validation slices",
             "validation": selection,
-            "test_of_every_alpha": all_test,  # reported, not used for the choice
+            "test_of_every_alpha": report.every_alpha,  # reported, not used for the choice
         },
-        "domains": domains,
+        "domains": report.domains,
         "goal_above_vader_everywhere": goal,
         "training": {k: v.summary() for k, v in fitted.items()},
         "model_dir": "model",
         "figures": ["training_curve.png", "confusion.png", "attention.png"],
     }
+
+
+def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
+    """Fine-tune, choose the stretch, measure the baselines, write the run into ``out`` (None
+    on processes other than rank 0, which write nothing; see module docstring)."""
+    from ..models import bert
+
+    started = time.perf_counter()
+    seed_everything(options.seed)
+    corpora = read_corpora(options.data)
+    if options.quick:  # a seeded sample of 32 rows per domain
+        _sample(corpora, options.seed)
+    domains = _split_domains(corpora, options.seed)
+    pretrained = bert.load()
+    max_tokens = 48 if options.quick else 128
+    for d in domains:
+        d.ids = encode(pretrained.tokenizer, d.corpus.texts, max_tokens)
+
+    model, result = _fit_regressor(pretrained, domains, max_tokens, options, info)
+    fitted = {"model": result}
+    baseline = None
+    if options.baselines:
+        baseline, fitted["attention_classifier"] = _fit_baseline(
+            pretrained.config.vocab_size, domains, options, info
+        )
+    if out is None:
+        return {}
+
+    chosen, selection = _choose_stretch(model, domains, options.precision)
+    every = {d.name: _scores(model, d, d.test, options.precision) for d in domains}
+    model.keep(chosen)
+    save(model, out / "model")
+    report = _test(every, chosen, domains, baseline, options)
+    goal = report.above_vader_everywhere() if options.baselines else None
+    training_curve(fitted, out / "training_curve.png", "sentiment: MSE on the stretched ratings")
+    _confusion_figure(report.confusion, out / "confusion.png")
+    example = min(corpora[0].texts, key=lambda t: abs(len(t) - 60))
+    _attention_figure(model, pretrained, example, out / "attention.png", options.quick)
+    summary = _summary(chosen, selection, report, goal, fitted)
     return finish(summary, options, info, started, out)
 
 
