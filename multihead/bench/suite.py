@@ -248,7 +248,6 @@ def _naive(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
 def _contenders(
     w: Workload, quick: bool, seed: int
 ) -> tuple[dict[str, Callable[[], object]], dict, int]:
-    dtype = getattr(torch, w.dtype)
     g = torch.Generator().manual_seed(seed)
     mask, mask_mod = _mask(w, seed)
     notes: dict[str, str] = {}
@@ -256,9 +255,7 @@ def _contenders(
     if w.module:
         return _module_contenders(w, mask, g), notes, entries
 
-    q, k, v = (torch.randn(w.b, w.h, w.length, w.d, generator=g).to(dtype) for _ in range(3))
-    if w.train:
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    q, k, v = _inputs(w, g)
     keep = None if mask is None else mask.to_dense(w.length, w.length).expand(w.b, 1, -1, -1)
     causal = w.mask == "causal"
 
@@ -286,15 +283,36 @@ def _contenders(
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     elif "sdpa" not in out:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
-    score_bytes = w.b * w.h * w.length * w.length * 4
     if modifier is not None:
         notes["naive"] = "skipped: the SDPA row already times a dense bias"
-    elif score_bytes <= _NAIVE_BUDGET_BYTES:
+    else:
+        _add_naive(out, notes, w, step, q, k, v, keep)
+    if w.mask in ("window", "documents") and not (w.train or w.weights):
+        _add_flex_backend(out, notes, quick, q, k, v, mask, modifier)
+    _add_flex(out, notes, w, quick, q, k, v, mask_mod, modifier)
+    return out, notes, entries
+
+
+def _inputs(w: Workload, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Q, K, V of the workload (B, H, L, D) from ``g``; they need gradients when it trains."""
+    dtype = getattr(torch, w.dtype)
+    q, k, v = (torch.randn(w.b, w.h, w.length, w.d, generator=g).to(dtype) for _ in range(3))
+    if w.train:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v
+
+
+def _add_naive(out, notes, w: Workload, step, q, k, v, keep) -> None:
+    """The tutorial formula, unless its (B, H, L, S) scores would not fit the budget."""
+    score_bytes = w.b * w.h * w.length * w.length * 4
+    if score_bytes <= _NAIVE_BUDGET_BYTES:
         out["naive"] = step(lambda: _naive(q, k, v, keep))
     else:
         notes["naive"] = f"skipped: its score tensor would need {score_bytes / 2**30:.0f} GiB"
-    if w.mask in ("window", "documents") and not (w.train or w.weights):
-        _add_flex_backend(out, notes, quick, q, k, v, mask, modifier)
+
+
+def _add_flex(out, notes, w: Workload, quick: bool, q, k, v, mask_mod, modifier) -> None:
+    """FlexAttention compiled (forward only, no weights, not in --quick), or why not."""
     if quick:
         notes["flex"] = "skipped in --quick (compilation takes minutes)"
     elif w.train:
@@ -309,7 +327,6 @@ def _contenders(
         else:
             out["flex"] = flex
             notes["flex"] = f"compile + first call {compile_s:.1f} s, not included"
-    return out, notes, entries
 
 
 def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
