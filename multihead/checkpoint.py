@@ -481,10 +481,28 @@ def fits_annotation(value: Any, tp: Any, *, non_negative: bool = False) -> bool:
         return fits and (POSITIVE not in marks or value > 0)
     if origin is typing.Literal:
         return any(value == v and type(value) is type(v) for v in typing.get_args(tp))
+    scalar = _fits_scalar(value, tp, non_negative)
+    if scalar is not None:
+        return scalar
+    if origin in _SEQUENCES or tp in _SEQUENCES:
+        return _fits_sequence(value, tp, non_negative)
+    return _fits_mapping_or_class(value, tp, origin)
+
+
+def _fits_mapping_or_class(value: Any, tp: Any, origin: Any) -> bool:
+    if origin in _MAPPINGS or tp in _MAPPINGS:
+        return isinstance(value, dict)
+    if isinstance(tp, type) and tp is not object:
+        return isinstance(value, tp)
+    return True  # Any, callables, type variables: nothing a config value can be checked against
+
+
+def _fits_scalar(value: Any, tp: Any, non_negative: bool) -> bool | None:
+    """``fits_annotation`` for None, bool, int, float and str; None for any other annotation."""
     if tp is type(None) or tp is None:
         return value is None
-    if tp is bool:
-        return isinstance(value, bool)
+    if tp is bool or tp is str:
+        return isinstance(value, tp)
     if tp is int:
         return (
             isinstance(value, int)
@@ -497,24 +515,19 @@ def fits_annotation(value: Any, tp: Any, *, non_negative: bool = False) -> bool:
             and not isinstance(value, bool)
             and (not non_negative or (math.isfinite(value) and value >= 0))
         )
-    if tp is str:
-        return isinstance(value, str)
-    if origin in _SEQUENCES or tp in _SEQUENCES:
-        if not isinstance(value, (list, tuple)):
-            return False
-        arms = typing.get_args(tp)
-        if origin is tuple and arms and arms[-1] is not Ellipsis:
-            return len(arms) == len(value) and all(
-                fits_annotation(v, arm, non_negative=non_negative) for v, arm in zip(value, arms)
-            )
-        return not arms or all(
-            fits_annotation(v, arms[0], non_negative=non_negative) for v in value
+    return None
+
+
+def _fits_sequence(value: Any, tp: Any, non_negative: bool) -> bool:
+    """``fits_annotation`` for lists, sequences and tuples (fixed length or ``...``)."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    arms = typing.get_args(tp)
+    if typing.get_origin(tp) is tuple and arms and arms[-1] is not Ellipsis:
+        return len(arms) == len(value) and all(
+            fits_annotation(v, arm, non_negative=non_negative) for v, arm in zip(value, arms)
         )
-    if origin in _MAPPINGS or tp in _MAPPINGS:
-        return isinstance(value, dict)
-    if isinstance(tp, type) and tp is not object:
-        return isinstance(value, tp)
-    return True  # Any, callables, type variables: nothing a config value can be checked against
+    return not arms or all(fits_annotation(v, arms[0], non_negative=non_negative) for v in value)
 
 
 def describe_annotation(tp: Any, *, non_negative: bool = False) -> str:
@@ -535,6 +548,11 @@ def describe_annotation(tp: Any, *, non_negative: bool = False) -> str:
         arms = [a for a in typing.get_args(tp) if a is not Ellipsis]
         inner = " or ".join(describe_annotation(a, non_negative=non_negative) for a in arms)
         return f"a list of ({inner})" if inner else "a list"
+    return _describe_plain(tp, origin, non_negative)
+
+
+def _describe_plain(tp: Any, origin: Any, non_negative: bool) -> str:
+    """``describe_annotation`` for an annotation without arms: a scalar, a mapping, a class."""
     names = {
         type(None): "null",
         bool: "true or false",
