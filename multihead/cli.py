@@ -49,7 +49,16 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from .bench.decode import QUICK, DecodeShape, run_decode_bench
 
     shape = QUICK if args.quick else DecodeShape()
-    run_decode_bench(repeats=args.repeats or 3, shape=shape, out_dir=args.out)
+    if (args.model is None) != (args.text is None):
+        raise SystemExit("bench decode: --model and --text go together (a trained model folder "
+                         "and held-out text for the quality rows)")  # fmt: skip
+    run_decode_bench(
+        repeats=args.repeats or 3,
+        shape=shape,
+        out_dir=args.out,
+        model=args.model,
+        text=args.text,
+    )
     return 0
 
 
@@ -251,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         _bench_decode,
     )
     decode.add_argument("--quick", action="store_true", help="a small model, seconds")
+    decode.add_argument(
+        "--model", metavar="DIR", help="trained GPT-2/Llama folder: quality rows of bf16/int8"
+    )
+    decode.add_argument("--text", metavar="FILE", help="held-out UTF-8 text for --model")
     serve_bench = add_bench(
         "serve",
         "load-test multihead serve against a FastAPI + sentence-transformers server",

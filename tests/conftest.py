@@ -10,9 +10,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 # transformers / sentence-transformers must never reach for the network in tests
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# auto's choice of the fused kernel is a timing on the machine at hand; the tests of auto's
-# other rules must not depend on it (tests/backends/test_fused.py turns it on where it tests it)
+# auto's choice of the fused and the half kernel is a timing on the machine at hand; the tests
+# of auto's other rules must not depend on it (tests/backends/test_fused.py and test_half.py
+# turn it on where they test it)
 os.environ.setdefault("MULTIHEAD_FUSED_AUTO", "0")
+os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
 
 
 @pytest.fixture(scope="session")

@@ -30,15 +30,14 @@ import os
 import platform
 import shutil
 import sys
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from . import _measure
 from ._call import Call, exporting, stat_dtype
 from ._nonfinite import NonFiniteInput, checks_inputs
 from ._plan import Item, plan, query_tile
@@ -418,41 +417,11 @@ def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
 
 
 # ------------------------------------------------------------------------------------------
-# auto's measurement: once per shape class, the kernel against the backend auto would pick
-# otherwise, on the call itself; the faster one is remembered for the process.
+# auto's measurement (``_measure.py``): once per shape class, the kernel against the backend
+# auto would pick otherwise, on the call itself; the faster one is remembered for the process.
 
 _MEASURED: dict[Hashable, bool] = {}
-_MARGIN = 0.9  # the kernel must be at least 10% faster: closer calls are noise
-
-
-def _shape_class(call: Call) -> Hashable:
-    b, h, h_kv, length_q, length_k, d = call.shape
-    bucket = lambda n: max(n, 1).bit_length()  # noqa: E731  powers of two
-    mask = None if call.mask is None else (type(call.mask).__name__, call.mask.structure_key)
-    bias = None if call.bias is None else (type(call.bias).__name__, call.bias.computed)
-    return (
-        str(call.query.device),
-        call.query.dtype,
-        bucket(b * h),
-        h // h_kv,
-        bucket(length_q),
-        bucket(length_k),
-        d,
-        call.value.shape[-1],
-        mask,
-        bias,
-        call.return_weights,
-        call.needs_grad,
-    )
-
-
-def _best_time(fn: Callable[[], object], repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+_best_time = _measure.best_time  # the clock (tests replace it)
 
 
 def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
@@ -461,45 +430,18 @@ def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
     Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
     dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
     times (forward only, or forward and backward when the call needs gradients), and the best
-    times are compared. Nothing is measured while the
-    automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not built.
+    times are compared; the kernel leads where it was at least 10% faster. Nothing is measured
+    while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not
+    built.
     """
-    if os.environ.get("MULTIHEAD_FUSED_AUTO", "1") == "0" or unsupported(call) is not None:
+    if _measure.switched_off("MULTIHEAD_FUSED_AUTO") or unsupported(call) is not None:
         return False
-    key = _shape_class(call)
-    if key not in _MEASURED:
-        mine, theirs = _timed(run, call), _timed(rival, call)
-        try:
-            mine(), theirs()
-        except NonFiniteInput:  # NaN in the inputs: measure on a later, cleaner call
-            return False
-        _MEASURED[key] = _best_time(mine) < _MARGIN * _best_time(theirs)
-    return _MEASURED[key]
+    return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
 
 
 def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
     # a stand-in GPU in tests keeps the CPU measurement out
     return call.device_type == "cpu" and measured_faster(call, rival)
-
-
-def _timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]:
-    """One run of ``backend`` as the caller will use it: forward only, or forward and backward
-    when the call needs gradients (on detached copies: the caller's .grad stays untouched)."""
-    if not call.needs_grad:
-
-        def forward() -> object:
-            with torch.no_grad():
-                return backend(call)
-
-        return forward
-    leaves = [t.detach().requires_grad_() for t in (call.query, call.key, call.value)]
-    trial = replace(call, query=leaves[0], key=leaves[1], value=leaves[2])
-
-    def step() -> object:
-        out = backend(trial)[0]
-        return torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-    return step
 
 
 BACKEND = Backend(

@@ -8,18 +8,31 @@ half-precision matmul. That is the naive formula's arithmetic in the input dtype
 is the naive formula's (the 2x rule of DESIGN.md). The backward pass recomputes each block's
 softmax from scratch (a block holds whole rows, so no log-sum-exp is needed), keeps those weights
 in float32 for the score gradient and accumulates the gradients in float32.
+
+When ``auto`` runs it: never from the CPU's instruction set alone. Native bf16/fp16 matmuls
+(AVX512-BF16 / AMX, AVX512-FP16 / AMX-FP16) make the kernel a candidate; it then leads only
+where it measured faster than the backend ``auto`` would otherwise run (``measured_faster``):
+once per shape class (device, dtype, B * H and L, S in powers of two, GQA groups, head dims,
+mask kind, gradients), on the first such call, each side warmed up and timed three times, the
+kernel at least 10% faster; the answer is kept for the process. (An Intel Xeon with
+AVX512-BF16 but no AMX runs bf16 matmuls at 0.6x its fp32 ones: there the kernel was 0.77x
+SDPA, and the measurement keeps ``auto`` on SDPA.) ``MULTIHEAD_HALF_AUTO=0`` turns the
+measurement off, and with it the kernel's lead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
+
 import torch
 from torch import Tensor
 
-from ._call import Call, exporting, repeat_kv
+from . import _measure
+from ._call import Call, repeat_kv
 from ._plan import Item, plan
-from .protocol import FALLBACK, FAVOURED, Backend, Capabilities, Rank
+from .protocol import FALLBACK, Backend, Capabilities, Rank
 
-__all__ = ["BACKEND", "ROWS", "fast", "rank", "run", "unsupported"]
+__all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run", "unsupported"]
 
 ROWS = 128  # query rows per block: see README "Performance" for the measurement
 
@@ -46,12 +59,9 @@ def unsupported(call: Call) -> str | None:
 
 
 def rank(call: Call) -> Rank:
-    if fast(call) and not exporting():
-        return Rank(
-            FAVOURED,
-            "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "
-            "instructions; torch's CPU flash kernel computes half inputs in float32",
-        )
+    # it leads only through ``measured``, where it ran faster on this machine
+    if fast(call):
+        return Rank(FALLBACK, "its half-precision kernel leads only where it measured faster")
     # without native half matmuls they are emulated: torch's float32 kernels are faster
     return Rank(FALLBACK + 5, "it computes half inputs with half-precision matmuls")
 
@@ -59,7 +69,8 @@ def rank(call: Call) -> Rank:
 def fast(call: Call) -> bool:
     """True when the kernel can run the call and this CPU has native half-precision matmuls
     (AVX512-BF16 / AMX for bf16, AVX512-FP16 / AMX-FP16 for fp16); without them the matmuls
-    are emulated and torch's float32 kernel is faster."""
+    are emulated and torch's float32 kernel is faster. Native is not fast enough to lead:
+    ``measured_faster`` decides that."""
     if unsupported(call) is not None:
         return False
     if call.query.dtype == torch.bfloat16:
@@ -173,4 +184,29 @@ def run(call: Call) -> tuple[Tensor, None]:
     return _output(call), None
 
 
-BACKEND = Backend(run=run, rank=rank, capabilities=_CAPABILITIES, unsupported=_no_bias)
+# auto's measurement (``_measure.py``), remembered per shape class for the process
+_MEASURED: dict[Hashable, bool] = {}
+_best_time = _measure.best_time  # the clock (tests replace it)
+
+
+def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
+    """True when the kernel ran at least 10% faster than ``rival`` (the backend ``auto`` would
+    otherwise run) on calls of this shape class on this machine; measured on the first such
+    call and remembered. Only CPUs with native half-precision matmuls are measured (``fast``);
+    nothing is measured with ``MULTIHEAD_HALF_AUTO=0``."""
+    if _measure.switched_off("MULTIHEAD_HALF_AUTO") or not fast(call):
+        return False
+    return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
+
+
+def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
+    return measured_faster(call, rival)
+
+
+BACKEND = Backend(
+    run=run,
+    rank=rank,
+    capabilities=_CAPABILITIES,
+    unsupported=_no_bias,
+    measured=_measured,
+)

@@ -5,11 +5,19 @@ Decoding one token per row reads every weight once per step (and each row's cach
 machine's memory bandwidth bounds both sides; the report states the bytes read per generated
 token and the bandwidth measured in the same run beside the tokens/s. Repeats alternate the
 order of the contenders; medians are reported, and the generated tokens must be identical.
+
+multihead runs three times: float32 weights, and weight-only ``"bf16"`` and ``"int8"``
+(``gpt2.load(..., weights=)``); each row gives tokens/s, the ratio to transformers' fp32
+``generate()``, the bytes its step reads per token and the GB/s that makes against the read
+bandwidth measured in the same run; the packed formats report how many of their tokens match
+the fp32 ones. ``quality(folder, text)`` measures the packed formats' held-out perplexity and
+top-1 agreement against fp32 on a trained model (``--model DIR --text FILE``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -20,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DecodeShape", "memory_bandwidth", "run_decode_bench"]
+__all__ = ["DecodeShape", "linear_bytes", "memory_bandwidth", "quality", "run_decode_bench"]
+
+FORMATS = (None, "bf16", "int8")  # gpt2.load(weights=...): fp32, then the packed formats
 
 
 @dataclass(frozen=True)
@@ -75,7 +85,31 @@ def _build(shape: DecodeShape, folder: Path):
     return theirs
 
 
-def _contenders(ours, theirs, ids: torch.Tensor, new: int) -> dict[str, Callable]:
+def linear_bytes(model) -> int:
+    """Bytes of the linear layers' weights (each matrix once, tied ones too): what a decoding
+    step reads for the whole batch (an embedding lookup reads one row per token)."""
+    from ..modules import quant
+
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, quant.PackedLinear):
+            tensors = [m.packed] + ([m.scale] if m.scale is not None else [])
+        elif isinstance(m, torch.nn.Linear):
+            tensors = [m.weight]
+        else:
+            continue
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _name(weights: str | None) -> str:
+    return "multihead fp32" if weights is None else f"multihead {weights} weights"
+
+
+def _contenders(models: dict, theirs, ids: torch.Tensor, new: int) -> dict[str, Callable]:
     mask = torch.ones_like(ids)
 
     def hf(**kw):
@@ -87,8 +121,9 @@ def _contenders(ours, theirs, ids: torch.Tensor, new: int) -> dict[str, Callable
 
         return call
 
+    ours = {_name(w): (lambda m=m: m.generate(ids, new)) for w, m in models.items()}
     return {
-        "multihead generate": lambda: ours.generate(ids, new),
+        **ours,
         "transformers generate (dynamic cache)": hf(),
         "transformers generate (static cache)": hf(cache_implementation="static"),
     }
@@ -100,81 +135,198 @@ def run_decode_bench(
     batch_sizes: tuple[int, ...] = (1, 8),
     shape: DecodeShape = DecodeShape(),
     out_dir: Path | str = "bench-results",
+    model: Path | str | None = None,
+    text: Path | str | None = None,
     say: Callable[[str], None] = print,
 ) -> dict:
-    """Time greedy generation for every batch size; write decode.json and decode.png."""
+    """Time greedy generation for every batch size and weight format; write decode.json and
+    decode.png. With ``model`` (a trained GPT-2/Llama folder) and ``text`` (held-out text), add
+    the packed formats' quality (``quality``)."""
     from ..models import gpt2
+    from .doctor import _cpuinfo
+    from .suite import matmul_peak
 
+    cpu = _cpuinfo()[0]
     bandwidth = memory_bandwidth()
+    size = 512 if shape.embed_dim < 256 else 1024
+    peaks = {
+        str(d).removeprefix("torch."): matmul_peak(d, size) for d in (torch.float32, torch.bfloat16)
+    }
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes about generation settings
         theirs = _build(shape, Path(tmp))
-        ours = gpt2.load(tmp)
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        models = {w: gpt2.load(tmp, weights=w) for w in FORMATS}
+    ours = models[None]
+    weight_bytes = {_name(w): linear_bytes(m) for w, m in models.items()}
+    hf_bytes = weight_bytes[_name(None)]
     cache_bytes = ours.new_cache(1).bytes_per_token
+    say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    say(
+        f"matmul peak fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; "
+        f"measured read bandwidth {bandwidth:.1f} GB/s"
+    )
     say(
         f"GPT-2-shaped random model: {shape.layers} layers, E={shape.embed_dim}, "
-        f"{shape.heads} heads, vocab {shape.vocab} ({weight_bytes / 1e6:.0f} MB of fp32 weights); "
-        f"prompt {shape.prompt}, {shape.new_tokens} new tokens, {repeats} interleaved repeats, "
-        f"{torch.get_num_threads()} threads"
+        f"{shape.heads} heads, vocab {shape.vocab} "
+        f"({hf_bytes / 1e6:.0f} MB of fp32 linear weights); "
+        f"prompt {shape.prompt}, {shape.new_tokens} new tokens, {repeats} interleaved repeats; "
+        f"KV cache {cache_bytes} bytes per token"
     )
-    say(f"measured read bandwidth {bandwidth:.1f} GB/s; KV cache {cache_bytes} bytes per token")
     g = torch.Generator().manual_seed(1)
-    results = []
-    for b in batch_sizes:
-        ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
-        contenders = _contenders(ours, theirs, ids, shape.new_tokens)
-        names = list(contenders)
-        outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                start = time.perf_counter()
-                contenders[name]()
-                times[name].append(time.perf_counter() - start)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        tokens = b * shape.new_tokens
-        # a step reads every weight once for the whole batch, plus each row's cache
-        mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
-        per_step = weight_bytes + b * mean_keys * cache_bytes
-        row = {
-            "batch": b,
-            "median_s": med,
-            "times_s": times,
-            "tokens_per_s": {name: tokens / t for name, t in med.items()},
-            "speedup_vs": {name: med[name] / med[names[0]] for name in names[1:]},
-            "identical_tokens": {
-                name: bool(torch.equal(outputs[name], outputs[names[0]])) for name in names[1:]
-            },
-            "bytes_read_per_token": per_step / b,
-            "bandwidth_bound_tokens_per_s": bandwidth * 1e9 / (per_step / b),
-        }
-        results.append(row)
-        say(
-            f"\nB={b}: {per_step / b / 1e6:.1f} MB read per generated token; the bandwidth "
-            f"allows at most {row['bandwidth_bound_tokens_per_s']:.0f} tokens/s"
+    results = [
+        _time_batch(
+            b,
+            models,
+            theirs,
+            shape,
+            repeats,
+            g,
+            weight_bytes,
+            hf_bytes,
+            cache_bytes,
+            bandwidth,
+            say,
         )
-        for name in names:
-            extra = ""
-            if name != names[0]:
-                same = "identical tokens" if row["identical_tokens"][name] else "TOKENS DIFFER"
-                extra = f"  multihead at {row['speedup_vs'][name]:.2f}x its tokens/s, {same}"
-            say(f"  {name:40} {row['tokens_per_s'][name]:7.1f} tokens/s{extra}")
+        for b in batch_sizes
+    ]
     report = {
         "command": "multihead bench decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
+        "cpu": cpu,
         "shape": shape.__dict__,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "bandwidth_gb_s": bandwidth,
+        "matmul_peak_gflops": peaks,
         "weight_bytes": weight_bytes,
         "kv_cache_bytes_per_token": cache_bytes,
         "results": results,
     }
+    if model is not None and text is not None:
+        report["quality"] = quality(model, text, say=say)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(report, indent=2))
     chart = _chart(report, out / "decode.png")
     say(f"\nwrote {out / 'decode.json'}" + (f" and {chart}" if chart else ""))
+    return report
+
+
+def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, cache_bytes,
+                bandwidth, say) -> dict:  # fmt: skip
+    ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
+    contenders = _contenders(models, theirs, ids, shape.new_tokens)
+    names = list(contenders)
+    outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    tokens = b * shape.new_tokens
+    # a step reads every weight once for the whole batch, plus each row's cache
+    mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
+    per_token = {
+        name: (weight_bytes.get(name, hf_bytes) + b * mean_keys * cache_bytes) / b for name in names
+    }
+    rate = {name: tokens / t for name, t in med.items()}
+    hf = "transformers generate (dynamic cache)"
+    fp32 = outputs[_name(None)]
+    row = {
+        "batch": b,
+        "median_s": med,
+        "times_s": times,
+        "tokens_per_s": rate,
+        "vs_transformers": {name: rate[name] / rate[hf] for name in names},
+        "bytes_read_per_token": per_token,
+        "gb_per_s": {name: per_token[name] * rate[name] / 1e9 for name in names},
+        "bandwidth_bound_tokens_per_s": bandwidth * 1e9 / per_token[_name(None)],
+        "fraction_of_bandwidth": {
+            name: per_token[name] * rate[name] / 1e9 / bandwidth for name in names
+        },
+        # fp32 against transformers must be identical; packed formats: the share of tokens
+        # equal to fp32's (a different token early changes every later one)
+        "identical_tokens": {
+            name: bool(torch.equal(outputs[name], fp32))
+            for name in names
+            if name.startswith("transformers")
+        },
+        "tokens_equal_to_fp32": {
+            name: float((outputs[name] == fp32).float().mean()) for name in names
+        },
+    }
+    _say_row(row, bandwidth * 1e9 / per_token[_name(None)], say)
+    return row
+
+
+def _say_row(row: dict, bound: float, say: Callable[[str], None]) -> None:
+    """The lines of one batch size: the bandwidth's bound, then every contender."""
+    say(f"\nB={row['batch']}: the bandwidth allows at most {bound:.0f} fp32 tokens/s")
+    for name, rate in row["tokens_per_s"].items():
+        extra = f"  {row['vs_transformers'][name]:.2f}x transformers"
+        extra += f", {row['gb_per_s'][name]:.1f} GB/s = {row['fraction_of_bandwidth'][name]:.0%}"
+        if name in row["identical_tokens"]:
+            same = row["identical_tokens"][name]
+            extra += ", identical tokens" if same else ", TOKENS DIFFER from multihead fp32"
+        elif name != _name(None):
+            extra += f", {row['tokens_equal_to_fp32'][name]:.0%} of tokens equal fp32's"
+        say(f"  {name:40} {rate:7.1f} tokens/s{extra}")
+
+
+def quality(
+    folder: Path | str,
+    text: Path | str,
+    *,
+    formats: tuple[str, ...] = ("bf16", "int8"),
+    max_tokens: int = 8192,
+    say: Callable[[str], None] = print,
+) -> dict:
+    """Held-out perplexity of a trained decoder in fp32 and with each packed weight format,
+    and the share of positions where the format's most likely next token is fp32's.
+
+    Args:
+        folder: a GPT-2 or Llama folder with ``tokenizer.json`` (``multihead train lm``).
+        text: a UTF-8 text file the model was not trained on.
+        formats: the ``weights=`` values to compare with fp32.
+        max_tokens: tokens of the text used at most (windows of the model's positions, 256
+            at most).
+
+    Returns:
+        {"tokens": n, "fp32": {"perplexity": p}, "int8": {"perplexity": p,
+        "perplexity_vs_fp32": ratio, "top1_agreement": share}, ...}
+    """
+    from ..models import families
+
+    body = Path(text).read_text(encoding="utf-8")
+    base = families.load(folder)
+    if getattr(base, "tokenizer", None) is None:
+        raise ValueError(f"{folder} has no tokenizer.json; quality needs one. Received: {folder}")
+    ids = torch.tensor(base.tokenizer.encode(body).ids[:max_tokens])
+    window = min(256, base.max_positions or 256)
+    if ids.numel() < 2:
+        raise ValueError(f"{text} holds fewer than 2 tokens. Received: {ids.numel()} tokens")
+    chunks = [ids[i : i + window] for i in range(0, ids.numel() - 1, window)]
+    chunks = [c for c in chunks if c.numel() > 1]
+
+    def scores(model):
+        nll, top, n = 0.0, [], 0
+        with torch.inference_mode():
+            for c in chunks:
+                logits = model(c[None])[0, :-1].double()
+                nll += float(torch.nn.functional.cross_entropy(logits, c[1:], reduction="sum"))
+                top.append(logits.argmax(-1))
+                n += c.numel() - 1
+        return math.exp(nll / n), torch.cat(top), n
+
+    ppl, top, n = scores(base)
+    report: dict = {"tokens": n, "fp32": {"perplexity": ppl}}
+    say(f"\nquality on {n} held-out tokens of {text}: fp32 perplexity {ppl:.3f}")
+    for w in formats:
+        p, t, _ = scores(families.load(folder, weights=w))
+        agree = float((t == top).double().mean())
+        report[w] = {"perplexity": p, "perplexity_vs_fp32": p / ppl, "top1_agreement": agree}
+        say(f"  {w} weights: perplexity {p:.3f} ({p / ppl - 1:+.2%}), top-1 agreement {agree:.2%}")
     return report
 
 

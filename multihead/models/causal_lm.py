@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..modules import KVCache, MultiHeadAttention, TransformerDecoder
+from ..modules import KVCache, MultiHeadAttention, TransformerDecoder, quant
 from ..modules.decoder import DecoderOutput
 
 __all__ = ["CausalLM", "CausalLMOutput", "decode_layout", "filter_top_k", "filter_top_p"]
@@ -72,7 +72,8 @@ def decode_layout(model: nn.Module) -> None:
     non-contiguous: call ``.contiguous()`` before writing them with safetensors.
     """
     replaced: dict[int, nn.Parameter] = {}
-    weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    # plain nn.Linear only: a RowsLinear (modules/quant.py) reads its weight as (out, in) rows
+    weights = {id(m.weight) for m in model.modules() if type(m) is nn.Linear}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or id(param) not in weights:
@@ -101,6 +102,7 @@ def load_checkpoint(
     names: Callable[[Any, bool], dict[str, Any]],
     unused_suffixes: tuple[str, ...],
     dtype: torch.dtype,
+    weights: str | None = None,
 ) -> Any:
     """The loading sequence gpt2.load and llama.load share: read and validate config.json and
     the tokenizer (when present); check the config against the weights' header (names,
@@ -108,9 +110,12 @@ def load_checkpoint(
     config allocates nothing; then build the model, read the weights and assign them with
     ``names(config, tied)`` (never a partial load; ``unused_suffixes`` and a tied output layer
     saved anyway are the only tensors allowed to be left over), then eval mode in the
-    decoding layout with ``.tokenizer`` and ``.path`` set."""
+    decoding layout with ``.tokenizer`` and ``.path`` set: float32 linear layers become
+    ``RowsLinear`` (few-row products on every core), or ``PackedLinear`` with ``weights``
+    "bf16" / "int8" (``modules/quant.py``)."""
     from .. import checkpoint
 
+    check_weights(weights, dtype)
     folder = checkpoint.model_folder(path)
     config = config_cls.from_dict(checkpoint.read_config(folder))
     tokenizer = checkpoint.read_tokenizer(folder, required=False)
@@ -129,9 +134,26 @@ def load_checkpoint(
     model = model_cls(config)
     checkpoint.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
+    if dtype == torch.float32:
+        quant.pack_linears(model, weights)
     decode_layout(model)
     model.tokenizer, model.path = tokenizer, folder
     return model
+
+
+def check_weights(weights: str | None, dtype: torch.dtype) -> None:
+    """Refuse a ``weights=`` value that is not None, "bf16" or "int8", or one combined with a
+    ``dtype`` other than float32 (packed weights take float32 activations)."""
+    if weights is not None and weights not in quant.WEIGHT_FORMATS:
+        raise ValueError(
+            "weights must be None (the weights in dtype), 'bf16' or 'int8' (weight-only formats "
+            f"for the linear layers, float32 activations). Received: weights={weights!r}"
+        )
+    if weights is not None and dtype != torch.float32:
+        raise ValueError(
+            f"weights={weights!r} packs the linear layers for float32 activations; pass "
+            f"dtype=torch.float32 (the default) with it. Received: dtype={dtype}"
+        )
 
 
 class CausalLM(nn.Module):
@@ -164,10 +186,17 @@ class CausalLM(nn.Module):
     def _attention(self) -> MultiHeadAttention:
         return self.decoder.layers[0].self_attn
 
+    @property
+    def _activations(self) -> Tensor:
+        """A parameter in the activations' dtype and device: the final norm's weight (the
+        output layer may hold packed bf16/int8 weights, whose ``.weight`` dequantizes)."""
+        norm = self.decoder.norm
+        return norm.weight if norm is not None else self.lm_head.weight
+
     def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
         """An empty ``KVCache`` for this model (its layers, H_kv, D, dtype and device);
         ``max_length=None`` grows on demand."""
-        attn, weight = self._attention, self.lm_head.weight
+        attn, weight = self._attention, self._activations
         return KVCache(
             len(self.decoder.layers),
             batch_size,
@@ -260,7 +289,7 @@ class CausalLM(nn.Module):
         """Refuse, before allocating anything, a generation whose KV cache (preallocated for
         ``total`` tokens per row) and token buffers would not fit in the memory free on the
         model's device."""
-        attn, weight = self._attention, self.lm_head.weight
+        attn, weight = self._attention, self._activations
         layers = len(self.decoder.layers)
         itemsize = weight.element_size()
         d, d_v = attn.head_dim, attn.value_head_dim
@@ -652,6 +681,7 @@ def register_family(
 
     def build(args: dict[str, Any]) -> CausalLM:
         model = cls(config_cls.from_dict(args["config"], source="config.json model.args"))
+        quant.pack_linears(model, None)
         decode_layout(model)
         return model.eval()
 

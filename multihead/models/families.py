@@ -70,28 +70,36 @@ def _loader(model_type: str) -> Loader | None:
     return _LOADERS.get(model_type)
 
 
-def load(folder: str | Path | None = None) -> Any:
+def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any:
     """The model in ``folder``, by its config.json: a folder written by ``multihead.save``
     (``format_version``) loads as ``multihead.io.load`` does; otherwise ``model_type`` picks
     the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
     tokenizer, when the folder has one; or a family added with ``register``). None: the
-    default BERT model, all-MiniLM-L6-v2 from its package.
+    default BERT model, all-MiniLM-L6-v2 from its package. ``weights`` ("bf16", "int8") is
+    handed to the decoder families' loaders (``gpt2.load``, ``llama.load``): weight-only
+    formats for their linear layers.
 
     Raises:
         FileNotFoundError: the folder, its config.json or its weights are missing.
         ValueError: config.json is not a JSON object, has neither ``format_version`` nor
             ``model_type``, or names a ``model_type`` no family opens (the message names it and
-            the supported ones); or the family's loader refuses the folder (named).
+            the supported ones); or the family's loader refuses the folder (named);
+            ``weights`` given for a model that is not a GPT-2 or Llama decoder, or not None,
+            "bf16" or "int8".
     """
     from .. import checkpoint, io
     from . import kinds
 
+    if weights is not None and weights not in _WEIGHT_FORMATS:
+        raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
     if folder is None:  # the default model, MiniLM, is the BERT family's to find
+        _no_weights(weights, "the default model (BERT)")
         return importlib.import_module(_BUILTIN["bert"]).load(None)
     path = Path(folder)
     config = checkpoint.read_config(path) if (path / io.CONFIG).is_file() else {}
     model_type = config.get("model_type")
     if "format_version" in config or not isinstance(model_type, str):
+        _no_weights(weights, "a multihead.save folder")
         return io.load(path)  # a multihead.save folder, or io.load names what is missing
     loader = _loader(model_type)
     if loader is None:
@@ -102,4 +110,19 @@ def load(folder: str | Path | None = None) -> Any:
             "multihead.save folders (add a family with multihead.models.register(model_type, "
             f"loader)). Received: {found.received}"
         )
-    return loader(path)
+    if weights is None:
+        return loader(path)
+    _no_weights(weights if model_type not in _DECODERS else None, f"model_type {model_type!r}")
+    return loader(path, weights=weights)
+
+
+_WEIGHT_FORMATS = ("bf16", "int8")
+_DECODERS = ("gpt2", "llama")  # the families whose loaders take weights=
+
+
+def _no_weights(weights: str | None, what: str) -> None:
+    if weights is not None:
+        raise ValueError(
+            f"weights= packs the linear layers of the GPT-2 and Llama decoders; {what} takes "
+            f"none. Received: weights={weights!r}"
+        )

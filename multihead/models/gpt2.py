@@ -158,20 +158,28 @@ def _hf_names(config: GPT2Config, tied: bool) -> dict[str, Any]:
     return names
 
 
-def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
+def load(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, weights: str | None = None
+) -> GPT2:
     """Load a GPT-2 model folder (``config.json``, ``model.safetensors`` or
     ``pytorch_model.bin``, and ``tokenizer.json`` when present).
 
     Args:
         path: the folder, as written by transformers' ``save_pretrained``.
         dtype: parameter dtype.
+        weights: None (the linear layers in ``dtype``), or a weight-only format for the
+            linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
+            quarter; one float32 scale per output channel). Decoding reads every weight once
+            per token, so fewer bytes decode faster; the cost in quality is measured by
+            ``multihead.bench.decode.quality``. Needs ``dtype=torch.float32``.
 
     Returns:
         A ``GPT2`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights are missing.
-        ValueError: a config value we do not implement (the field is named), an empty or
+        ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
+            than float32), a config value we do not implement (the field is named), an empty or
             corrupt file (the file is named), or weights that do not fit the config (missing,
             misshapen or left-over tensors: never a partial load).
     """
@@ -183,6 +191,7 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> GPT2:
         names=_hf_names,
         unused_suffixes=_UNUSED_SUFFIXES,
         dtype=dtype,
+        weights=weights,
     )
 
 

@@ -185,19 +185,27 @@ def _hf_names(config: LlamaConfig, tied: bool) -> dict[str, str]:
     return names
 
 
-def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
+def load(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, weights: str | None = None
+) -> Llama:
     """Load a Llama model folder (``config.json``, weights, ``tokenizer.json`` when present).
 
     Args:
         path: the folder, as written by transformers' ``save_pretrained``.
         dtype: parameter dtype (checkpoints stored in bf16 are converted).
+        weights: None (the linear layers in ``dtype``), or a weight-only format for the
+            linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
+            quarter; one float32 scale per output channel). Decoding reads every weight once
+            per token, so fewer bytes decode faster; the cost in quality is measured by
+            ``multihead.bench.decode.quality``. Needs ``dtype=torch.float32``.
 
     Returns:
         A ``Llama`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights are missing.
-        ValueError: a config value we do not implement (the field is named), an empty or
+        ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
+            than float32), a config value we do not implement (the field is named), an empty or
             corrupt file (the file is named), or weights that do not fit the config (missing,
             misshapen or left-over tensors: never a partial load).
     """
@@ -209,6 +217,7 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Llama:
         names=_hf_names,
         unused_suffixes=_UNUSED_SUFFIXES,
         dtype=dtype,
+        weights=weights,
     )
 
 

@@ -237,7 +237,8 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(merge_heads(result))
 
     def _check_dtype(self, name: str, t: Tensor) -> None:
-        want = self.q_proj.weight.dtype
+        # packed bf16/int8 projections (modules/quant.py) say their activations' dtype
+        want = getattr(self.q_proj, "compute_dtype", None) or self.q_proj.weight.dtype
         if not t.is_floating_point():
             raise TypeError(
                 f"{name} must be a floating-point (B, L, E) tensor of embeddings; token ids go "

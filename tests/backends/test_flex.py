@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 import multihead as mh
 from multihead import bias as mb
 from multihead import masks
-from multihead.backends import Call, flex
+from multihead.backends import Call, flex, half
 from multihead.masks import TileKind
 
 FP32_OUT = 1e-5  # DESIGN.md: float32 outputs within 1e-5 of the float64 reference
@@ -417,7 +417,7 @@ def _choose(length, mask, *, bias=None, grad=False, dtype=torch.float32):
     return mh.explain_backend(q, k, v, mask, bias=bias)
 
 
-def test_auto_picks_flex_on_cpu_only_where_it_measured_faster():
+def test_auto_picks_flex_on_cpu_only_where_it_measured_faster(monkeypatch):
     window = masks.sliding_window(256)
     choice = _choose(4096, window)
     assert choice.backend == "flex"
@@ -428,9 +428,11 @@ def test_auto_picks_flex_on_cpu_only_where_it_measured_faster():
     assert _choose(4096, masks.sliding_window(2048)).backend == "tiled"
     assert _choose(4096, masks.sliding_window(256, 256)).backend == "flex"
     assert _choose(4096, masks.sliding_window(256, 257)).backend == "tiled"
-    # bf16: the half kernel where this CPU has native bf16 matmuls, else tiled
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert _choose(4096, window, dtype=torch.bfloat16).backend == ("half" if native else "tiled")
+    # bf16: tiled, or the half kernel where it measured faster than tiled (both ways here)
+    for faster in (False, True):
+        monkeypatch.setattr(half, "measured_faster", lambda call, rival, f=faster: f)
+        chosen = _choose(4096, window, dtype=torch.bfloat16).backend
+        assert chosen == ("half" if faster else "tiled")
     assert _choose(4096, window, bias=mb.alibi(2)).backend == "tiled"
     assert _choose(4096, masks.causal()).backend == "sdpa"
     assert _choose(4096, masks.lengths(torch.tensor([3000]))).backend == "tiled"

@@ -40,18 +40,63 @@ def test_half_kernel_says_what_it_cannot_run():
     assert "bias rule" in half.unsupported(prepare(q, k, v, None, bias, None, 0.0, False))
 
 
+@pytest.fixture
+def measuring(monkeypatch):
+    """auto's measurement of the half kernel turned on, with a clock that returns the times the
+    test appends (the half kernel's, then its rival's) after running what it times."""
+    monkeypatch.setenv("MULTIHEAD_HALF_AUTO", "1")
+    monkeypatch.setattr(half, "_MEASURED", {})
+    times: list[float] = []
+    monkeypatch.setattr(half, "_best_time", lambda fn, repeats=3: (fn(), times.pop(0))[1])
+    return times
+
+
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_uses_it_only_with_native_half_matmuls(monkeypatch, native):
+def test_auto_runs_it_only_where_it_measured_faster(monkeypatch, measuring, native):
+    """Before, auto ran it wherever the CPU had native bf16 matmuls: on an Intel Xeon with
+    AVX512-BF16 and no AMX that was 0.77x SDPA."""
     import multihead as mh
     from multihead import masks
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
     q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
-    for mask in (None, masks.causal()):
-        choice = mh.explain_backend(q, k, v, mask)
-        assert choice.backend == ("half" if native else "sdpa")
-        if native:
-            assert "half-precision kernel runs the matmuls in bf16/fp16" in choice.reasons["sdpa"]
-    # weights and biases stay on the float32 paths
+    if native:
+        measuring += [1.0, 2.0]  # half, then sdpa (auto's choice without it): half leads
+    choice = mh.explain_backend(q, k, v)
+    assert choice.backend == ("half" if native else "sdpa")
+    if native:
+        assert "measured faster than sdpa on this machine" in choice.reasons["sdpa"]
+        assert mh.explain_backend(q, k, v).backend == "half"  # remembered: not measured again
+        measuring += [1.95, 2.0]  # causal is another class; 2.5% faster is noise
+    assert mh.explain_backend(q, k, v, masks.causal()).backend == "sdpa"
+    assert measuring == []  # without native matmuls nothing is measured
+    # weights and biases stay on the float32 paths, unmeasured
     assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
     assert not half.fast(prepare(q, k, v, None, torch.zeros(8, 8), None, 0.0, False))
+
+
+def test_auto_measures_nothing_when_turned_off(monkeypatch, measuring):
+    import multihead as mh
+
+    monkeypatch.setenv("MULTIHEAD_HALF_AUTO", "0")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
+    assert mh.explain_backend(q, k, v).backend == "sdpa"
+    assert half._MEASURED == {}
+
+
+def test_the_measurement_times_the_real_backends(monkeypatch):
+    """The real clock on a real call: the answer is a bool kept under the call's shape class,
+    and the choice follows it."""
+    import multihead as mh
+    from multihead.backends import _measure
+
+    monkeypatch.setenv("MULTIHEAD_HALF_AUTO", "1")
+    monkeypatch.setattr(half, "_MEASURED", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    q, k, v = qkv(1, 2, 2, 16, 16, 8, dtype=torch.bfloat16)
+    chosen = mh.explain_backend(q, k, v).backend
+    call = prepare(q, k, v, None, None, None, 0.0, False)
+    (answer,) = half._MEASURED.values()
+    assert list(half._MEASURED) == [_measure.shape_class(call)]
+    assert chosen == ("half" if answer else "sdpa")

@@ -18,9 +18,9 @@ from multihead import masks
 from multihead.backends import half
 from multihead.backends._call import prepare
 
-# "auto" takes the half kernel where this CPU has native bf16/fp16 matmuls; "..._other_cpu"
-# runs as on CPUs without (auto on sdpa); "tiled" computes half inputs in float32 everywhere
-# and "half" is the half kernel everywhere
+# "auto" runs what it picks here (sdpa: the half kernel's measured lead is off in tests);
+# "..._other_cpu" runs as on CPUs without native bf16/fp16 matmuls; "tiled" computes half
+# inputs in float32 everywhere and "half" is the half kernel everywhere
 PATHS = ["tiled", "tiled_other_cpu", "half", "auto", "auto_other_cpu", "sdpa"]
 
 

@@ -290,15 +290,20 @@ def test_weights_and_hidden_states_equal_transformers(pair):
 
 
 def test_decode_layout_keeps_values_and_ties(pair):
-    """Loaded decoders store linear weights (in, out)-contiguous for one-row products; the
-    parameters keep their shapes, values and tying, and give the same logits (to rounding) as
-    the usual layout."""
+    """Loaded fp32 decoders run their one-row products on the multi-core kernel
+    (``RowsLinear``, modules/quant.py), which reads (out, in)-contiguous weights (the (in, out)
+    layout of ``decode_layout`` served the BLAS's one-core product before); the parameters keep
+    their shapes, values and tying, and give the same logits (to rounding) and tokens as
+    plain ``nn.Linear`` layers."""
+    from multihead.modules.quant import RowsLinear
+
     kind, ours, _ = pair
     fresh = type(ours)(ours.config).eval()
     fresh.load_state_dict({k: v.contiguous() for k, v in ours.state_dict().items()})
-    q = ours.decoder.layers[0].self_attn.q_proj.weight
-    assert q.shape == (32, 32) and q.stride() == (1, 32)
-    assert fresh.decoder.layers[0].self_attn.q_proj.weight.stride() == (32, 1)
+    attn = ours.decoder.layers[0].self_attn
+    assert type(attn.q_proj) is RowsLinear and type(ours.lm_head) is RowsLinear
+    assert attn.q_proj.weight.shape == (32, 32) and attn.q_proj.weight.stride() == (32, 1)
+    assert type(fresh.decoder.layers[0].self_attn.q_proj) is torch.nn.Linear
     if kind == "gpt2":
         assert ours.lm_head.weight is ours.wte.weight  # still tied
     ids, lengths = pad(ROWS, "right")

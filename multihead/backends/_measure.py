@@ -1,0 +1,109 @@
+"""``auto``'s measured choice, shared by the backends that lead only where they ran faster.
+
+A backend whose speed depends on the machine more than on the call (the fused C++ kernel, the
+half-precision kernel) does not lead from a rule about CPU flags: the first call of each shape
+class times it against the backend ``auto`` would otherwise run, on that call itself, and the
+answer is kept for the process. A shape class is (device, dtype, B * H and L, S in powers of
+two, GQA groups, head dims, mask and bias kind, weights, gradients). Each side runs once to warm
+up, then three times (forward only, or forward and backward when the call needs gradients);
+the candidate leads where its best time is at least 10% below the rival's (closer is noise).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import replace
+
+import torch
+
+from ._call import Call
+from ._nonfinite import NonFiniteInput
+
+__all__ = ["MARGIN", "best_time", "faster", "shape_class", "switched_off", "timed"]
+
+MARGIN = 0.9  # the candidate must be at least 10% faster: closer calls are noise
+
+
+def switched_off(variable: str) -> bool:
+    """True when the environment variable ``variable`` is "0" (measurement turned off)."""
+    return os.environ.get(variable, "1") == "0"
+
+
+def shape_class(call: Call) -> Hashable:
+    """The key a measurement is remembered under: calls with equal keys run alike."""
+    b, h, h_kv, length_q, length_k, d = call.shape
+    bucket = lambda n: max(n, 1).bit_length()  # noqa: E731  powers of two
+    mask = None if call.mask is None else (type(call.mask).__name__, call.mask.structure_key)
+    bias = None if call.bias is None else (type(call.bias).__name__, call.bias.computed)
+    return (
+        str(call.query.device),
+        call.query.dtype,
+        bucket(b * h),
+        h // h_kv,
+        bucket(length_q),
+        bucket(length_k),
+        d,
+        call.value.shape[-1],
+        mask,
+        bias,
+        call.return_weights,
+        call.needs_grad,
+    )
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The shortest of ``repeats`` wall-clock runs of ``fn``, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def timed(backend: Callable[[Call], tuple], call: Call) -> Callable[[], object]:
+    """One run of ``backend`` as the caller will use it: forward only, or forward and backward
+    when the call needs gradients (on detached copies: the caller's .grad stays untouched)."""
+    if not call.needs_grad:
+
+        def forward() -> object:
+            with torch.no_grad():
+                return backend(call)
+
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (call.query, call.key, call.value)]
+    trial = replace(call, query=leaves[0], key=leaves[1], value=leaves[2])
+
+    def step() -> object:
+        out = backend(trial)[0]
+        return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    return step
+
+
+def faster(
+    cache: dict[Hashable, bool],
+    call: Call,
+    mine: Callable[[Call], tuple],
+    rival: Callable[[Call], object],
+    *,
+    clock: Callable[[Callable[[], object]], float] = best_time,
+) -> bool:
+    """True when ``mine`` ran faster than ``rival`` on calls of ``call``'s shape class.
+
+    Measured on the first call of the class (a warm-up run each, then ``clock`` times
+    ``mine`` and then ``rival``) and remembered in ``cache``. Inputs holding NaN or ±inf
+    (a backend that checks as it reads raises ``NonFiniteInput``) measure nothing: a later,
+    cleaner call of the class does.
+    """
+    key = shape_class(call)
+    if key not in cache:
+        first, second = timed(mine, call), timed(rival, call)
+        try:
+            first(), second()
+        except NonFiniteInput:
+            return False
+        cache[key] = clock(first) < MARGIN * clock(second)
+    return cache[key]

@@ -1,0 +1,249 @@
+"""Linear layers for decoding: few-row products on every core, and weight-only bf16 / int8.
+
+Decoding multiplies one row per sequence by every weight matrix of the model, so a step reads
+all the weights once and does two flops per weight read: the memory bandwidth bounds it. A
+BLAS runs such a product as a matrix-vector product on one core; ``rows_linear`` (a small C++
+kernel, ``csrc/rows_linear.cpp``, built on first use into the same per-user cache as the fused
+attention kernel) splits the output channels over torch's intra-op pool, so every core
+streams its share, and reads weights stored as float32, bfloat16 or int8 (converted to float32
+in registers; activations and sums stay float32).
+
+* ``RowsLinear``: an ``nn.Linear`` (same parameters, state dict and gradients) whose
+  products of at most ``MAX_ROWS`` rows, outside autograd and outside traced graphs, run on
+  the kernel. Everything else runs on ``F.linear``.
+* ``PackedLinear``: weight-only ``"bf16"`` (rounded to nearest) or ``"int8"`` (symmetric, one
+  float32 scale per output channel: scale = max |w| / 127 over the channel's inputs). It holds
+  no float32 weight; ``.weight`` dequantizes on access. Products of more rows (a prompt)
+  dequantize the weight and run on ``F.linear``.
+
+Where the kernel cannot be built (no compiler) both fall back to ``F.linear`` on the same
+numbers (``PackedLinear`` dequantizing each call): slower, never different beyond rounding.
+``MULTIHEAD_ROWS_KERNEL=0`` turns the kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "MAX_ROWS",
+    "WEIGHT_FORMATS",
+    "PackedLinear",
+    "RowsLinear",
+    "dequantize_int8",
+    "kernel_error",
+    "pack_linears",
+    "quantize_int8",
+    "rows_linear",
+]
+
+# products of this many rows at most run on the kernel: one row per call (batch 1 decoding).
+# At 8 rows the kernel measured 0.4-0.5x MKL's fp32 GEMM on GPT-2-small shapes (2-core Xeon),
+# so batches run on F.linear (PackedLinear dequantizing first); the kernel takes up to 16
+MAX_ROWS = 1
+WEIGHT_FORMATS = ("bf16", "int8")
+_SOURCE = Path(__file__).parent / "csrc" / "rows_linear.cpp"
+
+_module = None
+_error: str | None = None
+
+
+def _build():
+    """The compiled kernel module (built on first use); raises RuntimeError with the reason."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise RuntimeError(_error)
+    if os.environ.get("MULTIHEAD_ROWS_KERNEL", "1") == "0":
+        _error = "turned off by MULTIHEAD_ROWS_KERNEL=0"
+        raise RuntimeError(_error)
+    from ..backends import fused
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        _error = f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX)"
+        raise RuntimeError(_error)
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-fopenmp", *fused._NATIVE]  # at::parallel_for is OpenMP here
+        h = hashlib.sha256(_SOURCE.read_bytes())
+        h.update(" ".join([*flags, torch.__version__, fused._cpu_signature()]).encode())
+        name = f"multihead_rows_{h.hexdigest()[:16]}"
+        folder = fused.build_dir() / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob(f"{name}*.so")):
+            print(
+                f"multihead: building the decoding kernel for this machine into {folder} "
+                "(once, under a minute; MULTIHEAD_ROWS_KERNEL=0 turns it off)",
+                file=sys.stderr,
+                flush=True,
+            )
+        _module = cpp_extension.load(
+            name,
+            [str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except Exception as e:  # any toolchain failure: F.linear still runs every product
+        _error = f"the decoding kernel could not be built: {fused._first_error(e)}"
+        raise RuntimeError(_error) from e
+    return _module
+
+
+def kernel_error() -> str | None:
+    """None when the few-row kernel is built (building it now if needed), else why not."""
+    try:
+        _build()
+    except RuntimeError:
+        return _error
+    return None
+
+
+def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
+    """``x @ (weight * scale[:, None]).T + bias`` on the kernel: x float32 (M, K), weight
+    (N, K) float32 / bfloat16 / int8, scale and bias float32 (N,) or None. Raises
+    RuntimeError when the kernel cannot be built."""
+    empty = x.new_empty(0)
+    return _build().rows_linear(
+        x, weight, empty if scale is None else scale, empty if bias is None else bias
+    )
+
+
+def _kernel_fits(x: Tensor) -> bool:
+    """The call may run on the kernel: few float32 CPU rows, no autograd, nothing traced."""
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.numel() > MAX_ROWS * x.shape[-1]
+        or torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or torch.onnx.is_in_onnx_export()
+    ):
+        return False
+    return kernel_error() is None
+
+
+def _on_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class RowsLinear(nn.Linear):
+    """``nn.Linear`` whose products of at most ``MAX_ROWS`` rows, outside autograd, run on the
+    multi-core few-row kernel (see the module docstring); the weight stays the usual (out, in)
+    contiguous float32 parameter."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight.dtype == torch.float32 and _kernel_fits(x):
+            return _on_kernel(x, self.weight, None, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-channel int8: (q int8 (N, K), scale float32 (N,)) with
+    weight ~ q * scale[:, None], scale = max |w| / 127 per row (1 for an all-zero row); the
+    rounding error of an entry is at most scale / 2."""
+    w = weight.detach().to(torch.float32)
+    peak = w.abs().amax(dim=1)
+    scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """The float32 matrix ``q * scale[:, None]``."""
+    return q.to(torch.float32) * scale[:, None]
+
+
+class PackedLinear(nn.Module):
+    """A linear layer with weight-only ``"bf16"`` or ``"int8"`` weights and float32
+    activations (see the module docstring).
+
+    Attributes:
+        packed: (out, in) bfloat16 or int8 buffer.
+        scale: (out,) float32 per-channel scales for int8, else None.
+        bias: float32 (out,) parameter or None.
+        weights: "bf16" or "int8".
+    """
+
+    def __init__(self, linear: nn.Linear, weights: str) -> None:
+        super().__init__()
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be 'bf16' or 'int8'. Received: weights={weights!r}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weights = weights
+        w = linear.weight.detach()
+        if weights == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("packed", q)
+            self.register_buffer("scale", scale)
+        else:
+            self.register_buffer("packed", w.to(torch.bfloat16).contiguous())
+            self.register_buffer("scale", None)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone())
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the activations it takes and returns: float32."""
+        return torch.float32
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized float32 (out, in) weight, computed on every access."""
+        if self.scale is None:
+            return self.packed.to(torch.float32)
+        return dequantize_int8(self.packed, self.scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(
+                f"a layer with {self.weights} weights takes float32 activations; load the model "
+                f"with dtype=torch.float32. Received: input dtype {x.dtype}"
+            )
+        if _kernel_fits(x):
+            return _on_kernel(x, self.packed, self.scale, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weights={self.weights!r}"
+        )
+
+
+def pack_linears(model: nn.Module, weights: str | None) -> nn.Module:
+    """Replace, in place, every plain float32 ``nn.Linear`` of ``model`` by a ``RowsLinear``
+    (``weights=None``: same parameters, tying kept) or a ``PackedLinear`` (``"bf16"``,
+    ``"int8"``). Other layers (embeddings, norms) stay as they are; returns ``model``."""
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+                continue
+            if weights is None:
+                new = RowsLinear.__new__(RowsLinear)
+                new.__dict__ = child.__dict__  # the same parameters, not copies (tying holds)
+                with torch.no_grad():
+                    if not child.weight.is_contiguous():
+                        new.weight = nn.Parameter(
+                            child.weight.contiguous(), requires_grad=child.weight.requires_grad
+                        )
+            else:
+                new = PackedLinear(child, weights)
+            setattr(parent, name, new)
+    return model

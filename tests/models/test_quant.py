@@ -1,0 +1,197 @@
+"""Decoding layers (modules/quant.py): the few-row kernel, weight-only bf16 / int8, and the
+loaders' ``weights=`` option, against float64 references and transformers."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from decoders import EOS, build, transformers_model
+
+import multihead
+from multihead.models import gpt2, llama
+from multihead.modules import quant
+
+LOADERS = {"gpt2": gpt2, "llama": llama}
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rounding bound of a float32 dot product of length K, per output: K * u * sum |x w|
+    (u = 2^-24; the classical bound for any summation order), plus the rounding of the
+    result itself."""
+    k = x.shape[-1]
+    u = 2.0**-24
+    mags = x.double().abs() @ w.double().abs().T
+    return (k + 2) * u * mags
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_kernel_equals_float64_dequantized_product(fmt, rows):
+    """K = 100 leaves a tail after the 16-lane blocks; N = 37 splits unevenly over tasks."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 100, generator=g)
+    x, bias = torch.randn(rows, 100, generator=g), torch.randn(37, generator=g)
+    scale = None
+    if fmt == "int8":
+        w, scale = quant.quantize_int8(w)
+        dense = quant.dequantize_int8(w, scale).double()
+    elif fmt == "bf16":
+        w = w.bfloat16()
+        dense = w.double()
+    else:
+        dense = w.double()
+    got = quant.rows_linear(x, w, scale, bias).double()
+    want = x.double() @ dense.T + bias.double()
+    # the scale multiplies the float32 sum once more: one more rounding of the product
+    bound = _bound(x, dense) + 2.0**-23 * want.abs() + 1e-12
+    assert (got - want).abs().le(bound).all()
+
+
+def test_kernel_is_bitwise_the_same_for_any_thread_count():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(300, 64, generator=g), torch.randn(1, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant.rows_linear(x, w, None, None)
+        torch.set_num_threads(2)
+        two = quant.rows_linear(x, w, None, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_quantize_int8_rounds_to_the_nearest_step():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(20, 50, generator=g) * torch.logspace(-3, 2, 20)[:, None]
+    w[3] = 0.0  # an all-zero channel keeps a usable scale
+    q, scale = quant.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (20,)
+    assert int(q.abs().max()) == 127 and float(scale[3]) == 1.0
+    err = (quant.dequantize_int8(q, scale).double() - w.double()).abs()
+    # half a step, plus float32 rounding of w / scale and of q * scale
+    assert err.le(scale.double()[:, None] * (0.5 + 1e-6)).all()
+
+
+def _dequantized_copy(model, reference):
+    """``reference`` (an fp32 model) with each linear weight replaced by what ``model`` (same
+    architecture, packed weights) holds: the fp32 model the packed one must equal."""
+    want = copy.deepcopy(reference)
+    packed = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in want.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(packed[name].weight.clone())
+    return want
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def folder(request, tmp_path_factory):
+    return request.param, build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_packed_model_equals_fp32_model_with_the_dequantized_weights(folder, weights):
+    """Packing changes the weights (rounding to bf16, or to int8 steps) and nothing else: the
+    logits equal those of the fp32 model holding the dequantized weights, up to float32
+    rounding (logits of a few units; 1e-4 is ~100 ulps of the summation orders that differ)."""
+    kind, path = folder
+    fp32 = LOADERS[kind].load(path)
+    packed = LOADERS[kind].load(path, weights=weights)
+    kinds = {type(m) for m in packed.modules()}
+    assert quant.PackedLinear in kinds and torch.nn.Linear not in kinds
+    ids = torch.tensor([[5, 17, 230, 9, 2, 44, 61, 120]])
+    with torch.inference_mode():
+        got = packed(ids)
+        want = _dequantized_copy(packed, fp32)(ids)
+        plain = fp32(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # and the packing moved the logits far less than a broken layer would (by their whole
+    # spread). Measured max shift / std of the logits: int8 0.068 (gpt2), 0.084 (llama), whose
+    # 32-input channels make the steps coarse (max |w| / 127 over 32 draws); bf16 0.024 and
+    # 0.035 (8 bits: 2^-9 relative per weight, over 2 layers and the output layer). The
+    # bounds are twice those: a regression in the rounding shows, a broken layer is 10x over
+    shift = float((got - plain).abs().max() / plain.std())
+    assert shift < (0.17 if weights == "int8" else 0.07)
+
+
+@pytest.mark.parametrize("weights", [None, "bf16", "int8"])
+def test_one_row_decoding_on_the_kernel_equals_the_full_forward(folder, weights):
+    """Greedy decoding (one-row products on the kernel) gives the tokens a full forward pass
+    over the whole sequence (F.linear) picks at every position."""
+    kind, path = folder
+    model = LOADERS[kind].load(path, weights=weights)
+    prompt = torch.tensor([[5, 17, 230, 9]])
+    out = model.generate(prompt, 12)
+    with torch.inference_mode():
+        logits = model(out)
+    assert torch.equal(logits[0, 3:-1].argmax(-1), out[0, 4:])
+
+
+def test_fp32_batch_one_greedy_tokens_equal_transformers(folder):
+    kind, path = folder
+    ours, hf = LOADERS[kind].load(path), transformers_model(path)
+    prompt = torch.tensor([[5, 17, 230, 9, 2, 44]])
+    mine = ours.generate(prompt, 40)
+    with torch.no_grad():
+        theirs = hf.generate(
+            prompt, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=EOS
+        )
+    assert torch.equal(mine, theirs)
+
+
+def test_weights_is_validated(folder, tmp_path):
+    kind, path = folder
+    with pytest.raises(ValueError, match=r"weights must be None .*'bf16' or 'int8'.*'int4'"):
+        LOADERS[kind].load(path, weights="int4")
+    with pytest.raises(ValueError, match=r"pass dtype=torch.float32.*bfloat16"):
+        LOADERS[kind].load(path, weights="int8", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weights must be None, 'bf16' or 'int8'"):
+        multihead.models.load(path, weights=8)
+    model = multihead.models.load(path, weights="int8")
+    assert isinstance(model.lm_head, quant.PackedLinear) and model.lm_head.weights == "int8"
+
+
+def test_weights_refused_for_bert(tiny_bert):
+    with pytest.raises(ValueError, match=r"model_type 'bert' takes none.*weights='int8'"):
+        multihead.models.load(tiny_bert, weights="int8")
+
+
+def test_packed_layer_refuses_other_activation_dtypes():
+    layer = quant.PackedLinear(torch.nn.Linear(8, 4), "int8")
+    with pytest.raises(TypeError, match=r"takes float32 activations.*bfloat16"):
+        layer(torch.zeros(1, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weights must be 'bf16' or 'int8'.*'fp8'"):
+        quant.PackedLinear(torch.nn.Linear(8, 4), "fp8")
+
+
+def test_quality_reports_perplexity_and_agreement(folder, tmp_path):
+    """fp32 perplexity against transformers' own loss on the same windows of the same tokens;
+    the packed formats' rows are their own perplexities and argmax agreement."""
+    from multihead.bench.decode import quality
+
+    kind, path = folder
+    text = tmp_path / "held-out.txt"
+    text.write_text("the movie was great, but the ending felt rushed and flat. " * 12)
+    report = quality(path, text, say=lambda line: None)
+    model = LOADERS[kind].load(path)
+    ids = torch.tensor(model.tokenizer.encode(text.read_text()).ids)
+    hf = transformers_model(path)
+    nll, n = 0.0, 0
+    window = min(256, model.max_positions)  # what quality uses: 128 (gpt2), 256 (llama)
+    with torch.no_grad():
+        for i in range(0, ids.numel() - 1, window):
+            c = ids[i : i + window][None]
+            if c.shape[1] < 2:
+                continue
+            loss = hf(c, labels=c).loss.double()
+            nll, n = nll + float(loss) * (c.shape[1] - 1), n + c.shape[1] - 1
+    assert report["tokens"] == n
+    assert abs(report["fp32"]["perplexity"] - math.exp(nll / n)) < 1e-4 * math.exp(nll / n)
+    for w in ("bf16", "int8"):
+        row = report[w]
+        assert 0.0 <= row["top1_agreement"] <= 1.0
+        assert row["perplexity_vs_fp32"] == row["perplexity"] / report["fp32"]["perplexity"]
