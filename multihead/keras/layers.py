@@ -15,7 +15,7 @@ import operator
 from torch import Tensor
 
 from .. import masks
-from ..functional import attention
+from ..functional import attention, attention_with_weights
 from ._backend import import_keras
 from .convert import check_supported
 
@@ -134,17 +134,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         q = self._query_dense(query.view_as(query)).transpose(1, 2)  # [B, H, L, D]
         k = self._key_dense(key.view_as(key)).transpose(1, 2)  # [B, H, S, D]
         v = self._value_dense(value.view_as(value)).transpose(1, 2)  # [B, H, S, D_v]
-        out = attention(
-            q,
-            k,
-            v,
-            mask,
-            dropout_p=float(self._dropout) if training else 0.0,
-            return_weights=return_attention_scores,
-        )
+        # Keras' contract: the scores come back beside the output when asked for
+        dropout_p = float(self._dropout) if training else 0.0
         scores = None
         if return_attention_scores:
-            out, scores = out
+            out, scores = attention_with_weights(q, k, v, mask, dropout_p=dropout_p)
+        else:
+            out = attention(q, k, v, mask, dropout_p=dropout_p)
         out = self._output_dense(out.transpose(1, 2))  # [B, L, H, D_v] -> [B, L, E_out]
         if query_mask is not None:
             set_keras_mask(out, query_mask)

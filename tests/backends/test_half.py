@@ -53,5 +53,5 @@ def test_auto_uses_it_only_with_native_half_matmuls(monkeypatch, native):
         if native:
             assert "half-precision kernel runs the matmuls in bf16/fp16" in choice.reasons["sdpa"]
     # weights and biases stay on the float32 paths
-    assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
+    assert mh.explain_backend(q, k, v, weights=True).backend == "tiled"
     assert not half.fast(prepare(q, k, v, None, torch.zeros(8, 8), None, 0.0, False))

@@ -152,7 +152,7 @@ def test_prefill_and_decode_steps_equal_torch(exported):
     logits, past, outputs = _step(ort, lm, ids, mask, _empty_past(lm, 2))
     with torch.inference_mode():
         ref = lm.run(
-            torch.from_numpy(ids), lengths=lengths, padding_side="left", return_weights=True
+            torch.from_numpy(ids), lengths=lengths, padding_side="left"
         )
     real = mask.astype(bool)
     assert np.abs(logits[real] - ref.logits.numpy()[real]).max() <= FP32

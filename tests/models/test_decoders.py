@@ -244,7 +244,7 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
     assert got.weights.shape == (2, 4, n, n)
     torch.testing.assert_close(got.weights.sum(-1), torch.ones(2, 4, n))
     assert (got.weights.triu(1) == 0).all()  # no token attends to a later one
-    expected = ours.run(torch.tensor([ours.tokenizer.encode(text).ids]), return_weights=True)
+    expected = ours.run(torch.tensor([ours.tokenizer.encode(text).ids]))
     torch.testing.assert_close(got.weights, torch.stack([w[0] for w in expected.weights]))
 
 
@@ -264,13 +264,13 @@ def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
 
 
 def test_weights_and_hidden_states_equal_transformers(pair):
-    """run(..., return_weights=True, return_hidden=True) against transformers' attentions and
+    """run(..., return_hidden=True) against transformers' attentions and
     hidden states on a left-padded batch (<= 1e-5 at real positions)."""
     _, ours, hf = pair
     ids, lengths = pad(ROWS, "left")
     real = _real(ids, lengths, "left")
     out = ours.run(
-        ids, lengths=lengths, padding_side="left", return_weights=True, return_hidden=True
+        ids, lengths=lengths, padding_side="left", return_hidden=True
     )
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
