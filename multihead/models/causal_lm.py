@@ -214,7 +214,9 @@ class CausalLM(nn.Module):
                 f"input_ids must be token ids in [0, {self.vocab_size}) (the vocabulary); "
                 f"check the tokenizer matches the model. Received: ids {bad}"
             )
-        return input_ids, lengths, shift
+        # padding may hold any value (a pad id outside the vocabulary, say): nothing sees it,
+        # but the embedding lookup still reads it
+        return torch.where(real, input_ids, 0), lengths, shift
 
     def _check_length(self, need: int, what: str) -> None:
         if self.max_positions is not None and need > self.max_positions:
@@ -584,8 +586,7 @@ class CausalLM(nn.Module):
         for i, e in enumerate(encodings):
             ids[i, : len(e.ids)] = torch.tensor(e.ids)
         device = self.lm_head.weight.device
-        ids, lengths = ids.to(device), lengths.to(device)
-        self._prepare(ids, lengths, "right")  # the vocabulary check
+        ids, lengths, _ = self._prepare(ids.to(device), lengths.to(device), "right")
         return ids, lengths
 
 

@@ -197,3 +197,27 @@ def test_run_returns_one_record_for_every_flag(models):
                             torch.testing.assert_close(w, w_all[:, pick])
     with pytest.raises(TypeError, match=r"no longer takes 'return_weights'.*weights=False"):
         ours.run(ids, return_weights=True)
+
+
+def test_padding_outside_the_vocabulary_is_never_read(models):
+    """Padding must not matter, whatever it holds: an id past the vocabulary (a pad id from
+    another tokenizer) raised IndexError in the embedding lookup before 0.2.0."""
+    ours, _, _ = models
+    rows = [[5, 6, 7, 8], [9, 10]]
+    for side in ("right", "left"):
+        plain, odd = (torch.full((2, 4), fill) for fill in (7, ours.vocab_size + 100))
+        for ids in (plain, odd):
+            for b, row in enumerate(rows):
+                if side == "right":
+                    ids[b, : len(row)] = torch.tensor(row)
+                else:
+                    ids[b, 4 - len(row) :] = torch.tensor(row)
+        lengths = torch.tensor([4, 2])
+        kw = {"lengths": lengths, "padding_side": side}
+        real = torch.tensor([[True] * 4, [True, True, False, False]])
+        if side == "left":
+            real = real.flip(1)
+        torch.testing.assert_close(ours(odd, **kw)[real], ours(plain, **kw)[real])
+        want = ours.generate(plain, 3, **kw)
+        got = ours.generate(odd, 3, **kw)
+        assert torch.equal(got[:, 4:], want[:, 4:])
