@@ -115,18 +115,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         query_mask = get_keras_mask(query) if query_mask is None else query_mask
         value_mask = get_keras_mask(value) if value_mask is None else value_mask
         key_mask = (get_keras_mask(key) if key_mask is None else key_mask) if own_key else None
-        parts = []
-        if query_mask is not None:  # a padded query sees nothing: its row is 0
-            parts.append(masks.dense(keras.ops.cast(query_mask, "bool")[:, None, :, None]))
-        for keep in (value_mask, key_mask):
-            if keep is not None:
-                parts.append(masks.key_padding(keras.ops.cast(keep, "bool")))
-        if use_causal_mask:
-            parts.append(masks.causal(align="top_left"))  # Keras: query i sees keys j <= i
-        if attention_mask is not None:
-            is_mask = isinstance(attention_mask, masks.Mask)
-            parts.append(attention_mask if is_mask else _attention_mask(attention_mask))
-        mask = functools.reduce(operator.and_, parts) if parts else None
+        mask = _combined_mask(query_mask, value_mask, key_mask, attention_mask, use_causal_mask)
 
         # the projections get mask-free views: the masks are handled here, and a masked input
         # would make Keras warn that EinsumDense drops it (Keras' own layer instead clears
@@ -167,3 +156,20 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         # (B, H, L, S): Keras' own spec says (B, H, L, L), wrong for cross-attention
         scores = (query.shape[0], self.num_heads, query.shape[1], value.shape[1])
         return out, keras.KerasTensor(scores, dtype=self.compute_dtype)
+
+
+def _combined_mask(query_mask, value_mask, key_mask, attention_mask, use_causal_mask):
+    """Keras' masks (padding of query, value and key, ``attention_mask``, the causal flag) as
+    one ``multihead`` mask, or None."""
+    parts = []
+    if query_mask is not None:  # a padded query sees nothing: its row is 0
+        parts.append(masks.dense(keras.ops.cast(query_mask, "bool")[:, None, :, None]))
+    for keep in (value_mask, key_mask):
+        if keep is not None:
+            parts.append(masks.key_padding(keras.ops.cast(keep, "bool")))
+    if use_causal_mask:
+        parts.append(masks.causal(align="top_left"))  # Keras: query i sees keys j <= i
+    if attention_mask is not None:
+        is_mask = isinstance(attention_mask, masks.Mask)
+        parts.append(attention_mask if is_mask else _attention_mask(attention_mask))
+    return functools.reduce(operator.and_, parts) if parts else None
