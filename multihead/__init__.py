@@ -12,7 +12,13 @@ Masks use one polarity everywhere: True = may attend.
 
 from . import masks, models
 from ._version import __version__
-from .functional import attention, attention_weights, explain_backend
+from .functional import (
+    AttentionOutput,
+    attention,
+    attention_weights,
+    attention_with_weights,
+    explain_backend,
+)
 from .io import save
 from .models import load
 from .modules import (
@@ -24,6 +30,7 @@ from .modules import (
     RMSNorm,
     RotaryEmbedding,
     SinusoidalPositionalEncoding,
+    StackOutput,
     TransformerDecoder,
     TransformerDecoderLayer,
     TransformerEncoder,
@@ -33,6 +40,7 @@ from .modules import (
 )
 
 __all__ = [
+    "AttentionOutput",
     "FeedForward",
     "GatedFeedForward",
     "KVCache",
@@ -41,6 +49,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
+    "StackOutput",
     "TransformerDecoder",
     "TransformerDecoderLayer",
     "TransformerEncoder",
@@ -48,6 +57,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_weights",
+    "attention_with_weights",
     "explain_backend",
     "load",
     "masks",

@@ -250,7 +250,8 @@ _FOREIGN_KEYWORDS = {
     "may attend, as here) as mask=..., a float one as bias=...",
     "key_padding_mask": "pass mask=masks.from_torch(key_padding_mask=...) or "
     "mask=masks.key_padding(keep) with keep True for real tokens",
-    "need_weights": "pass return_weights=True (weights are per head, never averaged)",
+    "need_weights": "call multihead.attention_with_weights(...) or module.run(...) for an "
+    "AttentionOutput(output, weights) (weights are per head, never averaged)",
     "average_attn_weights": "weights are always per head (B, H, L, S); average with .mean(1)",
     "is_causal": "pass mask=masks.causal(align='top_left') (torch's is_causal is top-left "
     "aligned; masks.causal() is bottom-right aligned, as in FlashAttention)",
@@ -262,8 +263,12 @@ _FOREIGN_KEYWORDS = {
 }
 
 
-def reject_foreign_keywords(where: str, unexpected: dict[str, object]) -> None:
-    """A TypeError that names this library's equivalent of a torch keyword (or the typo)."""
+def reject_foreign_keywords(
+    where: str, unexpected: dict[str, object], *, moved: dict[str, str] | None = None
+) -> None:
+    """A TypeError that names this library's equivalent of a torch keyword (or the typo).
+
+    ``moved``: keywords this function took before 0.2.0 -> what replaces them."""
     if not unexpected:
         return
     name, value = next(iter(unexpected.items()))
@@ -272,6 +277,8 @@ def reject_foreign_keywords(where: str, unexpected: dict[str, object]) -> None:
         if isinstance(value, Tensor)
         else f"{name}={value!r}"
     )
+    if moved and name in moved:
+        raise TypeError(f"{where} no longer takes {name!r}: {moved[name]}. Received: {received}")
     hint = _FOREIGN_KEYWORDS.get(name)
     if hint is None:
         raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")

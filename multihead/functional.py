@@ -1,6 +1,14 @@
-"""``attention()``: validate, normalize the mask, and hand the call to a backend."""
+"""``attention()``: validate, normalize the mask, and hand the call to a backend.
+
+``attention`` returns the output tensor and nothing else; ``attention_with_weights`` returns an
+``AttentionOutput(output, weights)`` record, with the weights of every head or of the heads
+asked for. No flag changes what a function returns.
+"""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -8,11 +16,37 @@ from torch import Tensor
 from . import _validation as V
 from . import bias as _bias
 from .backends import registry, tiled
+from .backends._call import Call
 from .backends._call import prepare as _prepare
 from .backends._nonfinite import run_guarded
-from .masks import Mask
+from .masks import Mask, dense
 
-__all__ = ["attention", "attention_weights", "explain_backend"]
+__all__ = [
+    "AttentionOutput",
+    "attention",
+    "attention_weights",
+    "attention_with_weights",
+    "explain_backend",
+]
+
+# keywords removed in 0.2.0 -> what replaces them (reject_foreign_keywords names it)
+_MOVED = {
+    "return_weights": "call multihead.attention_with_weights(query, key, value, ...) for an "
+    "AttentionOutput(output, weights) (heads=[...] limits the weights to those heads)",
+}
+
+
+class AttentionOutput(NamedTuple):
+    """What ``attention_with_weights`` and every attention module's ``run`` return.
+
+    output: the attention output, all heads ((B, H, L, D_v) from the function, (B, L, E) from
+        a module).
+    weights: softmax weights before dropout, (B, H, L, S), or (B, len(heads), L, S) in the
+        order of ``heads`` when heads were chosen.
+    """
+
+    output: Tensor
+    weights: Tensor
 
 
 def attention(
@@ -24,10 +58,9 @@ def attention(
     bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
     backend: str = "auto",
     **unexpected: object,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
     """Scaled dot-product attention for every mask, on any backend.
 
     Efficient implementation equivalent to the following (``keep`` is the mask lowered to a
@@ -61,7 +94,6 @@ def attention(
             on every backend, never rounded to a half-precision input dtype.
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
-        return_weights: also return the softmax weights (before dropout).
         backend: "auto" (fastest backend that honours the call), "tiled", "half" (bf16/fp16
             matmuls on CPU), "sdpa", "reference", "flex" (FlexAttention compiled from the
             mask; inference only on CPU), "fused" (the C++ kernel), or any name given to
@@ -69,24 +101,112 @@ def attention(
             or was not chosen.
 
     Returns:
-        The output (B, H, L, D_v), or ``(output, weights)`` with weights (B, H, L, S) when
-        ``return_weights=True``. A query row with no visible key outputs exactly 0, its weights
-        are all 0 and its gradients are 0. NaN or Inf in a query row, or in a key or value
-        that row may see, makes that row's output and weights NaN (corrupt data never looks
-        healthy); non-finite values that no query may see never reach a result, so padding
-        may hold garbage. L = 0 or S = 0 are allowed.
+        The output (B, H, L, D_v), always a tensor (the weights come from
+        ``attention_with_weights``). A query row with no visible key outputs exactly 0 and its
+        gradients are 0. NaN or Inf in a query row, or in a key or value that row may see,
+        makes that row's output NaN (corrupt data never looks healthy); non-finite values that
+        no query may see never reach a result, so padding may hold garbage. L = 0 or S = 0
+        are allowed.
 
     Raises:
-        TypeError: non-float inputs, int/float masks, mixed dtypes, a non-bool
-            ``return_weights``, and SDPA keywords (``attn_mask``, ``is_causal``,
+        TypeError: non-float inputs, int/float masks, mixed dtypes, ``return_weights`` (use
+            ``attention_with_weights``), and SDPA keywords (``attn_mask``, ``is_causal``,
             ``enable_gqa``), each with the equivalent to use here.
         ValueError: shapes that do not fit, a mask or bias that does not fit (B, H, L, S),
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
-    V.reject_foreign_keywords("attention()", unexpected)
-    call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
-    out, weights = run_guarded(registry.runner(call, backend), call)
-    return (out, weights) if call.return_weights else out
+    V.reject_foreign_keywords("attention()", unexpected, moved=_MOVED)
+    call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
+    return run_guarded(registry.runner(call, backend), call)[0]
+
+
+def attention_with_weights(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    bias: Tensor | _bias.ScoreModifier | None = None,
+    scale: float | None = None,
+    heads: list[int] | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    **unexpected: object,
+) -> AttentionOutput:
+    """``attention`` that also returns the softmax weights: ``AttentionOutput(output, weights)``.
+
+    Args:
+        query, key, value, mask, bias, scale, dropout_p, backend: as in ``attention``.
+        heads: a non-empty list of distinct query-head indices in [0, H): the weights are
+            computed for those heads only and returned in that order, (B, len(heads), L, S).
+            The output still covers every head (computed on the fast path for all of them).
+            None (default): every head's weights, (B, H, L, S).
+
+    Returns:
+        ``AttentionOutput(output, weights)``: output (B, H, L, D_v) as ``attention`` returns
+        it; weights before dropout, all 0 in a query row with no visible key, NaN in a row
+        whose output is NaN.
+
+    Raises:
+        TypeError, ValueError: as ``attention``; a ValueError for ``heads`` that are not a
+            non-empty list of distinct ints in [0, H), and for a backend that cannot return
+            weights (``explain_backend(..., weights=True)`` says which can).
+    """
+    V.reject_foreign_keywords("attention_with_weights()", unexpected, moved=_MOVED)
+    if heads is None:
+        call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
+        out, weights = run_guarded(registry.runner(call, backend), call)
+        return AttentionOutput(out, weights)
+    index = check_heads(heads, V.check_qkv(query, key, value)[1])
+    call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
+    out = run_guarded(registry.runner(call, backend), call)[0]
+    part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
+    return AttentionOutput(out, run_guarded(registry.runner(part, backend), part)[1])
+
+
+def check_heads(heads: object, num_heads: int) -> list[int]:
+    """``heads`` as a list of distinct query-head indices in [0, H), or a clear ValueError."""
+    ok = (
+        isinstance(heads, (list, tuple))
+        and len(heads) > 0
+        and all(isinstance(h, int) and not isinstance(h, bool) for h in heads)
+    )
+    if not ok:
+        raise ValueError(
+            "heads must be a non-empty list of query-head indices (ints), or None for every "
+            f"head. Received: heads={heads!r}"
+        )
+    bad = [h for h in heads if not 0 <= h < num_heads]
+    if bad:
+        raise ValueError(
+            f"heads must be query-head indices in [0, {num_heads}) (H={num_heads}). "
+            f"Received: heads={list(heads)!r}, out of range: {bad}"
+        )
+    if len(set(heads)) != len(heads):
+        raise ValueError(f"heads must not repeat an index. Received: heads={list(heads)!r}")
+    return list(heads)
+
+
+def select_heads(call: Call, heads: list[int]) -> Call:
+    """The same call restricted to query heads ``heads``: those query heads, the key/value
+    head each of them reads (one per query head), and the mask's and bias's rows for them.
+    Only these heads are computed by whoever runs the result."""
+    _, h, h_kv, length_q, length_k, _ = call.shape
+    index = torch.tensor(heads, device=call.query.device)
+    kv = index // (h // h_kv)
+    mask = call.mask
+    if mask is not None and mask.num_heads is not None:  # differs per head: keep the rows
+        keep = mask.to_dense(length_q, length_k, device=call.query.device)
+        mask = dense(keep[:, index] if keep.shape[1] != 1 else keep)
+    bias = None if call.bias is None else call.bias.heads(index)
+    return replace(
+        call,
+        query=call.query[:, index],
+        key=call.key[:, kv],
+        value=call.value[:, kv],
+        mask=mask,
+        bias=bias,
+    )
 
 
 def explain_backend(
@@ -98,16 +218,23 @@ def explain_backend(
     bias: Tensor | _bias.ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
+    weights: bool = False,
     **unexpected: object,
 ) -> registry.Choice:
-    """Which backend ``attention(..., backend="auto")`` would run, and why not the others.
+    """Which backend ``attention(..., backend="auto")`` would run, and why not the others;
+    with ``weights=True``, which one ``attention_with_weights`` would run for the weights.
 
     Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
     line per backend.
     """
-    V.reject_foreign_keywords("explain_backend()", unexpected)
-    call = _prepare(query, key, value, mask, bias, scale, dropout_p, return_weights)
+    V.reject_foreign_keywords(
+        "explain_backend()",
+        unexpected,
+        moved={"return_weights": "pass weights=True to explain attention_with_weights"},
+    )
+    call = _prepare(
+        query, key, value, mask, bias, scale, dropout_p, V.check_bool("weights", weights)
+    )
     return registry.explain(call)
 
 
@@ -120,35 +247,23 @@ def attention_weights(
     scale: float | None = None,
     heads: slice | list[int] | None = None,
 ) -> Tensor:
-    """Softmax attention weights (B, H, L, S), computed tile by tile; no values needed.
-
-    Tiles the mask hides are never computed and stay 0; a query with no visible key has
-    all-zero weights.
+    """The weights alone: ``attention_with_weights(query, key, key, ...).weights`` for
+    callers that have no values (kept from 0.1; new code calls ``attention_with_weights``).
 
     Args:
         query: (B, H, L, D).
         key: (B, H_kv, S, D).
         mask, bias, scale: as in ``attention``.
-        heads: only these query heads (a slice or list of indices); the matching key heads
-            are picked for grouped-query attention. The result then has len(heads) heads.
+        heads: as in ``attention_with_weights``; a slice is also accepted here.
+
+    Returns:
+        (B, H, L, S), or (B, len(heads), L, S).
     """
-    _, h, h_kv, _, _, _ = V.check_qkv(query, key, key)  # before slicing: messages name all heads
-    if heads is not None:
-        index = torch.arange(h)[heads] if isinstance(heads, slice) else torch.as_tensor(heads)
-        if index.dim() != 1 or index.numel() == 0 or not bool(((index >= 0) & (index < h)).all()):
-            raise ValueError(
-                f"heads must select query heads in [0, {h}). Received: heads={heads!r}"
-            )
-        key = key[:, index // (h // h_kv)]
-        query = query[:, index]
-        if (isinstance(mask, Mask) and mask.num_heads is not None) or (
-            isinstance(mask, Tensor) and mask.dim() == 4 and mask.shape[1] != 1
-        ):
-            raise ValueError(
-                "heads= cannot be combined with a mask that differs per head; slice the mask "
-                "yourself. Received: a per-head mask"
-            )
-        if bias is not None:
-            bias = _bias.as_modifier(bias).heads(index)
+    num_heads = V.check_qkv(query, key, key)[1]  # before slicing: messages name all heads
+    if isinstance(heads, slice):
+        heads = list(range(num_heads))[heads]
     call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
+    if heads is not None:
+        call = select_heads(call, check_heads(heads, num_heads))
+    # tile by tile, weights only: hidden tiles are never computed (no values to multiply)
     return run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1]

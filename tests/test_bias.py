@@ -150,7 +150,7 @@ def test_every_backend_computes_every_modifier(backend, name, kind):
     got = mh.attention(q, k, v, case.mask, bias=modifier, backend=backend)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     if backend != "sdpa":
-        _, w = mh.attention(q, k, v, case.mask, bias=modifier, backend=backend, return_weights=True)
+        _, w = mh.attention_with_weights(q, k, v, case.mask, bias=modifier, backend=backend)
         torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
 
 

@@ -36,7 +36,7 @@ def test_float64_matches_naive_formula(backend, kind, shape):
     got = _run(backend, q, k, v, case.mask)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     if backend == "reference":
-        _, w = _run(backend, q, k, v, case.mask, return_weights=True)
+        _, w = mh.attention_with_weights(q, k, v, case.mask, backend=backend)
         torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
 
 
@@ -110,7 +110,7 @@ def test_fully_masked_rows_are_exact_zeros_with_zero_gradients(backend, dtype):
 def test_fully_masked_rows_give_zero_weights():
     q, k, v = qkv(1, 2, 2, 3, 4, 5)
     keep = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4])
-    _, w = mh.attention(q, k, v, keep, return_weights=True)
+    _, w = mh.attention_with_weights(q, k, v, keep)
     assert torch.equal(w[0, :, 1], torch.zeros(2, 4, dtype=w.dtype))
     torch.testing.assert_close(w[0, :, [0, 2]].sum(-1), torch.ones(2, 2, dtype=w.dtype))
     assert torch.equal(w[0, :, 0, [1, 3]], torch.zeros(2, 2, dtype=w.dtype))
@@ -186,7 +186,7 @@ def test_dropout_is_unbiased_and_off_at_zero(backend):
 def test_weights_are_returned_from_auto_and_match_reference():
     q, k, v = qkv(2, 4, 2, 9, 11, 8)
     case = make_case("documents&causal", 2, 4, 9, 11)
-    out, w = mh.attention(q, k, v, case.mask, return_weights=True)
+    out, w = mh.attention_with_weights(q, k, v, case.mask)
     _, want_w = naive_attention(q, k, v, case.keep)
     torch.testing.assert_close(w, want_w)
     torch.testing.assert_close(out, mh.attention(q, k, v, case.mask))

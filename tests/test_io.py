@@ -337,7 +337,7 @@ def test_loaded_decoders_round_trip_with_their_tokenizer(tmp_path, kind):
     lengths = torch.tensor([4, 2])
     with torch.no_grad():
         assert torch.equal(lm(ids, lengths=lengths), back(ids, lengths=lengths))
-    assert back.generate("the weather", 8) == lm.generate("the weather", 8)
+    assert back.generate_text("the weather", 8) == lm.generate_text("the weather", 8)
 
 
 # ---------------------------------------------------------------------------------------------

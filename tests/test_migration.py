@@ -34,9 +34,7 @@ def test_from_torch_result_is_accepted_as_the_mask(form):
         kpm = torch.zeros(2, 5).masked_fill(padding, -torch.inf)
         kpm[0, 1] = 0.8  # a finite additive term that must reach the scores
     want, want_w = ref(x, x, x, attn_mask=am, key_padding_mask=kpm, average_attn_weights=False)
-    got, got_w = ours(
-        x, mask=masks.from_torch(attn_mask=am, key_padding_mask=kpm), return_weights=True
-    )
+    got, got_w = ours.run(x, mask=masks.from_torch(attn_mask=am, key_padding_mask=kpm))
     # float32 parity with torch's own kernel, as in test_attention.py
     assert (got - want).abs().max() <= 1e-5
     assert (got_w - want_w).abs().max() <= 1e-5
@@ -66,12 +64,15 @@ def test_from_keras_takes_a_padding_mask():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_return_weights_takes_bools_only():
+def test_return_weights_is_gone_and_names_what_replaced_it():
+    """0.2.0: the flag that changed the return type is refused with the replacement named."""
     q = k = v = torch.randn(1, 1, 2, 4)
-    with pytest.raises(TypeError, match=r"return_weights must be True or False.*'no'"):
-        mh.attention(q, k, v, return_weights="no")
-    with pytest.raises(TypeError, match=r"return_weights must be True or False.*'no'"):
-        MultiHeadAttention(4, 1)(torch.randn(1, 2, 4), return_weights="no")
+    gone = r"no longer takes 'return_weights'"
+    for value in (True, False, "no"):
+        with pytest.raises(TypeError, match=rf"{gone}.*attention_with_weights"):
+            mh.attention(q, k, v, return_weights=value)
+        with pytest.raises(TypeError, match=rf"{gone}.*module.run\(\.\.\.\)"):
+            MultiHeadAttention(4, 1)(torch.randn(1, 2, 4), return_weights=value)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_return_weights_takes_bools_only():
     [
         ("attn_mask", r"mask=masks.from_torch\(attn_mask=...\)"),
         ("key_padding_mask", r"masks.key_padding\(keep\)"),
-        ("need_weights", r"return_weights=True"),
+        ("need_weights", r"attention_with_weights\(\.\.\.\) or module.run\(\.\.\.\)"),
         ("is_causal", r"masks.causal\(align='top_left'\)"),
     ],
 )

@@ -51,14 +51,14 @@ def _run(path: str, q, k, v, mask):
     if path in ("tiled_weights_grad", "fused_grad", "fused_weights"):
         backend = path.split("_")[0]
     weights_on = "weights" in path
-    result = mh.attention(
+    call = mh.attention_with_weights if weights_on else mh.attention
+    result = call(
         q,
         k,
         v,
         mask,
         bias=bias,
         dropout_p=0.3 if path == "auto_dropout" else 0.0,
-        return_weights=weights_on,
         backend=backend,
     )
     out, w = result if weights_on else (result, None)
@@ -139,7 +139,7 @@ def test_non_finite_marks_exactly_the_rows_that_depend_on_it(backend, kind, wher
 def test_nan_query_row_gives_nan_weights_for_that_row_only(backend):
     q, k, v = qkv(1, 2, 2, 5, 5, 4, seed=1)
     q[0, 0, 2, 0] = torch.nan
-    _, w = mh.attention(q, k, v, masks.causal(), return_weights=True, backend=backend)
+    _, w = mh.attention_with_weights(q, k, v, masks.causal(), backend=backend)
     assert w[0, 0, 2].isnan().all()
     assert not w[0, 0, [0, 1, 3, 4]].isnan().any() and not w[0, 1].isnan().any()
 
@@ -161,12 +161,12 @@ def test_per_query_dense_mask_broadcast_over_keys():
     for backend in ("tiled", "reference", "sdpa", "fused", "auto"):
         got = mh.attention(q, k, v, masks.dense(keep), backend=backend)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    _, w = mh.attention(q, k, v, masks.dense(keep), return_weights=True)
+    _, w = mh.attention_with_weights(q, k, v, masks.dense(keep))
     torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
     torch.testing.assert_close(mh.attention_weights(q, k, keep), want_w, rtol=0, atol=1e-12)
     mha = MultiHeadAttention(8, 2).double()
     x = torch.randn(1, 8, 8, dtype=torch.float64)
-    _, w_mod = mha(x, mask=keep, return_weights=True)
+    _, w_mod = mha.run(x, mask=keep)
     assert torch.equal(w_mod[0, :, 1::2], torch.zeros(2, 4, 8))
     torch.testing.assert_close(
         w_mod[0, :, ::2].sum(-1), torch.ones(2, 4, dtype=torch.float64), rtol=0, atol=1e-12
@@ -199,7 +199,7 @@ def test_large_float32_bias_with_half_inputs(dtype, value):
         assert torch.isfinite(out).all(), backend
         assert (out.double() - want).abs().max() <= tol, backend
     for backend in ("reference", "tiled", "fused"):
-        _, w = mh.attention(q, k, v, bias=bias, backend=backend, return_weights=True)
+        _, w = mh.attention_with_weights(q, k, v, bias=bias, backend=backend)
         assert torch.isfinite(w).all(), backend
         # one unit of half roundoff per weight, plus the float32 scores' own rounding: near
         # |score| = value a float32 ulp is value * 2^-23 and moves a weight w by at most
@@ -247,7 +247,7 @@ def test_extreme_finite_bias_gives_hidden_keys_exactly_zero_weight(config, magni
     # output is that key's value rounded once to bf16
     tol = 2 * torch.finfo(torch.bfloat16).eps * float(v.detach().abs().max())
     for backend in ("reference", "tiled", "auto"):
-        out, w = mh.attention(q, k, v, mask, bias=bias, backend=backend, return_weights=True)
+        out, w = mh.attention_with_weights(q, k, v, mask, bias=bias, backend=backend)
         assert torch.isfinite(out).all() and torch.isfinite(w).all(), backend
         assert torch.equal(w.double().masked_fill(keep, 0), torch.zeros_like(want_w)), backend
         assert torch.equal(w.double(), want_w), backend

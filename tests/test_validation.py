@@ -164,13 +164,13 @@ def test_dropout_scale_and_bias_errors():
         mh.attention(q, k, v, bias=torch.full((3, 4), -torch.inf, dtype=torch.float64))
 
 
-def test_return_weights_with_a_backend_that_cannot():
+def test_weights_with_a_backend_that_cannot():
     q, k, v = qkv(1, 2, 2, 3, 4, 5)
     with pytest.raises(
         ValueError,
         match=r"backend 'sdpa' cannot run this call: .*does not return attention weights.*backend='reference'",
     ):
-        mh.attention(q, k, v, return_weights=True, backend="sdpa")
+        mh.attention_with_weights(q, k, v, backend="sdpa")
     with pytest.raises(
         ValueError,
         match=r"backend must be 'auto' or one of \['flex', 'fused', 'half', 'reference', 'sdpa', 'tiled'\] \(more can be added with multihead.backends.register\). Received: backend='flash'",

@@ -23,7 +23,12 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..io import register, save
-from ..modules import LearnedPositionalEncoding, MultiHeadAttention, TransformerEncoderLayer
+from ..modules import (
+    AttentionOutput,
+    LearnedPositionalEncoding,
+    MultiHeadAttention,
+    TransformerEncoderLayer,
+)
 from .common import Options, figure, finish, need, save_figure, seed_everything, training_curve
 from .loop import Dist, FitResult, autocast, fit
 
@@ -139,21 +144,28 @@ class CrossModalQA(nn.Module):
         self.norm = nn.LayerNorm(text_dim)
         self.out = nn.Linear(text_dim, 1)
 
-    def forward(
-        self, ids: Tensor, lengths: Tensor, image: Tensor, *, return_weights: bool = False
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, ids: Tensor, lengths: Tensor, image: Tensor) -> Tensor:
         """ids (B, L) and lengths (B,) of the questions, image patches (B, S, patch_dim).
 
-        Returns logits (B,) (yes > 0), and with ``return_weights`` the cross-attention weights
-        (B, H, L, S): how much each question token looks at each patch.
+        Returns logits (B,) (yes > 0); ``run`` also returns the cross-attention weights.
         """
+        q, v = self._encode(ids, lengths, image)
+        return self._answer(q, self.cross(q, v, v), lengths)
+
+    def run(self, ids: Tensor, lengths: Tensor, image: Tensor) -> AttentionOutput:
+        """``forward`` with the cross-attention weights: ``AttentionOutput(logits (B,),
+        weights (B, H, L, S))``, how much each question token looks at each patch."""
+        q, v = self._encode(ids, lengths, image)
+        attended, weights = self.cross.run(q, v, v)
+        return AttentionOutput(self._answer(q, attended, lengths), weights)
+
+    def _encode(self, ids: Tensor, lengths: Tensor, image: Tensor) -> tuple[Tensor, Tensor]:
         q = self.question(self.word_position(self.words(ids)), mask=masks.lengths(lengths))
-        v = self.image(self.patch_position(self.patch(image)))
-        attended = self.cross(q, v, v, return_weights=return_weights)
-        attended, weights = attended if return_weights else (attended, None)
+        return q, self.image(self.patch_position(self.patch(image)))
+
+    def _answer(self, q: Tensor, attended: Tensor, lengths: Tensor) -> Tensor:
         h = self.norm(q + attended)
-        logit = self.out(_pool(h, lengths))[:, 0]
-        return (logit, weights) if return_weights else logit
+        return self.out(_pool(h, lengths))[:, 0]
 
 
 @register
@@ -325,8 +337,8 @@ def _attention_figure(model, qs, ids, lengths, image, images, pixels, prob, path
     picks = picks[:6]
     device = next(model.parameters()).device
     with torch.inference_mode():
-        _, w = model(ids[picks].to(device), lengths[picks].to(device), image[picks].to(device),
-                     return_weights=True)  # fmt: skip
+        _, w = model.run(ids[picks].to(device), lengths[picks].to(device),
+                         image[picks].to(device))  # fmt: skip
     w = w.float().cpu()  # [n, H, L, S]
     fig = figure(figsize=(3.0 * len(picks), 3.4))
     axes = fig.subplots(1, len(picks), squeeze=False)[0]

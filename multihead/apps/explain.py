@@ -91,7 +91,7 @@ def _attend(
         )
     encoding = model.tokenizer.encode(text)
     with torch.inference_mode():
-        out = model.run(torch.tensor([encoding.ids]), return_weights=True)
+        out = model.run(torch.tensor([encoding.ids]))
     weights = torch.stack([w[0] for w in out.weights])
     special = [bool(s) for s in encoding.special_tokens_mask]
     return model, list(encoding.tokens), special, weights, True

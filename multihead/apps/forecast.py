@@ -30,7 +30,12 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..io import register, save
-from ..modules import SinusoidalPositionalEncoding, TransformerEncoder, TransformerEncoderLayer
+from ..modules import (
+    SinusoidalPositionalEncoding,
+    StackOutput,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+)
 from .common import Options, figure, finish, need, save_figure, seed_everything, training_curve
 from .loop import Dist, FitResult, fit
 
@@ -186,13 +191,17 @@ class CausalForecaster(nn.Module):
         weight, bias = self.linear_weight.to(level.dtype), self.linear_bias.to(level.dtype)
         return relative @ weight.T + bias
 
-    def forward(
-        self, x: Tensor, *, return_weights: bool = False
-    ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
-        """x: (B, L, F). Returns (B, L, horizon), with every layer's weights (B, H, L, L)."""
-        h = self.position(self.embed(x))
-        out = self.encoder(h, mask=masks.causal(), return_weights=return_weights)
-        hidden, weights = (out.output, out.weights) if return_weights else (out, None)
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (B, L, F). Returns (B, L, horizon); ``run`` also returns the weights."""
+        return self._predict(x, self.encoder(self.position(self.embed(x)), mask=masks.causal()))
+
+    def run(self, x: Tensor) -> StackOutput:
+        """``forward`` with every layer's weights (B, H, L, L): ``StackOutput(output
+        (B, L, horizon), None, weights)``."""
+        out = self.encoder.run(self.position(self.embed(x)), mask=masks.causal())
+        return StackOutput(self._predict(x, out.output), None, out.weights)
+
+    def _predict(self, x: Tensor, hidden: Tensor) -> Tensor:
         pred = self.head(hidden)
         if self.linear_lags:
             level = x[..., 0]
@@ -200,7 +209,7 @@ class CausalForecaster(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 linear = self.linear(level.to(torch.promote_types(level.dtype, torch.float32)))
             pred = pred.to(linear.dtype) + linear
-        return (pred, weights) if return_weights else pred
+        return pred
 
 
 def features(window: Tensor, scale: float, diff_scale: float) -> Tensor:
@@ -426,9 +435,7 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
             x = features(torch.as_tensor(train[-series.window :], dtype=torch.float32)[None],
                          scales["level"], scales["step"])  # fmt: skip
             weights[name] = (
-                model(x.to(next(model.parameters()).device), return_weights=True)[1][-1][0]
-                .float()
-                .cpu()
+                model.run(x.to(next(model.parameters()).device)).weights[-1][0].float().cpu()
             )
         results[name] = {
             "split": _split_info(series),

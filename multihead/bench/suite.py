@@ -29,7 +29,7 @@ from .. import _validation as V
 from .. import bias as bias_mod
 from .. import masks
 from ..bias import ScoreModifier
-from ..functional import attention
+from ..functional import attention, attention_with_weights
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
 
@@ -49,7 +49,7 @@ class Workload:
     dtype: str = "float32"
     mask: str = "none"  # none | causal | window | ragged | documents
     train: bool = False  # forward + backward
-    weights: bool = False  # compare return_weights=True against the plain call
+    weights: bool = False  # compare attention_with_weights against the plain call
     module: bool = False  # MultiHeadAttention against torch.nn.MultiheadAttention
     bias: str = "none"  # none | alibi | t5: a score modifier, also timed without it
     target: str = ""
@@ -144,7 +144,7 @@ _add(
 _add(
     Workload(
         "weights_dense",
-        "return_weights, dense fp32",
+        "attention_with_weights, dense fp32",
         1,
         8,
         2048,
@@ -277,7 +277,7 @@ def _contenders(
         notes["sdpa"] = "given the bias as a dense (1, H, L, S) float32 tensor, built beforehand"
         causal = False
     if w.weights:
-        out["multihead+weights"] = step(lambda: attention(q, k, v, mask, return_weights=True))
+        out["multihead+weights"] = step(lambda: attention_with_weights(q, k, v, mask))
     _add_fused(out, notes, w, step, q, k, v, mask, modifier)
     if causal:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
@@ -343,7 +343,7 @@ def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
         out["multihead, fused, no bias"] = step(lambda: attention(q, k, v, mask, backend="fused"))
     if w.weights:
         out["multihead, fused+weights"] = step(
-            lambda: attention(q, k, v, mask, return_weights=True, backend="fused")
+            lambda: attention_with_weights(q, k, v, mask, backend="fused")
         )
 
 

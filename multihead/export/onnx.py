@@ -124,7 +124,9 @@ class _AttentionGraph(nn.Module):
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor
     ) -> Tensor | tuple[Tensor, Tensor]:
         mask = _key_mask(attention_mask)
-        return self.module(query, key, value, mask=mask, return_weights=self.weights)
+        if self.weights:
+            return tuple(self.module.run(query, key, value, mask=mask))
+        return self.module(query, key, value, mask=mask)
 
 
 class _EncoderGraph(nn.Module):
@@ -136,10 +138,10 @@ class _EncoderGraph(nn.Module):
         self, hidden_states: Tensor, attention_mask: Tensor
     ) -> Tensor | tuple[Tensor, Tensor]:
         mask = _key_mask(attention_mask)
-        out = self.encoder(hidden_states, mask=mask, return_weights=self.weights)
         if self.weights:
+            out = self.encoder.run(hidden_states, mask=mask)
             return out.output, torch.stack(out.weights)  # [layers, B, H, L, L]
-        return out
+        return self.encoder(hidden_states, mask=mask)
 
 
 class _GraphLayerCache:
@@ -193,9 +195,9 @@ class _DecoderGraph(nn.Module):
         mask = masks.causal() & _key_mask(attention_mask)
         cache = _GraphCache(list(past_key_values), position_ids, mask)
         x = self.lm.embed(input_ids, position_ids)
-        out = self.lm.decoder(x, cache=cache, return_weights=self.weights)
         if not self.weights:
-            return self.lm.lm_head(out), *cache.present
+            return self.lm.lm_head(self.lm.decoder(x, cache=cache)), *cache.present
+        out = self.lm.decoder.run(x, cache=cache)
         # [layers, B, H, L, P + L]
         return self.lm.lm_head(out.output), *cache.present, torch.stack(out.weights)
 

@@ -15,7 +15,7 @@ import operator
 from torch import Tensor
 
 from .. import masks
-from ..functional import attention
+from ..functional import attention, attention_with_weights
 from ._backend import import_keras
 from .convert import check_supported
 
@@ -115,18 +115,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         query_mask = get_keras_mask(query) if query_mask is None else query_mask
         value_mask = get_keras_mask(value) if value_mask is None else value_mask
         key_mask = (get_keras_mask(key) if key_mask is None else key_mask) if own_key else None
-        parts = []
-        if query_mask is not None:  # a padded query sees nothing: its row is 0
-            parts.append(masks.dense(keras.ops.cast(query_mask, "bool")[:, None, :, None]))
-        for keep in (value_mask, key_mask):
-            if keep is not None:
-                parts.append(masks.key_padding(keras.ops.cast(keep, "bool")))
-        if use_causal_mask:
-            parts.append(masks.causal(align="top_left"))  # Keras: query i sees keys j <= i
-        if attention_mask is not None:
-            is_mask = isinstance(attention_mask, masks.Mask)
-            parts.append(attention_mask if is_mask else _attention_mask(attention_mask))
-        mask = functools.reduce(operator.and_, parts) if parts else None
+        mask = _combined_mask(query_mask, value_mask, key_mask, attention_mask, use_causal_mask)
 
         # the projections get mask-free views: the masks are handled here, and a masked input
         # would make Keras warn that EinsumDense drops it (Keras' own layer instead clears
@@ -134,17 +123,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         q = self._query_dense(query.view_as(query)).transpose(1, 2)  # [B, H, L, D]
         k = self._key_dense(key.view_as(key)).transpose(1, 2)  # [B, H, S, D]
         v = self._value_dense(value.view_as(value)).transpose(1, 2)  # [B, H, S, D_v]
-        out = attention(
-            q,
-            k,
-            v,
-            mask,
-            dropout_p=float(self._dropout) if training else 0.0,
-            return_weights=return_attention_scores,
-        )
+        # Keras' contract: the scores come back beside the output when asked for
+        dropout_p = float(self._dropout) if training else 0.0
         scores = None
         if return_attention_scores:
-            out, scores = out
+            out, scores = attention_with_weights(q, k, v, mask, dropout_p=dropout_p)
+        else:
+            out = attention(q, k, v, mask, dropout_p=dropout_p)
         out = self._output_dense(out.transpose(1, 2))  # [B, L, H, D_v] -> [B, L, E_out]
         if query_mask is not None:
             set_keras_mask(out, query_mask)
@@ -171,3 +156,20 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         # (B, H, L, S): Keras' own spec says (B, H, L, L), wrong for cross-attention
         scores = (query.shape[0], self.num_heads, query.shape[1], value.shape[1])
         return out, keras.KerasTensor(scores, dtype=self.compute_dtype)
+
+
+def _combined_mask(query_mask, value_mask, key_mask, attention_mask, use_causal_mask):
+    """Keras' masks (padding of query, value and key, ``attention_mask``, the causal flag) as
+    one ``multihead`` mask, or None."""
+    parts = []
+    if query_mask is not None:  # a padded query sees nothing: its row is 0
+        parts.append(masks.dense(keras.ops.cast(query_mask, "bool")[:, None, :, None]))
+    for keep in (value_mask, key_mask):
+        if keep is not None:
+            parts.append(masks.key_padding(keras.ops.cast(keep, "bool")))
+    if use_causal_mask:
+        parts.append(masks.causal(align="top_left"))  # Keras: query i sees keys j <= i
+    if attention_mask is not None:
+        is_mask = isinstance(attention_mask, masks.Mask)
+        parts.append(attention_mask if is_mask else _attention_mask(attention_mask))
+    return functools.reduce(operator.and_, parts) if parts else None

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _validation as V
 from .. import checkpoint, io, masks
 from ..checkpoint import Size
 from ..masks import Mask
 from ..modules import (
-    EncoderOutput,
     LearnedPositionalEncoding,
     TransformerEncoder,
     TransformerEncoderLayer,
@@ -218,9 +218,12 @@ class Bert(nn.Module):
                 raise ValueError("pass lengths or mask, not both. Received: both")
             mask = masks.lengths(lengths.to(input_ids.device))
         x = self.embeddings(input_ids, token_type_ids, positions)
-        out = self.encoder(x, mask=mask, return_weights=return_weights, return_hidden=return_hidden)
-        if isinstance(out, Tensor):  # neither asked for: the encoder kept no layer outputs
-            out = EncoderOutput(out, None, None)
+        out = self.encoder.run(
+            x,
+            mask=mask,
+            weights=V.check_bool("return_weights", return_weights),
+            return_hidden=V.check_bool("return_hidden", return_hidden),
+        )
         pooled = None
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(out.output[:, 0]))

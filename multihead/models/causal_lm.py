@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import torch
 from torch import Tensor, nn
 
+from .. import _validation as V
 from .. import masks
 from ..modules import KVCache, MultiHeadAttention, TransformerDecoder, quant
-from ..modules.decoder import DecoderOutput
 
 __all__ = ["CausalLM", "CausalLMOutput", "decode_layout", "filter_top_k", "filter_top_p"]
 
@@ -220,55 +221,21 @@ class CausalLM(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Validate a padded batch; return it right-padded, its lengths (B,) and, for left
         padding, each row's shift (B,) to undo the move."""
-        if (
-            not isinstance(input_ids, Tensor)
-            or input_ids.dim() != 2
-            or input_ids.dtype == torch.bool
-            or input_ids.is_floating_point()
-            or input_ids.is_complex()
-        ):
-            got = (
-                f"shape={tuple(input_ids.shape)}, dtype={input_ids.dtype}"
-                if isinstance(input_ids, Tensor)
-                else f"an object of type {type(input_ids).__name__}"
-            )
-            raise ValueError(f"input_ids must be a (B, L) integer tensor. Received: {got}")
-        b, length = input_ids.shape
-        if b == 0 or length == 0:
-            raise ValueError(
-                "input_ids must hold at least one row of at least one token. "
-                f"Received: input_ids.shape={tuple(input_ids.shape)}"
-            )
+        _check_input_ids(input_ids)
         if padding_side not in _PADDING_SIDES:
             raise ValueError(
                 f"padding_side must be 'right' or 'left'. Received: padding_side={padding_side!r}"
             )
-        device = input_ids.device
         if attention_mask is not None:
             if lengths is not None:
                 raise ValueError("pass lengths or attention_mask, not both. Received: both")
             lengths, padding_side = _from_attention_mask(attention_mask, input_ids.shape)
-        if lengths is None:
-            lengths = torch.full((b,), length, dtype=torch.long, device=device)
-        else:
-            if not isinstance(lengths, Tensor):
-                lengths = torch.as_tensor(lengths)
-            if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.dim() != 1:
-                raise ValueError(
-                    "lengths must be a (B,) integer tensor of real tokens per row. "
-                    f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
-                )
-            lengths = lengths.to(device=device, dtype=torch.long)
-            if lengths.shape[0] != b or int(lengths.min()) < 1 or int(lengths.max()) > length:
-                raise ValueError(
-                    f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
-                    f"real token). Received: lengths={lengths.tolist()}"
-                )
+        lengths = _check_lengths(lengths, input_ids)
         shift = None
         if padding_side == "left":
-            shift = length - lengths
+            shift = input_ids.shape[1] - lengths
             input_ids = _roll_rows(input_ids, shift, 1)
-        real = torch.arange(length, device=device)[None] < lengths[:, None]
+        real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]
         ids = input_ids[real]
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][:5].tolist()
@@ -276,7 +243,9 @@ class CausalLM(nn.Module):
                 f"input_ids must be token ids in [0, {self.vocab_size}) (the vocabulary); "
                 f"check the tokenizer matches the model. Received: ids {bad}"
             )
-        return input_ids, lengths, shift
+        # padding may hold any value (a pad id outside the vocabulary, say): nothing sees it,
+        # but the embedding lookup still reads it
+        return torch.where(real, input_ids, 0), lengths, shift
 
     def _check_length(self, need: int, what: str) -> None:
         if self.max_positions is not None and need > self.max_positions:
@@ -337,11 +306,22 @@ class CausalLM(nn.Module):
         lengths: Tensor | None = None,
         padding_side: str = "right",
         attention_mask: Tensor | None = None,
-        return_weights: bool = False,
+        weights: bool = True,
+        heads: list[int] | None = None,
         return_hidden: bool = False,
+        **unexpected: object,
     ) -> CausalLMOutput:
-        """``forward`` with more: the per-head weights of every layer (B, H, L, L) and every
-        layer's hidden states on request. Always returns a ``CausalLMOutput``."""
+        """``forward`` with more, always as a ``CausalLMOutput(logits, hidden_states,
+        weights)``.
+
+        Args:
+            input_ids, lengths, padding_side, attention_mask: as in ``forward``.
+            weights: every layer's per-head weights (B, H, L, L) (default); False leaves
+                ``weights`` None and runs on the fast path.
+            heads: only these query heads' weights, in every layer (B, len(heads), L, L).
+            return_hidden: also every layer's hidden states.
+        """
+        V.reject_foreign_keywords("CausalLM.run()", unexpected, moved=_MOVED_RUN)
         ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         length = ids.shape[1]
         self._check_length(length, "the input")
@@ -349,24 +329,16 @@ class CausalLM(nn.Module):
         mask = masks.causal()
         if bool((lengths < length).any()):
             mask = mask & masks.lengths(lengths, query_lens=lengths)
-        out = self.decoder(
+        out = self.decoder.run(
             self.embed(ids, positions),
             mask=mask,
             positions=self._rotary_positions(positions),
-            return_weights=return_weights,
+            weights=weights,
+            heads=heads,
             return_hidden=return_hidden,
         )
-        if isinstance(out, Tensor):
-            out = DecoderOutput(out, None, None)
-        logits, hidden, weights = self.lm_head(out.output), out.hidden_states, out.weights
-        if shift is not None:  # back to the input's left-padded layout
-            back = -shift
-            logits = _roll_rows(logits, back, 1)
-            if hidden is not None:
-                hidden = tuple(_roll_rows(h, back, 1) for h in hidden)
-            if weights is not None:
-                weights = tuple(_roll_rows(_roll_rows(w, back, 2), back, 3) for w in weights)
-        return CausalLMOutput(logits, hidden, weights)
+        result = CausalLMOutput(self.lm_head(out.output), out.hidden_states, out.weights)
+        return result if shift is None else _unshift(result, shift)
 
     def extend(self, input_ids: Tensor, counts: Tensor | int, cache: KVCache) -> Tensor:
         """Run ``counts[b]`` new tokens of each row through the model on top of ``cache``.
@@ -386,7 +358,7 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def generate(
         self,
-        input_ids: Tensor | str | Sequence[str],
+        input_ids: Tensor,
         max_new_tokens: int,
         *,
         lengths: Tensor | None = None,
@@ -398,16 +370,16 @@ class CausalLM(nn.Module):
         padding_side: str = "right",
         attention_mask: Tensor | None = None,
         eos_token_id: int | Sequence[int] | None = None,
-    ) -> Tensor | str | list[str]:
-        """Greedy or sampled continuation of every row, with a ``KVCache``.
+    ) -> Tensor:
+        """Greedy or sampled continuation of every row, with a ``KVCache``: token ids in,
+        token ids out (text goes through ``generate_text`` and ``stream_text``).
 
         The prompts run once (prefill); then each step feeds one new token per row. Row b's
         new tokens follow its own last real token, so rows of any lengths decode together
         and each gets the tokens it would get alone.
 
         Args:
-            input_ids: (B, L) prompt token ids; or a text / list of texts when the model has a
-                tokenizer (then texts come back).
+            input_ids: (B, L) prompt token ids.
             max_new_tokens: tokens to add to every row.
             lengths: (B,) real prompt tokens per row (default: all L).
             do_sample: sample instead of taking the most likely token.
@@ -421,10 +393,10 @@ class CausalLM(nn.Module):
             attention_mask: instead of ``lengths`` and ``padding_side``, transformers' (B, L)
                 0/1 mask, as in ``forward``.
             eos_token_id: stop a row at this token (or any of these): its later tokens are
-                ``pad_token_id``. Default: never for ids (every row gets max_new_tokens tokens);
-                the model's end-of-sequence token for texts.
+                ``pad_token_id``. Default: never (every row gets max_new_tokens tokens).
 
         Raises:
+            TypeError: text instead of ids (call ``generate_text``).
             ValueError: a bad argument (named), a prompt with its new tokens longer than the
                 model's positions (``max_positions``), or a KV cache that would not fit in the
                 memory free on the model's device (checked before anything is allocated).
@@ -432,57 +404,23 @@ class CausalLM(nn.Module):
         Returns:
             (B, L + max_new_tokens) ids. Right padding: row b holds its prompt, then its new
             tokens, then ``pad_token_id``. Left padding: ``input_ids`` followed by the new
-            tokens. For text input, the prompt and its continuation as text.
+            tokens.
         """
-        if isinstance(input_ids, str) or (
-            isinstance(input_ids, (list, tuple)) and any(isinstance(t, str) for t in input_ids)
-        ):
-            return self._generate_text(
-                input_ids,
-                max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=generator,
-                eos_token_id=eos_token_id,
-            )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        if isinstance(input_ids, str) or _holds_text(input_ids):
             raise TypeError(
-                f"max_new_tokens must be an int. Received: max_new_tokens={max_new_tokens!r}"
+                "generate takes token ids (B, L); for text in and text out call "
+                "generate_text(text, max_new_tokens, ...) (or stream_text for the new text "
+                f"piece by piece). Received: {_describe(input_ids)}"
             )
-        if max_new_tokens < 0:
-            raise ValueError(
-                f"max_new_tokens must be >= 0. Received: max_new_tokens={max_new_tokens}"
-            )
-        _check_sampling(do_sample, temperature, top_k, top_p, generator)
+        choose = _Sampling.checked(max_new_tokens, do_sample, temperature, top_k, top_p, generator)
         stop = _eos_list(eos_token_id)
         ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
-        b = ids.shape[0]
-        total = int(lengths.max()) + max_new_tokens
-        self._check_length(total, "the longest prompt with its new tokens")
-        if max_new_tokens:
-            self._check_memory(b, total, max_new_tokens)
-        new = torch.full((b, max_new_tokens), self.pad_token_id, dtype=ids.dtype, device=ids.device)
-        if max_new_tokens:
-            cache = self.new_cache(b, max_length=total)
-            hidden = self.extend(ids, lengths, cache)
-            last = hidden[torch.arange(b, device=ids.device), lengths - 1]  # [B, E]
-            done = torch.zeros(b, dtype=torch.bool, device=ids.device)
-            stops = torch.tensor(stop, dtype=ids.dtype, device=ids.device)
-            for t in range(max_new_tokens):
-                logits = self.lm_head(last)  # [B, vocab]
-                if do_sample:
-                    token = _sample(logits, temperature, top_k, top_p, generator)
-                else:
-                    token = logits.argmax(dim=-1)
-                if stop:
-                    token = torch.where(done, self.pad_token_id, token)
-                    done |= torch.isin(token, stops)
-                new[:, t] = token
-                if t + 1 == max_new_tokens or (stop and bool(done.all())):
-                    break
-                last = self.extend(token[:, None], 1, cache)[:, 0]
+        self._check_budget(ids.shape[0], int(lengths.max()), max_new_tokens)
+        new = torch.full(
+            (ids.shape[0], max_new_tokens), self.pad_token_id, dtype=ids.dtype, device=ids.device
+        )
+        for t, token in enumerate(self._steps(ids, lengths, max_new_tokens, choose, stop)):
+            new[:, t] = token
         if shift is not None:
             return torch.cat((input_ids, new), dim=1)
         real = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]
@@ -491,21 +429,181 @@ class CausalLM(nn.Module):
         at = lengths[:, None] + torch.arange(max_new_tokens, device=ids.device)
         return out.scatter(1, at, new)
 
-    def _generate_text(
-        self, texts: str | Sequence[str], max_new_tokens: int, **options: Any
+    @overload
+    def generate_text(
+        self,
+        text: str,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = ...,
+        temperature: float = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        generator: torch.Generator | None = ...,
+        eos_token_id: int | Sequence[int] | None = ...,
+    ) -> str: ...
+
+    @overload
+    def generate_text(
+        self,
+        text: Sequence[str],
+        max_new_tokens: int,
+        *,
+        do_sample: bool = ...,
+        temperature: float = ...,
+        top_k: int | None = ...,
+        top_p: float | None = ...,
+        generator: torch.Generator | None = ...,
+        eos_token_id: int | Sequence[int] | None = ...,
+    ) -> list[str]: ...
+
+    @torch.inference_mode()
+    def generate_text(
+        self,
+        text: str | Sequence[str],
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
     ) -> str | list[str]:
+        """Text in, text out: each prompt followed by its continuation, decoded.
+
+        A str gives a str; a list of str gives a list of str (the prompts decode together as
+        one batch, each as if alone). Needs the model's tokenizer.
+
+        Args:
+            text: a prompt, or a non-empty list of prompts (each with at least one token).
+            max_new_tokens, do_sample, temperature, top_k, top_p, generator: as in
+                ``generate``.
+            eos_token_id: stop a prompt's continuation at this token (or any of these);
+                default the model's end-of-sequence tokens. Special tokens are left out of
+                the text.
+
+        Raises:
+            TypeError: token ids (call ``generate``), or anything but a str or a list of str.
+            ValueError: as ``generate``; a model without tokenizer; a prompt with no tokens.
+        """
+        single = isinstance(text, str)
+        texts = self._check_texts([text] if single else text, "generate_text")
+        choose = _Sampling.checked(max_new_tokens, do_sample, temperature, top_k, top_p, generator)
+        stop = self._text_stops(eos_token_id)
+        ids, lengths = self._tokenize_prompts(texts)
+        self._check_budget(ids.shape[0], int(lengths.max()), max_new_tokens)
+        new: list[list[int]] = [[] for _ in texts]
+        for token in self._steps(ids, lengths, max_new_tokens, choose, stop):
+            for row, t in zip(new, token.tolist()):
+                row.append(t)
+        decoded = [
+            self.tokenizer.decode(row[:n] + _cut_after_stop(extra, stop), skip_special_tokens=True)
+            for row, n, extra in zip(ids.tolist(), lengths.tolist(), new)
+        ]
+        return decoded[0] if single else decoded
+
+    def stream_text(
+        self,
+        text: str,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> Iterator[str]:
+        """The continuation of one prompt, yielded piece by piece as the tokens are produced.
+
+        Each piece is the text the new tokens add, yielded as soon as it is complete UTF-8 (a
+        character split across byte-level tokens waits for its last byte); the pieces joined
+        are exactly the continuation ``generate_text`` returns after the prompt for the same
+        arguments (and the same generator state). Arguments are checked when this is called,
+        before the first token.
+
+        Args:
+            text: one prompt (str).
+            max_new_tokens, do_sample, temperature, top_k, top_p, generator, eos_token_id: as
+                in ``generate_text``.
+        """
+        if not isinstance(text, str):
+            raise TypeError(
+                "stream_text takes one prompt (a str); for a batch call generate_text, for "
+                f"token ids generate. Received: {_describe(text)}"
+            )
+        self._check_texts([text], "stream_text")
+        choose = _Sampling.checked(max_new_tokens, do_sample, temperature, top_k, top_p, generator)
+        stop = self._text_stops(eos_token_id)
+        ids, lengths = self._tokenize_prompts([text])
+        self._check_budget(1, int(lengths.max()), max_new_tokens)
+        tokens = (int(t) for t in self._steps(ids, lengths, max_new_tokens, choose, stop))
+        return _stream_pieces(self.tokenizer, ids[0].tolist(), tokens)
+
+    def _check_budget(self, batch_size: int, longest: int, max_new_tokens: int) -> None:
+        """Refuse a generation that would not fit the positions or the free memory."""
+        total = longest + max_new_tokens
+        self._check_length(total, "the longest prompt with its new tokens")
+        if max_new_tokens:
+            self._check_memory(batch_size, total, max_new_tokens)
+
+    @torch.inference_mode()
+    def _steps(
+        self,
+        ids: Tensor,
+        lengths: Tensor,
+        max_new_tokens: int,
+        choose: _Sampling,
+        stop: list[int],
+    ) -> Iterator[Tensor]:
+        """Yield each step's new token of every row (B,), prefill first. A row that has
+        produced a stop token gets ``pad_token_id`` from then on; the steps end after
+        ``max_new_tokens`` or once every row has stopped."""
+        if not max_new_tokens:
+            return
+        b = ids.shape[0]
+        cache = self.new_cache(b, max_length=int(lengths.max()) + max_new_tokens)
+        hidden = self.extend(ids, lengths, cache)
+        last = hidden[torch.arange(b, device=ids.device), lengths - 1]  # [B, E]
+        done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+        stops = torch.tensor(stop, dtype=ids.dtype, device=ids.device)
+        for t in range(max_new_tokens):
+            token = choose(self.lm_head(last))  # [B]
+            if stop:
+                token = torch.where(done, self.pad_token_id, token)
+                done |= torch.isin(token, stops)
+            yield token
+            if t + 1 == max_new_tokens or (stop and bool(done.all())):
+                return
+            last = self.extend(token[:, None], 1, cache)[:, 0]
+
+    def _check_texts(self, texts: object, where: str) -> list[str]:
         if self.tokenizer is None:
             raise ValueError(
-                "this model has no tokenizer (its folder had no tokenizer.json); pass token "
-                "ids (B, L) instead. Received: text"
+                f"this model has no tokenizer (its folder had no tokenizer.json); {where} "
+                "needs one: call generate with token ids (B, L) instead. Received: text"
             )
-        single = isinstance(texts, str)
-        texts = [texts] if single else list(texts)
-        if not texts or not all(isinstance(t, str) for t in texts):
+        if isinstance(texts, Tensor):
             raise TypeError(
-                "text input must be a string or a non-empty list of strings. "
-                f"Received: {[type(t).__name__ for t in texts]}"
+                f"{where} takes text; for token ids call generate(input_ids, max_new_tokens). "
+                f"Received: {_describe(texts)}"
             )
+        texts = list(texts) if isinstance(texts, (list, tuple)) else texts
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            got = [type(t).__name__ for t in texts] if isinstance(texts, list) else texts
+            raise TypeError(
+                f"text input must be a string or a non-empty list of strings. Received: {got!r}"
+            )
+        return texts
+
+    def _text_stops(self, eos_token_id: int | Sequence[int] | None) -> list[int]:
+        if eos_token_id is None:
+            return list(self.eos_token_ids or [])
+        return _eos_list(eos_token_id)
+
+    def _tokenize_prompts(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """Right-padded ids (B, L) and lengths (B,) of the prompts, on the model's device."""
         encodings = self.tokenizer.encode_batch(texts)
         for i, e in enumerate(encodings):
             if not e.ids:
@@ -516,20 +614,117 @@ class CausalLM(nn.Module):
         ids = torch.full((len(texts), int(lengths.max())), self.pad_token_id, dtype=torch.long)
         for i, e in enumerate(encodings):
             ids[i, : len(e.ids)] = torch.tensor(e.ids)
-        device = self.lm_head.weight.device
-        if options["eos_token_id"] is None:
-            options["eos_token_id"] = self.eos_token_ids or None
-        stop = set(_eos_list(options["eos_token_id"]))
-        out = self.generate(ids.to(device), max_new_tokens, lengths=lengths.to(device), **options)
-        decoded = []
-        for row, n in zip(out.tolist(), lengths.tolist()):
-            tokens = row[: n + max_new_tokens]
-            for j in range(n, len(tokens)):
-                if tokens[j] in stop:
-                    tokens = tokens[: j + 1]
-                    break
-            decoded.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
-        return decoded[0] if single else decoded
+        device = self._activations.device  # the norm's: a packed lm_head would dequantize
+        ids, lengths, _ = self._prepare(ids.to(device), lengths.to(device), "right")
+        return ids, lengths
+
+
+_MOVED_RUN = {
+    "return_weights": "run returns the weights by default (weights=False leaves them out, "
+    "heads=[...] picks heads)",
+}
+
+
+def _unshift(out: CausalLMOutput, shift: Tensor) -> CausalLMOutput:
+    """A result computed in the right-padded layout, moved back to the input's left-padded
+    one (logits, hidden states by rows; weights by rows and columns)."""
+    back = -shift
+    logits = _roll_rows(out.logits, back, 1)
+    hidden = out.hidden_states
+    if hidden is not None:
+        hidden = tuple(_roll_rows(h, back, 1) for h in hidden)
+    weights = out.weights
+    if weights is not None:
+        weights = tuple(_roll_rows(_roll_rows(w, back, 2), back, 3) for w in weights)
+    return CausalLMOutput(logits, hidden, weights)
+
+
+def _stream_pieces(tokenizer: Any, prompt: list[int], tokens: Iterator[int]) -> Iterator[str]:
+    """The text each new token adds, once it is complete.
+
+    Decodes a short window (from the token before the last emitted text) rather than the
+    whole sequence, so each step costs the same; the window keeps one earlier token so that
+    decoders which treat a sequence's first token specially (SentencePiece's leading space)
+    see the new tokens in context. Text ending in U+FFFD (a character whose bytes have not
+    all arrived) is held back until it completes, or until the end, where whatever is left
+    is yielded as the full decode would show it."""
+    ids = list(prompt)
+    start, read = max(len(ids) - 1, 0), len(ids)  # window start; tokens before read are out
+    for token in tokens:
+        ids.append(token)
+        before = tokenizer.decode(ids[start:read], skip_special_tokens=True)
+        after = tokenizer.decode(ids[start:], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            yield after[len(before) :]
+            start, read = read, len(ids)
+    if read < len(ids):
+        before = tokenizer.decode(ids[start:read], skip_special_tokens=True)
+        rest = tokenizer.decode(ids[start:], skip_special_tokens=True)[len(before) :]
+        if rest:
+            yield rest
+
+
+def _cut_after_stop(tokens: list[int], stop: list[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token (the rest is padding)."""
+    for j, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: j + 1]
+    return tokens
+
+
+def _holds_text(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and any(isinstance(t, str) for t in value)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, str):
+        return f"the text {value[:40]!r}"
+    return f"an object of type {type(value).__name__}"
+
+
+def _check_input_ids(input_ids: object) -> None:
+    """A (B, L) integer tensor with at least one row of at least one token."""
+    if (
+        not isinstance(input_ids, Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype == torch.bool
+        or input_ids.is_floating_point()
+        or input_ids.is_complex()
+    ):
+        got = (
+            f"shape={tuple(input_ids.shape)}, dtype={input_ids.dtype}"
+            if isinstance(input_ids, Tensor)
+            else f"an object of type {type(input_ids).__name__}"
+        )
+        raise ValueError(f"input_ids must be a (B, L) integer tensor. Received: {got}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            "input_ids must hold at least one row of at least one token. "
+            f"Received: input_ids.shape={tuple(input_ids.shape)}"
+        )
+
+
+def _check_lengths(lengths: Tensor | None, input_ids: Tensor) -> Tensor:
+    """The real tokens per row as a (B,) long tensor on the ids' device (default: all L)."""
+    (b, length), device = input_ids.shape, input_ids.device
+    if lengths is None:
+        return torch.full((b,), length, dtype=torch.long, device=device)
+    if not isinstance(lengths, Tensor):
+        lengths = torch.as_tensor(lengths)
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.dim() != 1:
+        raise ValueError(
+            "lengths must be a (B,) integer tensor of real tokens per row. "
+            f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
+        )
+    lengths = lengths.to(device=device, dtype=torch.long)
+    if lengths.shape[0] != b or int(lengths.min()) < 1 or int(lengths.max()) > length:
+        raise ValueError(
+            f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
+            f"real token). Received: lengths={lengths.tolist()}"
+        )
+    return lengths
 
 
 def _from_attention_mask(mask: Tensor, shape: torch.Size) -> tuple[Tensor, str]:
@@ -614,16 +809,59 @@ def _check_sampling(
             "temperature must be a finite number > 0 (use do_sample=False for the most likely "
             f"token). Received: temperature={temperature!r}"
         )
+    _check_filters(top_k, top_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator. Received: {type(generator).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """How each step picks its token: the most likely one, or a sample."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    generator: torch.Generator | None
+
+    @classmethod
+    def checked(
+        cls,
+        max_new_tokens: int,
+        do_sample: bool,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        generator: torch.Generator | None,
+    ) -> _Sampling:
+        """Check ``max_new_tokens`` and the sampling options (named in each message)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(
+                f"max_new_tokens must be an int. Received: max_new_tokens={max_new_tokens!r}"
+            )
+        if max_new_tokens < 0:
+            raise ValueError(
+                f"max_new_tokens must be >= 0. Received: max_new_tokens={max_new_tokens}"
+            )
+        _check_sampling(do_sample, temperature, top_k, top_p, generator)
+        return cls(do_sample, temperature, top_k, top_p, generator)
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        """(B, vocab) logits -> (B,) tokens."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        return _sample(logits, self.temperature, self.top_k, self.top_p, self.generator)
+
+
+def _check_filters(top_k: int | None, top_p: float | None) -> None:
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None. Received: top_k={top_k!r}")
     if top_p is not None and (
         isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
     ):
         raise ValueError(f"top_p must be in (0, 1] or None. Received: top_p={top_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(
-            f"generator must be a torch.Generator. Received: {type(generator).__name__}"
-        )
 
 
 def _sample(

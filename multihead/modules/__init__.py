@@ -1,23 +1,22 @@
 """Modules built on ``multihead.attention``: projections, head reshaping, blocks, decoding."""
 
-from .attention import MultiHeadAttention, merge_heads, split_heads
+from .attention import AttentionOutput, MultiHeadAttention, merge_heads, split_heads
 from .cache import CacheStep, KVCache, LayerCache
-from .decoder import DecoderOutput, TransformerDecoder, TransformerDecoderLayer
+from .decoder import TransformerDecoder, TransformerDecoderLayer
 from .norms import RMSNorm
 from .positional import LearnedPositionalEncoding, SinusoidalPositionalEncoding, sinusoidal_table
 from .rotary import RotaryEmbedding
 from .transformer import (
-    EncoderOutput,
     FeedForward,
     GatedFeedForward,
+    StackOutput,
     TransformerEncoder,
     TransformerEncoderLayer,
 )
 
 __all__ = [
+    "AttentionOutput",
     "CacheStep",
-    "DecoderOutput",
-    "EncoderOutput",
     "FeedForward",
     "GatedFeedForward",
     "KVCache",
@@ -27,6 +26,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
+    "StackOutput",
     "TransformerDecoder",
     "TransformerDecoderLayer",
     "TransformerEncoder",

@@ -10,12 +10,18 @@ from torch import Tensor, nn
 
 from .. import _validation as V
 from .._saveable import saveable
-from ..functional import attention
+from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
 from .cache import LayerCache
 from .rotary import RotaryEmbedding
 
-__all__ = ["MultiHeadAttention", "merge_heads", "split_heads"]
+__all__ = ["AttentionOutput", "MultiHeadAttention", "merge_heads", "split_heads"]
+
+# keywords removed from the modules' forward in 0.2.0 -> what replaces them
+_MOVED = {
+    "return_weights": "call module.run(...) for an AttentionOutput(output, weights) "
+    "(forward always returns the output tensor)",
+}
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -47,7 +53,8 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention on batch-first (B, L, E) tensors.
 
     ``q = split_heads(q_proj(query))``, the same for key and value with H_kv heads, then
-    ``out_proj(merge_heads(attention(q, k, v, mask)))``.
+    ``out_proj(merge_heads(attention(q, k, v, mask)))``. ``forward`` returns that tensor;
+    ``run`` returns ``AttentionOutput(output, weights)`` with the per-head weights.
 
     Args:
         embed_dim: E, the query (and output) width; divisible by ``num_heads`` unless
@@ -142,11 +149,10 @@ class MultiHeadAttention(nn.Module):
         *,
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
-        return_weights: bool = False,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
         **unexpected: object,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor:
         """Attend from ``query`` to ``key``/``value`` (self-attention when both are omitted).
 
         Args:
@@ -157,25 +163,97 @@ class MultiHeadAttention(nn.Module):
             mask: a ``multihead.masks.Mask``, a bool tensor (True = may attend) or the result
                 of ``masks.from_torch(...)`` (its additive part joins ``bias``).
             bias: additive scores broadcastable to (B, H, L, S).
-            return_weights: also return per-head weights (B, H, L, S).
             positions: (B, L) or (L,) integer positions for the rotary embedding; default
                 the cache step's positions, else 0..L-1.
             cache: this layer's ``KVCache`` view (``cache[i]``), for self-attention while
                 decoding: the new keys and values are stored, the queries attend to every
                 token the row holds, and the cache supplies the mask (so ``mask`` must be
-                None). The weights then have one column per cache slot.
+                None).
 
         Returns:
-            (B, L, out_dim), or ``(output, weights)`` when ``return_weights=True``.
+            (B, L, out_dim), always a tensor; ``run`` also returns the weights.
 
         Raises:
             TypeError: torch-style keywords (``attn_mask``, ``key_padding_mask``,
-                ``need_weights``), non-float inputs or inputs of another dtype than the
-                parameters (outside autocast).
+                ``need_weights``), ``return_weights`` (use ``run``), non-float inputs or
+                inputs of another dtype than the parameters (outside autocast).
         """
-        V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected)
-        V.check_bool("return_weights", return_weights)
-        self_attention = key is None and value is None
+        V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected, moved=_MOVED)
+        q, k, v, mask = self._project(query, key, value, mask, positions, cache)
+        out = attention(q, k, v, mask, bias=bias, dropout_p=self._dropout_p())
+        return self.out_proj(merge_heads(out))
+
+    def run(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: LayerCache | None = None,
+        heads: list[int] | None = None,
+        **unexpected: object,
+    ) -> AttentionOutput:
+        """``forward`` that also returns the per-head weights: ``AttentionOutput(output,
+        weights)`` whatever the arguments.
+
+        Args:
+            query, key, value, mask, bias, positions, cache: as in ``forward``.
+            heads: query-head indices whose weights to compute and return, in that order
+                (``multihead.attention_with_weights``); None: every head.
+
+        Returns:
+            output (B, L, out_dim), the same as ``forward`` gives; weights (B, H, L, S) before
+            dropout, or (B, len(heads), L, S). With a cache, one weight column per cache slot.
+        """
+        V.reject_foreign_keywords("MultiHeadAttention.run()", unexpected)
+        if heads is not None:  # before the cache stores anything
+            check_heads(heads, self.num_heads)
+        q, k, v, mask = self._project(query, key, value, mask, positions, cache)
+        out, weights = attention_with_weights(
+            q, k, v, mask, bias=bias, heads=heads, dropout_p=self._dropout_p()
+        )
+        return AttentionOutput(self.out_proj(merge_heads(out)), weights)
+
+    def _dropout_p(self) -> float:
+        return self.dropout if self.training else 0.0
+
+    def _project(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Mask | Tensor | None,
+        positions: Tensor | None,
+        cache: LayerCache | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Mask | Tensor | None]:
+        """Check the call; project into heads q (B, H, L, D), k (B, H_kv, S, D), v (B, H_kv,
+        S, D_v), with rotary positions applied and the cache updated (its mask returned)."""
+        self._check_options(key is None and value is None, mask, positions, cache)
+        if key is None:
+            key = query if value is None else value
+        value = key if value is None else value
+        self._check_inputs(query, key, value)
+        q = split_heads(self.q_proj(query), self.num_heads)  # [B, H, L, D]
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # [B, H_kv, S, D]
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D_v]
+        if self.rotary is not None:
+            if positions is None and cache is not None:
+                positions = cache.positions
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if cache is not None:
+            k, v, mask = cache.update(k, v)  # [B, H_kv, S_cache, D]
+        return q, k, v, mask
+
+    def _check_options(
+        self,
+        self_attention: bool,
+        mask: Mask | Tensor | None,
+        positions: Tensor | None,
+        cache: LayerCache | None,
+    ) -> None:
         if not self_attention and (cache is not None or self.rotary is not None):
             raise ValueError(
                 "a KV cache and rotary embeddings apply to self-attention only; call with the "
@@ -192,9 +270,8 @@ class MultiHeadAttention(nn.Module):
                 "positions= places rotary embeddings, and this module has none; add position "
                 "information to the input instead. Received: positions with rotary=None"
             )
-        if key is None:
-            key = query if value is None else value
-        value = key if value is None else value
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         for name, t, width, letters in (
             ("query", query, self.embed_dim, "(B, L, E)"),
             ("key", key, self.kdim, "(B, S, kdim)"),
@@ -213,28 +290,6 @@ class MultiHeadAttention(nn.Module):
                 f"S. Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
                 f"value.shape={tuple(value.shape)}"
             )
-        q = split_heads(self.q_proj(query), self.num_heads)  # [B, H, L, D]
-        k = split_heads(self.k_proj(key), self.num_kv_heads)  # [B, H_kv, S, D]
-        v = split_heads(self.v_proj(value), self.num_kv_heads)  # [B, H_kv, S, D_v]
-        if self.rotary is not None:
-            if positions is None and cache is not None:
-                positions = cache.positions
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if cache is not None:
-            k, v, mask = cache.update(k, v)  # [B, H_kv, S_cache, D]
-        result = attention(
-            q,
-            k,
-            v,
-            mask,
-            bias=bias,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
-        )
-        if return_weights:
-            out, weights = result
-            return self.out_proj(merge_heads(out)), weights
-        return self.out_proj(merge_heads(result))
 
     def _check_dtype(self, name: str, t: Tensor) -> None:
         # packed bf16/int8 projections (modules/quant.py) say their activations' dtype

@@ -7,18 +7,18 @@ RMSNorm) is up to the caller. The stack threads a ``KVCache`` through its layers
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from torch import Tensor, nn
 
 from .. import _validation as V
 from .. import masks
 from .._saveable import saveable
+from ..functional import AttentionOutput
 from ..masks import Mask
+from .attention import _MOVED
 from .cache import KVCache, LayerCache
-from .transformer import check_layers
+from .transformer import _MOVED_STACK, StackOutput, check_layers, run_stack
 
-__all__ = ["DecoderOutput", "TransformerDecoder", "TransformerDecoderLayer"]
+__all__ = ["TransformerDecoder", "TransformerDecoderLayer"]
 
 
 def _check_part(name: str, part: object) -> nn.Module:
@@ -41,9 +41,10 @@ class TransformerDecoderLayer(nn.Module):
     rotary=RotaryEmbedding(D))``, ``GatedFeedForward(E, hidden)`` and two ``RMSNorm(E)``.
 
     Args:
-        self_attn: called as ``self_attn(x, mask=..., return_weights=...)``, plus
-            ``positions=`` and ``cache=`` when those are given (``MultiHeadAttention`` takes
-            all of them).
+        self_attn: called as ``self_attn(x, mask=...)`` by ``forward`` and as
+            ``self_attn.run(x, mask=..., heads=...)`` (an ``AttentionOutput``) by ``run``,
+            plus ``positions=`` and ``cache=`` when those are given (``MultiHeadAttention``
+            takes all of them).
         feed_forward: (B, L, E) -> (B, L, E).
         norm1: before the attention (default none: ``nn.Identity``).
         norm2: before the feed-forward (default none).
@@ -73,44 +74,57 @@ class TransformerDecoderLayer(nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        **unexpected: object,
+    ) -> Tensor:
         """Args:
             x: (B, L, E).
             mask: the attention mask; default ``masks.causal()`` (no token sees a later one).
                 With a cache the cache supplies it.
             positions: (B, L) positions for a rotary attention.
             cache: this layer's view of a ``KVCache`` (``cache[i]``).
-            return_weights: also return the per-head weights (B, H, L, S).
 
         Returns:
-            (B, L, E), or ``(output, weights)`` when ``return_weights=True``.
+            (B, L, E), always a tensor; ``run`` also returns the attention weights.
         """
-        extra = {}
+        V.reject_foreign_keywords("TransformerDecoderLayer.forward()", unexpected, moved=_MOVED)
+        attended = self.self_attn(self.norm1(x), **self._options(mask, positions, cache))
+        return self._finish(x, attended)
+
+    def run(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: LayerCache | None = None,
+        heads: list[int] | None = None,
+    ) -> AttentionOutput:
+        """``forward`` that also returns the self-attention weights (through
+        ``self_attn.run``): ``AttentionOutput(output (B, L, E), weights (B, H, L, S))``, or
+        (B, len(heads), L, S) with ``heads``. The layer has no cross-attention, so the
+        weights are always its self-attention's (S = L, or the cache slots with a cache)."""
+        options = self._options(mask, positions, cache)
+        out = self.self_attn.run(self.norm1(x), heads=heads, **options)
+        return AttentionOutput(self._finish(x, out.output), out.weights)
+
+    @staticmethod
+    def _options(
+        mask: Mask | Tensor | None, positions: Tensor | None, cache: LayerCache | None
+    ) -> dict[str, object]:
+        """The keywords for ``self_attn``: positions and cache only when given (a plain
+        attention need not take them); without a cache the mask, causal by default."""
+        options: dict[str, object] = {"mask": mask}
         if positions is not None:
-            extra["positions"] = positions
+            options["positions"] = positions
         if cache is not None:
-            extra["cache"] = cache
+            options["cache"] = cache
         elif mask is None:
-            mask = masks.causal()
-        attended = self.self_attn(self.norm1(x), mask=mask, return_weights=return_weights, **extra)
-        attended, weights = attended if return_weights else (attended, None)
+            options["mask"] = masks.causal()
+        return options
+
+    def _finish(self, x: Tensor, attended: Tensor) -> Tensor:
         x = x + self.dropout(attended)
-        x = x + self.dropout(self.feed_forward(self.norm2(x)))
-        return (x, weights) if return_weights else x
-
-
-class DecoderOutput(NamedTuple):
-    """What ``TransformerDecoder`` returns when asked for more than the output.
-
-    output: (B, L, E) after the last layer and the final norm.
-    hidden_states: the input and every layer's output (num_layers + 1 tensors) when asked.
-    weights: every layer's per-head weights (B, H, L, S) when asked.
-    """
-
-    output: Tensor
-    hidden_states: tuple[Tensor, ...] | None
-    weights: tuple[Tensor, ...] | None
+        return x + self.dropout(self.feed_forward(self.norm2(x)))
 
 
 @saveable("multihead.TransformerDecoder")
@@ -134,45 +148,58 @@ class TransformerDecoder(nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         cache: KVCache | None = None,
-        return_weights: bool = False,
-        return_hidden: bool = False,
-    ) -> Tensor | DecoderOutput:
+        **unexpected: object,
+    ) -> Tensor:
         """Args:
             x: (B, L, E).
             mask: used by every layer; default causal. Must be None with a cache.
             positions: (B, L) positions for rotary attention; default the cache step's.
             cache: a ``KVCache`` with one entry per layer, after ``cache.begin(counts)``.
-            return_weights, return_hidden: as in ``TransformerEncoder``.
 
         Returns:
-            (B, L, E), or a ``DecoderOutput`` when ``return_weights`` or ``return_hidden``.
+            (B, L, E), always a tensor; ``run`` gives weights and hidden states.
         """
+        V.reject_foreign_keywords("TransformerDecoder.forward()", unexpected, moved=_MOVED_STACK)
+        self._check_cache(cache)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i])
+        return self.norm(x)
+
+    def run(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        weights: bool = True,
+        heads: list[int] | None = None,
+        return_hidden: bool = False,
+    ) -> StackOutput:
+        """``forward`` with more, always as a ``StackOutput(output, hidden_states, weights)``.
+
+        Args:
+            x, mask, positions, cache: as in ``forward``.
+            weights, heads, return_hidden: as in ``TransformerEncoder.run``.
+        """
+        self._check_cache(cache)
+        return run_stack(
+            self.layers,
+            self.norm,
+            x,
+            lambda i: {
+                "mask": mask,
+                "positions": positions,
+                "cache": None if cache is None else cache[i],
+            },
+            weights=weights,
+            heads=heads,
+            return_hidden=return_hidden,
+        )
+
+    def _check_cache(self, cache: KVCache | None) -> None:
         if cache is not None and cache.num_layers != len(self.layers):
             raise ValueError(
                 f"the cache must have one entry per layer ({len(self.layers)}). "
                 f"Received: a cache with num_layers={cache.num_layers}"
             )
-        hidden, weights = [x], []
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x,
-                mask=mask,
-                positions=positions,
-                cache=None if cache is None else cache[i],
-                return_weights=return_weights,
-            )
-            if return_weights:
-                x, w = x
-                weights.append(w)
-            if return_hidden:
-                hidden.append(x)
-        x = self.norm(x)
-        if not (return_weights or return_hidden):
-            return x
-        if return_hidden:
-            hidden[-1] = x
-        return DecoderOutput(
-            x,
-            tuple(hidden) if return_hidden else None,
-            tuple(weights) if return_weights else None,
-        )

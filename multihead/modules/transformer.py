@@ -5,20 +5,29 @@ Post-norm (the original Transformer and BERT) is the default; ``norm_first=True`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
 from .. import _validation as V
 from .._saveable import saveable
+from ..functional import AttentionOutput
 from ..masks import Mask
-from .attention import MultiHeadAttention
+from .attention import _MOVED, MultiHeadAttention
+
+# keywords the stacks' forward took before 0.2.0 -> what replaces them
+_MOVED_STACK = {
+    "return_weights": "call stack.run(...) for a StackOutput(output, hidden_states, weights)",
+    "return_hidden": "call stack.run(..., return_hidden=True) for a StackOutput(output, "
+    "hidden_states, weights)",
+}
 
 __all__ = [
     "ACTIVATIONS",
-    "EncoderOutput",
     "FeedForward",
     "GatedFeedForward",
+    "StackOutput",
     "TransformerEncoder",
     "TransformerEncoderLayer",
 ]
@@ -131,7 +140,9 @@ class TransformerEncoderLayer(nn.Module):
     missing ones are built from the sizes, so ``TransformerEncoderLayer(self_attn=attn,
     feed_forward=GatedFeedForward(256, 683), norm1=RMSNorm(256), norm2=RMSNorm(256),
     norm_first=True)`` needs no sizes at all. ``self_attn`` is called as
-    ``self_attn(x, mask=..., bias=..., return_weights=...)`` like ``MultiHeadAttention``.
+    ``self_attn(x, mask=..., bias=...)`` by ``forward`` and as ``self_attn.run(x, mask=...,
+    bias=..., heads=...)`` (returning an ``AttentionOutput``) by ``run``, like
+    ``MultiHeadAttention``.
 
     Args:
         embed_dim: E (needed to build the attention or a norm).
@@ -211,24 +222,41 @@ class TransformerEncoderLayer(nn.Module):
         *,
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
-        return_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        **unexpected: object,
+    ) -> Tensor:
         """Args: x (B, L, E); mask and bias as in ``multihead.attention``.
 
         Returns:
-            (B, L, E), or ``(output, weights)`` with per-head weights (B, H, L, L) when
-            ``return_weights=True``; the output is computed on the same fast path either way.
+            (B, L, E), always a tensor; ``run`` also returns the attention weights.
         """
-        h = self.norm1(x) if self.norm_first else x
-        attended = self.self_attn(h, mask=mask, bias=bias, return_weights=return_weights)
-        attended, weights = attended if return_weights else (attended, None)
+        V.reject_foreign_keywords("TransformerEncoderLayer.forward()", unexpected, moved=_MOVED)
+        return self._finish(x, self.self_attn(self._attn_input(x), mask=mask, bias=bias))
+
+    def run(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Tensor | None = None,
+        heads: list[int] | None = None,
+    ) -> AttentionOutput:
+        """``forward`` that also returns the self-attention weights (through
+        ``self_attn.run``): ``AttentionOutput(output (B, L, E), weights (B, H, L, L))``, or
+        (B, len(heads), L, L) with ``heads``; the output is the one ``forward`` computes."""
+        out = self.self_attn.run(self._attn_input(x), mask=mask, bias=bias, heads=heads)
+        return AttentionOutput(self._finish(x, out.output), out.weights)
+
+    def _attn_input(self, x: Tensor) -> Tensor:
+        return self.norm1(x) if self.norm_first else x
+
+    def _finish(self, x: Tensor, attended: Tensor) -> Tensor:
+        """The residual connections and norms around the attention output, and the
+        feed-forward block."""
         if self.norm_first:
             x = x + self.dropout(attended)
-            x = x + self.dropout(self.feed_forward(self.norm2(x)))
-        else:
-            x = self.norm1(x + self.dropout(attended))
-            x = self.norm2(x + self.dropout(self.feed_forward(x)))
-        return (x, weights) if return_weights else x
+            return x + self.dropout(self.feed_forward(self.norm2(x)))
+        x = self.norm1(x + self.dropout(attended))
+        return self.norm2(x + self.dropout(self.feed_forward(x)))
 
 
 def check_layers(layers: Any, kind: type) -> nn.ModuleList:
@@ -247,13 +275,16 @@ def check_layers(layers: Any, kind: type) -> nn.ModuleList:
     return nn.ModuleList(layers)
 
 
-class EncoderOutput(NamedTuple):
-    """What ``TransformerEncoder`` returns when asked for more than the output.
+class StackOutput(NamedTuple):
+    """What ``run`` of ``TransformerEncoder`` and ``TransformerDecoder`` returns, whatever
+    was asked for.
 
-    output: (B, L, E) after the last layer (and the final norm, if any).
-    hidden_states: the input and every layer's output, num_layers + 1 tensors (B, L, E), when
-        ``return_hidden=True``; else None.
-    weights: every layer's per-head weights (B, H, L, L) when ``return_weights=True``; else None.
+    output: (B, L, E) after the last layer (and the final norm, if any): what ``forward``
+        returns.
+    hidden_states: the input and every layer's output, num_layers + 1 tensors (B, L, E), the
+        last one after the final norm, when ``return_hidden=True``; else None.
+    weights: every layer's per-head weights, one (B, H, L, S) tensor per layer (or
+        (B, len(heads), L, S) with ``heads``), unless ``weights=False``; then None.
     """
 
     output: Tensor
@@ -261,9 +292,48 @@ class EncoderOutput(NamedTuple):
     weights: tuple[Tensor, ...] | None
 
 
+def run_stack(
+    layers: nn.ModuleList,
+    norm: nn.Module | None,
+    x: Tensor,
+    options: Callable[[int], dict[str, Any]],
+    *,
+    weights: bool,
+    heads: list[int] | None,
+    return_hidden: bool,
+) -> StackOutput:
+    """Run ``layers`` in order (layer i with the keywords ``options(i)``), then ``norm``;
+    collect what ``run`` of a stack was asked for. Layers run through their ``run`` only when
+    weights are wanted, so ``weights=False`` stays on the fast path."""
+    V.check_bool("weights", weights)
+    V.check_bool("return_hidden", return_hidden)
+    if heads is not None and not weights:
+        raise ValueError(
+            "heads= chooses which heads' weights to return, and weights=False asks for none; "
+            f"drop one of them. Received: heads={heads!r}, weights=False"
+        )
+    hidden, per_layer = [x], []
+    for i, layer in enumerate(layers):
+        if weights:
+            x, w = layer.run(x, heads=heads, **options(i))
+            per_layer.append(w)
+        else:
+            x = layer(x, **options(i))
+        hidden.append(x)
+    if norm is not None:
+        x = norm(x)
+        hidden[-1] = x
+    return StackOutput(
+        x, tuple(hidden) if return_hidden else None, tuple(per_layer) if weights else None
+    )
+
+
 @saveable("multihead.TransformerEncoder")
 class TransformerEncoder(nn.Module):
     """A stack of encoder layers sharing one mask, with an optional final norm (for pre-norm).
+
+    ``forward`` returns the output tensor; ``run`` returns a ``StackOutput`` with the
+    per-layer weights and, on request, the hidden states.
 
     Args:
         layers: the layers, run in order (e.g. ``[TransformerEncoderLayer(...) for _ in
@@ -282,29 +352,44 @@ class TransformerEncoder(nn.Module):
         *,
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
-        return_weights: bool = False,
-        return_hidden: bool = False,
-    ) -> Tensor | EncoderOutput:
+        **unexpected: object,
+    ) -> Tensor:
         """Args: x (B, L, E); mask and bias as in ``multihead.attention``, used by every layer.
 
         Returns:
-            (B, L, E), or an ``EncoderOutput`` when ``return_weights`` or ``return_hidden``.
+            (B, L, E), always a tensor; ``run`` gives weights and hidden states.
         """
-        hidden = [x]
-        weights = []
+        V.reject_foreign_keywords("TransformerEncoder.forward()", unexpected, moved=_MOVED_STACK)
         for layer in self.layers:
-            x = layer(x, mask=mask, bias=bias, return_weights=return_weights)
-            if return_weights:
-                x, w = x
-                weights.append(w)
-            hidden.append(x)
-        if self.norm is not None:
-            x = self.norm(x)
-            hidden[-1] = x
-        if not (return_weights or return_hidden):
-            return x
-        return EncoderOutput(
+            x = layer(x, mask=mask, bias=bias)
+        return x if self.norm is None else self.norm(x)
+
+    def run(
+        self,
+        x: Tensor,
+        *,
+        mask: Mask | Tensor | None = None,
+        bias: Tensor | None = None,
+        weights: bool = True,
+        heads: list[int] | None = None,
+        return_hidden: bool = False,
+    ) -> StackOutput:
+        """``forward`` with more, always as a ``StackOutput(output, hidden_states, weights)``.
+
+        Args:
+            x, mask, bias: as in ``forward``.
+            weights: return every layer's per-head weights (default); False leaves
+                ``weights`` None and runs the layers on the fast path.
+            heads: only these heads' weights, in every layer (see
+                ``multihead.attention_with_weights``).
+            return_hidden: also return the input and every layer's output.
+        """
+        return run_stack(
+            self.layers,
+            self.norm,
             x,
-            tuple(hidden) if return_hidden else None,
-            tuple(weights) if return_weights else None,
+            lambda i: {"mask": mask, "bias": bias},
+            weights=weights,
+            heads=heads,
+            return_hidden=return_hidden,
         )

@@ -288,7 +288,6 @@ def context_attention(
     bias: Tensor | ScoreModifier | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    return_weights: bool = False,
     group: dist.ProcessGroup | None = None,
     **unexpected: object,
 ) -> Tensor:
@@ -320,7 +319,6 @@ def context_attention(
             are summed over ranks: each rank receives the gradient of the whole.
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: must be 0 (see Raises).
-        return_weights: must be False (see Raises).
         group: the process group (default: the default group). Works with gloo on CPU and
             nccl on CUDA.
 
@@ -333,13 +331,14 @@ def context_attention(
         ValueError: on every rank when any rank's inputs are invalid or the ranks disagree on
             B, H, H_kv, D, D_v, dtype, whether a mask or bias was given or whether gradients
             are needed; dropout (the ring passes would need the same random draws on every
-            rank) and ``return_weights`` (weights of the whole would not fit one process).
-        TypeError: SDPA keywords and other unexpected keywords.
+            rank).
+        TypeError: SDPA keywords and other unexpected keywords; ``return_weights`` (there are
+            no weights: each rank's rows span every shard, more than one process holds).
     """
     rank, world = _membership(group)
     error: Exception | None = None
     try:
-        _check_local(query, key, value, dropout_p, return_weights, unexpected)
+        _check_local(query, key, value, dropout_p, unexpected)
         _check_device(dist.get_backend(group), query.device)
     except (TypeError, ValueError) as err:
         error = err
@@ -409,20 +408,20 @@ def _membership(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def _check_local(query, key, value, dropout_p, return_weights, unexpected) -> None:
-    V.reject_foreign_keywords("context_attention()", unexpected)
+_MOVED = {
+    "return_weights": "context_attention returns no weights (each rank's (L_r, S) rows span "
+    "every shard); call multihead.attention_with_weights on the shards you want to look at",
+}
+
+
+def _check_local(query, key, value, dropout_p, unexpected) -> None:
+    V.reject_foreign_keywords("context_attention()", unexpected, moved=_MOVED)
     V.check_qkv(query, key, value)
     if V.check_dropout(dropout_p) > 0.0:
         raise ValueError(
             "context_attention computes no dropout: the forward and backward rings would have "
             "to draw the same random weights on every rank; apply dropout after attention, or "
             f"set dropout_p=0 for this layer. Received: dropout_p={dropout_p}"
-        )
-    if V.check_bool("return_weights", return_weights):
-        raise ValueError(
-            "context_attention returns no weights: each rank's (L_r, S) rows span every shard; "
-            "use multihead.attention_weights on the shards you want to look at. "
-            "Received: return_weights=True"
         )
 
 

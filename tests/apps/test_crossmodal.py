@@ -59,7 +59,7 @@ def test_cross_attention_uses_different_widths():
     model = crossmodal.CrossModalQA()
     assert (model.cross.embed_dim, model.cross.kdim, model.cross.vdim) == (32, 48, 48)
     ids, lengths = crossmodal.tokenize([["is", "it", "odd", "?"], ["is", "it", "a", "3", "?"]])
-    logits, weights = model(ids, lengths, torch.rand(2, 16, 4), return_weights=True)
+    logits, weights = model.run(ids, lengths, torch.rand(2, 16, 4))
     assert logits.shape == (2,) and weights.shape == (2, 4, 6, 16)
     assert torch.allclose(weights.sum(-1), torch.ones(2, 4, 6), atol=1e-6)
 

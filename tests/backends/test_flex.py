@@ -385,7 +385,7 @@ def test_compiled_kernel_matches_reference_and_compiles_once_per_structure():
 @pytest.mark.parametrize(
     "kw,grad,dtype,match",
     [
-        ({"return_weights": True}, False, torch.float32, "does not return attention weights"),
+        ({"weights": True}, False, torch.float32, "does not return attention weights"),
         ({"dropout_p": 0.1}, False, torch.float32, "FlexAttention has no dropout"),
         ({}, True, torch.float32, "FlexAttention has no CPU backward"),
         ({}, False, torch.float64, "takes float32, bfloat16 or float16; received torch.float64"),
@@ -395,9 +395,11 @@ def test_compiled_kernel_matches_reference_and_compiles_once_per_structure():
 def test_unsupported_calls_say_why(kw, grad, dtype, match):
     q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=dtype, requires_grad=grad)
     mask = masks.sliding_window(2)
+    run = mh.attention_with_weights if kw.pop("weights", False) else mh.attention
     with pytest.raises(ValueError, match=f"backend 'flex' cannot run this call: .*{match}"):
-        mh.attention(q, k, v, mask, backend="flex", **kw)
-    assert match in mh.explain_backend(q, k, v, mask, **kw).reasons["flex"]
+        run(q, k, v, mask, backend="flex", **kw)
+    weights = run is mh.attention_with_weights
+    assert match in mh.explain_backend(q, k, v, mask, weights=weights, **kw).reasons["flex"]
 
 
 def test_empty_sequences_and_export_are_refused(monkeypatch):
@@ -464,7 +466,7 @@ def test_auto_uses_flex_as_the_cuda_path_for_structured_masks(monkeypatch, mask,
         assert "one compiled kernel skips the blocks the mask hides" in choice.reasons["sdpa"]
     # what flex cannot honour still goes elsewhere on a GPU
     q, k, v = qkv(1, 2, 2, 8, 8, 8, dtype=torch.float32)
-    assert mh.explain_backend(q, k, v, mask, bias=bias, return_weights=True).backend == "tiled"
+    assert mh.explain_backend(q, k, v, mask, bias=bias, weights=True).backend == "tiled"
 
 
 # ---------------------------------------------------------------- bench

@@ -70,7 +70,7 @@ def test_weights_come_from_the_kernel_and_match_the_formula(kind, dtype, length_
     bias = torch.randn(1, h, length_q, length_k, dtype=torch.float64)
     want_out, want_w = naive_attention(q, k, v, case.keep, bias=bias)
     lo = [t.to(dtype) for t in (q, k, v, bias)]
-    out, w = mh.attention(*lo[:3], case.mask, bias=lo[3], backend="fused", return_weights=True)
+    out, w = mh.attention_with_weights(*lo[:3], case.mask, bias=lo[3], backend="fused")
     # float32: scores of |s| <= ~10 carry ~1e-6 relative error into exp
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     assert (w.double() - want_w).abs().max() <= tol
@@ -82,8 +82,8 @@ def test_weights_come_from_the_kernel_and_match_the_formula(kind, dtype, length_
 def test_weights_with_gradients_are_left_to_tiled():
     q, k, v = qkv(1, 2, 2, 4, 5, 3, requires_grad=True)
     with pytest.raises(ValueError, match=r"gradients through returned weights run on tiled"):
-        mh.attention(q, k, v, return_weights=True, backend="fused")
-    assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
+        mh.attention_with_weights(q, k, v, backend="fused")
+    assert mh.explain_backend(q, k, v, weights=True).backend == "tiled"
 
 
 def test_dropout_is_left_to_tiled_and_explained():

@@ -71,7 +71,7 @@ def test_auto_runs_it_only_where_it_measured_faster(monkeypatch, measuring, nati
     assert mh.explain_backend(q, k, v, masks.causal()).backend == "sdpa"
     assert measuring == []  # without native matmuls nothing is measured
     # weights and biases stay on the float32 paths, unmeasured
-    assert mh.explain_backend(q, k, v, return_weights=True).backend == "tiled"
+    assert mh.explain_backend(q, k, v, weights=True).backend == "tiled"
     assert not half.fast(prepare(q, k, v, None, torch.zeros(8, 8), None, 0.0, False))
 
 

@@ -46,7 +46,7 @@ def test_bottom_right_causal_with_fewer_queries_goes_to_tiled():
 
 def test_auto_with_weights_uses_tiled_and_says_why_not_sdpa():
     q, k, v = qkv(1, 2, 2, 3, 4, 5)
-    choice = mh.explain_backend(q, k, v, return_weights=True)
+    choice = mh.explain_backend(q, k, v, weights=True)
     assert choice.backend == "tiled"
     assert "does not return attention weights" in choice.reasons["sdpa"]
 

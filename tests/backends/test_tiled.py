@@ -103,12 +103,12 @@ def test_empty_tiles_are_skipped():
     assert visible < 600 * 300
 
 
-def test_return_weights_keeps_fast_output_and_matches_reference():
+def test_weights_keep_fast_output_and_match_reference():
     q, k, v = qkv(2, 4, 2, 37, 41, 8)
     case = make_case("documents&causal", 2, 4, 37, 41)
-    out, w = mh.attention(q, k, v, case.mask, return_weights=True)
-    assert mh.explain_backend(q, k, v, case.mask, return_weights=True).backend == "tiled"
-    ref_out, ref_w = mh.attention(q, k, v, case.mask, return_weights=True, backend="reference")
+    out, w = mh.attention_with_weights(q, k, v, case.mask)
+    assert mh.explain_backend(q, k, v, case.mask, weights=True).backend == "tiled"
+    ref_out, ref_w = mh.attention_with_weights(q, k, v, case.mask, backend="reference")
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-12)
 
@@ -120,19 +120,16 @@ def test_attention_weights_function(kind):
     case = make_case(kind, b, h, length_q, length_k)
     _, want = naive_attention(q, k, v, case.keep)
     torch.testing.assert_close(mh.attention_weights(q, k, case.mask), want, rtol=0, atol=1e-12)
-    if kind != "dense":
-        part = mh.attention_weights(q, k, case.mask, heads=slice(1, 5, 2))
-        torch.testing.assert_close(part, want[:, 1:5:2], rtol=0, atol=1e-12)
-        torch.testing.assert_close(mh.attention_weights(q, k, case.mask, heads=[5]), want[:, [5]])
+    # a per-head dense mask included: its rows for the chosen heads go with them
+    part = mh.attention_weights(q, k, case.mask, heads=slice(1, 5, 2))
+    torch.testing.assert_close(part, want[:, 1:5:2], rtol=0, atol=1e-12)
+    torch.testing.assert_close(mh.attention_weights(q, k, case.mask, heads=[5]), want[:, [5]])
 
 
 def test_attention_weights_errors():
     q, k, _ = qkv(1, 4, 2, 3, 3, 2)
-    with pytest.raises(ValueError, match=r"heads must select query heads in \[0, 4\)"):
+    with pytest.raises(ValueError, match=r"heads must be query-head indices in \[0, 4\)"):
         mh.attention_weights(q, k, heads=[4])
-    keep = torch.ones(1, 4, 3, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"mask that differs per head"):
-        mh.attention_weights(q, k, keep, heads=[1])
     with pytest.raises(ValueError, match=r"Received: query heads H=4, key/value heads H_kv=3"):
         mh.attention_weights(q, torch.cat([k, k[:, :1]], dim=1), heads=[1])
 
@@ -201,8 +198,8 @@ def test_weights_with_and_without_gradients_match_reference(kind):
     q, k, v = qkv(2, 4, 2, 300, 290, 8, requires_grad=True)
     case = make_case(kind, 2, 4, 300, 290)
     bias = torch.randn(300, 290, dtype=torch.float64)
-    _, ref_w = mh.attention(q, k, v, case.mask, bias=bias, return_weights=True, backend="reference")
-    _, w = mh.attention(q, k, v, case.mask, bias=bias, return_weights=True, backend="tiled")
+    _, ref_w = mh.attention_with_weights(q, k, v, case.mask, bias=bias, backend="reference")
+    _, w = mh.attention_with_weights(q, k, v, case.mask, bias=bias, backend="tiled")
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-12)
     grad = torch.randn_like(w)
     torch.testing.assert_close(
@@ -212,9 +209,7 @@ def test_weights_with_and_without_gradients_match_reference(kind):
         atol=1e-10,
     )
     with torch.no_grad():  # the fast path reuses the forward pass's log-sum-exp
-        _, w_fast = mh.attention(
-            q, k, v, case.mask, bias=bias, return_weights=True, backend="tiled"
-        )
+        _, w_fast = mh.attention_with_weights(q, k, v, case.mask, bias=bias, backend="tiled")
     torch.testing.assert_close(w_fast, ref_w, rtol=0, atol=1e-12)
 
 
@@ -227,9 +222,9 @@ def test_weights_when_a_key_block_inside_the_range_is_hidden():
     mask = masks.documents(ids)
     items = tiled.plan(mask, 1, length, length, 256, "cpu")
     assert any(a.stop < b.start for i in items for a, b in zip(i.chunks, i.chunks[1:]))
-    _, want = mh.attention(q, k, v, mask, return_weights=True, backend="reference")
+    _, want = mh.attention_with_weights(q, k, v, mask, backend="reference")
     torch.testing.assert_close(mh.attention_weights(q, k, mask), want, rtol=0, atol=1e-12)
-    _, got = mh.attention(q, k, v, mask, return_weights=True, backend="tiled")  # with grad
+    _, got = mh.attention_with_weights(q, k, v, mask, backend="tiled")  # with grad
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
@@ -269,7 +264,7 @@ def test_returned_weights_as_accurate_as_eager_softmax_for_large_scores():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 32, generator=g) * s for s in (6, 6, 1))
     mask = masks.lengths(torch.tensor([300, 120]))
-    _, got = mh.attention(q, k, v, mask, return_weights=True, backend="tiled")
+    _, got = mh.attention_with_weights(q, k, v, mask, backend="tiled")
     keep = mask.to_dense(300, 300)
     scores = (q.double() @ k.double().transpose(-1, -2) / 32**0.5).masked_fill(~keep, -torch.inf)
     exact = scores.softmax(-1)

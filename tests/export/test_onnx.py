@@ -129,9 +129,7 @@ def test_attention_module_with_gqa_cross_widths_and_weights(mha_graph):
             },
         )
         with torch.no_grad():
-            ref, ref_weights = module(
-                query, key, value, mask=masks.key_padding(keep), return_weights=True
-            )
+            ref, ref_weights = module.run(query, key, value, mask=masks.key_padding(keep))
         assert out.shape == (b, length, 48) and weights.shape == (b, 6, length, keys)
         assert np.abs(out - ref.numpy()).max() <= FP32
         assert np.abs(weights - ref_weights.numpy()).max() <= FP32
@@ -155,7 +153,7 @@ def test_encoder_stack_with_weights(tmp_path):
             None, {"hidden_states": x.numpy(), "attention_mask": keep.numpy() * 1}
         )
         with torch.no_grad():
-            ref = encoder(x, mask=masks.lengths(torch.tensor(lengths)), return_weights=True)
+            ref = encoder.run(x, mask=masks.lengths(torch.tensor(lengths)))
         assert np.abs(out - ref.output.numpy()).max() <= FP32
         assert np.abs(weights - torch.stack(ref.weights).numpy()).max() <= FP32
 

@@ -44,7 +44,7 @@ def test_from_keras_parity(keras, layout, use_bias, mode):
         parts.append(masks.causal(align="top_left"))  # Keras' causal mask: j <= i
     mask = None if not parts else parts[0] if len(parts) == 1 else parts[0] & parts[1]
     # our call order is (query, key, value); Keras' is (query, value, key)
-    got, got_w = ours(q, k, v, mask=mask, return_weights=True)
+    got, got_w = ours.run(q, k, v, mask=mask)
     assert got.shape == want.shape and got_w.shape == want_scores.shape
     assert (got - want).abs().max() <= TOL
     assert (got - want_fused).abs().max() <= TOL
@@ -98,7 +98,7 @@ def test_to_keras_from_a_trained_module(keras):
     q, v, k = inputs(layout)
     keep = random_keras_mask(3, 5, 6)
     want, want_scores = theirs(q, v, k, attention_mask=keep, return_attention_scores=True)
-    got, got_w = ours.eval()(q, k, v, mask=masks.from_keras(keep), return_weights=True)
+    got, got_w = ours.eval().run(q, k, v, mask=masks.from_keras(keep))
     assert (got - want).abs().max() <= TOL
     assert (got_w - want_scores).abs().max() <= TOL
 
@@ -127,7 +127,7 @@ def test_fully_masked_rows_differ_on_purpose(keras):
     keep = torch.ones(2, 3, 4, dtype=torch.bool)
     keep[1, 2] = False  # batch 1, query 2 sees nothing
     visible = keep.any(-1)
-    got, got_w = ours(q, v, mask=masks.from_keras(keep), return_weights=True)
+    got, got_w = ours.run(q, v, mask=masks.from_keras(keep))
     assert torch.equal(got_w[1, :, 2], torch.zeros(2, 4))
     assert torch.equal(got[1, 2], ours.out_proj.bias)
 

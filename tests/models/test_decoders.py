@@ -207,7 +207,7 @@ def test_eos_stops_a_row_and_pads_it(pair):
 def test_text_in_text_out(pair):
     _, ours, _ = pair
     prompts = ["The cat crossed the street", "A dog"]
-    texts = ours.generate(prompts, 8)
+    texts = ours.generate_text(prompts, 8)
     assert isinstance(texts, list) and len(texts) == 2
     for prompt, text in zip(prompts, texts):
         assert text.startswith(prompt) and len(text) > len(prompt)
@@ -217,7 +217,7 @@ def test_text_in_text_out(pair):
         if EOS in ids[len(encoding.ids) :]:
             ids = ids[: ids.index(EOS, len(encoding.ids)) + 1]
         assert text == ours.tokenizer.decode(ids, skip_special_tokens=True)
-    assert isinstance(ours.generate("One text", 3), str)
+    assert isinstance(ours.generate_text("One text", 3), str)
 
 
 def test_explain_on_a_decoder(pair, tmp_path, capsys):
@@ -244,7 +244,7 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
     assert got.weights.shape == (2, 4, n, n)
     torch.testing.assert_close(got.weights.sum(-1), torch.ones(2, 4, n))
     assert (got.weights.triu(1) == 0).all()  # no token attends to a later one
-    expected = ours.run(torch.tensor([ours.tokenizer.encode(text).ids]), return_weights=True)
+    expected = ours.run(torch.tensor([ours.tokenizer.encode(text).ids]))
     torch.testing.assert_close(got.weights, torch.stack([w[0] for w in expected.weights]))
 
 
@@ -264,14 +264,12 @@ def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
 
 
 def test_weights_and_hidden_states_equal_transformers(pair):
-    """run(..., return_weights=True, return_hidden=True) against transformers' attentions and
+    """run(..., return_hidden=True) against transformers' attentions and
     hidden states on a left-padded batch (<= 1e-5 at real positions)."""
     _, ours, hf = pair
     ids, lengths = pad(ROWS, "left")
     real = _real(ids, lengths, "left")
-    out = ours.run(
-        ids, lengths=lengths, padding_side="left", return_weights=True, return_hidden=True
-    )
+    out = ours.run(ids, lengths=lengths, padding_side="left", return_hidden=True)
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         theirs = hf(
@@ -346,7 +344,7 @@ def test_cache_holds_kv_heads_only(pair):
         ),
         (lambda m, ids: m.generate(ids, 2, do_sample=True, top_k=0), "top_k must be a positive"),
         (lambda m, ids: m.generate(ids, 2, eos_token_id="x"), "eos_token_id must be a token id"),
-        (lambda m, ids: m.generate(["ok", 5], 2), "a string or a non-empty list of strings"),
+        (lambda m, ids: m.generate_text(["ok", 5], 2), "a string or a non-empty list of strings"),
     ],
     ids=[
         "float_ids",
@@ -380,7 +378,7 @@ def test_gpt2_runs_out_of_positions_before_any_work(tmp_path_factory):
     with pytest.raises(ValueError, match="needs 129 positions but the model has 128"):
         model(torch.randint(2, VOCAB, (1, 129)))
     with pytest.raises(ValueError, match="text 0 has no tokens"):
-        model.generate("", 2)  # GPT-2's tokenizer adds no start token
+        model.generate_text("", 2)  # GPT-2's tokenizer adds no start token
 
 
 def test_llama_runs_out_of_its_trained_context_before_any_work(tmp_path_factory):
@@ -503,6 +501,8 @@ def test_no_tokenizer_means_ids_only(tmp_path_factory):
     assert model.tokenizer is None
     assert model.generate(torch.tensor([[5, 6]]), 3).shape == (1, 5)
     with pytest.raises(ValueError, match="has no tokenizer"):
-        model.generate("text", 3)
+        model.generate_text("text", 3)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        model.stream_text("text", 3)
     with pytest.raises(FileNotFoundError, match=r"explain needs the model's tokenizer\.json"):
         explain.run("a text", model_path=folder, say=lambda s: None)

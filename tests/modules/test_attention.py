@@ -88,7 +88,7 @@ def test_parity_with_torch_multihead_attention(e, h, kdim, vdim, bias, form):
         kpm[0, 2] = 0.7  # a finite additive term on one key
     want, want_w = ref(x, y, z, attn_mask=am, key_padding_mask=kpm, average_attn_weights=False)
     mask, bias_t = masks.from_torch(attn_mask=am, key_padding_mask=kpm)
-    got, got_w = ours(x, y, z, mask=mask, bias=bias_t, return_weights=True)
+    got, got_w = ours.run(x, y, z, mask=mask, bias=bias_t)
     assert (got - want).abs().max() <= 1e-5
     assert (got_w - want_w).abs().max() <= 1e-5
 
@@ -101,7 +101,7 @@ def test_parity_with_3d_torch_mask_and_sequence_first_module():
     am[1, 2, 3] = am[3, 0, 1] = True
     want, want_w = ref(x, x, x, attn_mask=am, average_attn_weights=False)
     mask, _ = masks.from_torch(attn_mask=am, num_heads=h)
-    got, got_w = ours(x.transpose(0, 1), mask=mask, return_weights=True)
+    got, got_w = ours.run(x.transpose(0, 1), mask=mask)
     assert (got.transpose(0, 1) - want).abs().max() <= 1e-5
     assert (got_w - want_w).abs().max() <= 1e-5
 
@@ -140,7 +140,7 @@ def test_weights_per_head_and_self_attention_defaults():
     torch.manual_seed(7)
     mha = MultiHeadAttention(8, 2).eval()
     x = torch.randn(2, 3, 8)
-    out, w = mha(x, mask=masks.causal(), return_weights=True)
+    out, w = mha.run(x, mask=masks.causal())
     assert w.shape == (2, 2, 3, 3)
     assert torch.equal(w.triu(1), torch.zeros_like(w))
     torch.testing.assert_close(out, mha(x, x, x, mask=masks.causal()))

@@ -151,7 +151,7 @@ def test_a_step_projects_only_the_new_tokens():
 
 @pytest.mark.parametrize("window", [None, 3], ids=["prefix", "rolling"])
 def test_weights_while_decoding(window):
-    """return_weights=True in a cached step gives one column per key slot; mapped through
+    """run() in a cached step gives one column per key slot; mapped through
     key_positions() they equal the weights of the full recompute of that row."""
     stack = _stack(1)
     g = torch.Generator().manual_seed(5)
@@ -163,12 +163,12 @@ def test_weights_while_decoding(window):
         cache.begin(n, x.shape[1])
         stack(x, cache=cache)
         cache.begin(1)
-        step = stack(torch.stack([s[-1] for s in seqs])[:, None], cache=cache, return_weights=True)
+        step = stack.run(torch.stack([s[-1] for s in seqs])[:, None], cache=cache)
         weights = step.weights[0]  # (B, H, 1, S) over cache slots
         columns = cache.key_positions()  # (B, S)
         attn, norm = stack.layers[0].self_attn, stack.layers[0].norm1
         for b, seq in enumerate(seqs):
-            _, full = attn(norm(seq[None]), mask=mask, return_weights=True)
+            _, full = attn.run(norm(seq[None]), mask=mask)
             expected = full[0, :, -1]  # (H, positions) of the row's last query
             mine, held = weights[b, :, 0], columns[b] >= 0
             assert (mine[:, ~held] == 0).all()

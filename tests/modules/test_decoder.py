@@ -9,7 +9,7 @@ from torch import nn
 
 import multihead as mh
 from multihead import masks
-from multihead.modules import EncoderOutput
+from multihead.modules import StackOutput
 
 
 def test_rmsnorm_equals_transformers_and_torch():
@@ -65,7 +65,7 @@ def test_decoder_layer_is_the_pre_norm_formula():
     h = x + layer.self_attn(layer.norm1(x), mask=masks.causal())
     expected = h + layer.feed_forward(layer.norm2(h))
     assert (layer(x) - expected).abs().max() <= 1e-12
-    out, weights = layer(x, return_weights=True)
+    out, weights = layer.run(x)
     assert weights.shape == (2, 4, 9, 9) and (weights.triu(1) == 0).all()
     assert (out - expected).abs().max() <= 1e-12
 
@@ -74,7 +74,7 @@ def test_decoder_stack_hidden_states_and_weights():
     torch.manual_seed(1)
     stack = mh.TransformerDecoder([_llama_layer() for _ in range(3)], norm=mh.RMSNorm(32)).eval()
     x = torch.randn(2, 6, 32)
-    out = stack(x, return_hidden=True, return_weights=True)
+    out = stack.run(x, return_hidden=True)
     assert len(out.hidden_states) == 4 and len(out.weights) == 3
     # with weights on, the output comes from another kernel (weights @ V): fp32 rounding only
     assert (out.output - stack(x)).abs().max() <= 1e-5
@@ -107,8 +107,8 @@ def test_encoder_layer_takes_parts_and_keeps_its_constructor():
         norm2=mh.RMSNorm(16),
         norm_first=True,
     )
-    encoded = mh.TransformerEncoder([llama_style, parts])(x, mask=m, return_weights=True)
-    assert isinstance(encoded, EncoderOutput) and encoded.weights[0].shape == (2, 4, 5, 5)
+    encoded = mh.TransformerEncoder([llama_style, parts]).run(x, mask=m)
+    assert isinstance(encoded, StackOutput) and encoded.weights[0].shape == (2, 4, 5, 5)
     mixed = mh.TransformerEncoderLayer(16, feed_forward=mh.GatedFeedForward(16, 40), num_heads=4)
     assert isinstance(mixed.self_attn, mh.MultiHeadAttention)
     assert isinstance(mixed.norm1, nn.LayerNorm)

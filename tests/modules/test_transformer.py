@@ -17,7 +17,7 @@ from multihead import (
     TransformerEncoderLayer,
     masks,
 )
-from multihead.modules import EncoderOutput, sinusoidal_table
+from multihead.modules import StackOutput, sinusoidal_table
 
 E, H, FF = 24, 4, 40
 
@@ -47,7 +47,7 @@ def test_layer_matches_torch(norm_first, act):
     lens = torch.tensor([11, 6, 1])
     pad = torch.arange(11)[None] >= lens[:, None]  # torch polarity: True = padding
     expected = src(x, src_key_padding_mask=pad)
-    got, weights = ours(x, mask=masks.lengths(lens), return_weights=True)
+    got, weights = ours.run(x, mask=masks.lengths(lens))
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert weights.shape == (3, H, 11, 11)
     assert torch.all(weights[1, :, :, 6:] == 0)
@@ -58,11 +58,11 @@ def test_layer_weights_equal_module_weights():
     torch.manual_seed(1)
     layer = TransformerEncoderLayer(E, H, FF).double().eval()
     x = torch.randn(2, 7, E, dtype=torch.float64)
-    _, w = layer(x, mask=masks.causal(), return_weights=True)
-    _, direct = layer.self_attn(x, mask=masks.causal(), return_weights=True)
+    _, w = layer.run(x, mask=masks.causal())
+    _, direct = layer.self_attn.run(x, mask=masks.causal())
     torch.testing.assert_close(w, direct, rtol=0, atol=0)
     plain = layer(x, mask=masks.causal())
-    torch.testing.assert_close(plain, layer(x, mask=masks.causal(), return_weights=True)[0])
+    torch.testing.assert_close(plain, layer.run(x, mask=masks.causal())[0])
 
 
 def test_encoder_matches_torch_stack_and_returns_everything():
@@ -75,8 +75,8 @@ def test_encoder_matches_torch_stack_and_returns_everything():
     ]
     ours = TransformerEncoder([_copy_from_torch(s, False, "gelu") for s in srcs])
     x = torch.randn(2, 9, E, dtype=torch.float64)
-    out = ours(x, return_hidden=True, return_weights=True)
-    assert isinstance(out, EncoderOutput)
+    out = ours.run(x, return_hidden=True)
+    assert isinstance(out, StackOutput)
     h = x
     assert out.hidden_states[0] is x
     for i, s in enumerate(srcs):
@@ -94,7 +94,7 @@ def test_encoder_final_norm_applies_to_output_and_last_hidden():
     norm = nn.LayerNorm(E)
     enc = TransformerEncoder([TransformerEncoderLayer(E, H, FF, norm_first=True)], norm=norm)
     x = torch.randn(1, 5, E)
-    out = enc(x, return_hidden=True)
+    out = enc.run(x, weights=False, return_hidden=True)
     expected = norm(enc.layers[0](x))
     torch.testing.assert_close(out.output, expected)
     torch.testing.assert_close(out.hidden_states[-1], expected)
