@@ -267,7 +267,7 @@ class SentimentRegressor(nn.Module):
     def forward(self, input_ids: Tensor, lengths: Tensor) -> Tensor:
         """input_ids (B, L), lengths (B,) -> scores (B,) in [-1, 1]: the kept output, or the
         only one; (B, K) for K alphas before ``keep``."""
-        hidden = self.encoder(input_ids, lengths=lengths).last_hidden_state
+        hidden = self.encoder(input_ids, lengths=lengths)
         out = torch.tanh(self.head(_mean_pool(hidden, lengths)))  # [B, K]
         if self.output is not None:
             return out[:, self.output]
@@ -724,7 +724,7 @@ def _attention_figure(
     batch = pretrained.tokenize([text])
     device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model.encoder(
+        out = model.encoder.run(
             batch.input_ids.to(device), lengths=batch.lengths.to(device), return_weights=True
         )
     weights = for_text([w.cpu() for w in out.weights], 0, int(batch.lengths[0]))

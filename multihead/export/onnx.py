@@ -208,7 +208,7 @@ class _BertGraph(nn.Module):
         self.bert, self.weights = bert, weights
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        out = self.bert(input_ids, mask=_key_mask(attention_mask), return_weights=self.weights)
+        out = self.bert.run(input_ids, mask=_key_mask(attention_mask), return_weights=self.weights)
         if self.weights:
             return out.last_hidden_state, torch.stack(out.weights)  # [layers, B, H, L, L]
         return out.last_hidden_state

@@ -100,6 +100,14 @@ class BertConfig:
         return config
 
 
+# keywords Bert.forward took before 0.2.0 -> what replaces them
+_MOVED_BERT = {
+    name: "call bert.run(..., " + name + "=True) for a BertOutput(last_hidden_state, "
+    "pooler_output, hidden_states, weights) (forward returns the last hidden states)"
+    for name in ("return_weights", "return_hidden")
+}
+
+
 class BertOutput(NamedTuple):
     """last_hidden_state (B, L, E); pooler_output (B, E) or None when the model has no pooler;
     hidden_states: embeddings output then every layer's output (num_layers + 1 tensors) when
@@ -192,10 +200,34 @@ class Bert(nn.Module):
         mask: Mask | Tensor | None = None,
         token_type_ids: Tensor | None = None,
         positions: Tensor | None = None,
+        **unexpected: Any,
+    ) -> Tensor:
+        """Run a padded (or packed) batch: the last layer's hidden states (B, L, E).
+
+        The arguments are ``run``'s; ``run`` also gives the pooler output, every layer's
+        per-head weights and hidden states, in one ``BertOutput``.
+        """
+        V.reject_foreign_keywords("Bert.forward()", unexpected, moved=_MOVED_BERT)
+        return self.run(
+            input_ids,
+            lengths=lengths,
+            mask=mask,
+            token_type_ids=token_type_ids,
+            positions=positions,
+        ).last_hidden_state
+
+    def run(
+        self,
+        input_ids: Tensor,
+        *,
+        lengths: Tensor | None = None,
+        mask: Mask | Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        positions: Tensor | None = None,
         return_weights: bool = False,
         return_hidden: bool = False,
     ) -> BertOutput:
-        """Run a padded (or packed) batch.
+        """Run a padded (or packed) batch; always one ``BertOutput`` (the flags fill fields).
 
         Args:
             input_ids: (B, L) token ids.
@@ -323,7 +355,7 @@ class Pretrained:
     ) -> tuple[Tokenized, BertOutput]:
         """Tokenize ``texts`` (no truncation) and run them as one padded batch."""
         batch = self.tokenize(texts)
-        out = self.model(
+        out = self.model.run(
             batch.input_ids,
             lengths=batch.lengths,
             return_weights=return_weights,
@@ -408,7 +440,7 @@ class Pretrained:
             positions = torch.arange(len(flat)) - starts[doc]
             hidden = self.model(
                 flat[None], mask=masks.documents(doc[None]), positions=positions[None]
-            ).last_hidden_state[0]
+            )[0]
             sums = torch.zeros(len(row), hidden.shape[-1]).index_add_(0, doc, hidden)
             means = sums / sizes[:, None]
             result[torch.tensor(row)] = F.normalize(means, p=2, dim=1) if normalize else means

@@ -66,7 +66,7 @@ class TorchRuntime:
     def attention(self, ids: Sequence[int]) -> np.ndarray:
         with torch.inference_mode():
             batch = torch.tensor([list(ids)], dtype=torch.long)
-            out = self.pretrained.model(batch, return_weights=True)
+            out = self.pretrained.model.run(batch, return_weights=True)
         return torch.stack(out.weights)[:, 0].numpy()
 
 

@@ -56,7 +56,7 @@ def test_bert_graph_equals_torch(pretrained, minilm_onnx, batch):
     ids, lengths = tokens.input_ids, tokens.lengths
     keep = torch.arange(ids.shape[1])[None] < lengths[:, None]
     with torch.inference_mode():
-        ref = pretrained.model(ids, lengths=lengths, return_weights=True)
+        ref = pretrained.model.run(ids, lengths=lengths, return_weights=True)
     ort = session(minilm_onnx)
     hidden, weights = ort.run(None, {"input_ids": ids.numpy(), "attention_mask": keep.numpy() * 1})
     ref_weights = torch.stack(ref.weights).numpy()  # [layers, B, H, L, L]
@@ -87,7 +87,7 @@ def test_onnx_embeddings_equal_torch_embed(pretrained, minilm_onnx):
     ids = pretrained.tokenize(["The animal was tired."]).input_ids[0].tolist()
     attention = runtime.attention(ids)
     with torch.inference_mode():
-        ref = pretrained.model(torch.tensor([ids]), return_weights=True).weights
+        ref = pretrained.model.run(torch.tensor([ids]), return_weights=True).weights
     assert np.abs(attention - torch.stack(ref)[:, 0].numpy()).max() <= FP32
 
 

@@ -225,8 +225,9 @@ def test_missing_tensor_is_reported(pretrained, tmp_path):
 def test_model_without_pooler_and_positions(pretrained, tmp_path):
     model = bert.Bert(pretrained.config, pooler=False).eval()
     ids = torch.tensor([[101, 2023, 102]])
-    out = model(ids, lengths=torch.tensor([3]))
+    out = model.run(ids, lengths=torch.tensor([3]))
     assert out.pooler_output is None and out.hidden_states is None and out.weights is None
+    assert torch.equal(model(ids, lengths=torch.tensor([3])), out.last_hidden_state)
     with pytest.raises(ValueError, match="pass lengths or mask, not both"):
         model(ids, lengths=torch.tensor([3]), mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"input_ids must be a \(B, L\) integer tensor"):
@@ -252,3 +253,26 @@ def test_ids_outside_the_vocabulary_are_named(pretrained, ids, types, match):
     types = None if types is None else torch.tensor(types)
     with pytest.raises(ValueError, match=match):
         pretrained.model(torch.tensor(ids), token_type_ids=types)
+
+
+def test_forward_returns_the_hidden_states_and_run_one_record(pretrained):
+    """One return type per function: forward a tensor for every call, run a BertOutput whose
+    fields the flags fill; forward's old flags name run."""
+    ids, lengths = torch.tensor([[101, 2023, 2003, 102]]), torch.tensor([4])
+    hidden = pretrained.model(ids, lengths=lengths)
+    assert isinstance(hidden, torch.Tensor) and hidden.shape == (1, 4, 384)
+    for weights in (False, True):
+        for hidden_states in (False, True):
+            out = pretrained.model.run(
+                ids, lengths=lengths, return_weights=weights, return_hidden=hidden_states
+            )
+            assert type(out) is bert.BertOutput
+            if weights:  # another kernel computes the weights: fp32 rounding, 6 layers deep
+                assert (out.last_hidden_state - hidden).abs().max() <= 1e-5
+            else:
+                assert torch.equal(out.last_hidden_state, hidden)
+            assert (out.weights is not None) == weights
+            assert (out.hidden_states is not None) == hidden_states
+    for flag in ("return_weights", "return_hidden"):
+        with pytest.raises(TypeError, match=rf"no longer takes '{flag}': call bert.run"):
+            pretrained.model(ids, lengths=lengths, **{flag: True})

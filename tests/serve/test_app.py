@@ -29,7 +29,7 @@ def _mean_pool(pretrained, text: str) -> np.ndarray:
     """Mean of the last hidden states over the text's tokens, computed here directly."""
     batch = pretrained.tokenize([text])
     with torch.inference_mode():
-        hidden = pretrained.model(batch.input_ids, lengths=batch.lengths).last_hidden_state
+        hidden = pretrained.model(batch.input_ids, lengths=batch.lengths)
     return hidden[0].mean(0).numpy()
 
 
