@@ -288,7 +288,7 @@ def run_context_bench(
             None if one is None else max(run["above_baseline_mib"]) / one["above_baseline_mib"][0]
         )
         run["time_vs_one_process"] = None if one is None else run["seconds"] / one["seconds"]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     (out_dir / "context_parallel.json").write_text(json.dumps(report, indent=2))
     chart = _chart(report, out_dir / "context_parallel.png")
     say(report["note"])

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .. import _validation as V
+
 __all__ = ["DecodeShape", "memory_bandwidth", "run_decode_bench"]
 
 
@@ -105,6 +107,7 @@ def run_decode_bench(
     """Time greedy generation for every batch size; write decode.json and decode.png."""
     from ..models import gpt2
 
+    out = V.check_out_dir("--out", out_dir)  # before the work
     bandwidth = memory_bandwidth()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes about generation settings
@@ -170,8 +173,7 @@ def run_decode_bench(
         "kv_cache_bytes_per_token": cache_bytes,
         "results": results,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
     (out / "decode.json").write_text(json.dumps(report, indent=2))
     chart = _chart(report, out / "decode.png")
     say(f"\nwrote {out / 'decode.json'}" + (f" and {chart}" if chart else ""))

@@ -136,7 +136,7 @@ def run_embed_bench(
             f"min {int8_cosine['min']:.5f}"
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
     (out / "embed.json").write_text(json.dumps(report, indent=2))
     return report
 

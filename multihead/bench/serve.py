@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validation as V
 from .._extras import require
 from .texts import sentences
 
@@ -216,8 +217,8 @@ def run_serve_bench(
     ):
         raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
     texts = list(texts) if texts is not None else sentences(512, min_words=3, max_words=60)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = V.check_out_dir("--out", out_dir)
+    out.mkdir(exist_ok=True)
     common = [] if threads is None else ["--threads", str(threads)]
     model = [] if model_path is None else ["--model", str(model_path)]
     env_python = [sys.executable, "-m"]

@@ -471,7 +471,7 @@ def run_suite(
 ) -> Report:
     """Run the workloads, print a table, write ``results.json`` and ``results.png``."""
     out_dir = V.check_out_dir("--out", out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
     names = only or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
