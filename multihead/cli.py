@@ -11,10 +11,6 @@ import sys
 
 from ._version import __version__
 
-# what `bench kernels --quick` takes on 2 CPU cores, measured (its help states it; the run
-# prints its own time so a user sees when a machine differs)
-QUICK_KERNELS_SECONDS = 20
-
 DESCRIPTION = """\
 multihead: multi-head attention for PyTorch, from the command line.
 
@@ -62,20 +58,26 @@ class _Parser(argparse.ArgumentParser):
 
 class _CommandParser(_Parser):
     """A sub-command's parser: an option it does not know is reported with this command's
-    usage (and the nearest option it has), not with the top-level usage argparse would give."""
+    usage (and the nearest option it has), not with the top-level usage argparse would give,
+    and before a missing required option."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._unknown: list[str] = []
 
     def parse_known_args(self, args=None, namespace=None):
-        if not self._subparsers:  # a leaf: its unknown options come before a missing one
-            unknown = _unknown_options(self, sys.argv[1:] if args is None else args)
-            if unknown:
-                self.error(_unrecognized(self, unknown, unknown[0]))
+        args = sys.argv[1:] if args is None else list(args)
+        self._unknown = [] if self._subparsers else _unknown_options(self, args)
         parsed, extras = super().parse_known_args(args, namespace)
         unknown = [a for a in extras if a.startswith("-")]
-        if unknown:
-            self.error(_unrecognized(self, extras, unknown[0]))
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
+            self.error(_unrecognized(self, extras, unknown[0] if unknown else None))
         return parsed, extras
+
+    def error(self, message: str):
+        if self._unknown and message.startswith("the following arguments are required"):
+            message = _unrecognized(self, self._unknown, self._unknown[0])
+        super().error(message)
 
 
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
@@ -98,8 +100,10 @@ def _unknown_options(parser: argparse.ArgumentParser, args: list[str]) -> list[s
     return unknown
 
 
-def _unrecognized(parser: argparse.ArgumentParser, extras: list[str], first: str) -> str:
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str], first: str | None) -> str:
     message = f"unrecognized arguments: {' '.join(extras)}"
+    if first is None:
+        return message
     known = [o for o in parser._option_string_actions if o.startswith("--")]
     close = difflib.get_close_matches(first.split("=", 1)[0], known, n=1, cutoff=0.6)
     return message + (f" (did you mean {close[0]}?)" if close else "")
@@ -327,6 +331,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench.suite import QUICK_SECONDS
+
     parser = _Parser(prog="multihead", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument(
         "--version", action="version", version=f"multihead {__version__}", help="print the version"
@@ -373,8 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument(
         "--quick",
         action="store_true",
-        help=f"a smoke test: small sizes, about {QUICK_KERNELS_SECONDS} s; its ratios are "
-        "dominated by warm-up and call overhead, not for comparison",
+        help=f"a smoke test: small sizes, about {QUICK_SECONDS} s on 2 CPU cores (the first run "
+        "on a machine also builds the fused C++ kernel, once); warm-up and call overhead "
+        "dominate its ratios, so they are not for comparison",
     )
     kernels.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     embed = add_bench(
