@@ -260,12 +260,16 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ._progress import stages
     from .export import check_opset, check_target, graph_spec, load_for_export, to_onnx
 
     check_target(args.out)  # before the model loads and the export runs
     check_opset(args.opset)
-    model = load_for_export(args.model)
-    path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
+    with stages("export onnx", ("loading the model", "exporting and checking")) as (bar, _):
+        bar.begin("loading the model")
+        model = load_for_export(args.model)
+        bar.begin("exporting and checking")
+        path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
     spec = graph_spec(model, weights=args.weights)
     print(f"wrote {path} ({spec.describe()}); onnx.checker: ok")
     return 0

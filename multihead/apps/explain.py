@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from .. import _validation as V
+from .._progress import stages
 from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
 __all__ = ["SUPPORTED", "Explained", "find_focus", "pick_head", "run"]
@@ -27,6 +28,7 @@ SUPPORTED = (
     "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
     "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them)"
 )
+_STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
 _SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
 
 
@@ -177,9 +179,6 @@ def run(
     weight from the focus word onto a word at least two positions away), searched within
     ``layer`` or ``head`` when only one is given.
     """
-    from ..viz import head_heatmap, heatmap_grid, surface
-    from ..viz.html import save_head_view
-
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
     V.check_utf8_text("TEXT", text)
@@ -191,26 +190,30 @@ def run(
             isinstance(value, bool) or not isinstance(value, int) or value < 0
         ):
             raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
-    model, tokens, special, weights, causal = _attend(text, model_path)
-    position = _focus(model.tokenizer, tokens, special, focus, causal)
-    stats = head_stats(weights, special)
-    flow = rollout(weights)
-    layers, heads = weights.shape[:2]
-    # for every key: the strongest weight any head puts on it from the focus, and that head
-    best, where = weights[:, :, position].flatten(0, 1).max(0)
-    real = [i for i in range(len(tokens)) if not special[i] and i != position]
-    # the head drawn alone: strongest link to a real token at least two positions away
-    # (neighbour links come from positional heads, not meaning)
-    far = [i for i in real if abs(i - position) > 1] or real
-    chosen = "chosen by --layer/--head" if (layer, head) != (None, None) else ""
-    layer, head = pick_head(weights, position, far, layer=layer, head=head)
-    chosen = chosen or f"the head most fixed on one other word from '{tokens[position]}'"
+    with stages("explain", _STAGES, say=say) as (progress, say):
+        progress.begin(_STAGES[0])
+        model, tokens, special, weights, causal = _attend(text, model_path)
+        progress.begin(_STAGES[1])
+        return _report(text, model, tokens, special, weights, causal, focus, layer, head,
+                       folder, progress, say)  # fmt: skip
 
-    kind = ", causal: each token sees only earlier ones" if causal else ""
-    say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
+
+def _say_findings(
+    weights: Tensor,
+    tokens: list[str],
+    position: int,
+    real: list[int],
+    flow: Tensor,
+    say: Callable[[str], None],
+) -> None:
+    """The printed part: tokens, focus, every head's top token, the strongest head per word
+    and the rollout."""
+    heads = weights.shape[1]
     say(f"tokens: {' '.join(tokens)}")
     say(f"focus: '{tokens[position]}' (position {position})\n")
     _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
+    # for every key: the strongest weight any head puts on it from the focus, and that head
+    best, where = weights[:, :, position].flatten(0, 1).max(0)
     say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5):")
     for i in sorted(real, key=lambda i: -float(best[i]))[:5]:
         lay, hd = divmod(int(where[i]), heads)
@@ -221,6 +224,30 @@ def run(
         + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
     )
 
+
+def _report(text, model, tokens, special, weights, causal, focus, layer, head, folder,
+            progress, say) -> Explained:  # fmt: skip
+    """Everything ``run`` prints and draws once the model has run the text."""
+    from ..viz import head_heatmap, heatmap_grid, surface
+    from ..viz.html import save_head_view
+
+    position = _focus(model.tokenizer, tokens, special, focus, causal)
+    stats = head_stats(weights, special)
+    flow = rollout(weights)
+    layers, heads = weights.shape[:2]
+    real = [i for i in range(len(tokens)) if not special[i] and i != position]
+    # the head drawn alone: strongest link to a real token at least two positions away
+    # (neighbour links come from positional heads, not meaning)
+    far = [i for i in real if abs(i - position) > 1] or real
+    chosen = "chosen by --layer/--head" if (layer, head) != (None, None) else ""
+    layer, head = pick_head(weights, position, far, layer=layer, head=head)
+    chosen = chosen or f"the head most fixed on one other word from '{tokens[position]}'"
+
+    kind = ", causal: each token sees only earlier ones" if causal else ""
+    say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
+    _say_findings(weights, tokens, position, real, flow, say)
+
+    progress.begin(_STAGES[2])
     folder.mkdir(exist_ok=True)
     title = f"layer {layer} head {head}: attention weights"
     files = {

@@ -55,32 +55,46 @@ def _cell(value: float | None) -> str:
     return f"{value:.3f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
 
 
+def _best(table: dict[str, dict[str, float]], metric: str) -> float | None:
+    values = [row[metric] for row in table.values() if math.isfinite(row.get(metric, math.nan))]
+    if not values:
+        return None
+    return (min if metric in LOWER_IS_BETTER else max)(values)
+
+
+def _direction(metric: str) -> str:
+    return f"{metric} ({'lower' if metric in LOWER_IS_BETTER else 'higher'} is better)"
+
+
+def _row(row: dict[str, float], columns: list[str], best: dict[str, float | None]) -> str:
+    cells = []
+    for m in columns:
+        star = best[m] is not None and row.get(m) == best[m]
+        cells.append(_cell(row.get(m)) + ("*" if star else " "))
+    return "".join(f"  {c:>24}" for c in cells)
+
+
+def _group(name: str, table: dict[str, dict[str, float]]) -> list[str]:
+    """One group's lines: a header naming each metric's direction, then the model's row and
+    its baselines', the best value of each column starred."""
+    columns = sorted({m for row in table.values() for m in row})
+    best = {m: _best(table, m) for m in columns}
+    width = max(len(k) for k in table)
+    lines = [f"\n{name}", "  " + " " * width + "".join(f"  {_direction(m):>24}" for m in columns)]
+    for contender in ["model", *(k for k in table if k != "model")]:
+        lines.append(f"  {contender:<{width}}" + _row(table[contender], columns, best))
+    return lines
+
+
 def summarize(metrics: Mapping[str, Any], out: str | Path) -> str:
     """The text printed when a run ends: one table per metrics group (rows: the model, then
     its baselines; the best value of each metric starred) and the folder written."""
-    lines = [f"{metrics.get('task', 'train')}: test metrics of the model and its baselines"]
+    lines = []
     for name, table in metric_groups(metrics):
-        columns = sorted({m for row in table.values() for m in row})
-        best = {}
-        for m in columns:
-            values = [row[m] for row in table.values() if m in row and math.isfinite(row[m])]
-            if values:
-                best[m] = (min if m in LOWER_IS_BETTER else max)(values)
-        heads = [f"{m} ({'lower' if m in LOWER_IS_BETTER else 'higher'} is better)"
-                 for m in columns]  # fmt: skip
-        width = max(len(k) for k in table)
-        lines.append(f"\n{name}")
-        lines.append("  " + " " * width + "".join(f"  {h:>24}" for h in heads))
-        for contender in ["model", *(k for k in table if k != "model")]:
-            row = table[contender]
-            cells = [
-                _cell(row.get(m)) + ("*" if m in best and row.get(m) == best[m] else " ")
-                for m in columns
-            ]
-            lines.append(f"  {contender:<{width}}" + "".join(f"  {c:>24}" for c in cells))
-    if len(lines) > 1:
+        lines += _group(name, table)
+    if lines:
+        task = metrics.get("task", "train")
+        lines = [f"{task}: test metrics of the model and its baselines", *lines]
         lines.append("\n* best in its column")
-    else:
-        lines = []
     lines.append(f"wrote {out}")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import _validation as V
+from .._progress import stages
 
 __all__ = ["ContextConfig", "run_context_bench"]
 
@@ -260,9 +261,14 @@ def run_context_bench(
         f"fwd+bwd, {cfg.repeats} timed step(s); {cores} cores"
     )
     by_mask: dict[str, dict[int, dict]] = {name: {} for name in _MASKS}
-    with tempfile.TemporaryDirectory(prefix="mh-cp-") as tmp:
+    steps = [f"{world} process{'es' * (world > 1)}" for world in processes]
+    with (
+        tempfile.TemporaryDirectory(prefix="mh-cp-") as tmp,
+        stages("bench context-parallel", steps, unit="launch", say=say) as (bar, tell),
+    ):
         folder = Path(tmp)
-        for world in processes:
+        for world, step in zip(processes, steps):
+            bar.begin(step)
             ranks = _launch(world, cfg, folder, timeout_s)
             for name in _MASKS:
                 rows = [r["masks"][name] for r in ranks]
@@ -281,7 +287,7 @@ def run_context_bench(
                 }
                 by_mask[name][world] = run
                 report["runs"].append(run)
-                say(_line(run, by_mask[name].get(1)))
+                tell(_line(run, by_mask[name].get(1)))
     for run in report["runs"]:
         one = by_mask[run["mask"]].get(1)
         run["memory_above_baseline_vs_one_process"] = (

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .. import _validation as V
+from .._progress import stages
 
 __all__ = ["DecodeShape", "memory_bandwidth", "run_decode_bench"]
 
@@ -124,45 +125,12 @@ def run_decode_bench(
     say(f"measured read bandwidth {bandwidth:.1f} GB/s; KV cache {cache_bytes} bytes per token")
     g = torch.Generator().manual_seed(1)
     results = []
-    for b in batch_sizes:
-        ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
-        contenders = _contenders(ours, theirs, ids, shape.new_tokens)
-        names = list(contenders)
-        outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(repeats):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                start = time.perf_counter()
-                contenders[name]()
-                times[name].append(time.perf_counter() - start)
-        med = {name: statistics.median(t) for name, t in times.items()}
-        tokens = b * shape.new_tokens
-        # a step reads every weight once for the whole batch, plus each row's cache
-        mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
-        per_step = weight_bytes + b * mean_keys * cache_bytes
-        row = {
-            "batch": b,
-            "median_s": med,
-            "times_s": times,
-            "tokens_per_s": {name: tokens / t for name, t in med.items()},
-            "speedup_vs": {name: med[name] / med[names[0]] for name in names[1:]},
-            "identical_tokens": {
-                name: bool(torch.equal(outputs[name], outputs[names[0]])) for name in names[1:]
-            },
-            "bytes_read_per_token": per_step / b,
-            "bandwidth_bound_tokens_per_s": bandwidth * 1e9 / (per_step / b),
-        }
-        results.append(row)
-        say(
-            f"\nB={b}: {per_step / b / 1e6:.1f} MB read per generated token; the bandwidth "
-            f"allows at most {row['bandwidth_bound_tokens_per_s']:.0f} tokens/s"
-        )
-        for name in names:
-            extra = ""
-            if name != names[0]:
-                same = "identical tokens" if row["identical_tokens"][name] else "TOKENS DIFFER"
-                extra = f"  multihead at {row['speedup_vs'][name]:.2f}x its tokens/s, {same}"
-            say(f"  {name:40} {row['tokens_per_s'][name]:7.1f} tokens/s{extra}")
+    steps = [f"B={b}" for b in batch_sizes]
+    with stages("bench decode", steps, unit="batch size", say=say) as (bar, tell):
+        for b, step in zip(batch_sizes, steps):
+            bar.begin(step)
+            results.append(_batch_row(ours, theirs, b, shape, g, repeats, weight_bytes,
+                                      cache_bytes, bandwidth, tell))  # fmt: skip
     report = {
         "command": "multihead bench decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
         "shape": shape.__dict__,
@@ -213,3 +181,47 @@ def _chart(report: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _batch_row(ours, theirs, b: int, shape: DecodeShape, g: torch.Generator, repeats: int,
+               weight_bytes: int, cache_bytes: int, bandwidth: float,
+               say: Callable[[str], None]) -> dict:  # fmt: skip
+    """Time both contenders at batch size ``b`` (interleaved repeats) and print the row."""
+    ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
+    contenders = _contenders(ours, theirs, ids, shape.new_tokens)
+    names = list(contenders)
+    outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    tokens = b * shape.new_tokens
+    # a step reads every weight once for the whole batch, plus each row's cache
+    mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
+    per_step = weight_bytes + b * mean_keys * cache_bytes
+    row = {
+        "batch": b,
+        "median_s": med,
+        "times_s": times,
+        "tokens_per_s": {name: tokens / t for name, t in med.items()},
+        "speedup_vs": {name: med[name] / med[names[0]] for name in names[1:]},
+        "identical_tokens": {
+            name: bool(torch.equal(outputs[name], outputs[names[0]])) for name in names[1:]
+        },
+        "bytes_read_per_token": per_step / b,
+        "bandwidth_bound_tokens_per_s": bandwidth * 1e9 / (per_step / b),
+    }
+    say(
+        f"\nB={b}: {per_step / b / 1e6:.1f} MB read per generated token; the bandwidth "
+        f"allows at most {row['bandwidth_bound_tokens_per_s']:.0f} tokens/s"
+    )
+    for name in names:
+        extra = ""
+        if name != names[0]:
+            same = "identical tokens" if row["identical_tokens"][name] else "TOKENS DIFFER"
+            extra = f"  multihead at {row['speedup_vs'][name]:.2f}x its tokens/s, {same}"
+        say(f"  {name:40} {row['tokens_per_s'][name]:7.1f} tokens/s{extra}")
+    return row

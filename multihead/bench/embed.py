@@ -46,6 +46,7 @@ def run_embed_bench(
     from sentence_transformers import SentenceTransformer
 
     from .. import _validation as V
+    from .._progress import Stages
     from ..models import bert
 
     V.check_out_dir("--out", out_dir)
@@ -56,6 +57,8 @@ def run_embed_bench(
         torch.set_num_threads(V.check_positive_int("threads", threads))
     threads = torch.get_num_threads()
     texts = sentences(count, min_words=3, max_words=200, seed=0)
+    progress = Stages("bench embed", ["loading the models", "exporting to ONNX", "timing"], "step")
+    progress.begin("loading the models")
     ours = bert.load(model_path)
     theirs = SentenceTransformer(str(ours.path), device="cpu")
     tokens = sum(len(e.ids) for e in ours._encode(texts, ours.embed_length))
@@ -80,6 +83,7 @@ def run_embed_bench(
         else:
             from ..export import OnnxBert, quantize_int8, to_onnx
 
+            progress.begin("exporting to ONNX")
             fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, Path(folder.name) / "f.onnx")
             int8 = quantize_int8(fp32, Path(folder.name) / "int8.onnx")
             runtimes = {
@@ -88,8 +92,10 @@ def run_embed_bench(
             }
             for name, runtime in runtimes.items():
                 contenders[name] = quiet(runtime.embed)
+        progress.begin("timing")
         results, times = _timed(contenders, texts, repeats)
     finally:
+        progress.close()
         folder.cleanup()
     reference = np.asarray(results["sentence-transformers encode"].cpu())
     diffs = {
