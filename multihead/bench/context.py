@@ -208,6 +208,43 @@ def _max_diff(folder: Path, name: str, world: int) -> dict[str, float] | None:
     }
 
 
+def _run_row(name: str, world: int, ranks: list[dict], folder: Path) -> dict:
+    """One mask's result at ``world`` processes: the slowest rank's time per repeat, every
+    rank's memory, and the output's difference from the one-process run."""
+    rows = [r["masks"][name] for r in ranks]
+    times = [max(ts) for ts in zip(*(row["times_s"] for row in rows))]
+    return {
+        "mask": name,
+        "processes": world,
+        "threads_per_process": ranks[0]["threads"],
+        "seconds": statistics.median(times),
+        "times_s": times,
+        "peak_rss_mib": [row["peak_rss_mib"] for row in rows],
+        "baseline_rss_mib": [row["baseline_rss_mib"] for row in rows],
+        "above_baseline_mib": [row["above_baseline_mib"] for row in rows],
+        "computed_shards": [row["computed_shards"] for row in rows],
+        "max_abs_diff_vs_one_process": _max_diff(folder, name, world),
+    }
+
+
+def _config(
+    config: ContextConfig | None, quick: bool, repeats: int | None, processes: list[int]
+) -> ContextConfig:
+    """The settings to run: ``config``, or the default (L=8192 with ``quick``), with
+    ``repeats`` applied; every process must get at least one position."""
+    cfg = config or ContextConfig()
+    if quick and config is None:
+        cfg = ContextConfig(length=8192)
+    if repeats is not None:
+        cfg = ContextConfig(**{**asdict(cfg), "repeats": V.check_positive_int("repeats", repeats)})
+    if cfg.length < max(processes):
+        raise ValueError(
+            f"each process needs at least one position of the sequence. "
+            f"Received: L={cfg.length}, processes={processes}"
+        )
+    return cfg
+
+
 def run_context_bench(
     *,
     quick: bool = False,
@@ -225,16 +262,7 @@ def run_context_bench(
     """
     out_dir = V.check_out_dir("--out", out_dir)
     processes = sorted({V.check_positive_int("processes", p) for p in processes})
-    cfg = config or ContextConfig()
-    if quick and config is None:
-        cfg = ContextConfig(length=8192)
-    if repeats is not None:
-        cfg = ContextConfig(**{**asdict(cfg), "repeats": V.check_positive_int("repeats", repeats)})
-    if cfg.length < max(processes):
-        raise ValueError(
-            f"each process needs at least one position of the sequence. "
-            f"Received: L={cfg.length}, processes={processes}"
-        )
+    cfg = _config(config, quick, repeats, processes)
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("the context-parallel benchmark reads peak memory from Linux's /proc")
     cores = _cores()
@@ -271,20 +299,7 @@ def run_context_bench(
             bar.begin(step)
             ranks = _launch(world, cfg, folder, timeout_s)
             for name in _MASKS:
-                rows = [r["masks"][name] for r in ranks]
-                times = [max(ts) for ts in zip(*(row["times_s"] for row in rows))]
-                run = {
-                    "mask": name,
-                    "processes": world,
-                    "threads_per_process": ranks[0]["threads"],
-                    "seconds": statistics.median(times),
-                    "times_s": times,
-                    "peak_rss_mib": [row["peak_rss_mib"] for row in rows],
-                    "baseline_rss_mib": [row["baseline_rss_mib"] for row in rows],
-                    "above_baseline_mib": [row["above_baseline_mib"] for row in rows],
-                    "computed_shards": [row["computed_shards"] for row in rows],
-                    "max_abs_diff_vs_one_process": _max_diff(folder, name, world),
-                }
+                run = _run_row(name, world, ranks, folder)
                 by_mask[name][world] = run
                 report["runs"].append(run)
                 tell(_line(run, by_mask[name].get(1)))

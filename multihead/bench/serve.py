@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import _validation as V
 from .._extras import require
+from .._progress import Stages
 from .texts import sentences
 
 __all__ = ["BASELINE", "OURS", "baseline_app", "drive", "run_serve_bench"]
@@ -183,6 +184,86 @@ def _max_diff(a: dict[int, list[float]], b: dict[int, list[float]]) -> float:
     return float(np.abs(np.array([a[i] for i in shared]) - np.array([b[i] for i in shared])).max())
 
 
+def _check_sizes(requests: int, clients: Sequence[int], threads: int | None) -> None:
+    require("httpx", "serve", "bench serve")
+    require("fastapi", "serve", "bench serve")
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ValueError(f"requests must be a positive int. Received: requests={requests!r}")
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
+        raise ValueError(f"clients must be positive ints. Received: clients={list(clients)!r}")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
+
+
+def _level(
+    server: _Process,
+    texts: list[str],
+    count: int,
+    requests: int,
+    timeout_s: float,
+    keep: dict[int, list[float]],
+) -> dict[str, Any]:
+    """Drive ``server`` with ``count`` clients; the row adds the server's CPU time per
+    answered request."""
+    cpu = server.cpu_seconds()
+    row = asyncio.run(
+        drive(server.url, texts, clients=count, requests=requests, timeout_s=timeout_s, keep=keep)
+    )
+    used = server.cpu_seconds()
+    # CPU time per answered request: how much work each server spends, which a busy machine
+    # disturbs far less than it disturbs throughput
+    row["server_cpu_ms_per_request"] = (
+        None
+        if cpu is None or used is None or not row["answered"]
+        else 1000 * (used - cpu) / row["answered"]
+    )
+    return row
+
+
+def _row_line(name: str, count: int, row: dict[str, Any]) -> str:
+    cpu = row["server_cpu_ms_per_request"]
+    return (
+        f"  {name:40} {count:3} clients: {row['requests_per_s']:7.1f} req/s, "
+        f"p50 {row['p50_ms']:7.1f} ms, p99 {row['p99_ms']:7.1f} ms, {row['errors']} errors"
+        + ("" if cpu is None else f", server CPU {cpu:.1f} ms/request")
+    )
+
+
+def _report(
+    results: dict[str, list[dict[str, Any]]],
+    vectors: dict[str, dict[int, list[float]]],
+    clients: Sequence[int],
+    requests: int,
+    threads: int | None,
+    texts: int,
+) -> dict[str, Any]:
+    """serve.json: every level's rows, the speedups, the goal and the embeddings' agreement."""
+    diff = _max_diff(vectors[OURS], vectors[BASELINE])
+    speedups = [
+        a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else float("inf")
+        for a, b in zip(results[OURS], results[BASELINE])
+    ]
+    errors = sum(r["errors"] for rows in results.values() for r in rows)
+    report = {
+        "command": f"multihead bench serve --requests {requests} --clients "
+        + " ".join(map(str, clients))
+        + ("" if threads is None else f" --threads {threads}"),
+        "threads": threads,
+        "cpus": os.cpu_count(),
+        "texts": texts,
+        "results": results,
+        "speedup": dict(zip(map(str, clients), speedups)),
+        "goal": f">= {GOAL}x at {max(clients)} clients",
+        "goal_met": speedups[list(clients).index(max(clients))] >= GOAL,
+        "max_abs_diff": diff,
+        "errors": errors,
+        "ok": errors == 0 and diff <= _TOLERANCE,
+    }
+    return report
+
+
 def run_serve_bench(
     *,
     requests: int = 512,
@@ -206,16 +287,7 @@ def run_serve_bench(
     Returns the report; ``report["ok"]`` is True when no request failed and the embeddings
     agree to 1e-5 (the speed goal is reported, not enforced).
     """
-    require("httpx", "serve", "bench serve")
-    require("fastapi", "serve", "bench serve")
-    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
-        raise ValueError(f"requests must be a positive int. Received: requests={requests!r}")
-    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
-        raise ValueError(f"clients must be positive ints. Received: clients={list(clients)!r}")
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
+    _check_sizes(requests, clients, threads)
     texts = list(texts) if texts is not None else sentences(512, min_words=3, max_words=60)
     out = V.check_out_dir("--out", out_dir)
     out.mkdir(exist_ok=True)
@@ -229,72 +301,36 @@ def run_serve_bench(
     servers: dict[str, _Process] = {}
     results: dict[str, list[dict[str, Any]]] = {OURS: [], BASELINE: []}
     vectors: dict[str, dict[int, list[float]]] = {OURS: {}, BASELINE: {}}
+    steps = ["starting the servers", "warm-up", *(f"{c} clients" for c in clients)]
+    progress = Stages("bench serve", steps, "level")
+    tell = progress.say if say is print else say
     with tempfile.TemporaryDirectory(prefix="multihead-bench-serve-") as logs:
         try:
-            say(f"starting {OURS} and {BASELINE} ...")
+            progress.begin(steps[0])
+            tell(f"starting {OURS} and {BASELINE} ...")
             for name, command in commands.items():  # both load at once
                 servers[name] = _Process(name, command, Path(logs) / f"{len(servers)}.log")
             for server in servers.values():
                 server.wait_for_url()
             names = list(commands)
+            progress.begin(steps[1])
             for name in names:  # first-call costs (thread pools, allocator) out of the timings
                 asyncio.run(drive(servers[name].url, texts, clients=4, requests=_WARM_UP))
             for level, count in enumerate(clients):
-                for name in names[level % 2 :] + names[: level % 2]:  # alternate who goes first
-                    cpu = servers[name].cpu_seconds()
-                    row = asyncio.run(
-                        drive(
-                            servers[name].url,
-                            texts,
-                            clients=count,
-                            requests=requests,
-                            timeout_s=level_timeout_s,
-                            keep=vectors[name],
-                        )
-                    )
-                    used = servers[name].cpu_seconds()
-                    # CPU time per answered request: how much work each server spends, which a
-                    # busy machine disturbs far less than it disturbs throughput
-                    row["server_cpu_ms_per_request"] = (
-                        None
-                        if cpu is None or used is None or not row["answered"]
-                        else 1000 * (used - cpu) / row["answered"]
-                    )
+                progress.begin(steps[2 + level])
+                order = names[level % 2 :] + names[: level % 2]  # alternate who goes first
+                for name in order:
+                    row = _level(servers[name], texts, count, requests, level_timeout_s,
+                                 vectors[name])  # fmt: skip
                     results[name].append(row)
-                    say(
-                        f"  {name:40} {count:3} clients: {row['requests_per_s']:7.1f} req/s, "
-                        f"p50 {row['p50_ms']:7.1f} ms, p99 {row['p99_ms']:7.1f} ms, "
-                        f"{row['errors']} errors"
-                        + (
-                            ""
-                            if row["server_cpu_ms_per_request"] is None
-                            else f", server CPU {row['server_cpu_ms_per_request']:.1f} ms/request"
-                        )
-                    )
+                    tell(_row_line(name, count, row))
         finally:
+            progress.close()
             for server in servers.values():
                 server.stop()
-    diff = _max_diff(vectors[OURS], vectors[BASELINE])
-    speedups = [
-        a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else float("inf")
-        for a, b in zip(results[OURS], results[BASELINE])
-    ]
-    errors = sum(r["errors"] for rows in results.values() for r in rows)
-    report = {
-        "command": f"multihead bench serve --requests {requests} --clients "
-        + " ".join(map(str, clients))
-        + ("" if threads is None else f" --threads {threads}"),
-        "threads": threads,
-        "cpus": os.cpu_count(),
-        "texts": len(texts),
-        "results": results,
-        "speedup": dict(zip(map(str, clients), speedups)),
-        "goal": f">= {GOAL}x at {max(clients)} clients",
-        "goal_met": speedups[list(clients).index(max(clients))] >= GOAL,
-        "max_abs_diff": diff,
-        "errors": errors,
-        "ok": errors == 0 and diff <= _TOLERANCE,
-    }
+    report = _report(results, vectors, clients, requests, threads, len(texts))
+    speedups = [report["speedup"][str(c)] for c in clients]
+    diff, errors = report["max_abs_diff"], report["errors"]
     for count, ratio in zip(clients, speedups):
         say(f"  {count:3} clients: {ratio:.2f}x the baseline's throughput")
     say(f"  max |difference| of embeddings {diff:.1e}; {errors} errors")

@@ -490,12 +490,7 @@ def run_suite(
     out_dir = V.check_out_dir("--out", out_dir)
     out_dir.mkdir(exist_ok=True)
     repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
-    names = only or list(WORKLOADS)
-    unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
-    if unknown:
-        raise ValueError(
-            f"unknown workloads {unknown}; choose from {[*WORKLOADS, 'memory_window']}"
-        )
+    steps = _steps(only)
     report = Report(
         machine={
             "python": platform.python_version(),
@@ -508,7 +503,43 @@ def run_suite(
     )
     if quick:
         say(f"{SMOKE_TEST}.\n")
-    n = 1024 if quick else 2048
+    _peaks(report, 1024 if quick else 2048, say)
+    with stages("bench kernels", steps, unit="workload", say=say) as (bar, tell):
+        for name in steps:
+            bar.begin(name)
+            if name == "memory_window":
+                report.memory = _memory(4096 if quick else 65536)
+            else:
+                w = WORKLOADS[name][1 if quick else 0]
+                report.workloads.append(_run_workload(w, quick, repeats, report.peak_gflops, tell))
+    if "memory_window" in steps:
+        say(_memory_line(report.memory))
+    report.seconds = round(time.perf_counter() - started, 1)
+    (out_dir / "results.json").write_text(json.dumps(asdict(report), indent=2))
+    from .chart import write_chart
+
+    chart = write_chart(report, out_dir / "results.png")
+    say(f"\nwrote {out_dir / 'results.json'}" + (f" and {chart}" if chart else ""))
+    took = f"took {report.seconds:.0f} s"
+    say(f"{took} (a smoke test: not for comparison)" if quick else took)
+    return report
+
+
+def _steps(only: list[str] | None) -> list[str]:
+    """The workloads to run, in order, the memory one last (every one when ``only`` is None)."""
+    names = only or [*WORKLOADS, "memory_window"]
+    unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
+    if unknown:
+        raise ValueError(
+            f"unknown workloads {unknown}; choose from {[*WORKLOADS, 'memory_window']}"
+        )
+    return [n for n in names if n != "memory_window"] + ["memory_window"] * (
+        "memory_window" in names
+    )
+
+
+def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
+    """The fp32 and bf16 matmul peaks (n x n) into ``report``, and which bf16 goal applies."""
     report.peak_gflops = {
         "float32": matmul_peak(torch.float32, n),
         "bfloat16": matmul_peak(torch.bfloat16, n),
@@ -522,37 +553,15 @@ def run_suite(
         "bf16 goal >= 1.7x SDPA" if ratio >= 2 else "bf16 goal >= 1.0x SDPA (peak < 2x fp32)"
     )
     say(report.bf16_case)
-    memory = "memory_window" in names or only is None
-    steps = [name for name in names if name != "memory_window"]
-    if memory:
-        steps.append("memory_window")
-    with stages("bench kernels", steps, unit="workload", say=say) as (bar, tell):
-        for name in steps[: len(steps) - memory]:
-            bar.begin(name)
-            full, small = WORKLOADS[name]
-            w = small if quick else full
-            report.workloads.append(_run_workload(w, quick, repeats, report.peak_gflops, tell))
-        if memory:
-            bar.begin("memory_window")
-            report.memory = _memory(4096 if quick else 65536)
-    if memory:
-        m = report.memory
-        if "peak_rss_mib" in m:
-            say(
-                f"\n{m['title']}: peak RSS {m['peak_rss_mib']:.0f} MiB in {m['seconds']:.1f} s "
-                f"(a dense bool mask alone: {m['dense_bool_mask_gib']:.2f} GiB)"
-            )
-        else:
-            say(f"\nmemory workload failed: {m.get('error')}")
-    report.seconds = round(time.perf_counter() - started, 1)
-    (out_dir / "results.json").write_text(json.dumps(asdict(report), indent=2))
-    from .chart import write_chart
 
-    chart = write_chart(report, out_dir / "results.png")
-    say(f"\nwrote {out_dir / 'results.json'}" + (f" and {chart}" if chart else ""))
-    took = f"took {report.seconds:.0f} s"
-    say(f"{took} (a smoke test: not for comparison)" if quick else took)
-    return report
+
+def _memory_line(m: dict) -> str:
+    if "peak_rss_mib" in m:
+        return (
+            f"\n{m['title']}: peak RSS {m['peak_rss_mib']:.0f} MiB in {m['seconds']:.1f} s "
+            f"(a dense bool mask alone: {m['dense_bool_mask_gib']:.2f} GiB)"
+        )
+    return f"\nmemory workload failed: {m.get('error')}"
 
 
 def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
