@@ -26,6 +26,32 @@ from .texts import sentences
 __all__ = ["run_embed_bench"]
 
 
+def _quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+    """``embed`` without its truncation warning (once per run, it would repeat per repeat)."""
+
+    def run(batch: list[str]) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return embed(batch)
+
+    return run
+
+
+def _onnx_contenders(
+    ours, onnx_path: str | Path | None, folder: Path, threads: int
+) -> dict[str, Callable[[list[str]], object]]:
+    """onnxruntime on the fp32 graph (``onnx_path``, or exported into ``folder``) and on its
+    int8 quantization."""
+    from ..export import OnnxBert, quantize_int8, to_onnx
+
+    fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, folder / "f.onnx")
+    int8 = quantize_int8(fp32, folder / "int8.onnx")
+    return {
+        "onnxruntime fp32": _quiet(OnnxBert(fp32, ours, threads=threads).embed),
+        "onnxruntime int8": _quiet(OnnxBert(int8, ours, threads=threads).embed),
+    }
+
+
 def run_embed_bench(
     *,
     count: int = 2000,
@@ -63,16 +89,8 @@ def run_embed_bench(
     theirs = SentenceTransformer(str(ours.path), device="cpu")
     tokens = sum(len(e.ids) for e in ours._encode(texts, ours.embed_length))
 
-    def quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
-        def run(batch: list[str]) -> object:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the truncation warning, once per run
-                return embed(batch)
-
-        return run
-
     contenders = {
-        "multihead embed": quiet(ours.embed),
+        "multihead embed": _quiet(ours.embed),
         "sentence-transformers encode": lambda t: theirs.encode(t, convert_to_tensor=True),
     }
     folder = tempfile.TemporaryDirectory(prefix="multihead-bench-embed-")
@@ -81,17 +99,8 @@ def run_embed_bench(
         if importlib.util.find_spec("onnxruntime") is None:
             say("onnxruntime rows skipped: install them with pip install 'multihead[export]'")
         else:
-            from ..export import OnnxBert, quantize_int8, to_onnx
-
             progress.begin("exporting to ONNX")
-            fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, Path(folder.name) / "f.onnx")
-            int8 = quantize_int8(fp32, Path(folder.name) / "int8.onnx")
-            runtimes = {
-                "onnxruntime fp32": OnnxBert(fp32, ours, threads=threads),
-                "onnxruntime int8": OnnxBert(int8, ours, threads=threads),
-            }
-            for name, runtime in runtimes.items():
-                contenders[name] = quiet(runtime.embed)
+            contenders.update(_onnx_contenders(ours, onnx_path, Path(folder.name), threads))
         progress.begin("timing")
         results, times = _timed(contenders, texts, repeats)
     finally:
