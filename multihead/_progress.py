@@ -1,6 +1,7 @@
-"""Progress bars for the commands' long work, on stderr: tqdm when it is installed (the
-``pretrained`` and ``train`` extras bring it), nothing drawn when it is not, so a bare install
-runs the same commands without one."""
+"""Progress bars for the commands' long work, on stderr when it is a terminal: tqdm when it is
+installed (the ``pretrained`` and ``train`` extras bring it), nothing drawn when it is not, so a
+bare install runs the same commands without one. Logs and pipes get no bar, so an error is the
+first thing on a captured stderr."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ class Stages:
             self._bar = None
         else:
             self._tqdm = tqdm
-            self._bar = tqdm(total=len(names), desc=desc, unit=unit, file=sys.stderr, leave=False)
+            self._bar = tqdm(
+                total=len(names),
+                desc=desc,
+                unit=unit,
+                file=sys.stderr,
+                leave=False,  # the bar goes when the job ends; its output stays
+                disable=None,  # drawn on a terminal only
+            )
 
     def begin(self, name: str) -> None:
         self.done += 1
