@@ -8,6 +8,7 @@ import argparse
 import difflib
 import re
 import sys
+import textwrap
 
 from ._version import __version__
 
@@ -113,8 +114,11 @@ def _command(
     commands: argparse._SubParsersAction, name: str, summary: str, description: str | None = None
 ) -> argparse.ArgumentParser:
     """A sub-command: ``summary`` is its line in the list of commands, ``description`` (default:
-    the summary) opens its own --help."""
-    return commands.add_parser(name, help=summary, description=description or summary)
+    the summary) opens its own --help, wrapped unless it has line breaks of its own."""
+    text = description or summary
+    if "\n" not in text:
+        text = textwrap.fill(text[0].upper() + text[1:], 88)
+    return commands.add_parser(name, help=summary, description=text)
 
 
 def _positive_int(text: str) -> int:
@@ -568,7 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-> ONNX with dynamic batch and sequence axes",
     )
     onnx.add_argument(
-        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+        "--model",
+        metavar="PATH",
+        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
     )
     onnx.add_argument(
         "--out",
