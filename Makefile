@@ -34,6 +34,8 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	# the layering contract in pyproject.toml ([tool.importlinter]): no upward imports, no circles
 	$(BIN)/lint-imports
+	# the public API type-checks ([tool.mypy] in pyproject.toml: multihead/__init__.py and all it imports)
+	$(BIN)/mypy
 
 test: lint browser
 	$(BIN)/python -m pytest

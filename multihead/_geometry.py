@@ -105,7 +105,7 @@ class Window:
             return None
         return q0 - self.q0, q1 - self.q0, k0 - self.k0, k1 - self.k0
 
-    def key(self) -> tuple[int, ...]:
+    def key(self) -> tuple[object, ...]:
         """A hashable description, for structure keys."""
         return (self.size, self.q0, self.q1, self.k0, self.k1)
 

@@ -20,7 +20,7 @@ DECLARED: dict[str, type] = {}
 
 def record_init(cls: type) -> None:
     """Wrap ``cls.__init__`` so every instance keeps the arguments it was built with."""
-    init = cls.__init__
+    init = cls.__init__  # type: ignore[misc]  # the class's own, read before it is wrapped
     if getattr(init, "_multihead_records", False):
         return
     signature = inspect.signature(init)
@@ -47,7 +47,7 @@ def record_init(cls: type) -> None:
             object.__setattr__(self, INIT_ARGS, values)
 
     wrapped._multihead_records = True  # type: ignore[attr-defined]
-    cls.__init__ = wrapped  # type: ignore[method-assign]
+    cls.__init__ = wrapped  # type: ignore[misc]
 
 
 def saveable(name: str) -> Callable[[type], type]:

@@ -7,6 +7,8 @@ Messages say what was expected, what was received, and how to fix it. They end w
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -188,7 +190,15 @@ def _blocking_ancestor(path: Path) -> Path | None:
 
 
 def check_out_dir(name: str, path: str | Path) -> Path:
-    """An output folder that can be created, checked before any long work starts."""
+    """An output folder, checked before any long work starts: an existing folder, or a new one
+    in an existing folder, writable either way (tried by creating and removing a file there).
+    Nothing is created: a missing parent folder is an error, not made.
+
+    Raises:
+        ValueError: an existing file where a folder must be, or a folder that cannot be
+            written in.
+        FileNotFoundError: the folder that should hold the new one does not exist.
+    """
     folder = Path(path)
     blocker = _blocking_ancestor(folder)
     if blocker is not None:
@@ -196,11 +206,42 @@ def check_out_dir(name: str, path: str | Path) -> Path:
             f"{name} must be a folder, but {blocker} is an existing file; choose another "
             f"folder. Received: {name}={str(path)!r}"
         )
+    if folder.is_dir():
+        check_writable(name, folder, path)
+        return folder
+    _check_parent(name, folder, path)
     return folder
 
 
+def _check_parent(name: str, target: Path, path: str | Path) -> None:
+    """``target``'s parent is an existing folder that can be written in."""
+    parent = target.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(
+            f"{name}: the folder {parent} does not exist, and folders are not created for you; "
+            f"make it first (mkdir -p {parent}) or choose another path. "
+            f"Received: {name}={str(path)!r}"
+        )
+    check_writable(name, parent, path)
+
+
+def check_writable(name: str, folder: Path, path: str | Path) -> None:
+    """A file can be created in ``folder`` (tried: permissions alone do not say it for root,
+    read-only file systems or /proc)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".multihead-probe-", dir=folder)
+    except OSError as err:
+        raise ValueError(
+            f"{name}: cannot write in the folder {folder} ({err.strerror}); choose a writable "
+            f"location or fix its permissions. Received: {name}={str(path)!r}"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def check_out_file(name: str, path: str | Path, suffix: str) -> Path:
-    """An output file path ending in ``suffix`` whose folder can be created."""
+    """An output file path ending in ``suffix``, in an existing folder that can be written in
+    (checked before any long work; nothing is created)."""
     target = Path(path)
     if target.is_dir():
         raise ValueError(
@@ -213,7 +254,13 @@ def check_out_file(name: str, path: str | Path, suffix: str) -> Path:
             f"{name} must end in {suffix} (the file written is exactly this path). "
             f"Received: {name}={str(path)!r}"
         )
-    check_out_dir(name, target.parent)
+    blocker = _blocking_ancestor(target.parent)
+    if blocker is not None:
+        raise ValueError(
+            f"{name} must be in a folder, but {blocker} is an existing file; choose another "
+            f"path. Received: {name}={str(path)!r}"
+        )
+    _check_parent(name, target, path)
     return target
 
 

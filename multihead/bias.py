@@ -129,10 +129,12 @@ class ScoreModifier:
         return _Crop(self, length_q, length_k, q0, q1, k0, k1)
 
     def __add__(self, other: object) -> ScoreModifier:
-        return _Sum((self, as_modifier(other)))
+        other = as_modifier(other)
+        return self if other is None else _Sum((self, other))  # None: no bias to add
 
     def __radd__(self, other: object) -> ScoreModifier:
-        return _Sum((as_modifier(other), self))
+        other = as_modifier(other)
+        return self if other is None else _Sum((other, self))
 
 
 def as_modifier(bias: object) -> ScoreModifier | None:
@@ -267,6 +269,8 @@ class _Crop(ScoreModifier):
 
 
 class _Sum(ScoreModifier):
+    parts: tuple[ScoreModifier, ...]
+
     def __init__(self, parts: tuple[ScoreModifier, ...]) -> None:
         flat: list[ScoreModifier] = []
         for p in parts:
@@ -355,6 +359,7 @@ class _Relative(ScoreModifier):
         return G.offset(self.align, length_q, length_k)
 
     def _heads(self, device) -> Tensor:
+        assert self.num_heads is not None  # every relative modifier is built with its H
         return torch.arange(self.num_heads, device=device)
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None, dtype=None):
@@ -465,6 +470,7 @@ def alibi(
             f"Received: num_heads={num_heads!r}, slopes={'given' if slopes is not None else None}"
         )
     if slopes is None:
+        assert num_heads is not None  # exactly one of the two was given (checked above)
         slopes = alibi_slopes(num_heads).float()
     return _Alibi(slopes, bidirectional, align)
 

@@ -371,7 +371,9 @@ def check_unstored(skeleton: nn.Module, stored: Weights, *, source: str = "confi
     Raises:
         ValueError: naming the largest such tensor and its shape.
     """
-    tensors = {id(t): (name, t) for name, t in skeleton.named_parameters()}
+    tensors: dict[int, tuple[str, torch.Tensor]] = {
+        id(t): (name, t) for name, t in skeleton.named_parameters()
+    }
     tensors.update({id(t): (name, t) for name, t in skeleton.named_buffers()})
     need = sum(t.numel() * t.element_size() for _, t in tensors.values())
     have = sum(t.numel() * t.element_size() for t in stored.header.values())
@@ -575,8 +577,8 @@ def parse_config(
     raw: Mapping[str, Any],
     *,
     source: str = "config.json",
-    fixed: Mapping[str, Iterable[Any]] = (),
-    choices: Mapping[str, Iterable[Any]] = (),
+    fixed: Mapping[str, Iterable[Any]] | tuple[()] = (),
+    choices: Mapping[str, Iterable[Any]] | tuple[()] = (),
 ) -> C:
     """Build the config dataclass ``cls`` from a parsed config.json, checking every field
     against its annotation (int: >= 0, ``Size``: > 0, float: finite and >= 0, ``X | None``,
@@ -605,7 +607,7 @@ def parse_config(
     hints = typing.get_type_hints(cls, include_extras=True)
     allowed_values = {k: list(v) for k, v in dict(choices).items()}
     values: dict[str, Any] = {}
-    for spec in fields(cls):
+    for spec in fields(cls):  # type: ignore[arg-type]  # cls is a dataclass, as documented
         field = spec.name
         if field not in raw:
             if spec.default is MISSING and spec.default_factory is MISSING:

@@ -1,9 +1,124 @@
-"""Command-line front end: argument parsing only; each command calls into the package."""
+"""The ``multihead`` command: parses the command line and calls the job that does the work (the
+jobs live in ``multihead.apps``, ``multihead.bench``, ``multihead.export`` and
+``multihead.serve``)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
+import textwrap
+
+from ._version import __version__
+
+DESCRIPTION = """\
+multihead: multi-head attention for PyTorch, from the command line.
+
+Look inside a pretrained model (explain), turn sentences into vectors (embed), train the
+example applications (train), ship a model (export, serve) and measure speed (bench, doctor).
+Everything runs offline on the CPU; a GPU is used when present."""
+
+EPILOG = """\
+examples:
+  multihead explain "The animal didn't cross the street because it was too tired" --focus it
+  multihead train forecast --quick --out runs/forecast
+  multihead bench kernels --quick
+
+'multihead COMMAND --help' lists a command's options and their defaults."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default shown after its help: the
+    defaults a user would otherwise look up in the source. Flags (default False), options
+    without a default (None) and helps that already state theirs are left as they are."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or "(default" in text
+            or not action.option_strings
+        ):
+            return text
+        if isinstance(default, (list, tuple)):
+            default = " ".join(str(d) for d in default)
+        return f"{text} (default: {str(default).replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: help with defaults on it and on every sub-command's parser."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class _CommandParser(_Parser):
+    """A sub-command's parser: an option it does not know is reported with this command's
+    usage (and the nearest option it has), not with the top-level usage argparse would give,
+    and before a missing required option."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._unknown: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        self._unknown = [] if self._subparsers else _unknown_options(self, args)
+        parsed, extras = super().parse_known_args(args, namespace)
+        unknown = [a for a in extras if a.startswith("-")]
+        if extras:
+            self.error(_unrecognized(self, extras, unknown[0] if unknown else None))
+        return parsed, extras
+
+    def error(self, message: str):
+        if self._unknown and message.startswith("the following arguments are required"):
+            message = _unrecognized(self, self._unknown, self._unknown[0])
+        super().error(message)
+
+
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+def _unknown_options(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """The arguments that look like options ``parser`` does not have (a unique prefix of one
+    of its long options counts as that option, as argparse allows)."""
+    known = parser._option_string_actions
+    unknown = []
+    for arg in args:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("-") or arg == "-" or _NUMBER.match(arg) or name in known:
+            continue
+        if name.startswith("--") and any(o.startswith(name) for o in known):
+            continue
+        unknown.append(arg)
+    return unknown
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str], first: str | None) -> str:
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if first is None:
+        return message
+    known = [o for o in parser._option_string_actions if o.startswith("--")]
+    close = difflib.get_close_matches(first.split("=", 1)[0], known, n=1, cutoff=0.6)
+    return message + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def _command(
+    commands: argparse._SubParsersAction, name: str, summary: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A sub-command: ``summary`` is its line in the list of commands, ``description`` (default:
+    the summary) opens its own --help, wrapped unless it has line breaks of its own."""
+    text = description or summary
+    if "\n" not in text:
+        text = textwrap.fill(text[0].upper() + text[1:], 88)
+    return commands.add_parser(name, help=summary, description=text)
 
 
 def _positive_int(text: str) -> int:
@@ -17,9 +132,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _walkthrough(args: argparse.Namespace) -> int:
     from .apps.demo import run
 
+    if args.command == "demo":  # the name before 0.2.0, kept working
+        print(
+            "note: 'multihead demo' is now 'multihead walkthrough' ('make demo' is another "
+            "thing: it installs and explains a sentence on a real model)",
+            file=sys.stderr,
+        )
     run()
     return 0
 
@@ -124,7 +245,14 @@ def _doctor(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from .apps.explain import run
 
-    run(args.text, focus=args.focus, out_dir=args.out, model_path=args.model)
+    run(
+        args.text,
+        focus=args.focus,
+        out_dir=args.out,
+        model_path=args.model,
+        layer=args.layer,
+        head=args.head,
+    )
     return 0
 
 
@@ -145,12 +273,16 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ._progress import stages
     from .export import check_opset, check_target, graph_spec, load_for_export, to_onnx
 
     check_target(args.out)  # before the model loads and the export runs
     check_opset(args.opset)
-    model = load_for_export(args.model)
-    path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
+    with stages("export onnx", ("loading the model", "exporting and checking")) as (bar, _):
+        bar.begin("loading the model")
+        model = load_for_export(args.model)
+        bar.begin("exporting and checking")
+        path = to_onnx(model, args.out, weights=args.weights, opset=args.opset)
     spec = graph_spec(model, weights=args.weights)
     print(f"wrote {path} ({spec.describe()}); onnx.checker: ok")
     return 0
@@ -207,30 +339,51 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         overwrite=args.overwrite,
     )
-    run(args.task, options)
+    metrics = run(args.task, options)
+    if metrics:  # empty on every process but the first under torchrun
+        from .apps.summary import summarize
+
+        print(summarize(metrics, options.out))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="multihead", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
-        "demo", help="walk through multi-head attention on 'cat catches mouse', step by step"
+    from .bench.suite import QUICK_SECONDS
+
+    parser = _Parser(prog="multihead", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument(
+        "--version", action="version", version=f"multihead {__version__}", help="print the version"
     )
-    demo.set_defaults(func=_demo)
-    bench = commands.add_parser(
-        "bench", help="benchmarks: kernels, embed, decode, serve, context-parallel"
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser
+    )
+    for name, summary in (
+        ("walkthrough", "walk through multi-head attention on 'cat catches mouse', step by step"),
+        ("demo", "the former name of walkthrough"),
+    ):
+        _command(commands, name, summary).set_defaults(func=_walkthrough)
+    bench = _command(
+        commands,
+        "bench",
+        "benchmarks: kernels, embed, decode, serve, context-parallel",
+        "Measure speed against the usual alternatives, in one process on the same inputs. "
+        "Each benchmark prints a table and writes results.json (and a PNG where it has one).",
     )
     benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
 
     def add_bench(
         name: str, help_text: str, func, *, repeats: bool = True
     ) -> argparse.ArgumentParser:
-        sub = benches.add_parser(name, help=help_text)
-        sub.add_argument("--out", default="bench-results", help="folder for the results")
+        sub = _command(benches, name, help_text)
+        sub.add_argument(
+            "--out", default="bench-results", metavar="DIR", help="folder for the results"
+        )
         if repeats:
             sub.add_argument(
-                "--repeats", type=_positive_int, default=None, help="timed repeats per contender"
+                "--repeats",
+                type=_positive_int,
+                default=None,
+                help="timed repeats per contender (default: 3; kernels: 5, with --quick 3)",
             )
         sub.set_defaults(func=func)
         return sub
@@ -240,16 +393,24 @@ def build_parser() -> argparse.ArgumentParser:
         "time multihead against torch SDPA, the naive formula and FlexAttention",
         _bench_kernels,
     )
-    kernels.add_argument("--quick", action="store_true", help="small sizes, under a minute")
+    kernels.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke test: small sizes, about {QUICK_SECONDS} s on 2 CPU cores (the first run "
+        "on a machine also builds the fused C++ kernel, once); warm-up and call overhead "
+        "dominate its ratios, so they are not for comparison",
+    )
     kernels.add_argument("--only", nargs="+", metavar="WORKLOAD", help="run only these workloads")
     embed = add_bench(
         "embed", "sentence-embedding throughput against sentence-transformers", _bench_embed
     )
+    embed.add_argument("--sentences", type=_positive_int, default=2000, help="sentences to embed")
     embed.add_argument(
-        "--sentences", type=_positive_int, default=2000, help="sentences (default 2000)"
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (default: all)"
     )
-    embed.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
-    embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    embed.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (default: all-MiniLM-L6-v2)"
+    )
     embed.add_argument(
         "--onnx", metavar="FILE.onnx", help="time this exported graph (default: export)"
     )
@@ -274,8 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument(
         "--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients"
     )
-    serve_bench.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
-    serve_bench.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    serve_bench.add_argument(
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (default: all)"
+    )
+    serve_bench.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (default: all-MiniLM-L6-v2)"
+    )
     context = add_bench(
         "context-parallel",
         "one L=131072 sequence across 1, 2, 4 processes (memory and time)",
@@ -288,41 +453,73 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[1, 2, 4],
         metavar="P",
-        help="process counts (default 1 2 4)",
+        help="process counts",
     )
-    doctor = commands.add_parser(
+    doctor = _command(
+        commands,
         "doctor",
-        help="is the fused C++ kernel built (or why not), the CPU's instruction sets and its "
+        "is the fused C++ kernel built (or why not), the CPU's instruction sets and its "
         "measured fp32/bf16 matmul peaks",
     )
     doctor.add_argument(
         "--no-measure", action="store_true", help="skip timing the matmul peaks (a few seconds)"
     )
     doctor.set_defaults(func=_doctor)
-    explain = commands.add_parser(
-        "explain", help="show what every head of a pretrained model attends to in TEXT"
+    explain = _command(
+        commands,
+        "explain",
+        "show what every head of a pretrained model attends to in TEXT",
+        "Run TEXT through a pretrained model with attention weights on; print, for every layer\n"
+        "and head, the token the focus word attends to most; write figures (every head, and one\n"
+        "head named in its title: --layer/--head, or the one most fixed on one other word) and\n"
+        "an HTML head view that works offline.",
     )
     explain.add_argument("text", metavar="TEXT", help="the sentence to explain")
     explain.add_argument("--focus", metavar="WORD", help="the word to follow (default: last)")
-    explain.add_argument("--out", default="explain-out", metavar="DIR", help="folder for figures")
     explain.add_argument(
-        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+        "--out",
+        default="explain-out",
+        metavar="DIR",
+        help="folder for the figures (its parent must exist)",
+    )
+    explain.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+    )
+    explain.add_argument(
+        "--layer",
+        type=int,
+        metavar="N",
+        help="draw this layer in head.png and head_surface.png, counted from 0 (default: the "
+        "layer of the head most fixed on one other word)",
+    )
+    explain.add_argument(
+        "--head",
+        type=int,
+        metavar="N",
+        help="draw this head of that layer, counted from 0 (default: the head most fixed on one "
+        "other word; with --layer alone, that layer's)",
     )
     explain.set_defaults(func=_explain)
-    embed = commands.add_parser("embed", help="sentence embeddings, one per line of FILE")
+    embed = _command(commands, "embed", "sentence embeddings, one per line of FILE")
     embed.add_argument("file", metavar="FILE", help="UTF-8 text, one sentence per line")
-    embed.add_argument("--out", required=True, metavar="OUT.npy", help="where to save them")
-    embed.add_argument("--model", metavar="PATH", help="BERT-family model folder")
+    embed.add_argument(
+        "--out", required=True, metavar="OUT.npy", help="where to save them (its folder must exist)"
+    )
+    embed.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (default: all-MiniLM-L6-v2)"
+    )
     embed.add_argument(
         "--max-tokens",
         type=_positive_int,
         default=1536,
-        help="tokens per packed row (default 1536)",
+        help="tokens per packed row",
     )
     embed.add_argument(
         "--ray", action="store_true", help="run on Ray Data: an actor pool, each with the model"
     )
-    embed.add_argument("--workers", type=_positive_int, default=2, help="Ray actors (default 2)")
+    embed.add_argument("--workers", type=_positive_int, default=2, help="Ray actors")
     embed.add_argument(
         "--ray-address", metavar="ADDR", help="an existing Ray cluster (default: start one here)"
     )
@@ -330,25 +527,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-batch-size",
         type=_positive_int,
         default=256,
-        help="lines per Ray batch (default 256)",
+        help="lines per Ray batch",
     )
     embed.set_defaults(func=_embed)
-    train = commands.add_parser(
+    train = _command(
+        commands,
         "train",
-        help="train an application (sentiment, forecast, crossmodal) with baselines; "
+        "train an application (sentiment, forecast, crossmodal) with baselines; "
         "runs under torchrun for several processes",
+        "Train one of the example applications and its baselines in the same run, then print\n"
+        "their test metrics side by side. DIR receives the saved model, metrics.json and the\n"
+        "figures, written whole when the run ends. Several processes:\n"
+        "  torchrun --nproc-per-node N $(which multihead) train TASK --out DIR",
     )
-    train.add_argument("task", choices=("sentiment", "forecast", "crossmodal"))
+    train.add_argument(
+        "task",
+        choices=("sentiment", "forecast", "crossmodal"),
+        metavar="TASK",
+        help="the application: sentiment, forecast or crossmodal",
+    )
     train.add_argument(
         "--out",
         required=True,
         metavar="DIR",
-        help="folder for model and metrics: new or empty; written whole when the run ends",
+        help="folder for model and metrics: new or empty, in a folder that exists; written "
+        "whole when the run ends",
     )
     train.add_argument(
         "--overwrite", action="store_true", help="replace a previous run in DIR when this one ends"
     )
-    train.add_argument("--quick", action="store_true", help="a small version, seconds long")
+    train.add_argument(
+        "--quick", action="store_true", help="a small version (under a minute on 2 cores)"
+    )
     train.add_argument(
         "--data",
         metavar="PATH",
@@ -364,29 +574,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-steps", type=_positive_int, help="stop after this many optimizer steps"
     )
     train.add_argument("--no-baselines", action="store_true", help="skip the baselines")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)
-    export = commands.add_parser("export", help="export a model for other runtimes")
-    formats = export.add_subparsers(dest="format", required=True)
-    onnx = formats.add_parser(
+    export = _command(commands, "export", "export a model for other runtimes")
+    formats = export.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    onnx = _command(
+        formats,
         "onnx",
-        help="BERT-family model, or GPT-2 / Llama decoder with past and present key/value, "
+        "BERT-family model, or GPT-2 / Llama decoder with past and present key/value, "
         "-> ONNX with dynamic batch and sequence axes",
     )
     onnx.add_argument(
-        "--model", metavar="PATH", help="model folder: BERT family, GPT-2 or Llama (config.json)"
+        "--model",
+        metavar="PATH",
+        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
     )
-    onnx.add_argument("--out", required=True, metavar="FILE.onnx", help="where to write it")
+    onnx.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE.onnx",
+        help="where to write it (its folder must exist)",
+    )
     onnx.add_argument(
         "--weights", action="store_true", help="also output every layer's per-head weights"
     )
-    onnx.add_argument("--opset", type=int, default=18, help="ONNX opset version (default 18)")
+    onnx.add_argument("--opset", type=int, default=18, help="ONNX opset version")
     onnx.set_defaults(func=_export)
-    serve = commands.add_parser(
-        "serve", help="HTTP service: embeddings (TEI and OpenAI formats), attention, metrics"
+    serve = _command(
+        commands, "serve", "HTTP service: embeddings (TEI and OpenAI formats), attention, metrics"
     )
-    serve.add_argument("--model", metavar="PATH", help="BERT-family model folder")
-    serve.add_argument("--runtime", choices=["torch", "onnx"], default="torch")
+    serve.add_argument(
+        "--model", metavar="PATH", help="BERT-family model folder (default: all-MiniLM-L6-v2)"
+    )
+    serve.add_argument(
+        "--runtime", choices=["torch", "onnx"], default="torch", help="what runs the model"
+    )
     serve.add_argument(
         "--onnx",
         metavar="FILE.onnx",
@@ -420,21 +642,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds to send a request's header, else the connection closes (default 10)",
+        help="seconds to send a request's header, else the connection closes",
     )
     serve.add_argument(
         "--body-timeout",
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds to send a request's body after its header, else 408 (default 30)",
+        help="seconds to send a request's body after its header, else 408",
     )
     serve.add_argument(
         "--drain-timeout",
         type=float,
         default=20.0,
         metavar="S",
-        help="on SIGTERM, requests still queued after S seconds get 503 (default 20)",
+        help="on SIGTERM, requests still queued after S seconds get 503",
     )
     serve.add_argument(
         "--api-key",
@@ -458,7 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the browser origin (https://app.example, or '*') allowed to read answers; "
         "default: no CORS headers",
     )
-    serve.add_argument("--threads", type=int, default=None, help="torch/onnxruntime threads")
+    serve.add_argument(
+        "--threads", type=int, default=None, help="torch/onnxruntime threads (default: all)"
+    )
     serve.set_defaults(func=_serve)
     return parser
 

@@ -151,7 +151,7 @@ def register(
             record_init(target)
         make: Callable[[dict[str, Any], Path | None], Any]
         if load_folder is not None:
-            make = rebuild
+            make = _whole_only(target, load_folder)
         elif build is not None:
             make = lambda args, folder: build(args)  # noqa: E731
         else:
@@ -192,12 +192,17 @@ def _add(codec: _Codec) -> None:
     _BY_CLASS[codec.cls] = codec
 
 
+def _constructor(cls: type) -> Callable[[dict[str, Any], Path | None], Any]:
+    """Build ``cls`` from its recorded constructor arguments (the folder is not needed)."""
+    return lambda args, folder: cls(**args)
+
+
 def _sync_declared() -> None:
     """Take in the classes declared with ``@saveable`` in their own files since the last call
     (their modules may be imported after this one)."""
     for name, cls in list(DECLARED.items()):
         if cls not in _BY_CLASS:
-            _add(_Codec(cls, name, _recorded, lambda args, folder, cls=cls: cls(**args), init=cls))
+            _add(_Codec(cls, name, _recorded, _constructor(cls), init=cls))
 
 
 def _class_codec(cls: type) -> _Codec | None:
@@ -339,7 +344,7 @@ def _hints(cls: type) -> dict[str, Any]:
     """The constructor's resolved annotations; empty when they cannot be resolved (names
     imported only for type checkers), so nothing is checked rather than something wrongly."""
     try:
-        return typing.get_type_hints(cls.__init__)
+        return typing.get_type_hints(cls.__init__)  # type: ignore[misc]
     except Exception:
         return {}
 

@@ -291,3 +291,40 @@ def twice_naive_errors(
         naive_error = (m - r).abs().max() if r.numel() else 0.0
         out.append((name, float(error), float(2 * naive_error + floor + extra[len(out)])))
     return out
+
+
+def assert_summary(metrics: dict, printed: str, out) -> None:
+    """What ``multihead train`` printed at the end holds every test metric of metrics.json,
+    one row per contender under its domain or series, with the best value of each column
+    starred (larger is better but for errors), and ends with the folder written."""
+    groups = {"test set": metrics.get("metrics")}
+    for key in ("domains", "series"):
+        groups.update({k: v["metrics"] for k, v in metrics.get(key, {}).items()})
+    lines = printed.rstrip("\n").splitlines()
+    assert lines[-1] == f"wrote {out}"
+    checked = 0
+    for name, table in groups.items():
+        if table is None:
+            continue
+        start = lines.index(name)
+        rows = {}
+        for line in lines[start + 2 :]:
+            if not line.strip():
+                break
+            rows[line.split()[0]] = line.split()[1:]
+        for contender, values in table.items():
+            numbers = {
+                m: v
+                for m, v in values.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+            }
+            columns = sorted(numbers)
+            for i, m in enumerate(columns):
+                cell = rows[contender][i]
+                assert cell.rstrip("*") == f"{numbers[m]:.3f}", (name, contender, m, cell)
+                lower = m in ("mae", "mase")
+                pick = min if lower else max
+                best = pick(t[m] for t in table.values() if isinstance(t.get(m), (int, float)))
+                assert cell.endswith("*") == (numbers[m] == best), (name, contender, m)
+                checked += 1
+    assert checked >= 3

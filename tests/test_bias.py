@@ -292,6 +292,22 @@ def test_modifiers_add_with_each_other_and_tensors():
     )
 
 
+def test_adding_none_adds_no_bias():
+    """None is "no bias" wherever a bias is taken; adding it once raised AttributeError."""
+    a = mb.alibi(2)
+    assert a + None is a and None + a is a
+    q, k, v = qkv(1, 2, 2, 5, 5, 4, seed=3)
+    keep = torch.ones(5, 5, dtype=torch.bool).tril()
+    slopes = torch.tensor([2.0**-4, 2.0**-8], dtype=torch.float64)  # ALiBi's for H=2
+    distance = (torch.arange(5)[:, None] - torch.arange(5)).double()  # i - j
+    torch.testing.assert_close(
+        mh.attention(q, k, v, masks.causal(), bias=None + a + None),
+        naive_attention(q, k, v, keep, bias=-slopes[:, None, None] * distance)[0],
+        rtol=0,
+        atol=1e-12,  # float64 both ways: only the order of the sums differs
+    )
+
+
 def test_attention_weights_selects_the_modifiers_heads():
     q, k, _ = qkv(1, 4, 2, 6, 6, 3, seed=9)
     modifier = mb.alibi(4) + mb.relative_buckets(

@@ -10,6 +10,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from .. import _validation as V
 from .._atomic import replace_folder
 from .common import Options
 
@@ -42,7 +43,6 @@ def run(task: str, options: Options) -> dict[str, Any]:
     try:
         if not info.main:
             return module.run(options, info, None)
-        options.out.parent.mkdir(parents=True, exist_ok=True)
         with replace_folder(options.out) as staging:
             return module.run(options, info, staging)
     finally:
@@ -51,15 +51,12 @@ def run(task: str, options: Options) -> dict[str, Any]:
 
 
 def check_out(options: Options) -> Path:
-    """``options.out`` must be a new or empty folder, or hold a run ``options.overwrite``
-    allows to replace."""
+    """``options.out`` must be a new or empty folder in an existing, writable folder (it is
+    not created), or hold a run ``options.overwrite`` allows to replace."""
     out = options.out
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(
-            f"--out must be a folder, but {blocker} is an existing file; choose another "
-            f"folder. Received: --out {out}"
-        )
+    V.check_out_dir("--out", out)
+    # the run is written beside DIR and moved into place: its parent must take new folders
+    V.check_writable("--out", out.absolute().parent, out)
     if out.is_dir() and not options.overwrite:
         entries = sorted(p.name for p in out.iterdir())
         if entries:

@@ -77,7 +77,6 @@ def run(
             if bar is not None:
                 bar.close()
     array = array.astype(np.float32)
-    target.parent.mkdir(parents=True, exist_ok=True)
     np.save(target, array)
     say(f"wrote {array.shape[0]} embeddings of size {array.shape[1]} to {target}")
     return array

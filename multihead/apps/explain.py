@@ -19,14 +19,16 @@ from typing import Any
 from torch import Tensor
 
 from .. import _validation as V
+from .._progress import stages
 from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
-__all__ = ["SUPPORTED", "Explained", "find_focus", "run"]
+__all__ = ["SUPPORTED", "Explained", "find_focus", "pick_head", "run"]
 
 SUPPORTED = (
     "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
     "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them)"
 )
+_STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
 _SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
 
 
@@ -115,6 +117,40 @@ def _focus(
     return find_focus(tokens, special, word, pieces(word))
 
 
+def _check_index(name: str, value: int | None, count: int, what: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+        raise ValueError(
+            f"{name} must be between 0 and {count - 1}: the model has {count} {what}, counted "
+            f"from 0. Received: {name} {value!r}"
+        )
+
+
+def pick_head(
+    weights: Tensor,
+    position: int,
+    keys: list[int],
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+) -> tuple[int, int]:
+    """The (layer, head) to draw alone: among the heads ``layer`` and ``head`` allow (None: any),
+    the one whose strongest weight from query ``position`` onto one of ``keys`` is largest.
+
+    Raises:
+        ValueError: ``layer`` or ``head`` outside the model (the message names the range).
+    """
+    layers, heads = weights.shape[:2]
+    _check_index("--layer", layer, layers, "layers")
+    _check_index("--head", head, heads, "heads in every layer")
+    rows = list(range(layers)) if layer is None else [layer]
+    cols = list(range(heads)) if head is None else [head]
+    strongest = weights[rows][:, cols][:, :, position][:, :, keys].amax(-1)  # (rows, cols)
+    r, c = divmod(int(strongest.flatten().argmax()), len(cols))
+    return rows[r], cols[c]
+
+
 def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) -> None:
     layers, heads = len(top), len(top[0])
     width = max(12, max(len(t) for t in tokens) + 6)
@@ -132,36 +168,52 @@ def run(
     focus: str | None = None,
     out_dir: str | Path = "explain-out",
     model_path: str | Path | None = None,
+    layer: int | None = None,
+    head: int | None = None,
     say: Callable[[str], None] = print,
 ) -> Explained:
-    """Explain ``text``; see the module docstring. Returns what was computed and written."""
-    from ..viz import head_heatmap, heatmap_grid, surface
-    from ..viz.html import save_head_view
+    """Explain ``text``; see the module docstring. Returns what was computed and written.
 
+    ``layer`` and ``head`` (counted from 0) choose the head drawn alone in head.png and
+    head_surface.png; by default it is the head most fixed on one other word (the strongest
+    weight from the focus word onto a word at least two positions away), searched within
+    ``layer`` or ``head`` when only one is given.
+    """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
     V.check_utf8_text("TEXT", text)
     if focus is not None:
         V.check_utf8_text("--focus", focus)
     folder = V.check_out_dir("--out", out_dir)
-    model, tokens, special, weights, causal = _attend(text, model_path)
-    position = _focus(model.tokenizer, tokens, special, focus, causal)
-    stats = head_stats(weights, special)
-    flow = rollout(weights)
-    layers, heads = weights.shape[:2]
-    # for every key: the strongest weight any head puts on it from the focus, and that head
-    best, where = weights[:, :, position].flatten(0, 1).max(0)
-    real = [i for i in range(len(tokens)) if not special[i] and i != position]
-    # the head drawn alone: strongest link to a real token at least two positions away
-    # (neighbour links come from positional heads, not meaning)
-    far = [i for i in real if abs(i - position) > 1] or real
-    layer, head = divmod(int(where[max(far, key=lambda i: float(best[i]))]), heads)
+    for name, value in (("--layer", layer), ("--head", head)):  # before the model loads
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
+    with stages("explain", _STAGES, say=say) as (progress, say):
+        progress.begin(_STAGES[0])
+        model, tokens, special, weights, causal = _attend(text, model_path)
+        progress.begin(_STAGES[1])
+        return _report(text, model, tokens, special, weights, causal, focus, layer, head,
+                       folder, progress, say)  # fmt: skip
 
-    kind = ", causal: each token sees only earlier ones" if causal else ""
-    say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
+
+def _say_findings(
+    weights: Tensor,
+    tokens: list[str],
+    position: int,
+    real: list[int],
+    flow: Tensor,
+    say: Callable[[str], None],
+) -> None:
+    """The printed part: tokens, focus, every head's top token, the strongest head per word
+    and the rollout."""
+    heads = weights.shape[1]
     say(f"tokens: {' '.join(tokens)}")
     say(f"focus: '{tokens[position]}' (position {position})\n")
     _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
+    # for every key: the strongest weight any head puts on it from the focus, and that head
+    best, where = weights[:, :, position].flatten(0, 1).max(0)
     say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5):")
     for i in sorted(real, key=lambda i: -float(best[i]))[:5]:
         lay, hd = divmod(int(where[i]), heads)
@@ -172,8 +224,32 @@ def run(
         + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
     )
 
-    folder.mkdir(parents=True, exist_ok=True)
-    title = f"layer {layer} head {head}"
+
+def _report(text, model, tokens, special, weights, causal, focus, layer, head, folder,
+            progress, say) -> Explained:  # fmt: skip
+    """Everything ``run`` prints and draws once the model has run the text."""
+    from ..viz import head_heatmap, heatmap_grid, surface
+    from ..viz.html import save_head_view
+
+    position = _focus(model.tokenizer, tokens, special, focus, causal)
+    stats = head_stats(weights, special)
+    flow = rollout(weights)
+    layers, heads = weights.shape[:2]
+    real = [i for i in range(len(tokens)) if not special[i] and i != position]
+    # the head drawn alone: strongest link to a real token at least two positions away
+    # (neighbour links come from positional heads, not meaning)
+    far = [i for i in real if abs(i - position) > 1] or real
+    chosen = "chosen by --layer/--head" if (layer, head) != (None, None) else ""
+    layer, head = pick_head(weights, position, far, layer=layer, head=head)
+    chosen = chosen or f"the head most fixed on one other word from '{tokens[position]}'"
+
+    kind = ", causal: each token sees only earlier ones" if causal else ""
+    say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
+    _say_findings(weights, tokens, position, real, flow, say)
+
+    progress.begin(_STAGES[2])
+    folder.mkdir(exist_ok=True)
+    title = f"layer {layer} head {head}: attention weights"
     files = {
         "grid": folder / "heads_grid.png",
         "head": folder / "head.png",
@@ -183,7 +259,7 @@ def run(
     for name, fig in (
         ("grid", heatmap_grid(weights, tokens)),
         ("head", head_heatmap(weights[layer, head], tokens, title=title)),
-        ("surface", surface(weights[layer, head], tokens, title=title)),
+        ("surface", surface(weights[layer, head], tokens, title=f"layer {layer} head {head}")),
     ):
         fig.savefig(files[name], dpi=110)
     save_head_view(
@@ -195,8 +271,14 @@ def run(
         focus=position,
         title=f"{'causal attention' if causal else 'attention'}: {text}",
     )
+    shows = {
+        "grid": f"every head: {layers} layers (rows) x {heads} heads (columns)",
+        "head": f"layer {layer} head {head} ({chosen})",
+        "surface": f"layer {layer} head {head}, as a 3-D surface",
+        "html": "every layer and head, clickable",
+    }
     say("\nwrote:")
-    for path in files.values():
-        say(f"  {path}")
+    for name, path in files.items():
+        say(f"  {path}  ({shows[name]})")
     say(f"open {files['html']} in a browser (works offline) to click through every head.")
     return Explained(tokens, position, weights, stats, flow, (layer, head), files)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 
-def write_chart(report, path: Path) -> Path | None:
-    """Write the chart; return None (and write nothing) when matplotlib is not installed."""
-    try:
-        import matplotlib
+def chart_figure(report) -> Any:
+    """The chart as a matplotlib Figure (Agg canvas, no pyplot state). The legend sits to the
+    right of the axes, where it covers no bar; a --quick report says it is a smoke test."""
+    from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
     workloads = report.workloads
     names = sorted({c for w in workloads for c in w["contenders"]})
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(workloads)), 5))
+    fig = Figure(figsize=(max(8, 1.3 * len(workloads)) + 2.5, 5), layout="constrained")
+    ax = fig.subplots()
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         xs, ys = [], []
@@ -32,11 +30,19 @@ def write_chart(report, path: Path) -> Path | None:
     ax.set_xticklabels([w["title"] for w in workloads], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("speedup over baseline (log scale)")
     machine = report.machine
-    ax.set_title(
-        f"multihead bench (medians), {machine['threads']} threads, torch {machine['torch']}"
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"multihead bench (medians), {machine['threads']} threads, torch {machine['torch']}"
+    if getattr(report, "smoke_test", False):
+        title += "\n--quick smoke test: warm-up dominates, not for comparison"
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    return fig
+
+
+def write_chart(report, path: Path) -> Path | None:
+    """Write the chart; return None (and write nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    chart_figure(report).savefig(path, dpi=110)
     return path

@@ -27,11 +27,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .. import _validation as V
+from .._progress import stages
 
 __all__ = ["ContextConfig", "run_context_bench"]
 
@@ -165,8 +165,27 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
     for p in procs:
         p.start()
     got: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        _collect(results, procs, got, timeout_s)
+        while len(got) < world:
+            try:
+                rank, value = results.get(timeout=1.0)
+            except queue.Empty:
+                # a rank that died before reporting (killed, or failed to start) never will
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if dead:
+                    raise RuntimeError(
+                        f"rank(s) {dead} of {world} exited without a result "
+                        f"(exit codes {[procs[r].exitcode for r in dead]})"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{world} processes did not finish within {timeout_s:.0f} s"
+                    ) from None
+                continue
+            if isinstance(value, str):
+                raise RuntimeError(f"rank {rank} of {world} failed: {value}")
+            got[rank] = value
     finally:
         for p in procs:
             p.join(timeout=30 if len(got) == world else 0.1)
@@ -175,32 +194,6 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
                 p.terminate()
                 p.join(timeout=5)
     return [got[r] for r in range(world)]
-
-
-def _collect(results: Any, procs: list[Any], got: dict[int, object], timeout_s: float) -> None:
-    """Fill ``got`` with each rank's result from the queue; raise when a rank failed, died
-    without a result, or the deadline passed."""
-    world = len(procs)
-    deadline = time.monotonic() + timeout_s
-    while len(got) < world:
-        try:
-            rank, value = results.get(timeout=1.0)
-        except queue.Empty:
-            # a rank that died before reporting (killed, or failed to start) never will
-            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-            if dead:
-                raise RuntimeError(
-                    f"rank(s) {dead} of {world} exited without a result "
-                    f"(exit codes {[procs[r].exitcode for r in dead]})"
-                ) from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{world} processes did not finish within {timeout_s:.0f} s"
-                ) from None
-            continue
-        if isinstance(value, str):
-            raise RuntimeError(f"rank {rank} of {world} failed: {value}")
-        got[rank] = value
 
 
 def _max_diff(folder: Path, name: str, world: int) -> dict[str, float] | None:
@@ -215,49 +208,9 @@ def _max_diff(folder: Path, name: str, world: int) -> dict[str, float] | None:
     }
 
 
-def _config(
-    quick: bool, config: ContextConfig | None, repeats: int | None, processes: list[int]
-) -> ContextConfig:
-    """The configuration measured: ``config`` or the default (L=8192 when ``quick``), with
-    ``repeats`` when given; every process must hold at least one position."""
-    cfg = config or ContextConfig()
-    if quick and config is None:
-        cfg = ContextConfig(length=8192)
-    if repeats is not None:
-        cfg = ContextConfig(**{**asdict(cfg), "repeats": V.check_positive_int("repeats", repeats)})
-    if cfg.length < max(processes):
-        raise ValueError(
-            f"each process needs at least one position of the sequence. "
-            f"Received: L={cfg.length}, processes={processes}"
-        )
-    return cfg
-
-
-def _new_report(cfg: ContextConfig, quick: bool, processes: list[int], cores: int) -> dict:
-    """The report before any run: the command, the machine, the configuration, the note."""
-    return {
-        "command": "multihead bench context-parallel"
-        + (" --quick" if quick else "")
-        + f" --processes {' '.join(map(str, processes))}",
-        "machine": {
-            "cores": cores,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "processor": platform.processor() or platform.machine(),
-        },
-        "config": {**asdict(cfg), "dtype": "float32", "batch": 1, "kv_heads": cfg.heads},
-        "note": (
-            f"{cores} cores shared by P processes ({cores} // P threads each, at least 1): "
-            "more processes cannot make a step faster than one process on every core; they "
-            "divide the memory each process needs."
-        ),
-        "runs": [],
-    }
-
-
-def _run_entry(name: str, world: int, ranks: list[dict], folder: Path) -> dict:
-    """One mask at ``world`` processes, from every rank's measurements: the step's time is
-    the slowest rank's."""
+def _run_row(name: str, world: int, ranks: list[dict], folder: Path) -> dict:
+    """One mask's result at ``world`` processes: the slowest rank's time per repeat, every
+    rank's memory, and the output's difference from the one-process run."""
     rows = [r["masks"][name] for r in ranks]
     times = [max(ts) for ts in zip(*(row["times_s"] for row in rows))]
     return {
@@ -274,32 +227,22 @@ def _run_entry(name: str, world: int, ranks: list[dict], folder: Path) -> dict:
     }
 
 
-def _measure_every_count(
-    cfg: ContextConfig, processes: list[int], timeout_s: float, say: Callable[[str], None]
-) -> tuple[list[dict], dict[str, dict[int, dict]]]:
-    """Launch every number of processes in turn; the runs in order and by mask and count."""
-    runs: list[dict] = []
-    by_mask: dict[str, dict[int, dict]] = {name: {} for name in _MASKS}
-    with tempfile.TemporaryDirectory(prefix="mh-cp-") as tmp:
-        folder = Path(tmp)
-        for world in processes:
-            ranks = _launch(world, cfg, folder, timeout_s)
-            for name in _MASKS:
-                run = _run_entry(name, world, ranks, folder)
-                by_mask[name][world] = run
-                runs.append(run)
-                say(_line(run, by_mask[name].get(1)))
-    return runs, by_mask
-
-
-def _compare_to_one(runs: list[dict], by_mask: dict[str, dict[int, dict]]) -> None:
-    """Each run's memory above baseline and time as a multiple of one process's (if measured)."""
-    for run in runs:
-        one = by_mask[run["mask"]].get(1)
-        run["memory_above_baseline_vs_one_process"] = (
-            None if one is None else max(run["above_baseline_mib"]) / one["above_baseline_mib"][0]
+def _config(
+    config: ContextConfig | None, quick: bool, repeats: int | None, processes: list[int]
+) -> ContextConfig:
+    """The settings to run: ``config``, or the default (L=8192 with ``quick``), with
+    ``repeats`` applied; every process must get at least one position."""
+    cfg = config or ContextConfig()
+    if quick and config is None:
+        cfg = ContextConfig(length=8192)
+    if repeats is not None:
+        cfg = ContextConfig(**{**asdict(cfg), "repeats": V.check_positive_int("repeats", repeats)})
+    if cfg.length < max(processes):
+        raise ValueError(
+            f"each process needs at least one position of the sequence. "
+            f"Received: L={cfg.length}, processes={processes}"
         )
-        run["time_vs_one_process"] = None if one is None else run["seconds"] / one["seconds"]
+    return cfg
 
 
 def run_context_bench(
@@ -319,18 +262,54 @@ def run_context_bench(
     """
     out_dir = V.check_out_dir("--out", out_dir)
     processes = sorted({V.check_positive_int("processes", p) for p in processes})
-    cfg = _config(quick, config, repeats, processes)
+    cfg = _config(config, quick, repeats, processes)
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("the context-parallel benchmark reads peak memory from Linux's /proc")
     cores = _cores()
-    report = _new_report(cfg, quick, processes, cores)
+    report: dict = {
+        "command": "multihead bench context-parallel"
+        + (" --quick" if quick else "")
+        + f" --processes {' '.join(map(str, processes))}",
+        "machine": {
+            "cores": cores,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "processor": platform.processor() or platform.machine(),
+        },
+        "config": {**asdict(cfg), "dtype": "float32", "batch": 1, "kv_heads": cfg.heads},
+        "note": (
+            f"{cores} cores shared by P processes ({cores} // P threads each, at least 1): "
+            "more processes cannot make a step faster than one process on every core; they "
+            "divide the memory each process needs."
+        ),
+        "runs": [],
+    }
     say(
         f"context parallel: L=S={cfg.length}, B=1, H={cfg.heads}, D={cfg.head_dim}, fp32, "
         f"fwd+bwd, {cfg.repeats} timed step(s); {cores} cores"
     )
-    report["runs"], by_mask = _measure_every_count(cfg, processes, timeout_s, say)
-    _compare_to_one(report["runs"], by_mask)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    by_mask: dict[str, dict[int, dict]] = {name: {} for name in _MASKS}
+    steps = [f"{world} process{'es' * (world > 1)}" for world in processes]
+    with (
+        tempfile.TemporaryDirectory(prefix="mh-cp-") as tmp,
+        stages("bench context-parallel", steps, unit="launch", say=say) as (bar, tell),
+    ):
+        folder = Path(tmp)
+        for world, step in zip(processes, steps):
+            bar.begin(step)
+            ranks = _launch(world, cfg, folder, timeout_s)
+            for name in _MASKS:
+                run = _run_row(name, world, ranks, folder)
+                by_mask[name][world] = run
+                report["runs"].append(run)
+                tell(_line(run, by_mask[name].get(1)))
+    for run in report["runs"]:
+        one = by_mask[run["mask"]].get(1)
+        run["memory_above_baseline_vs_one_process"] = (
+            None if one is None else max(run["above_baseline_mib"]) / one["above_baseline_mib"][0]
+        )
+        run["time_vs_one_process"] = None if one is None else run["seconds"] / one["seconds"]
+    out_dir.mkdir(exist_ok=True)
     (out_dir / "context_parallel.json").write_text(json.dumps(report, indent=2))
     chart = _chart(report, out_dir / "context_parallel.png")
     say(report["note"])

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from .. import _validation as V
+from .._progress import stages
+
 __all__ = ["DecodeShape", "linear_bytes", "memory_bandwidth", "quality", "run_decode_bench"]
 
 FORMATS = (None, "bf16", "int8")  # gpt2.load(weights=...): fp32, then the packed formats
@@ -146,6 +149,7 @@ def run_decode_bench(
     from .doctor import _cpuinfo
     from .suite import matmul_peak
 
+    out = V.check_out_dir("--out", out_dir)  # before the work
     cpu = _cpuinfo()[0]
     bandwidth = memory_bandwidth()
     size = 512 if shape.embed_dim < 256 else 1024
@@ -173,22 +177,26 @@ def run_decode_bench(
         f"KV cache {cache_bytes} bytes per token"
     )
     g = torch.Generator().manual_seed(1)
-    results = [
-        _time_batch(
-            b,
-            models,
-            theirs,
-            shape,
-            repeats,
-            g,
-            weight_bytes,
-            hf_bytes,
-            cache_bytes,
-            bandwidth,
-            say,
-        )
-        for b in batch_sizes
-    ]
+    results = []
+    steps = [f"B={b}" for b in batch_sizes]
+    with stages("bench decode", steps, unit="batch size", say=say) as (bar, tell):
+        for b, step in zip(batch_sizes, steps):
+            bar.begin(step)
+            results.append(
+                _time_batch(
+                    b,
+                    models,
+                    theirs,
+                    shape,
+                    repeats,
+                    g,
+                    weight_bytes,
+                    hf_bytes,
+                    cache_bytes,
+                    bandwidth,
+                    tell,
+                )
+            )
     report = {
         "command": "multihead bench decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
         "cpu": cpu,
@@ -203,8 +211,7 @@ def run_decode_bench(
     }
     if model is not None and text is not None:
         report["quality"] = quality(model, text, say=say)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
     (out / "decode.json").write_text(json.dumps(report, indent=2))
     chart = _chart(report, out / "decode.png")
     say(f"\nwrote {out / 'decode.json'}" + (f" and {chart}" if chart else ""))

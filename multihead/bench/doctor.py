@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._progress import stages
+
 __all__ = ["Diagnosis", "diagnose", "run"]
 
 # the /proc/cpuinfo flags that decide how fast attention can run on a CPU
@@ -81,7 +83,10 @@ def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
 
 
 def run(*, measure: bool = True, say: Callable[[str], None] = print) -> Diagnosis:
-    d = diagnose(measure=measure)
+    """Diagnose (the kernel's first build takes a minute: a progress bar shows it) and print."""
+    with stages("doctor", ["fused kernel (built on first use) and CPU peaks"]) as (bar, _):
+        bar.begin("fused kernel (built on first use) and CPU peaks")
+        d = diagnose(measure=measure)
     say(f"fused kernel: {d.kernel}")
     say(f"cpu: {d.cpu}")
     say(f"instruction sets: {' '.join(d.instruction_sets) or 'none of ' + ' '.join(_FLAGS)}")

@@ -26,6 +26,32 @@ from .texts import sentences
 __all__ = ["run_embed_bench"]
 
 
+def _quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
+    """``embed`` without its truncation warning (once per run, it would repeat per repeat)."""
+
+    def run(batch: list[str]) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return embed(batch)
+
+    return run
+
+
+def _onnx_contenders(
+    ours, onnx_path: str | Path | None, folder: Path, threads: int
+) -> dict[str, Callable[[list[str]], object]]:
+    """onnxruntime on the fp32 graph (``onnx_path``, or exported into ``folder``) and on its
+    int8 quantization."""
+    from ..export import OnnxBert, quantize_int8, to_onnx
+
+    fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, folder / "f.onnx")
+    int8 = quantize_int8(fp32, folder / "int8.onnx")
+    return {
+        "onnxruntime fp32": _quiet(OnnxBert(fp32, ours, threads=threads).embed),
+        "onnxruntime int8": _quiet(OnnxBert(int8, ours, threads=threads).embed),
+    }
+
+
 def run_embed_bench(
     *,
     count: int = 2000,
@@ -46,6 +72,7 @@ def run_embed_bench(
     from sentence_transformers import SentenceTransformer
 
     from .. import _validation as V
+    from .._progress import Stages
     from ..models import bert
 
     V.check_out_dir("--out", out_dir)
@@ -56,20 +83,14 @@ def run_embed_bench(
         torch.set_num_threads(V.check_positive_int("threads", threads))
     threads = torch.get_num_threads()
     texts = sentences(count, min_words=3, max_words=200, seed=0)
+    progress = Stages("bench embed", ["loading the models", "exporting to ONNX", "timing"], "step")
+    progress.begin("loading the models")
     ours = bert.load(model_path)
     theirs = SentenceTransformer(str(ours.path), device="cpu")
     tokens = sum(len(e.ids) for e in ours._encode(texts, ours.embed_length))
 
-    def quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
-        def run(batch: list[str]) -> object:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the truncation warning, once per run
-                return embed(batch)
-
-        return run
-
     contenders = {
-        "multihead embed": quiet(ours.embed),
+        "multihead embed": _quiet(ours.embed),
         "sentence-transformers encode": lambda t: theirs.encode(t, convert_to_tensor=True),
     }
     folder = tempfile.TemporaryDirectory(prefix="multihead-bench-embed-")
@@ -78,18 +99,12 @@ def run_embed_bench(
         if importlib.util.find_spec("onnxruntime") is None:
             say("onnxruntime rows skipped: install them with pip install 'multihead[export]'")
         else:
-            from ..export import OnnxBert, quantize_int8, to_onnx
-
-            fp32 = Path(onnx_path) if onnx_path else to_onnx(ours, Path(folder.name) / "f.onnx")
-            int8 = quantize_int8(fp32, Path(folder.name) / "int8.onnx")
-            runtimes = {
-                "onnxruntime fp32": OnnxBert(fp32, ours, threads=threads),
-                "onnxruntime int8": OnnxBert(int8, ours, threads=threads),
-            }
-            for name, runtime in runtimes.items():
-                contenders[name] = quiet(runtime.embed)
+            progress.begin("exporting to ONNX")
+            contenders.update(_onnx_contenders(ours, onnx_path, Path(folder.name), threads))
+        progress.begin("timing")
         results, times = _timed(contenders, texts, repeats)
     finally:
+        progress.close()
         folder.cleanup()
     reference = np.asarray(results["sentence-transformers encode"].cpu())
     diffs = {
@@ -136,7 +151,7 @@ def run_embed_bench(
             f"min {int8_cosine['min']:.5f}"
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)
     (out / "embed.json").write_text(json.dumps(report, indent=2))
     return report
 

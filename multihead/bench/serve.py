@@ -28,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validation as V
 from .._extras import require
+from .._progress import Stages
 from .texts import sentences
 
 __all__ = ["BASELINE", "OURS", "baseline_app", "drive", "run_serve_bench"]
@@ -182,7 +184,9 @@ def _max_diff(a: dict[int, list[float]], b: dict[int, list[float]]) -> float:
     return float(np.abs(np.array([a[i] for i in shared]) - np.array([b[i] for i in shared])).max())
 
 
-def _check_arguments(requests: int, clients: Sequence[int], threads: int | None) -> None:
+def _check_sizes(requests: int, clients: Sequence[int], threads: int | None) -> None:
+    require("httpx", "serve", "bench serve")
+    require("fastapi", "serve", "bench serve")
     if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
         raise ValueError(f"requests must be a positive int. Received: requests={requests!r}")
     if not clients or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in clients):
@@ -193,29 +197,19 @@ def _check_arguments(requests: int, clients: Sequence[int], threads: int | None)
         raise ValueError(f"threads must be a positive int. Received: threads={threads!r}")
 
 
-def _commands(model_path: str | Path | None, threads: int | None) -> dict[str, list[str]]:
-    """The command line of each server: ours exactly as a user starts it, and the baseline."""
-    common = [] if threads is None else ["--threads", str(threads)]
-    model = [] if model_path is None else ["--model", str(model_path)]
-    env_python = [sys.executable, "-m"]
-    return {
-        OURS: [*env_python, "multihead.cli", "serve", "--port", "0", *model, *common],
-        BASELINE: [*env_python, "multihead.bench.serve", "--port", "0", *model, *common],
-    }
-
-
 def _level(
     server: _Process,
-    texts: Sequence[str],
-    clients: int,
+    texts: list[str],
+    count: int,
     requests: int,
     timeout_s: float,
     keep: dict[int, list[float]],
 ) -> dict[str, Any]:
-    """One client count on one server: ``drive``'s row plus the server's CPU time per answer."""
+    """Drive ``server`` with ``count`` clients; the row adds the server's CPU time per
+    answered request."""
     cpu = server.cpu_seconds()
     row = asyncio.run(
-        drive(server.url, texts, clients=clients, requests=requests, timeout_s=timeout_s, keep=keep)
+        drive(server.url, texts, clients=count, requests=requests, timeout_s=timeout_s, keep=keep)
     )
     used = server.cpu_seconds()
     # CPU time per answered request: how much work each server spends, which a busy machine
@@ -228,71 +222,31 @@ def _level(
     return row
 
 
-def _row_line(name: str, clients: int, row: dict[str, Any]) -> str:
+def _row_line(name: str, count: int, row: dict[str, Any]) -> str:
     cpu = row["server_cpu_ms_per_request"]
     return (
-        f"  {name:40} {clients:3} clients: {row['requests_per_s']:7.1f} req/s, "
+        f"  {name:40} {count:3} clients: {row['requests_per_s']:7.1f} req/s, "
         f"p50 {row['p50_ms']:7.1f} ms, p99 {row['p99_ms']:7.1f} ms, {row['errors']} errors"
         + ("" if cpu is None else f", server CPU {cpu:.1f} ms/request")
     )
 
 
-def _load_both(
-    commands: dict[str, list[str]],
-    texts: Sequence[str],
-    clients: Sequence[int],
-    requests: int,
-    level_timeout_s: float,
-    say: Callable[[str], None],
-) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[int, list[float]]]]:
-    """Start both servers, warm them up, drive every client count at both (alternating which
-    goes first), stop them. Returns the rows and the embeddings each server gave per text."""
-    servers: dict[str, _Process] = {}
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in commands}
-    vectors: dict[str, dict[int, list[float]]] = {name: {} for name in commands}
-    with tempfile.TemporaryDirectory(prefix="multihead-bench-serve-") as logs:
-        try:
-            say(f"starting {OURS} and {BASELINE} ...")
-            for name, command in commands.items():  # both load at once
-                servers[name] = _Process(name, command, Path(logs) / f"{len(servers)}.log")
-            for server in servers.values():
-                server.wait_for_url()
-            names = list(commands)
-            for name in names:  # first-call costs (thread pools, allocator) out of the timings
-                asyncio.run(drive(servers[name].url, texts, clients=4, requests=_WARM_UP))
-            for level, count in enumerate(clients):
-                for name in names[level % 2 :] + names[: level % 2]:  # alternate who goes first
-                    row = _level(
-                        servers[name], texts, count, requests, level_timeout_s, vectors[name]
-                    )
-                    results[name].append(row)
-                    say(_row_line(name, count, row))
-        finally:
-            for server in servers.values():
-                server.stop()
-    return results, vectors
-
-
-def _speedups(results: dict[str, list[dict[str, Any]]]) -> list[float]:
-    """Our throughput over the baseline's, per client count."""
-    return [
-        a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else float("inf")
-        for a, b in zip(results[OURS], results[BASELINE])
-    ]
-
-
 def _report(
     results: dict[str, list[dict[str, Any]]],
-    speedups: list[float],
-    diff: float,
+    vectors: dict[str, dict[int, list[float]]],
     clients: Sequence[int],
     requests: int,
     threads: int | None,
     texts: int,
 ) -> dict[str, Any]:
-    """What serve.json holds: every row, the speedups, the goal and whether the run is ok."""
+    """serve.json: every level's rows, the speedups, the goal and the embeddings' agreement."""
+    diff = _max_diff(vectors[OURS], vectors[BASELINE])
+    speedups = [
+        a["requests_per_s"] / b["requests_per_s"] if b["requests_per_s"] else float("inf")
+        for a, b in zip(results[OURS], results[BASELINE])
+    ]
     errors = sum(r["errors"] for rows in results.values() for r in rows)
-    return {
+    report = {
         "command": f"multihead bench serve --requests {requests} --clients "
         + " ".join(map(str, clients))
         + ("" if threads is None else f" --threads {threads}"),
@@ -307,6 +261,7 @@ def _report(
         "errors": errors,
         "ok": errors == 0 and diff <= _TOLERANCE,
     }
+    return report
 
 
 def run_serve_bench(
@@ -332,20 +287,53 @@ def run_serve_bench(
     Returns the report; ``report["ok"]`` is True when no request failed and the embeddings
     agree to 1e-5 (the speed goal is reported, not enforced).
     """
-    require("httpx", "serve", "bench serve")
-    require("fastapi", "serve", "bench serve")
-    _check_arguments(requests, clients, threads)
+    _check_sizes(requests, clients, threads)
     texts = list(texts) if texts is not None else sentences(512, min_words=3, max_words=60)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    commands = _commands(model_path, threads)
-    results, vectors = _load_both(commands, texts, clients, requests, level_timeout_s, say)
-    diff = _max_diff(vectors[OURS], vectors[BASELINE])
-    speedups = _speedups(results)
-    report = _report(results, speedups, diff, clients, requests, threads, len(texts))
+    out = V.check_out_dir("--out", out_dir)
+    out.mkdir(exist_ok=True)
+    common = [] if threads is None else ["--threads", str(threads)]
+    model = [] if model_path is None else ["--model", str(model_path)]
+    env_python = [sys.executable, "-m"]
+    commands = {
+        OURS: [*env_python, "multihead.cli", "serve", "--port", "0", *model, *common],
+        BASELINE: [*env_python, "multihead.bench.serve", "--port", "0", *model, *common],
+    }
+    servers: dict[str, _Process] = {}
+    results: dict[str, list[dict[str, Any]]] = {OURS: [], BASELINE: []}
+    vectors: dict[str, dict[int, list[float]]] = {OURS: {}, BASELINE: {}}
+    steps = ["starting the servers", "warm-up", *(f"{c} clients" for c in clients)]
+    progress = Stages("bench serve", steps, "level")
+    tell = progress.say if say is print else say
+    with tempfile.TemporaryDirectory(prefix="multihead-bench-serve-") as logs:
+        try:
+            progress.begin(steps[0])
+            tell(f"starting {OURS} and {BASELINE} ...")
+            for name, command in commands.items():  # both load at once
+                servers[name] = _Process(name, command, Path(logs) / f"{len(servers)}.log")
+            for server in servers.values():
+                server.wait_for_url()
+            names = list(commands)
+            progress.begin(steps[1])
+            for name in names:  # first-call costs (thread pools, allocator) out of the timings
+                asyncio.run(drive(servers[name].url, texts, clients=4, requests=_WARM_UP))
+            for level, count in enumerate(clients):
+                progress.begin(steps[2 + level])
+                order = names[level % 2 :] + names[: level % 2]  # alternate who goes first
+                for name in order:
+                    row = _level(servers[name], texts, count, requests, level_timeout_s,
+                                 vectors[name])  # fmt: skip
+                    results[name].append(row)
+                    tell(_row_line(name, count, row))
+        finally:
+            progress.close()
+            for server in servers.values():
+                server.stop()
+    report = _report(results, vectors, clients, requests, threads, len(texts))
+    speedups = [report["speedup"][str(c)] for c in clients]
+    diff, errors = report["max_abs_diff"], report["errors"]
     for count, ratio in zip(clients, speedups):
         say(f"  {count:3} clients: {ratio:.2f}x the baseline's throughput")
-    say(f"  max |difference| of embeddings {diff:.1e}; {report['errors']} errors")
+    say(f"  max |difference| of embeddings {diff:.1e}; {errors} errors")
     (out / "serve.json").write_text(json.dumps(report, indent=2))
     _chart(report, clients, out / "serve.png")
     return report

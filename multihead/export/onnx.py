@@ -363,11 +363,12 @@ def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
 
 def check_target(path: str | Path) -> Path:
     """Check, before any long work, that an ONNX file can be written at ``path``: not an
-    existing folder, no existing file where a folder must be, and a writable folder (tried by
-    creating and removing a file in the nearest existing one).
+    existing folder, no existing file where a folder must be, an existing folder to hold it
+    (folders are not created) that is writable (tried by creating and removing a file).
 
     Raises:
         ValueError: one of those, with the path that blocks it.
+        FileNotFoundError: the folder to hold the file does not exist.
     """
     target = Path(path)
     if target.is_dir():
@@ -375,19 +376,24 @@ def check_target(path: str | Path) -> Path:
             f"the ONNX file to write is an existing folder; give a file path, e.g. "
             f"{target / 'model.onnx'}. Received: path='{target}'"
         )
-    ancestor = target.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
+    parent = target.parent
+    blocker = next((p for p in (parent, *parent.parents) if p.exists()), parent)
+    if not blocker.is_dir():
         raise ValueError(
-            f"cannot write {target}: {ancestor} is an existing file, not a folder; choose "
+            f"cannot write {target}: {blocker} is an existing file, not a folder; choose "
             f"another path. Received: path='{target}'"
         )
+    if not parent.is_dir():
+        raise FileNotFoundError(
+            f"cannot write {target}: the folder {parent} does not exist, and folders are not "
+            f"created for you; make it first (mkdir -p {parent}) or choose another path. "
+            f"Received: path='{target}'"
+        )
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-", dir=ancestor)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-", dir=parent)
     except OSError as err:
         raise ValueError(
-            f"cannot write {target}: creating a file in the folder {ancestor} failed "
+            f"cannot write {target}: creating a file in the folder {parent} failed "
             f"({err.strerror}); choose a writable path or fix the folder's permissions. "
             f"Received: path='{target}'"
         ) from None

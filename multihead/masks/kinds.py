@@ -28,6 +28,8 @@ class _Band(Mask):
     ``offset`` is S - L for bottom-right alignment and 0 for top-left; None means unbounded.
     """
 
+    align: str  # always set: a band is tied to the diagonal
+
     def __init__(self, before: int | None, after: int | None, align: str, name: str) -> None:
         G.check_align(align)
         for label, value in (("before", before), ("after", after)):
@@ -350,7 +352,7 @@ class _Documents(Mask):
                 raise ValueError(
                     "query_ids and key_ids must have the same batch size. "
                     f"Received: query_ids.shape={tuple(query_ids.shape)}, "
-                    f"key_ids.shape={tuple(key_ids.shape)}"
+                    f"key_ids.shape={tuple(self.key_ids.shape)}"
                 )
             self.batch_size = max(q.shape[0], k.shape[0])
         self._host_q = q.detach().cpu()

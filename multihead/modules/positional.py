@@ -91,7 +91,7 @@ class SinusoidalPositionalEncoding(nn.Module):
             raise ValueError(
                 f"x must have last dimension {self.embed_dim}. Received: x.shape={tuple(x.shape)}"
             )
-        table = self.table
+        table = self.get_buffer("table")
         if explicit is None:  # 0..L-1: the length is known without reading the tensor
             need = x.shape[1]
         elif _tracing():  # no host read in a traced graph: explicit positions use the table

@@ -1,4 +1,4 @@
-"""The main job: `multihead demo` walks through every stage and checks itself."""
+"""`multihead walkthrough` (once `multihead demo`) walks through every stage and checks it."""
 
 from __future__ import annotations
 
@@ -28,5 +28,5 @@ def test_demo_prints_every_stage_and_agrees_with_module():
 def test_demo_is_deterministic_and_runs_from_the_cli(capsys):
     first: list[str] = []
     demo.run(first.append)
-    assert cli.main(["demo"]) == 0
+    assert cli.main(["walkthrough"]) == 0
     assert capsys.readouterr().out.splitlines() == "\n".join(first).splitlines()

@@ -66,6 +66,7 @@ def test_embed_file(tmp_path, pretrained, capsys):
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n", encoding="utf-8")
     out = tmp_path / "out" / "emb.npy"
+    (tmp_path / "out").mkdir()  # made by the user: embed creates no folders
     assert cli.main(["embed", str(source), "--out", str(out)]) == 0
     saved = np.load(out)
     assert saved.shape == (3, 384) and saved.dtype == np.float32
@@ -88,3 +89,70 @@ def test_focus_on_a_word_split_into_pieces(tmp_path):
     got = explain.run("Tokenization matters", focus="Tokenization", out_dir=tmp_path, say=print)
     assert got.tokens[got.focus : got.focus + 2] == ["token", "##ization"]
     assert explain.find_focus(["[CLS]", "an", "animal", "[SEP]"], [1, 0, 0, 1], "x", ["an"]) == 1
+
+
+def _strongest_head(weights, focus, keys, layers, heads):
+    """The (layer, head) with the largest weight from ``focus`` onto one of ``keys``, by plain
+    loops over every allowed layer, head and key (independent of ``explain.pick_head``)."""
+    best, where = -1.0, None
+    for layer in layers:
+        for head in heads:
+            for k in keys:
+                value = float(weights[layer, head, focus, k])
+                if value > best:
+                    best, where = value, (layer, head)
+    return where
+
+
+def test_explain_layer_and_head_choose_the_figure_and_are_named(tmp_path, capsys, monkeypatch):
+    import multihead.viz as viz
+
+    titles = []
+    for name in ("head_heatmap", "surface"):
+        real = getattr(viz, name)
+
+        def spy(weights, tokens, *, title="", _real=real, **kwargs):
+            titles.append(title)
+            return _real(weights, tokens, title=title, **kwargs)
+
+        monkeypatch.setattr(viz, name, spy)
+    argv = ["explain", TEXT, "--focus", "it", "--out", str(tmp_path), "--layer", "2"]
+    assert cli.main([*argv, "--head", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert titles == ["layer 2 head 5: attention weights", "layer 2 head 5"]
+    assert f"{tmp_path / 'head.png'}  (layer 2 head 5 (chosen by --layer/--head))" in printed
+    assert f"{tmp_path / 'heads_grid.png'}  (every head: 6 layers (rows) x 12 heads" in printed
+
+    # --layer alone: the strongest head of that layer, found independently
+    got = explain.run(TEXT, focus="it", out_dir=tmp_path, layer=4, say=lambda s: None)
+    real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
+    far = [i for i in real if abs(i - got.focus) > 1]
+    assert got.head == _strongest_head(got.weights, got.focus, far, [4], range(12))
+    assert got.head[0] == 4
+
+
+def test_explain_default_head_is_the_one_most_fixed_on_a_far_word(tmp_path, capsys):
+    got = explain.run(TEXT, focus="it", out_dir=tmp_path)
+    printed = capsys.readouterr().out
+    real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
+    far = [i for i in real if abs(i - got.focus) > 1]
+    layer, head = _strongest_head(got.weights, got.focus, far, range(6), range(12))
+    assert got.head == (layer, head)
+    assert f"(layer {layer} head {head} (the head most fixed on one other word from 'it'))" in (
+        printed
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--layer", "6", "--layer must be between 0 and 5: the model has 6 layers, counted"),
+        ("--head", "12", "--head must be between 0 and 11: the model has 12 heads in every layer"),
+        ("--layer", "-1", "--layer must be a whole number >= 0. Received: --layer -1"),
+    ],
+)
+def test_explain_layer_and_head_out_of_range(tmp_path, capsys, flag, value, message):
+    out = tmp_path / "figs"
+    assert cli.main(["explain", TEXT, "--out", str(out), flag, value]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written

@@ -3,12 +3,15 @@ scikit-learn's Ridge, statsmodels' data), the causal mask, and the saved model's
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import numpy as np
 import pytest
 import statsmodels.api as sm
 import torch
+from helpers import assert_summary
 from sklearn.linear_model import Ridge
 
 import multihead as mh
@@ -17,10 +20,23 @@ from multihead.cli import main
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def trained(tmp_path_factory):
+    """The quick run's folder and what it printed."""
     out = tmp_path_factory.mktemp("forecast")
-    assert main(["train", "forecast", "--quick", "--out", str(out), "--no-progress"]) == 0
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["train", "forecast", "--quick", "--out", str(out), "--no-progress"]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained):
+    return trained[0]
+
+
+def test_the_run_ends_with_its_metrics_table_and_folder(trained):
+    out, printed = trained
+    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
 
 
 def _co2():

@@ -3,6 +3,8 @@ figures), the split written to metrics.json, baselines recomputed from it, and t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import time
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import assert_summary
 from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer, normalize
 
 import multihead as mh
@@ -26,11 +29,24 @@ def corpora():
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def trained(tmp_path_factory):
+    """The quick run's folder and what it printed."""
     out = tmp_path_factory.mktemp("sentiment")
     args = ["train", "sentiment", "--quick", "--out", str(out), "--data", str(DATA)]
-    assert main([*args, "--no-progress"]) == 0
-    return out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main([*args, "--no-progress"]) == 0
+    return out, printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_dir(trained):
+    return trained[0]
+
+
+def test_the_run_ends_with_its_metrics_table_and_folder(trained):
+    out, printed = trained
+    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
 
 
 def test_data_as_documented(corpora):

@@ -9,7 +9,8 @@ import torch
 
 from multihead import cli, masks
 from multihead.bench import WORKLOADS
-from multihead.bench.suite import visible_entries
+from multihead.bench.chart import chart_figure
+from multihead.bench.suite import SMOKE_TEST, Report, visible_entries
 
 
 def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
@@ -54,9 +55,19 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
     assert report["memory"]["peak_rss_mib"] > 0
     png = (tmp_path / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "matmul peak" in out and "x vs sdpa" in out
     assert report["bf16_case"] in out and report["bf16_case"].startswith("bf16 matmul peak")
+    # a smoke test, said before the numbers, in the report and at the end with the time taken
+    assert out.startswith(SMOKE_TEST + ".\n") and "not for comparison" in SMOKE_TEST
+    assert report["smoke_test"] is True and report["command"] == "multihead bench kernels --quick"
+    assert out.rstrip().endswith(
+        f"took {report['seconds']:.0f} s (a smoke test: not for comparison)"
+    )
+    assert (
+        captured.err == ""
+    )  # no progress bar when stderr is not a terminal (tests/test_progress.py)
 
 
 def test_visible_entries_counts_exactly():
@@ -105,3 +116,28 @@ def test_bench_options_belong_to_their_sub_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench"])
     assert "BENCHMARK" in capsys.readouterr().err
+
+
+def test_the_chart_legend_covers_no_bar():
+    """The legend sat inside the axes, over the first group of bars; it now sits beside them."""
+    contenders = {
+        name: {"speedup_vs_sdpa": speedup}
+        for name, speedup in (("multihead", 3.0), ("multihead, fused", 2.5), ("naive", 0.4))
+    }
+    contenders["sdpa"] = {"speedup_vs_sdpa": 1.0}
+    report = Report(
+        machine={"threads": 2, "torch": "2.x"},
+        workloads=[
+            {"title": f"w{i}", "baseline": "sdpa", "contenders": contenders} for i in range(3)
+        ],
+        smoke_test=True,
+    )
+    fig = chart_figure(report)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent()
+    bars = [patch.get_window_extent() for patch in ax.patches]
+    assert len(bars) == 12
+    assert not any(legend.overlaps(bar) for bar in bars)
+    assert legend.x0 >= ax.get_window_extent().x1  # beside the axes, not over them
+    assert "not for comparison" in ax.get_title()
