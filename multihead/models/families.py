@@ -113,7 +113,8 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     if weights is None:
         return loader(path)
     _no_weights(weights if model_type not in _DECODERS else None, f"model_type {model_type!r}")
-    return loader(path, weights=weights)
+    decoder_loader: Any = loader  # the decoders' loaders also take weights=
+    return decoder_loader(path, weights=weights)
 
 
 _WEIGHT_FORMATS = ("bf16", "int8")
