@@ -46,7 +46,8 @@ def unsupported(call: Call) -> str | None:
 
 
 def rank(call: Call) -> Rank:
-    if fast(call) and not exporting():
+    # its plan reads the mask on the host: not inside traced graphs
+    if fast(call) and not exporting() and not torch.compiler.is_compiling():
         return Rank(
             FAVOURED,
             "its half-precision kernel runs the matmuls in bf16/fp16 on this CPU's native "

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .. import _validation as V
 from .. import masks
 from ..modules import KVCache, MultiHeadAttention, TransformerDecoder
 from ..modules.decoder import DecoderOutput
@@ -230,7 +231,10 @@ class CausalLM(nn.Module):
                     f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
                 )
             lengths = lengths.to(device=device, dtype=torch.long)
-            if lengths.shape[0] != b or int(lengths.min()) < 1 or int(lengths.max()) > length:
+            if lengths.shape[0] != b or (
+                # the range check reads the lengths on the host: not in traced graphs
+                not V.tracing() and (int(lengths.min()) < 1 or int(lengths.max()) > length)
+            ):
                 raise ValueError(
                     f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
                     f"real token). Received: lengths={lengths.tolist()}"
@@ -239,6 +243,8 @@ class CausalLM(nn.Module):
         if padding_side == "left":
             shift = length - lengths
             input_ids = _roll_rows(input_ids, shift, 1)
+        if V.tracing():  # the id checks read the ids on the host (V.tracing)
+            return input_ids, lengths, shift
         real = torch.arange(length, device=device)[None] < lengths[:, None]
         ids = input_ids[real]
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
@@ -318,7 +324,8 @@ class CausalLM(nn.Module):
         self._check_length(length, "the input")
         positions = torch.arange(length, device=ids.device)
         mask = masks.causal()
-        if bool((lengths < length).any()):
+        # a traced graph cannot ask whether a row is padded: it always carries the lengths
+        if V.tracing() or bool((lengths < length).any()):
             mask = mask & masks.lengths(lengths, query_lens=lengths)
         out = self.decoder(
             self.embed(ids, positions),

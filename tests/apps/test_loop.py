@@ -175,7 +175,7 @@ def test_option_errors(tmp_path):
 
     with pytest.raises(ValueError, match=r"epochs must be a positive int. Received: epochs=0"):
         Options(out=tmp_path, epochs=0)
-    with pytest.raises(ValueError, match=r"precision must be one of fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match=r"precision must be one of auto, fp32, bf16, fp16"):
         Options(out=tmp_path, precision="fp8")
     with pytest.raises(ValueError, match=r"task must be one of sentiment, forecast, crossmodal"):
         run("translation", Options(out=tmp_path))
