@@ -330,7 +330,7 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     torch.compile the planner's host reads would break the graph (whether or not an eager
     call left a plan in the cache, and for every new symbolic shape): a compiled graph runs
     the device-side plan of ``_traced_plan`` instead."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _traced_plan(call)
     b, _, _, length_q, length_k, _ = call.shape
     args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)

@@ -192,25 +192,7 @@ class CausalLM(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Validate a padded batch; return it right-padded, its lengths (B,) and, for left
         padding, each row's shift (B,) to undo the move."""
-        if (
-            not isinstance(input_ids, Tensor)
-            or input_ids.dim() != 2
-            or input_ids.dtype == torch.bool
-            or input_ids.is_floating_point()
-            or input_ids.is_complex()
-        ):
-            got = (
-                f"shape={tuple(input_ids.shape)}, dtype={input_ids.dtype}"
-                if isinstance(input_ids, Tensor)
-                else f"an object of type {type(input_ids).__name__}"
-            )
-            raise ValueError(f"input_ids must be a (B, L) integer tensor. Received: {got}")
-        b, length = input_ids.shape
-        if b == 0 or length == 0:
-            raise ValueError(
-                "input_ids must hold at least one row of at least one token. "
-                f"Received: input_ids.shape={tuple(input_ids.shape)}"
-            )
+        b, length = _check_input_ids(input_ids)
         if padding_side not in _PADDING_SIDES:
             raise ValueError(
                 f"padding_side must be 'right' or 'left'. Received: padding_side={padding_side!r}"
@@ -223,29 +205,18 @@ class CausalLM(nn.Module):
         if lengths is None:
             lengths = torch.full((b,), length, dtype=torch.long, device=device)
         else:
-            if not isinstance(lengths, Tensor):
-                lengths = torch.as_tensor(lengths)
-            if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.dim() != 1:
-                raise ValueError(
-                    "lengths must be a (B,) integer tensor of real tokens per row. "
-                    f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
-                )
-            lengths = lengths.to(device=device, dtype=torch.long)
-            if lengths.shape[0] != b or (
-                # the range check reads the lengths on the host: not in traced graphs
-                not V.tracing() and (int(lengths.min()) < 1 or int(lengths.max()) > length)
-            ):
-                raise ValueError(
-                    f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
-                    f"real token). Received: lengths={lengths.tolist()}"
-                )
+            lengths = _check_lengths(lengths, b, length, device)
         shift = None
         if padding_side == "left":
             shift = length - lengths
             input_ids = _roll_rows(input_ids, shift, 1)
-        if V.tracing():  # the id checks read the ids on the host (V.tracing)
-            return input_ids, lengths, shift
-        real = torch.arange(length, device=device)[None] < lengths[:, None]
+        if not V.tracing():  # the id check reads the ids on the host (see V.tracing)
+            self._check_vocabulary(input_ids, lengths)
+        return input_ids, lengths, shift
+
+    def _check_vocabulary(self, input_ids: Tensor, lengths: Tensor) -> None:
+        """Every real token (right-padded rows) must be an id of the vocabulary."""
+        real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]
         ids = input_ids[real]
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][:5].tolist()
@@ -253,7 +224,6 @@ class CausalLM(nn.Module):
                 f"input_ids must be token ids in [0, {self.vocab_size}) (the vocabulary); "
                 f"check the tokenizer matches the model. Received: ids {bad}"
             )
-        return input_ids, lengths, shift
 
     def _check_length(self, need: int, what: str) -> None:
         if self.max_positions is not None and need > self.max_positions:
@@ -508,6 +478,51 @@ class CausalLM(nn.Module):
                     break
             decoded.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
         return decoded[0] if single else decoded
+
+
+def _check_input_ids(input_ids: object) -> tuple[int, int]:
+    """(B, L) of a (B, L) integer tensor with at least one token per row."""
+    if (
+        not isinstance(input_ids, Tensor)
+        or input_ids.dim() != 2
+        or input_ids.dtype == torch.bool
+        or input_ids.is_floating_point()
+        or input_ids.is_complex()
+    ):
+        got = (
+            f"shape={tuple(input_ids.shape)}, dtype={input_ids.dtype}"
+            if isinstance(input_ids, Tensor)
+            else f"an object of type {type(input_ids).__name__}"
+        )
+        raise ValueError(f"input_ids must be a (B, L) integer tensor. Received: {got}")
+    b, length = input_ids.shape
+    if b == 0 or length == 0:
+        raise ValueError(
+            "input_ids must hold at least one row of at least one token. "
+            f"Received: input_ids.shape={tuple(input_ids.shape)}"
+        )
+    return b, length
+
+
+def _check_lengths(lengths: object, b: int, length: int, device: torch.device) -> Tensor:
+    """(B,) long lengths on ``device``, each in [1, L] (the range read on the host, so not
+    while a graph is traced)."""
+    if not isinstance(lengths, Tensor):
+        lengths = torch.as_tensor(lengths)
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.dim() != 1:
+        raise ValueError(
+            "lengths must be a (B,) integer tensor of real tokens per row. "
+            f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
+        )
+    lengths = lengths.to(device=device, dtype=torch.long)
+    if lengths.shape[0] != b or (
+        not V.tracing() and (int(lengths.min()) < 1 or int(lengths.max()) > length)
+    ):
+        raise ValueError(
+            f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
+            f"real token). Received: lengths={lengths.tolist()}"
+        )
+    return lengths
 
 
 def _from_attention_mask(mask: Tensor, shape: torch.Size) -> tuple[Tensor, str]:
