@@ -109,7 +109,9 @@ class TrainConfig:
 @dataclass
 class FitResult:
     """What ``fit`` measured: the loss after every step (averaged over processes), the epoch
-    means, the wall time, the throughput and, with ``compile``, the graph breaks."""
+    means, the wall time, the throughput and, with ``compile``, the graph breaks (from
+    ``torch._dynamo.explain`` on the first batch) and the graphs compiled over the run (1
+    when one graph served every batch shape; more are recompilations)."""
 
     losses: list[float]
     epoch_losses: list[float]
@@ -186,6 +188,7 @@ class _Run:
     times: list[float] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     compile_report: dict[str, Any] | None = None
+    graphs_before: int = 0  # dynamo's graph count when the compiled step started
 
     @property
     def step(self) -> int:
@@ -288,6 +291,7 @@ def _train_step(
     batch = collate(global_batch.tensor_split(info.world)[info.rank])
     if config.compile and run.compile_report is None and info.main:
         run.compile_report = _explain(run.step_loss, run.model, batch)
+        run.graphs_before = _graphs_compiled()
     # scaled so that DDP's average over processes is the global batch's mean
     loss = run.step_fn(run.train_model, batch) * (info.world / len(global_batch))
     _update(run, loss, config)
@@ -311,7 +315,15 @@ def _epoch_batches(
     return batches[: max(0, run.total - run.step)]
 
 
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def _result(run: _Run, epoch_losses: list[float], seconds: float, precision: str) -> FitResult:
+    if run.compile_report is not None:  # 1 when one graph served every batch shape
+        run.compile_report["compiled_graphs"] = _graphs_compiled() - run.graphs_before
     # throughput without the first steps, which pay for compilation and warm-up
     times, sizes = run.times, run.sizes
     skip = min(2, max(0, len(times) - 1))

@@ -25,14 +25,15 @@ REQUESTS = ("auto", "fp32", "bf16", "fp16")  # what --precision takes
 # so only part of a step runs at the bf16 rate and a small edge in the matmul does not pay
 PAYS = 1.5
 _SIZE = 512  # n of the n x n matmuls timed: 0.27 GFLOP each, past the small-size overheads
-_REPEATS = 5
+_REPEATS = 7
 
 _measured: dict[str, Peaks] = {}  # per device, for the process
 
 
 @dataclass(frozen=True)
 class Peaks:
-    """The fp32 and bf16 matmul rates of one device, in GFLOP/s (best of 5, n x n)."""
+    """The fp32 and bf16 matmul rates of one device, in GFLOP/s (n x n, best of 7 runs
+    each, interleaved)."""
 
     device: str
     fp32_gflops: float
@@ -70,20 +71,33 @@ class PrecisionChoice:
         return out
 
 
-def _rate(dtype: torch.dtype, device: torch.device, n: int) -> float:
+def _timer(dtype: torch.dtype, device: torch.device, n: int) -> Callable[[], float]:
+    """A function timing one n x n matmul of ``dtype`` on ``device``, in seconds."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b  # warm-up: first-call dispatch and allocation
-    sync()
-    best = float("inf")
-    for _ in range(_REPEATS):
+
+    def once() -> float:
         start = time.perf_counter()
         a @ b
         sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+        return time.perf_counter() - start
+
+    once()  # warm-up: first-call dispatch and allocation
+    return once
+
+
+def _rates(device: torch.device, n: int) -> tuple[float, float]:
+    """(fp32, bf16) GFLOP/s: the best of ``_REPEATS`` runs each, interleaved so that load
+    from other processes falls on both alike."""
+    timers = [_timer(dtype, device, n) for dtype in (torch.float32, torch.bfloat16)]
+    best = [float("inf")] * 2
+    for _ in range(_REPEATS):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer())
+    flops = 2 * n**3
+    return flops / best[0] / 1e9, flops / best[1] / 1e9
 
 
 def matmul_peaks(device: torch.device | str = "cpu") -> Peaks:
@@ -92,8 +106,7 @@ def matmul_peaks(device: torch.device | str = "cpu") -> Peaks:
     device = torch.device(device)
     key = str(device)
     if key not in _measured:
-        fp32 = _rate(torch.float32, device, _SIZE)
-        bf16 = _rate(torch.bfloat16, device, _SIZE)
+        fp32, bf16 = _rates(device, _SIZE)
         _measured[key] = Peaks(key, fp32, bf16, _SIZE)
     return _measured[key]
 

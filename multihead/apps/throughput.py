@@ -152,6 +152,7 @@ def _variant_row(task: str, variant: str, steps: int, data: str | None, info) ->
         "first_step_s": summary["first_step_s"],
         "steps": summary["steps"],
         "graph_breaks": None if report is None else report["graph_breaks"],
+        "compiled_graphs": None if report is None else report["compiled_graphs"],
     }
 
 

@@ -26,11 +26,11 @@ def peaks(monkeypatch):
     def inject(fp32: float, bf16: float) -> list:
         precision._measured.clear()
 
-        def rate(dtype, device, n):
-            calls.append(dtype)
-            return fp32 if dtype == torch.float32 else bf16
+        def rates(device, n):
+            calls.append((str(device), n))
+            return fp32, bf16
 
-        monkeypatch.setattr(precision, "_rate", rate)
+        monkeypatch.setattr(precision, "_rates", rates)
         return calls
 
     yield inject
@@ -43,7 +43,7 @@ def test_auto_picks_bf16_only_where_it_measures_faster(peaks):
     assert (choice.requested, choice.precision) == ("auto", "bf16")
     assert choice.peaks.ratio == 2.5 and "bf16 pays" in choice.reason
     assert precision.choose("auto") == choice
-    assert calls == [torch.float32, torch.bfloat16]  # measured once for the process
+    assert calls == [("cpu", 512)]  # measured once for the process
     peaks(*SLOW)
     choice = precision.choose("auto")
     assert choice.precision == "fp32" and "does not pay" in choice.reason
