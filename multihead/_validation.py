@@ -17,6 +17,20 @@ from torch import Tensor
 __all__: list[str] = []
 
 
+def tracing() -> bool:
+    """True while torch.compile, torch.export or the ONNX exporter traces a graph.
+
+    Checks that read tensor values on the host (ranges, data-dependent branches) are skipped
+    then: each read would be a graph break under torch.compile and a guard under export. The
+    traced graph's callers own those checks; the same call run eagerly still makes them.
+    """
+    return (
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch.onnx.is_in_onnx_export()
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -196,6 +196,22 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _bench_train(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from .apps.throughput import compare
+    from .bench.doctor import diagnose
+
+    report = compare(args.tasks, args.variants, steps=args.steps, data=args.data,
+                     cpu=diagnose(measure=False).cpu)  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written: {out / 'train.json'}")
+    return 0
+
+
 def _bench_context(args: argparse.Namespace) -> int:
     from .bench.context import run_context_bench
 
@@ -441,6 +457,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench.add_argument(
         "--model", metavar="PATH", help="BERT-family model folder (default: all-MiniLM-L6-v2)"
     )
+    train_bench = add_bench(
+        "train",
+        "training samples/s of the train apps: eager fp32 against compiled, bf16 autocast and "
+        "both, with graph breaks and the measured matmul peaks",
+        _bench_train,
+        repeats=False,
+    )
+    train_bench.add_argument("--tasks", nargs="+", default=["sentiment", "forecast", "crossmodal"],
+                             choices=("sentiment", "forecast", "crossmodal"),
+                             help="apps to time (default all three)")  # fmt: skip
+    train_bench.add_argument("--variants", nargs="+",
+                             default=["eager", "compiled", "bf16", "compiled-bf16"],
+                             choices=("eager", "compiled", "bf16", "compiled-bf16"),
+                             help="step variants (default all four)")  # fmt: skip
+    train_bench.add_argument(
+        "--steps", type=_positive_int, default=20, help="steps per variant (2 untimed)"
+    )
+    train_bench.add_argument("--data", metavar="PATH", help="sentiment data (as for train)")
     context = add_bench(
         "context-parallel",
         "one L=131072 sequence across 1, 2, 4 processes (memory and time)",
@@ -566,8 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default ../shared/data/vader-sentiment)",
     )
     train.add_argument("--seed", type=int, default=0, help="seed for data, init and order")
-    train.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
-                       help="autocast dtype (fp16 on CUDA only)")  # fmt: skip
+    train.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                       help="autocast dtype; auto: bf16 where this machine's bf16 matmuls "
+                       "measure faster than fp32, else fp32 (fp16 on CUDA only)")  # fmt: skip
     train.add_argument("--compile", action="store_true", help="torch.compile the train step")
     train.add_argument("--epochs", type=_positive_int, help="override the task's number of epochs")
     train.add_argument(

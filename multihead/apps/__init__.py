@@ -7,6 +7,7 @@ same run and writes a saved model, metrics.json and figures. Needs the ``train``
 from __future__ import annotations
 
 import importlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ def run(task: str, options: Options) -> dict[str, Any]:
     module = importlib.import_module(f"{__name__}.{task}")
     info = setup()
     try:
+        options.resolve_precision(info, say=_stderr if info.main else None)
         if not info.main:
             return module.run(options, info, None)
         with replace_folder(options.out) as staging:
@@ -48,6 +50,10 @@ def run(task: str, options: Options) -> dict[str, Any]:
     finally:
         info.barrier()
         teardown(info)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_out(options: Options) -> Path:

@@ -8,14 +8,15 @@ import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .loop import PRECISIONS, Dist, FitResult, TrainConfig
+from .loop import Dist, FitResult, TrainConfig
+from .precision import REQUESTS, PrecisionChoice, choose
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -31,27 +32,37 @@ class Options:
     quick: bool = False
     data: Path | None = None
     seed: int = 0
-    precision: str = "fp32"
+    precision: str = "auto"  # auto: bf16 autocast where it measures faster (precision.choose)
     compile: bool = False
     epochs: int | None = None
     max_steps: int | None = None
     baselines: bool = True
     progress: bool = True
     overwrite: bool = False  # replace a previous run in ``out``
+    # set by ``resolve_precision``: what ``precision`` was resolved from, and why
+    precision_choice: PrecisionChoice | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         if self.data is not None:
             self.data = Path(self.data)
-        if self.precision not in PRECISIONS:
+        if self.precision not in REQUESTS:
             raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}. "
+                f"precision must be one of {', '.join(REQUESTS)}. "
                 f"Received: precision={self.precision!r}"
             )
         for name in ("epochs", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+
+    def resolve_precision(self, info: Dist, say=None) -> None:
+        """Turn ``auto`` into fp32 or bf16 by measurement (``precision.choose``, which also
+        warns through ``say`` about bf16 on a machine where it is slower); the choice and the
+        measured peaks are kept in ``precision_choice`` for metrics.json."""
+        if self.precision_choice is None:
+            self.precision_choice = choose(self.precision, info.device, say=say)
+            self.precision = self.precision_choice.precision
 
     def train_config(self, *, epochs: int, **kwargs: Any) -> TrainConfig:
         """The task's training settings with the command line's overrides applied."""
@@ -67,6 +78,7 @@ class Options:
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["precision_choice"]  # metrics.json has it whole under "precision"
         out["out"] = str(self.out)
         out["data"] = None if self.data is None else str(self.data)
         return out
@@ -135,6 +147,11 @@ def finish(
         **metrics,
         "seed": options.seed,
         "options": options.as_json(),
+        "precision": (
+            options.precision_choice.as_json()
+            if options.precision_choice is not None
+            else {"requested": options.precision, "chosen": options.precision}
+        ),
         "processes": info.world,
         "wall_seconds": round(time.perf_counter() - started, 2),
         "machine": {

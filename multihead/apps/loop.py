@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -98,7 +98,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     warmup: float = 0.1  # fraction of all steps with a linearly rising learning rate
     grad_clip: float | None = 1.0
-    precision: str = "fp32"
+    precision: str = "fp32"  # fp32, bf16, fp16, or auto (bf16 where it measures faster)
     compile: bool = False
     compile_backend: str = "inductor"  # tests use "aot_eager": same graphs, no C++ build
     seed: int = 0
@@ -109,7 +109,9 @@ class TrainConfig:
 @dataclass
 class FitResult:
     """What ``fit`` measured: the loss after every step (averaged over processes), the epoch
-    means, the wall time, the throughput and, with ``compile``, the graph breaks."""
+    means, the wall time, the throughput and, with ``compile``, the graph breaks (from
+    ``torch._dynamo.explain`` on the first batch) and the graphs compiled over the run (1
+    when one graph served every batch shape; more are recompilations)."""
 
     losses: list[float]
     epoch_losses: list[float]
@@ -119,6 +121,7 @@ class FitResult:
     samples_per_s: float
     first_step_s: float
     compile: dict[str, Any] | None = None
+    precision: str = "fp32"  # what autocast ran under (``auto`` resolved)
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -129,6 +132,7 @@ class FitResult:
             "first_step_s": round(self.first_step_s, 3),
             "epoch_losses": [round(x, 6) for x in self.epoch_losses],
             "final_loss": round(self.losses[-1], 6) if self.losses else None,
+            "precision": self.precision,
         }
         if self.compile is not None:
             out["compile"] = self.compile
@@ -168,6 +172,175 @@ def _batches(count: int, size: int, seed: int, lengths: Sequence[int] | None) ->
     return [batches[i] for i in shuffle]
 
 
+@dataclass
+class _Run:
+    """What one ``fit`` call carries from step to step."""
+
+    model: nn.Module  # the caller's model
+    train_model: nn.Module  # the same, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+    step_loss: Callable[[nn.Module, Any], Tensor]  # the eager step (what _explain traces)
+    step_fn: Callable[[nn.Module, Any], Tensor]  # the same, or it compiled
+    scaler: torch.amp.GradScaler | None
+    total: int  # optimizer steps to run
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    compile_report: dict[str, Any] | None = None
+    graphs_before: int = 0  # dynamo's graph count when the compiled step started
+
+    @property
+    def step(self) -> int:
+        return len(self.losses)
+
+
+def _check_sizes(count: int, config: TrainConfig, info: Dist) -> None:
+    if count < info.world:
+        raise ValueError(
+            f"need at least one training example per process. Received: {count} examples for "
+            f"{info.world} processes"
+        )
+    if config.batch_size < info.world:
+        raise ValueError(
+            f"the global batch must give every process at least one example. Received: "
+            f"batch_size={config.batch_size}, processes={info.world}"
+        )
+
+
+def _optimizer(
+    model: nn.Module, config: TrainConfig, param_groups: Sequence[dict[str, Any]] | None
+) -> torch.optim.Optimizer:
+    groups = param_groups or [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "lr_scale"}, "lr": config.lr * g.get("lr_scale", 1)}
+        for g in groups
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def _total_steps(count: int, config: TrainConfig, info: Dist) -> int:
+    per_epoch = count // config.batch_size + (count % config.batch_size >= info.world)
+    total = per_epoch * config.epochs
+    return total if config.max_steps is None else min(total, config.max_steps)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, config: TrainConfig, total: int):
+    """Linear warm-up over ``config.warmup`` of the steps, then linear decay to 0."""
+    warm = max(1, int(config.warmup * total))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
+    )
+
+
+def _start(
+    model: nn.Module,
+    count: int,
+    loss_fn: Callable[[nn.Module, Any], Tensor],
+    config: TrainConfig,
+    info: Dist,
+    param_groups: Sequence[dict[str, Any]] | None,
+) -> _Run:
+    torch.manual_seed(config.seed)
+    model.to(info.device).train()
+    train_model: nn.Module = model
+    if info.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        train_model = DistributedDataParallel(model, device_ids=ids)
+    optimizer = _optimizer(model, config, param_groups)
+    total = _total_steps(count, config, info)
+
+    def step_loss(m: nn.Module, batch: Any) -> Tensor:
+        with autocast(config.precision, info.device):
+            return loss_fn(m, batch).float().sum()
+
+    step_fn: Callable[[nn.Module, Any], Tensor] = step_loss
+    if config.compile:
+        # dynamic: padded batches change length from batch to batch, one graph serves them all
+        step_fn = torch.compile(step_loss, backend=config.compile_backend, dynamic=True)
+    scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
+    schedule = _schedule(optimizer, config, total)
+    return _Run(model, train_model, optimizer, schedule, step_loss, step_fn, scaler, total)
+
+
+def _update(run: _Run, loss: Tensor, config: TrainConfig) -> None:
+    """Backward, clip, optimizer and schedule step (scaled for fp16)."""
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.scaler is not None:
+        run.scaler.scale(loss).backward()
+        run.scaler.unscale_(run.optimizer)
+    else:
+        loss.backward()
+    if config.grad_clip is not None:
+        nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+    run.schedule.step()
+
+
+def _train_step(
+    run: _Run, global_batch: Tensor, collate: Callable[[Tensor], Any], config: TrainConfig,
+    info: Dist,
+) -> float:  # fmt: skip
+    t0 = time.perf_counter()
+    batch = collate(global_batch.tensor_split(info.world)[info.rank])
+    if config.compile and run.compile_report is None and info.main:
+        run.compile_report = _explain(run.step_loss, run.model, batch)
+        run.graphs_before = _graphs_compiled()
+    # scaled so that DDP's average over processes is the global batch's mean
+    loss = run.step_fn(run.train_model, batch) * (info.world / len(global_batch))
+    _update(run, loss, config)
+    value = loss.detach() / info.world
+    if info.world > 1:
+        torch.distributed.all_reduce(value)
+    run.losses.append(float(value))
+    run.times.append(time.perf_counter() - t0)
+    run.sizes.append(len(global_batch))
+    return run.losses[-1]
+
+
+def _epoch_batches(
+    run: _Run, count: int, config: TrainConfig, info: Dist, epoch: int,
+    lengths: Sequence[int] | None,
+) -> list[Tensor]:  # fmt: skip
+    """This epoch's global batches, each with at least one example per process, cut at the
+    step budget."""
+    batches = _batches(count, config.batch_size, config.seed + epoch, lengths)
+    batches = [b for b in batches if len(b) >= info.world]
+    return batches[: max(0, run.total - run.step)]
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _result(run: _Run, epoch_losses: list[float], seconds: float, precision: str) -> FitResult:
+    if run.compile_report is not None:  # 1 when one graph served every batch shape
+        run.compile_report["compiled_graphs"] = _graphs_compiled() - run.graphs_before
+    # throughput without the first steps, which pay for compilation and warm-up
+    times, sizes = run.times, run.sizes
+    skip = min(2, max(0, len(times) - 1))
+    steady = sum(times[skip:]) or float("nan")
+    return FitResult(
+        run.losses,
+        epoch_losses,
+        run.step,
+        sum(sizes),
+        seconds,
+        sum(sizes[skip:]) / steady if times else 0.0,
+        times[0] if times else 0.0,
+        run.compile_report,
+        precision,
+    )
+
+
 def fit(
     model: nn.Module,
     count: int,
@@ -187,6 +360,8 @@ def fit(
         count: N, the number of training examples; batches are index tensors into them.
         collate: indices (n,) -> a batch on ``info.device`` (whatever ``loss_fn`` takes).
         loss_fn: (model, batch) -> per-example losses (n,), computed in the forward pass.
+        config: how to train; ``precision="auto"`` is resolved here by measurement
+            (``precision.choose``) and the result's ``precision`` says what ran.
         param_groups: AdamW parameter groups (e.g. a larger learning rate for a new head),
             each with an optional ``lr_scale``; default: all parameters at ``config.lr``.
         lengths: each example's length; when given, batches hold examples of similar length
@@ -197,121 +372,29 @@ def fit(
     """
     from tqdm.auto import tqdm
 
-    if count < info.world:
-        raise ValueError(
-            f"need at least one training example per process. Received: {count} examples for "
-            f"{info.world} processes"
-        )
-    if config.batch_size < info.world:
-        raise ValueError(
-            f"the global batch must give every process at least one example. Received: "
-            f"batch_size={config.batch_size}, processes={info.world}"
-        )
-    torch.manual_seed(config.seed)
-    model.to(info.device).train()
-    train_model: nn.Module = model
-    if info.world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    from .precision import choose
 
-        ids = [info.device.index] if info.device.type == "cuda" else None
-        train_model = DistributedDataParallel(model, device_ids=ids)
-    groups = param_groups or [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    groups = [
-        {**{k: v for k, v in g.items() if k != "lr_scale"}, "lr": config.lr * g.get("lr_scale", 1)}
-        for g in groups
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
-    per_epoch = count // config.batch_size + (count % config.batch_size >= info.world)
-    total = per_epoch * config.epochs
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
-    warm = max(1, int(config.warmup * total))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warm, max(0.0, (total - s) / max(1, total - warm)))
-    )
-
-    def step_loss(m: nn.Module, batch: Any) -> Tensor:
-        with autocast(config.precision, info.device):
-            return loss_fn(m, batch).float().sum()
-
-    compile_report = None
-    step_fn: Callable[[nn.Module, Any], Tensor] = step_loss
-    if config.compile:
-        step_fn = torch.compile(step_loss, backend=config.compile_backend)
-    scaler = torch.amp.GradScaler("cuda") if config.precision == "fp16" else None
-
-    losses: list[float] = []
+    _check_sizes(count, config, info)
+    if config.precision == "auto":
+        config = replace(config, precision=choose("auto", info.device).precision)
+    run = _start(model, count, loss_fn, config, info, param_groups)
     epoch_losses: list[float] = []
-    seen = 0
-    times: list[float] = []
-    sizes: list[int] = []
     start = time.perf_counter()
-    step = 0
     for epoch in range(config.epochs):
-        batches = _batches(count, config.batch_size, config.seed + epoch, lengths)
-        batches = [b for b in batches if len(b) >= info.world]
-        if step + len(batches) > total:
-            batches = batches[: total - step]
+        batches = _epoch_batches(run, count, config, info, epoch, lengths)
         if not batches:
             break
-        bar = tqdm(
-            batches,
-            desc=f"{desc} epoch {epoch + 1}/{config.epochs}",
-            unit="step",
-            disable=not (config.progress and info.main),
-            leave=False,
-        )
-        running = []
+        first = run.step
+        bar = tqdm(batches, desc=f"{desc} epoch {epoch + 1}/{config.epochs}", unit="step",
+                   disable=not (config.progress and info.main), leave=False)  # fmt: skip
         for global_batch in bar:
-            t0 = time.perf_counter()
-            mine = global_batch.tensor_split(info.world)[info.rank]
-            batch = collate(mine)
-            if config.compile and compile_report is None and info.main:
-                compile_report = _explain(step_loss, model, batch)
-            # scaled so that DDP's average over processes is the global batch's mean
-            loss = step_fn(train_model, batch) * (info.world / len(global_batch))
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-            else:
-                loss.backward()
-            if config.grad_clip is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            schedule.step()
-            value = loss.detach() / info.world
-            if info.world > 1:
-                torch.distributed.all_reduce(value)
-            losses.append(float(value))
-            running.append(losses[-1])
-            times.append(time.perf_counter() - t0)
-            sizes.append(len(global_batch))
-            seen += len(global_batch)
-            step += 1
+            loss = _train_step(run, global_batch, collate, config, info)
             if info.main:
-                bar.set_postfix(loss=f"{losses[-1]:.4f}")
+                bar.set_postfix(loss=f"{loss:.4f}")
         bar.close()
-        epoch_losses.append(sum(running) / len(running))
+        epoch_losses.append(sum(run.losses[first:]) / (run.step - first))
         if after_epoch is not None:
             after_epoch(epoch + 1)
-        if step >= total:
+        if run.step >= run.total:
             break
-    seconds = time.perf_counter() - start
-    # throughput without the first steps, which pay for compilation and warm-up
-    skip = min(2, max(0, len(times) - 1))
-    steady = sum(times[skip:]) or float("nan")
-    return FitResult(
-        losses,
-        epoch_losses,
-        step,
-        seen,
-        seconds,
-        sum(sizes[skip:]) / steady if times else 0.0,
-        times[0] if times else 0.0,
-        compile_report,
-    )
+    return _result(run, epoch_losses, time.perf_counter() - start, config.precision)

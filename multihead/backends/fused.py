@@ -326,8 +326,11 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     """The work list for this call, reused across calls when the mask's pattern depends only
     on (L, S) (a training loop plans once). While torch.export traces, the plan is computed
     eagerly: it depends on the mask alone and enters the graph as constants. Under
-    torch.compile the planner's data-dependent steps would break the graph: a compiled
-    function reads the plan an eager call of the same mask and shape left in the cache."""
+    torch.compile the planner's host reads would break the graph (whether or not an eager
+    call left a plan in the cache, and for every new symbolic shape): a compiled graph runs
+    the device-side plan of ``_traced_plan`` instead."""
+    if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        return _traced_plan(call)
     b, _, _, length_q, length_k, _ = call.shape
     args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)
     if not torch.compiler.is_exporting():
@@ -337,6 +340,28 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
         return _planned(*args)
+
+
+def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    """One item over every query row and one chunk over every key, its keep block the mask
+    evaluated on the device from its own rule (``Mask.to_dense``): tensor ops only, so a
+    compiled graph holds it with symbolic (B, L, S) and reads nothing on the host. Nothing is
+    skipped; rows that see no key still output 0 (the kernel's rule)."""
+    _, _, _, length_q, length_k, _ = call.shape
+    device = call.query.device
+    count = lambda *xs: torch.stack(  # noqa: E731  one row of the op's int64 tables
+        [torch.full((), x, dtype=torch.long) for x in xs]
+    ).reshape(1, -1)
+    items = count(-1, -1, 0, length_q, 0, 1)
+    if call.mask is None:
+        return items, count(0, length_k, -1, 0, 0, 0), torch.zeros(0, dtype=torch.bool)
+    keep = call.mask.to_dense(length_q, length_k, device=device)  # [B|1, H|1, L|1, S|1]
+    keep = keep.expand(keep.shape[0], keep.shape[1], length_q, length_k).contiguous()
+    per_head = length_q * length_k
+    stride_b = 0 if keep.shape[0] == 1 else keep.shape[1] * per_head
+    stride_h = 0 if keep.shape[1] == 1 else per_head
+    chunks = count(0, length_k, 0, stride_b, stride_h, length_k)
+    return items, chunks, keep.flatten().to(device)
 
 
 def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor, Tensor]:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _measure
-from ._call import Call, repeat_kv
+from ._call import Call, exporting, repeat_kv
 from ._plan import Item, plan
 from .protocol import FALLBACK, Backend, Capabilities, Rank
 
@@ -59,8 +59,9 @@ def unsupported(call: Call) -> str | None:
 
 
 def rank(call: Call) -> Rank:
-    # it leads only through ``measured``, where it ran faster on this machine
-    if fast(call):
+    # it leads only through ``measured``, where it ran faster on this machine; its plan reads
+    # the mask on the host: never inside traced graphs
+    if fast(call) and not exporting() and not torch.compiler.is_compiling():
         return Rank(FALLBACK, "its half-precision kernel leads only where it measured faster")
     # without native half matmuls they are emulated: torch's float32 kernels are faster
     return Rank(FALLBACK + 5, "it computes half inputs with half-precision matmuls")

@@ -20,12 +20,14 @@ from ._call import BackendUnavailable, Call
 
 __all__ = ["Backend", "BackendUnavailable", "Capabilities", "Rank"]
 
-# what the built-in rules agree on; any float works, these name the usual tiers
-LEADS = 0.0  # a backend that is clearly best for this call
-FAVOURED = 5.0  # ahead of the usual choice where this machine favours it
-PREFERRED = 10.0  # the usual choice for this kind of call
-FALLBACK = 20.0  # honours the call, but another is expected to be faster
-LAST = 30.0  # runs only what no other backend can
+# what the built-in rules agree on; any number works, these name the usual tiers. They are
+# ints: under torch.compile(dynamic=True) dynamo turns float constants into symbolic floats,
+# which the registry could not sort without breaking the graph
+LEADS = 0  # a backend that is clearly best for this call
+FAVOURED = 5  # ahead of the usual choice where this machine favours it
+PREFERRED = 10  # the usual choice for this kind of call
+FALLBACK = 20  # honours the call, but another is expected to be faster
+LAST = 30  # runs only what no other backend can
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,18 @@ import torch
 from torch import Tensor
 
 from ._call import Call, dense_keep, drop_dead_keys, exporting, repeat_kv, stat_dtype
-from .protocol import LAST, LEADS, Backend, Capabilities, Rank
+from .protocol import LAST, LEADS, PREFERRED, Backend, Capabilities, Rank
 
 
 def rank(call: Call) -> Rank:
     if exporting():
         return Rank(LEADS, "an exported graph needs plain ops without data-dependent branches")
+    if call.return_weights and torch.compiler.is_compiling():
+        return Rank(
+            PREFERRED,
+            "inside a compiled graph its plain ops give the weights without host reads "
+            "(Inductor fuses them)",
+        )
     return Rank(LAST, "it is the readable ground truth and builds the whole (B, H, L, S) scores")
 
 

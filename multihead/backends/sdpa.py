@@ -18,6 +18,12 @@ from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 def rank(call: Call) -> Rank:
     if exporting():
         return Rank(FALLBACK, "it runs torch's own op, which exports")
+    if torch.compiler.is_compiling():
+        return Rank(
+            PREFERRED,
+            "inside a compiled graph it takes the mask as a tensor computed on the device from "
+            "the mask's rule: no host reads, so no graph break",
+        )
     if call.device_type != "cpu":
         return Rank(PREFERRED, "torch's fused kernels lead on accelerators")
     if call.bias is not None and call.bias.computed:
@@ -45,7 +51,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
             # top-left causal with L < S: keys L.. are hidden from every query; never read
             # them (a preallocated cache may hold garbage there)
             k, v = k[:, :, : q.shape[2]], v[:, :, : q.shape[2]]
-        gqa = q.shape[1] != k.shape[1]
+        gqa = _gqa(q, k)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn, is_causal=causal, enable_gqa=gqa, **common
         )
@@ -59,9 +65,18 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         attn: Tensor = shown
     else:
         attn = call.dense_bias(stat_dtype(q.dtype)).masked_fill(~shown, float("-inf"))
-    gqa = q.shape[1] != k.shape[1]
+    gqa = _gqa(q, k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, enable_gqa=gqa, **common)
     return torch.where(row_any, out, 0.0), None
+
+
+def _gqa(q: Tensor, k: Tensor) -> bool:
+    """Whether query and key head counts differ, as the plain bool torch's op demands: under
+    torch.compile(dynamic=True) the counts may be symbolic, and a branch turns their
+    comparison into a guard where ``bool()`` would leave it symbolic."""
+    if q.shape[1] != k.shape[1]:  # noqa: SIM103  the branch is the point (see above)
+        return True
+    return False
 
 
 BACKEND = Backend(

@@ -40,6 +40,12 @@ def rank(call: Call) -> Rank:
     skips = "it skips the tiles the mask hides"
     if exporting():
         return Rank(FALLBACK, "its plan branches on the mask, which an exported graph cannot")
+    if torch.compiler.is_compiling():
+        return Rank(
+            FALLBACK,
+            "its plan reads the mask on the host: inside a compiled graph every read would be "
+            "a graph break",
+        )
     if call.return_weights:
         return Rank(PREFERRED, "it computes the output fused and weights by tile")
     if call.device_type != "cpu":

@@ -343,7 +343,8 @@ def _evaluate(
         )
     if keep.dim() < 4:  # a result that ignores the leading index tensors
         keep = keep[(None,) * (4 - keep.dim())]
-    if keep.dim() != 4 or any(g not in (1, w) for g, w in zip(keep.shape, shape)):
+    # g != 1 and g != w, not g not in (1, w): dynamo cannot test a symbolic size's membership
+    if keep.dim() != 4 or any(g != 1 and g != w for g, w in zip(keep.shape, shape)):
         raise ValueError(
             "a mask predicate must combine its index tensors elementwise (as FlexAttention's "
             f"mask_mod), giving a result that broadcasts to {shape}. "
@@ -450,7 +451,11 @@ class _Dense(Mask):
             self.batch_size = keep.shape[0]
         if keep.shape[1] != 1:
             self.num_heads = keep.shape[1]
-        self._host = keep.detach().cpu()
+
+    @functools.cached_property
+    def _host(self) -> Tensor:
+        """The tensor on the host, for tile answers (copied on first use by a planner)."""
+        return self.keep.detach().cpu()
 
     def check(self, batch, heads, length_q, length_k):
         shape = tuple(self.keep.shape)

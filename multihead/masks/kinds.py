@@ -145,9 +145,7 @@ class _Lengths(Mask):
         self.valid_lens = V.check_index_tensor("valid_lens", valid_lens, (1, 2), "(B,) or (B, L)")
         self.batch_size = self.valid_lens.shape[0]
         self._home = self.valid_lens.device
-        self._host = self.valid_lens.detach().cpu().tolist()
         self.query_lens = None
-        self._host_q: list[int] | None = None
         if query_lens is not None:
             self.query_lens = V.check_index_tensor("query_lens", query_lens, (1,), "(B,)")
             if self.query_lens.shape[0] != self.batch_size:
@@ -156,7 +154,16 @@ class _Lengths(Mask):
                     f"Received: query_lens.shape={tuple(self.query_lens.shape)}, "
                     f"valid_lens.shape={tuple(self.valid_lens.shape)}"
                 )
-            self._host_q = self.query_lens.detach().cpu().tolist()
+
+    # the lengths are read on the host only when a planner asks for tiles (eager backends):
+    # building the mask inside a compiled graph reads nothing, so it breaks nothing
+    @functools.cached_property
+    def _host(self) -> list:
+        return self.valid_lens.detach().cpu().tolist()
+
+    @functools.cached_property
+    def _host_q(self) -> list[int] | None:
+        return None if self.query_lens is None else self.query_lens.detach().cpu().tolist()
 
     def check(self, batch, heads, length_q, length_k):
         if self.batch_size != batch:
@@ -169,6 +176,8 @@ class _Lengths(Mask):
                 f"per-query valid_lens must have shape (B, L)={(batch, length_q)}. "
                 f"Received: valid_lens.shape={tuple(self.valid_lens.shape)}"
             )
+        if V.tracing():  # the range checks read the lengths on the host (see V.tracing)
+            return
         flat = torch.as_tensor(self._host).flatten()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > length_k):
             raise ValueError(
@@ -273,15 +282,20 @@ class _KeyPadding(Mask):
         self.keep = keep
         self.batch_size = keep.shape[0]
         self._home = keep.device
-        host = keep.detach().cpu()
-        self._spans = []
-        for row in host:
+
+    @functools.cached_property
+    def _spans(self) -> list[tuple[int, int, bool]]:
+        """Per batch row (first visible key, last + 1, every key between visible); read on
+        the host on first use by a planner, never while a graph is traced."""
+        spans = []
+        for row in self.keep.detach().cpu():
             idx = torch.nonzero(row).flatten()
             if idx.numel() == 0:
-                self._spans.append((0, 0, False))
+                spans.append((0, 0, False))
                 continue
             first, last = int(idx[0]), int(idx[-1]) + 1
-            self._spans.append((first, last, idx.numel() == last - first))
+            spans.append((first, last, idx.numel() == last - first))
+        return spans
 
     def check(self, batch, heads, length_q, length_k):
         if tuple(self.keep.shape) != (batch, length_k):
@@ -355,20 +369,28 @@ class _Documents(Mask):
                     f"key_ids.shape={tuple(self.key_ids.shape)}"
                 )
             self.batch_size = max(q.shape[0], k.shape[0])
-        self._host_q = q.detach().cpu()
-        # per batch row of keys: id -> (first, last + 1, count)
-        self._key_spans: list[dict[int, tuple[int, int, int]]] = []
-        for row in k.detach().cpu():
+
+    # the ids are read on the host only when a planner asks for tiles (see _Lengths._host)
+    @functools.cached_property
+    def _host_q(self) -> Tensor:
+        return self._q.detach().cpu()
+
+    @functools.cached_property
+    def _key_spans(self) -> list[dict[int, tuple[int, int, int]]]:
+        """Per batch row of keys: id -> (first, last + 1, count)."""
+        spans = []
+        for row in self._k.detach().cpu():
             ids, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
             pos = torch.arange(row.numel())
             first = torch.full((ids.numel(),), row.numel()).scatter_reduce(0, inverse, pos, "amin")
             last = torch.full((ids.numel(),), -1).scatter_reduce(0, inverse, pos, "amax")
-            self._key_spans.append(
+            spans.append(
                 {
                     int(i): (int(f), int(x) + 1, int(c))
                     for i, f, x, c in zip(ids, first, last, counts)
                 }
             )
+        return spans
 
     def runs(self, batch: int = 0) -> list[tuple[int, int, tuple[int, int, int] | None]]:
         """Maximal runs of equal query ids in one batch row: (q0, q1, key span of that id as

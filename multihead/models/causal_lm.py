@@ -236,6 +236,14 @@ class CausalLM(nn.Module):
             shift = input_ids.shape[1] - lengths
             input_ids = _roll_rows(input_ids, shift, 1)
         real = torch.arange(input_ids.shape[1], device=input_ids.device)[None] < lengths[:, None]
+        if not V.tracing():  # the id check reads the ids on the host (see V.tracing)
+            self._check_vocabulary(input_ids, real)
+        # padding may hold any value (a pad id outside the vocabulary, say): nothing sees it,
+        # but the embedding lookup still reads it
+        return torch.where(real, input_ids, 0), lengths, shift
+
+    def _check_vocabulary(self, input_ids: Tensor, real: Tensor) -> None:
+        """Every real token (``real``: (B, L) bool) must be an id of the vocabulary."""
         ids = input_ids[real]
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             bad = ids[(ids < 0) | (ids >= self.vocab_size)][:5].tolist()
@@ -243,9 +251,6 @@ class CausalLM(nn.Module):
                 f"input_ids must be token ids in [0, {self.vocab_size}) (the vocabulary); "
                 f"check the tokenizer matches the model. Received: ids {bad}"
             )
-        # padding may hold any value (a pad id outside the vocabulary, say): nothing sees it,
-        # but the embedding lookup still reads it
-        return torch.where(real, input_ids, 0), lengths, shift
 
     def _check_length(self, need: int, what: str) -> None:
         if self.max_positions is not None and need > self.max_positions:
@@ -327,7 +332,8 @@ class CausalLM(nn.Module):
         self._check_length(length, "the input")
         positions = torch.arange(length, device=ids.device)
         mask = masks.causal()
-        if bool((lengths < length).any()):
+        # a traced graph cannot ask whether a row is padded: it always carries the lengths
+        if V.tracing() or bool((lengths < length).any()):
             mask = mask & masks.lengths(lengths, query_lens=lengths)
         out = self.decoder.run(
             self.embed(ids, positions),
@@ -719,7 +725,9 @@ def _check_lengths(lengths: Tensor | None, input_ids: Tensor) -> Tensor:
             f"Received: lengths.shape={tuple(lengths.shape)}, dtype={lengths.dtype}"
         )
     lengths = lengths.to(device=device, dtype=torch.long)
-    if lengths.shape[0] != b or int(lengths.min()) < 1 or int(lengths.max()) > length:
+    if lengths.shape[0] != b or (  # the range is read on the host: not while tracing
+        not V.tracing() and (int(lengths.min()) < 1 or int(lengths.max()) > length)
+    ):
         raise ValueError(
             f"lengths must have B={b} entries in [1, L={length}] (every row needs a "
             f"real token). Received: lengths={lengths.tolist()}"

@@ -353,6 +353,8 @@ class KVCache:
                 )
         keys, values = self._keys[layer], self._values[layer]  # [B, H_kv, capacity, D]
         self._written.add(layer)
+        if self.window is None and V.tracing():
+            return self._update_traced(keys, values, key, value)
         if self.window is not None:
             out_k, out_v = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
             self._store(keys, values, key, value)
@@ -364,6 +366,27 @@ class KVCache:
         else:
             self._store(keys, values, key, value)
         return keys[:, :, : step.length], values[:, :, : step.length], step.mask
+
+    def _update_traced(
+        self, keys: Tensor, values: Tensor, key: Tensor, value: Tensor
+    ) -> tuple[Tensor, Tensor, Mask]:
+        """``update`` inside a compiled or exported graph: no host value is read, so the
+        graph holds for every step and row length (a static-cache decode step).
+
+        Row b's L new tokens go to slots ``offset[b] + i`` by one scatter, padding included
+        (slots past the row's length, hidden until a later real token overwrites them, so
+        the cache must have room for offset + L: a fixed ``max_length`` cache sized for the
+        whole generation, as ``generate`` makes). The queries attend over every slot of the
+        cache through a per-query lengths mask computed on the device.
+        """
+        step = self.step
+        width = key.shape[2]
+        ar = torch.arange(width, device=key.device)
+        slots = (self.lengths - step.counts)[:, None] + ar  # [B, L] where the new tokens go
+        for store, new in ((keys, key), (values, value)):
+            store.scatter_(2, slots[:, None, :, None].expand_as(new), new)
+        valid = torch.where(ar < step.counts[:, None], slots + 1, 0)  # [B, L] keys per query
+        return keys, values, masks.lengths(valid)
 
     def _store(self, keys: Tensor, values: Tensor, key: Tensor, value: Tensor) -> None:
         rows, cols, slots = self._slots

@@ -101,7 +101,12 @@ def test_compiled_step_equals_eager_and_reports_graph_breaks():
     compiled = _fit(_toy(), compile=True, compile_backend="aot_eager")
     for a, b in zip(eager.losses, compiled.losses):
         assert abs(a - b) <= 1e-5 * max(1.0, a)
-    assert compiled.compile == {"graphs": 1, "graph_breaks": 0, "break_reasons": []}
+    assert compiled.compile == {
+        "graphs": 1,
+        "graph_breaks": 0,
+        "break_reasons": [],
+        "compiled_graphs": 1,  # every batch has the same shape here: no recompilation
+    }
 
 
 class _ReadsHost(nn.Module):
@@ -175,7 +180,7 @@ def test_option_errors(tmp_path):
 
     with pytest.raises(ValueError, match=r"epochs must be a positive int. Received: epochs=0"):
         Options(out=tmp_path, epochs=0)
-    with pytest.raises(ValueError, match=r"precision must be one of fp32, bf16, fp16"):
+    with pytest.raises(ValueError, match=r"precision must be one of auto, fp32, bf16, fp16"):
         Options(out=tmp_path, precision="fp8")
     with pytest.raises(ValueError, match=r"task must be one of sentiment, forecast, crossmodal"):
         run("translation", Options(out=tmp_path))

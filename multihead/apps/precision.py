@@ -1,0 +1,151 @@
+"""``--precision auto``: train under bf16 autocast only where this machine's bf16 matmuls are
+faster than its fp32 ones, measured, not guessed from CPU flags.
+
+An Intel Xeon with AVX512-BF16 but no AMX runs a bf16 matmul at about 0.6x its fp32 speed, so
+bf16 autocast can only slow training there; a CPU with AMX, or a GPU, runs bf16 several times
+faster. ``choose`` times one square matmul of each dtype once per process and device (about a
+quarter of a second on 2 cores) and decides from the ratio; ``--precision bf16`` on a machine
+where bf16 is slower still trains in bf16, after one line saying by how much.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["REQUESTS", "Peaks", "PrecisionChoice", "choose", "matmul_peaks"]
+
+REQUESTS = ("auto", "fp32", "bf16", "fp16")  # what --precision takes
+# bf16 must measure at least this much faster than fp32 for auto to choose it: autocast casts
+# weights and activations at every step and keeps softmax statistics, norms and losses in fp32,
+# so only part of a step runs at the bf16 rate and a small edge in the matmul does not pay
+PAYS = 1.5
+_SIZE = 512  # n of the n x n matmuls timed: 0.27 GFLOP each, past the small-size overheads
+_REPEATS = 7
+
+_measured: dict[str, Peaks] = {}  # per device, for the process
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """The fp32 and bf16 matmul rates of one device, in GFLOP/s (n x n, best of 7 runs
+    each, interleaved)."""
+
+    device: str
+    fp32_gflops: float
+    bf16_gflops: float
+    size: int
+
+    @property
+    def ratio(self) -> float:
+        """bf16 over fp32: above 1, bf16 matmuls are faster."""
+        return self.bf16_gflops / self.fp32_gflops
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What ``--precision`` asked for, what training runs under, and why."""
+
+    requested: str
+    precision: str  # fp32, bf16 or fp16: what autocast is given
+    reason: str
+    peaks: Peaks | None = None  # measured for auto and bf16
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "requested": self.requested,
+            "chosen": self.precision,
+            "reason": self.reason,
+        }
+        if self.peaks is not None:
+            out.update(
+                fp32_matmul_gflops=round(self.peaks.fp32_gflops, 1),
+                bf16_matmul_gflops=round(self.peaks.bf16_gflops, 1),
+                bf16_over_fp32=round(self.peaks.ratio, 3),
+                matmul_size=self.peaks.size,
+            )
+        return out
+
+
+def _timer(dtype: torch.dtype, device: torch.device, n: int) -> Callable[[], float]:
+    """A function timing one n x n matmul of ``dtype`` on ``device``, in seconds."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once() -> float:
+        start = time.perf_counter()
+        a @ b
+        sync()
+        return time.perf_counter() - start
+
+    once()  # warm-up: first-call dispatch and allocation
+    return once
+
+
+def _rates(device: torch.device, n: int) -> tuple[float, float]:
+    """(fp32, bf16) GFLOP/s: the best of ``_REPEATS`` runs each, interleaved so that load
+    from other processes falls on both alike."""
+    timers = [_timer(dtype, device, n) for dtype in (torch.float32, torch.bfloat16)]
+    best = [float("inf")] * 2
+    for _ in range(_REPEATS):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer())
+    flops = 2 * n**3
+    return flops / best[0] / 1e9, flops / best[1] / 1e9
+
+
+def matmul_peaks(device: torch.device | str = "cpu") -> Peaks:
+    """The device's fp32 and bf16 matmul rates, measured on first use and kept for the
+    process."""
+    device = torch.device(device)
+    key = str(device)
+    if key not in _measured:
+        fp32, bf16 = _rates(device, _SIZE)
+        _measured[key] = Peaks(key, fp32, bf16, _SIZE)
+    return _measured[key]
+
+
+def choose(
+    requested: str,
+    device: torch.device | str = "cpu",
+    *,
+    say: Callable[[str], None] | None = None,
+) -> PrecisionChoice:
+    """The precision to train under for ``--precision requested`` on ``device``.
+
+    ``auto`` measures the matmul peaks (``matmul_peaks``) and picks bf16 where it is at least
+    ``PAYS`` times faster than fp32, else fp32. ``bf16`` is kept as asked; where it measures
+    slower than fp32, ``say`` gets one line with the measured ratio. ``fp32`` and ``fp16``
+    are kept without measuring.
+
+    Raises:
+        ValueError: ``requested`` is not one of ``REQUESTS``.
+    """
+    if requested not in REQUESTS:
+        raise ValueError(
+            f"precision must be one of {', '.join(REQUESTS)}. Received: precision={requested!r}"
+        )
+    if requested in ("fp32", "fp16"):
+        return PrecisionChoice(requested, requested, "asked for")
+    peaks = matmul_peaks(device)
+    rates = (
+        f"bf16 matmul {peaks.bf16_gflops:.0f} GFLOP/s against fp32 {peaks.fp32_gflops:.0f} "
+        f"GFLOP/s on {peaks.device} ({peaks.ratio:.2f}x)"
+    )
+    if requested == "bf16":
+        if peaks.ratio < 1 and say is not None:
+            say(
+                f"--precision bf16: on this machine bf16 matmuls are {1 / peaks.ratio:.2f}x "
+                f"slower than fp32 ({rates}); training will be slower than --precision fp32 "
+                "(--precision auto picks fp32 here)"
+            )
+        return PrecisionChoice("bf16", "bf16", f"asked for; {rates}", peaks)
+    if peaks.ratio >= PAYS:
+        return PrecisionChoice("auto", "bf16", f"bf16 pays: {rates} >= {PAYS}x", peaks)
+    return PrecisionChoice("auto", "fp32", f"bf16 does not pay: {rates} < {PAYS}x", peaks)
