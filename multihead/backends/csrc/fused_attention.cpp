@@ -29,8 +29,13 @@
 
 namespace {
 
-constexpr int64_t kRows = 128;  // query rows per task: amortizes the per-GEMM call cost
-constexpr int64_t kKeys = 256;  // keys per block: the score block stays in L2
+// Block sizes, measured on a 2-core Xeon (AVX-512) against 128 x 256, 256 x 256, 128 x 512:
+// 256 query rows by 512 keys ran dense fp32 forward 6% faster and a training step 11% faster.
+// The scores of a block (512 KiB) stay in L2. Forward tasks get fewer rows (down to
+// kMinRows) when 256-row tasks would leave threads idle.
+constexpr int64_t kRows = 256;  // query rows per task and per backward block
+constexpr int64_t kMinRows = 64;
+constexpr int64_t kKeys = 512;  // keys per block
 constexpr int64_t kDecodeRows = 16;  // L up to this is decoding: keys read in place, split
 
 // ---------------------------------------------------------------------------------------
@@ -385,15 +390,31 @@ struct Task {
   int64_t item, b, h, r0, r1;
 };
 
-std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads) {
+// Query rows per forward task: kRows, halved (down to kMinRows) while there would be fewer
+// than four tasks per thread. Depends on the plan and the thread count only.
+int64_t task_rows(const Plan& plan, int64_t batch, int64_t heads, int64_t threads) {
+  int64_t rows = kRows;
+  for (; rows > kMinRows; rows /= 2) {
+    int64_t count = 0;
+    for (int64_t n = 0; n < plan.n_items; ++n) {
+      const int64_t* it = plan.items + 6 * n;
+      const int64_t batches = it[0] < 0 ? batch : it[1] - it[0];
+      count += batches * heads * ((it[3] - it[2] + rows - 1) / rows);
+    }
+    if (count >= 4 * threads) break;
+  }
+  return rows;
+}
+
+std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads, int64_t rows) {
   std::vector<Task> tasks;
   for (int64_t n = 0; n < plan.n_items; ++n) {
     const int64_t* it = plan.items + 6 * n;
     const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? batch : it[1];
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t r = it[2]; r < it[3]; r += kRows)
-          tasks.push_back({n, b, h, r, std::min(r + kRows, it[3])});
+        for (int64_t r = it[2]; r < it[3]; r += rows)
+          tasks.push_back({n, b, h, r, std::min(r + rows, it[3])});
   }
   return tasks;
 }
@@ -630,10 +651,11 @@ void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* m
 template <typename T>
 bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T* out, T* lse,
                   T* weights) {
-  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Task> tasks =
+      forward_tasks(plan, in.B, in.H, task_rows(plan, in.B, in.H, threads));
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   const int64_t Dv = in.Dv, S = in.S;
-  const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
     int64_t most = 0;
