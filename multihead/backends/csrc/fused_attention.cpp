@@ -742,12 +742,15 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
   const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
   const int64_t groups = H / Hkv;
   at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), t_buf(kRows * kKeys),
-        dq_buf(kRows * D);
+    // dK and dV are gathered transposed (dK^T [D, S], dV^T [Dv, S]): their block products
+    // Q^T dS and dO^T P then read P and dS row-major, as the block GEMM wants, and only the
+    // small Q and dO blocks (once per query block) and the finished heads get transposed
+    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D),
+        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / Hkv, hk = t % Hkv;
-      T* dk_head = dk + (b * Hkv + hk) * S * D;
-      T* dv_head = dv + (b * Hkv + hk) * S * Dv;
+      std::fill(dk_t.begin(), dk_t.end(), T(0));
+      std::fill(dv_t.begin(), dv_t.end(), T(0));
       for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
         for (int64_t n_it = 0; n_it < plan.n_items; ++n_it) {
           const int64_t* it = plan.items + 6 * n_it;
@@ -759,6 +762,8 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
             std::fill(dq_buf.begin(), dq_buf.begin() + m * D, T(0));
             const T* qt = in.qrow(b, h, r0);
             const T* gt = grad + row0 * Dv;
+            transpose(qt, m, D, in.qsr, q_t.data(), m);
+            transpose(gt, m, Dv, Dv, g_t.data(), m);
             for (int64_t c = it[4]; c < it[5]; ++c) {
               const int64_t* ch = plan.chunks + 6 * c;
               for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
@@ -789,12 +794,9 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                     for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
                   }
                 }
-                // dV += P^T dO, dK += dS^T (scale Q), dQ += dS K (scaled once, below); the
-                // block GEMM reads A row-major, so P and dS are transposed first
-                transpose(p_buf.data(), m, n, n, t_buf.data(), m);
-                block_gemm(n, Dv, m, t_buf.data(), m, gt, Dv, true, dv_head + kb * Dv, Dv);
-                transpose(ds_buf.data(), m, n, n, t_buf.data(), m);
-                block_gemm(n, D, m, t_buf.data(), m, qt, in.qsr, true, dk_head + kb * D, D);
+                // dV^T += dO^T P, dK^T += (scale Q)^T dS, dQ += dS K (scaled once, below)
+                block_gemm(Dv, n, m, g_t.data(), m, p_buf.data(), n, true, dv_t.data() + kb, S);
+                block_gemm(D, n, m, q_t.data(), m, ds_buf.data(), n, true, dk_t.data() + kb, S);
                 block_gemm(m, D, n, ds_buf.data(), n, kr, in.ksr, true, dq_buf.data(), D);
               }
             }
@@ -803,6 +805,8 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
           }
         }
       }
+      transpose(dk_t.data(), D, S, S, dk + (b * Hkv + hk) * S * D, D);
+      transpose(dv_t.data(), Dv, S, S, dv + (b * Hkv + hk) * S * Dv, Dv);
     }
   });
 }
@@ -869,8 +873,9 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
               .contiguous();
   at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
   at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
-  at::Tensor dk = at::zeros({B, k.size(1), S, D}, q.options().dtype(ct));
-  at::Tensor dv = at::zeros({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  // every (batch entry, key/value head) writes its whole dK and dV: no zeros needed
+  at::Tensor dk = at::empty({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = at::empty({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
   at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
   at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
                                  : at::Tensor();
