@@ -29,8 +29,9 @@
 
 namespace {
 
-// Block sizes, measured on a 2-core Xeon (AVX-512) against 128 x 256, 256 x 256, 128 x 512:
-// 256 query rows by 512 keys ran dense fp32 forward 6% faster and a training step 11% faster.
+// Block sizes, measured on a 2-core Xeon (AVX-512, one thread, same process) against 128 x 256,
+// 256 x 256 and 128 x 512: 256 query rows by 512 keys ran the dense fp32 forward 6% and a
+// training step 11% faster than 128 x 256 (before the backward gathered dK/dV transposed).
 // The scores of a block (512 KiB) stay in L2. Forward tasks get fewer rows (down to
 // kMinRows) when 256-row tasks would leave threads idle.
 constexpr int64_t kRows = 256;  // query rows per task and per backward block
@@ -83,9 +84,9 @@ constexpr T neg_inf() {
 // AVX-512 or NEON, whatever -march allows). It serves float64 (gradcheck), decoding's few
 // rows, and torch builds without the float brgemm. Every other float block runs on torch's
 // own microkernel (block_gemm below): 150-170 GFLOP/s per AVX-512 core at these tile sizes,
-// where this loop reached about 99 GFLOP/s inside the kernel. (A GEMM through
-// ATen's tensor ops inside the intra-op pool costs a thread-pool round trip per tile:
-// measured 60x slower on two cores.)
+// where this loop reached about 99 GFLOP/s inside the kernel. (A GEMM through ATen's tensor
+// ops inside the intra-op pool costs a thread-pool round trip per tile: measured 60x slower
+// on two cores.)
 //
 // C[m, n] = alpha * A B (+ C when accumulating), with A(i, p) = a[i * ars + p * acs] (any
 // strides, so a transposed A costs nothing), B row-major with row stride ldb, C row-major.
@@ -507,7 +508,8 @@ at::Tensor blocked_transpose(const at::Tensor& x) {
       T* block = dst + u * d * kKeys;
       transpose(src + b * sb + h * sh + j0 * sr, cols, d, sr, block, kKeys);
       if (cols < kKeys)
-        for (int64_t p = 0; p < d; ++p) std::fill(block + p * kKeys + cols, block + (p + 1) * kKeys, T(0));
+        for (int64_t p = 0; p < d; ++p)
+          std::fill(block + p * kKeys + cols, block + (p + 1) * kKeys, T(0));
     }
   });
   return out;
@@ -562,8 +564,9 @@ struct Inputs {
 // chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
 // the scaled scores are parked there (weights rows of this task, row stride S).
 template <typename T>
-void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Task& task, int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum,
-            T* wbase, uint8_t* bad) {
+void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Task& task,
+            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, T* wbase,
+            uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
   const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
