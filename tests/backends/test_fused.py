@@ -152,6 +152,17 @@ def test_block_gemm_operands_in_any_layout(layout):
         assert (a.double() - e).abs().max() <= 1e-5 * max(10.0, e.abs().max().item())
 
 
+def test_parallel_loops_reach_every_thread():
+    """at::parallel_for is a header template: an extension built without OpenMP ran every task
+    on the calling thread, whatever torch.set_num_threads said."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert fused.build().parallel_threads(8) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_half_inputs_keep_their_dtype_and_lse_is_float32():
     q, k, v = qkv(1, 2, 2, 9, 11, 8, dtype=torch.bfloat16)
     call = prepare(q, k, v, masks.causal(), None, None, 0.0, False)

@@ -900,9 +900,21 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   return result;
 }
 
+// How many of torch's intra-op threads one parallel loop of the kernel reaches, over `tasks`
+// tasks (a check of the build: without OpenMP, at::parallel_for runs on the calling thread).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<int> seen(std::max<int64_t>(tasks, 0), -1);
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) seen[t] = at::get_thread_num();
+  });
+  std::sort(seen.begin(), seen.end());
+  return std::unique(seen.begin(), seen.end()) - seen.begin();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
 }
