@@ -20,6 +20,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -705,9 +706,13 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
     }
     return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
-  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
+  // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
+  // lengths, causal rows); each task writes only its own rows, so which thread runs it does
+  // not change a bit of the result
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
     std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
-    for (int64_t t = lo; t < hi; ++t) {
+    for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
       const int64_t m = task.r1 - task.r0;
       T* wbase = weights == nullptr ? nullptr
