@@ -60,6 +60,11 @@ _FLAGS = ["-O3"]
 # the kernel's exp and row loops are written for the compiler to vectorize: on x86 let it use
 # every instruction set of the machine it is built on (the cache key includes the CPU)
 _NATIVE = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+# at::parallel_for is a header template: built without OpenMP it runs every task on the calling
+# thread. torch.utils.cpp_extension does not add the flag; where torch runs on OpenMP (Linux)
+# the kernel is built with it, and its libgomp is the one torch has already loaded.
+_ON_OPENMP = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
+_OPENMP = ["-fopenmp"] if _ON_OPENMP else []
 
 _module = None  # the loaded extension
 _error: str | None = None  # why it could not be built, once tried
@@ -88,7 +93,7 @@ def _digest() -> str:
     h = hashlib.sha256()
     for name in _SOURCES:
         h.update((Path(__file__).parent / "csrc" / name).read_bytes())
-    h.update(" ".join([*_FLAGS, *_NATIVE, torch.__version__, _cpu_signature()]).encode())
+    h.update(" ".join([*_FLAGS, *_NATIVE, *_OPENMP, torch.__version__, _cpu_signature()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -126,7 +131,8 @@ def build():
         _module = cpp_extension.load(
             name,
             [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES],
-            extra_cflags=[*_FLAGS, *_NATIVE],
+            extra_cflags=[*_FLAGS, *_NATIVE, *_OPENMP],
+            extra_ldflags=list(_OPENMP),  # load() appends to the list it is given
             build_directory=str(folder),
             verbose=False,
         )

@@ -16,8 +16,11 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/version.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,19 +30,30 @@
 
 namespace {
 
-constexpr int64_t kRows = 128;  // query rows per task: amortizes the per-GEMM call cost
-constexpr int64_t kKeys = 256;  // keys per block: the score block stays in L2
+// Block sizes, measured on a 2-core Xeon (AVX-512, one thread, same process) against 128 x 256,
+// 256 x 256 and 128 x 512: 256 query rows by 512 keys ran the dense fp32 forward 6% and a
+// training step 11% faster than 128 x 256 (before the backward gathered dK/dV transposed).
+// The scores of a block (512 KiB) stay in L2. Forward tasks get fewer rows (down to
+// kMinRows) when 256-row tasks would leave threads idle.
+constexpr int64_t kRows = 256;  // query rows per task and per backward block
+constexpr int64_t kMinRows = 64;
+constexpr int64_t kKeys = 512;  // keys per block
 constexpr int64_t kDecodeRows = 16;  // L up to this is decoding: keys read in place, split
 
 // ---------------------------------------------------------------------------------------
 // exp for x <= 0 that the compiler vectorizes (std::exp is a libm call per element).
-// Cephes' expf: exp(x) = 2^n exp(r) with |r| <= ln2 / 2, a degree-6 polynomial, under 2 ulp.
-// Inputs below -87 (and -inf) give exactly 0, so hidden keys weigh exactly nothing.
+// exp(x) = 2^n exp(r) with n = round(x / ln2) and |r| <= ln2 / 2, Cephes' degree-6 polynomial
+// for exp(r) (under 2 ulp). n is rounded by adding 1.5 * 2^23, which leaves n in the low bits
+// of the sum: no float-int conversions, and 2^n is one shift of those bits. Inputs below -87
+// (and -inf, NaN) give exactly 0, so hidden keys weigh exactly nothing.
+
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x to an integer
 
 inline float exp_nonpositive(float x) {
   const bool dead = !(x > -87.0f);
   x = dead ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float t = x * 1.44269504088896341f + kRound;
+  const float n = t - kRound;
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   const float z = r * r;
@@ -50,7 +64,9 @@ inline float exp_nonpositive(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * z + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits + 127) << 23;  // the low bits of t hold n; shifting drops kRound's own bits
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return dead ? 0.0f : y * two_n;
@@ -66,10 +82,12 @@ constexpr T neg_inf() {
 // ---------------------------------------------------------------------------------------
 // GEMM for the tile sizes attention needs, written for the compiler: a block of rows by 2
 // vectors of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
-// AVX-512 or NEON, whatever -march allows). ATen's GEMMs cannot be called from inside the
-// intra-op pool without either exported BLAS entry points or a thread-pool round trip per
-// tile (measured 60x slower on two cores), and tiles of 128 x 256 x 64 are small enough that
-// a register-blocked loop reaches most of the core's FMA throughput.
+// AVX-512 or NEON, whatever -march allows). It serves float64 (gradcheck), decoding's few
+// rows, and torch builds without the float brgemm. Every other float block runs on torch's
+// own microkernel (block_gemm below): 150-170 GFLOP/s per AVX-512 core at these tile sizes,
+// where this loop reached about 99 GFLOP/s inside the kernel. (A GEMM through ATen's tensor
+// ops inside the intra-op pool costs a thread-pool round trip per tile: measured 60x slower
+// on two cores.)
 //
 // C[m, n] = alpha * A B (+ C when accumulating), with A(i, p) = a[i * ars + p * acs] (any
 // strides, so a transposed A costs nothing), B row-major with row stride ldb, C row-major.
@@ -204,6 +222,49 @@ void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, 
   }
 }
 
+// The block GEMM every tile runs: C[m, n] = A B, or C += A B when accumulating, with A [m, k]
+// and B [k, n] row-major (row strides lda, ldb) and C row stride ldc. In float it is torch's
+// own microkernel, at::native::cpublas::brgemm (exported since torch 2.6): oneDNN's JIT
+// BRGEMM on x86 with AVX2 or later, else torch's BLAS (MKL, OpenBLAS) or its reference GEMM.
+// It runs on the calling thread (safe inside at::parallel_for), caches one generated kernel
+// per shape per thread, and gives the same bits for the same shape and inputs, so results
+// stay reproducible. float64 (gradcheck) keeps the register-blocked loop above.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+#define MULTIHEAD_BRGEMM 1
+#endif
+
+inline void block_gemm(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda,
+                       const double* b, int64_t ldb, bool accumulate, double* c, int64_t ldc) {
+  gemm<double>(m, n, k, 1.0, a, lda, 1, b, ldb, accumulate, c, ldc);
+}
+
+inline void block_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                       const float* b, int64_t ldb, bool accumulate, float* c, int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+#ifdef MULTIHEAD_BRGEMM
+  if (k > 0) {
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, false);
+    return;
+  }
+#endif
+  gemm<float>(m, n, k, 1.0f, a, lda, 1, b, ldb, accumulate, c, ldc);
+}
+
+// dst [cols, rows] (row stride ldd) = src [rows, cols] (row stride ld) transposed, in tiles
+// that stay in L1 on both sides
+template <typename T>
+void transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, T* dst, int64_t ldd) {
+  constexpr int64_t tile = 16;
+  for (int64_t i0 = 0; i0 < rows; i0 += tile) {
+    const int64_t i1 = std::min(rows, i0 + tile);
+    for (int64_t j0 = 0; j0 < cols; j0 += tile) {
+      const int64_t j1 = std::min(cols, j0 + tile);
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t i = i0; i < i1; ++i) dst[j * ldd + i] = src[i * ld + j];
+    }
+  }
+}
+
 // True when any of rows x cols entries (row stride ld) is NaN or infinite: x * 0 is 0 exactly
 // for finite x and NaN otherwise. Run on blocks the kernel has just read, so the NaN rule needs
 // no separate pass over q, k and v (at decode that pass would double the bytes read).
@@ -241,9 +302,8 @@ inline Vec<float>::type exp_vec(Vec<float>::type x) {
   const V floor_x = V{} - 87.0f;
   const I dead = !(x > floor_x);
   x = dead ? floor_x : x;
-  const V y = x * 1.44269504088896341f + 0.5f;
-  const V t = __builtin_convertvector(__builtin_convertvector(y, I), V);
-  const V n = t + __builtin_convertvector(y < t, V);  // floor: truncation moved down by 1
+  const V t = x * 1.44269504088896341f + kRound;
+  const V n = t - kRound;
   V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
   const V z = r * r;
@@ -254,7 +314,9 @@ inline Vec<float>::type exp_vec(Vec<float>::type x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * z + r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  I bits;
+  std::memcpy(&bits, &t, sizeof(bits));
+  bits = (bits + 127) << 23;
   V two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return dead ? V{} : p * two_n;
@@ -332,15 +394,31 @@ struct Task {
   int64_t item, b, h, r0, r1;
 };
 
-std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads) {
+// Query rows per forward task: kRows, halved (down to kMinRows) while there would be fewer
+// than four tasks per thread. Depends on the plan and the thread count only.
+int64_t task_rows(const Plan& plan, int64_t batch, int64_t heads, int64_t threads) {
+  int64_t rows = kRows;
+  for (; rows > kMinRows; rows /= 2) {
+    int64_t count = 0;
+    for (int64_t n = 0; n < plan.n_items; ++n) {
+      const int64_t* it = plan.items + 6 * n;
+      const int64_t batches = it[0] < 0 ? batch : it[1] - it[0];
+      count += batches * heads * ((it[3] - it[2] + rows - 1) / rows);
+    }
+    if (count >= 4 * threads) break;
+  }
+  return rows;
+}
+
+std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads, int64_t rows) {
   std::vector<Task> tasks;
   for (int64_t n = 0; n < plan.n_items; ++n) {
     const int64_t* it = plan.items + 6 * n;
     const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? batch : it[1];
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t r = it[2]; r < it[3]; r += kRows)
-          tasks.push_back({n, b, h, r, std::min(r + kRows, it[3])});
+        for (int64_t r = it[2]; r < it[3]; r += rows)
+          tasks.push_back({n, b, h, r, std::min(r + rows, it[3])});
   }
   return tasks;
 }
@@ -414,11 +492,28 @@ void finish_scores(T* s, int64_t rows, int64_t cols, const Bias<T>& bias, int64_
 
 // [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
 // on its own (zero-padded), so a GEMM walking a block's columns reads rows kKeys apart. Rows S
-// apart alias in L1 when S is a multiple of 1024 (measured 12x slower at S = 2048).
+// apart alias in L1 when S is a multiple of 1024 (measured 12x slower at S = 2048). One task
+// per block, in parallel (torch's strided copy took 6% of a dense forward on one core).
+template <typename T>
 at::Tensor blocked_transpose(const at::Tensor& x) {
-  const int64_t S = x.size(2), n = (S + kKeys - 1) / kKeys;
-  at::Tensor padded = at::constant_pad_nd(x, {0, 0, 0, n * kKeys - S});
-  return padded.reshape({x.size(0), x.size(1), n, kKeys, x.size(3)}).transpose(3, 4).contiguous();
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys;
+  at::Tensor out = at::empty({B, H, n, d, kKeys}, x.options());
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, blk = u % n;
+      const int64_t j0 = blk * kKeys, cols = std::min(kKeys, S - j0);
+      T* block = dst + u * d * kKeys;
+      transpose(src + b * sb + h * sh + j0 * sr, cols, d, sr, block, kKeys);
+      if (cols < kKeys)
+        for (int64_t p = 0; p < d; ++p)
+          std::fill(block + p * kKeys + cols, block + (p + 1) * kKeys, T(0));
+    }
+  });
+  return out;
 }
 
 // Keys and values are also kept transposed block by block (one copy per call): the score
@@ -435,8 +530,8 @@ struct Inputs {
   // of the whole cache would cost more than the attention itself)
   Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_kt,
          bool with_vt)
-      : kt_(with_kt ? blocked_transpose(k_) : at::Tensor()),
-        vt_(with_vt ? blocked_transpose(v_) : at::Tensor()),
+      : kt_(with_kt ? blocked_transpose<T>(k_) : at::Tensor()),
+        vt_(with_vt ? blocked_transpose<T>(v_) : at::Tensor()),
         q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
         kt(with_kt ? kt_.data_ptr<T>() : nullptr), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
@@ -470,9 +565,9 @@ struct Inputs {
 // chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
 // the scaled scores are parked there (weights rows of this task, row stride S).
 template <typename T>
-void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
-            const Task& task, int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum,
-            T* wbase, uint8_t* bad) {
+void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Task& task,
+            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, T* wbase,
+            uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
   const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
@@ -501,11 +596,10 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
       const T* kr = in.krow(task.b, task.h, kb);
       const T* vr = in.vrow(task.b, task.h, kb);
       *bad |= any_nonfinite(kr, n, D, in.ksr) || any_nonfinite(vr, n, Dv, in.vsr);
-      if (in.kt != nullptr)
-        gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(task.b, task.h, kb), kKeys, false,
-                scores, n);
+      if (in.kt != nullptr)  // the queries arrive scaled (see forward)
+        block_gemm(m, n, D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, scores, n);
       else
-        gemm_nt<T>(m, n, D, scale, qt, in.qsr, kr, in.ksr, scores, n);
+        gemm_nt<T>(m, n, D, T(1), qt, in.qsr, kr, in.ksr, scores, n);
       finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
       for (int64_t i = 0; i < m; ++i) {
         T* row = scores + i * n;
@@ -523,7 +617,10 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
           for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
         }
       }
-      gemm<T>(m, Dv, n, T(1), scores, n, 1, vr, in.vsr, true, acc, Dv);
+      if (in.kt != nullptr)
+        block_gemm(m, Dv, n, scores, n, vr, in.vsr, true, acc, Dv);
+      else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
+        gemm<T>(m, Dv, n, T(1), scores, n, 1, vr, in.vsr, true, acc, Dv);
     }
   }
 }
@@ -561,12 +658,13 @@ void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* m
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
 
 template <typename T>
-bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
-                  T* out, T* lse, T* weights) {
-  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H);
+bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T* out, T* lse,
+                  T* weights) {
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Task> tasks =
+      forward_tasks(plan, in.B, in.H, task_rows(plan, in.B, in.H, threads));
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   const int64_t Dv = in.Dv, S = in.S;
-  const int64_t threads = at::get_num_threads();
   int64_t parts = 1;
   if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
     int64_t most = 0;
@@ -584,7 +682,7 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
       for (int64_t u = lo; u < hi; ++u) {
         const Task& task = tasks[u / parts];
         const int64_t part = u % parts, blocks = key_blocks(plan, task);
-        attend(in, plan, bias, scale, task, blocks * part / parts, blocks * (part + 1) / parts,
+        attend(in, plan, bias, task, blocks * part / parts, blocks * (part + 1) / parts,
                scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
                sums.data() + u * kDecodeRows, static_cast<T*>(nullptr), &bad[u]);
       }
@@ -608,14 +706,18 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T 
     }
     return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
-  at::parallel_for(0, n_tasks, 1, [&](int64_t lo, int64_t hi) {
+  // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
+  // lengths, causal rows); each task writes only its own rows, so which thread runs it does
+  // not change a bit of the result
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
     std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
-    for (int64_t t = lo; t < hi; ++t) {
+    for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
       const int64_t m = task.r1 - task.r0;
       T* wbase = weights == nullptr ? nullptr
                                     : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
-      attend(in, plan, bias, scale, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+      attend(in, plan, bias, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
              acc.data(), mx.data(), sum.data(), wbase, &bad[t]);
       finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
       if (wbase == nullptr) continue;
@@ -648,11 +750,15 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
   const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
   const int64_t groups = H / Hkv;
   at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D);
+    // dK and dV are gathered transposed (dK^T [D, S], dV^T [Dv, S]): their block products
+    // Q^T dS and dO^T P then read P and dS row-major, as the block GEMM wants, and only the
+    // small Q and dO blocks (once per query block) and the finished heads get transposed
+    std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D),
+        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / Hkv, hk = t % Hkv;
-      T* dk_head = dk + (b * Hkv + hk) * S * D;
-      T* dv_head = dv + (b * Hkv + hk) * S * Dv;
+      std::fill(dk_t.begin(), dk_t.end(), T(0));
+      std::fill(dv_t.begin(), dv_t.end(), T(0));
       for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
         for (int64_t n_it = 0; n_it < plan.n_items; ++n_it) {
           const int64_t* it = plan.items + 6 * n_it;
@@ -664,6 +770,8 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
             std::fill(dq_buf.begin(), dq_buf.begin() + m * D, T(0));
             const T* qt = in.qrow(b, h, r0);
             const T* gt = grad + row0 * Dv;
+            transpose(qt, m, D, in.qsr, q_t.data(), m);
+            transpose(gt, m, Dv, Dv, g_t.data(), m);
             for (int64_t c = it[4]; c < it[5]; ++c) {
               const int64_t* ch = plan.chunks + 6 * c;
               for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
@@ -674,11 +782,11 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                                 &keep_rs))
                   continue;
                 const T* kr = in.krow(b, h, kb);
-                gemm<T>(m, n, D, scale, qt, in.qsr, 1, in.ktcol(b, h, kb), kKeys, false,
-                        p_buf.data(), n);
+                // the queries arrive scaled (see backward): scores = Q K^T, dP = dO V^T
+                block_gemm(m, n, D, qt, in.qsr, in.ktcol(b, h, kb), kKeys, false, p_buf.data(),
+                           n);
                 finish_scores(p_buf.data(), m, n, bias, b, h, r0, kb, keep, keep_rs);
-                gemm<T>(m, n, Dv, T(1), gt, Dv, 1, in.vtcol(b, h, kb), kKeys, false,
-                        ds_buf.data(), n);
+                block_gemm(m, n, Dv, gt, Dv, in.vtcol(b, h, kb), kKeys, false, ds_buf.data(), n);
                 for (int64_t i = 0; i < m; ++i) {
                   T* pr = p_buf.data() + i * n;
                   T* dr = ds_buf.data() + i * n;
@@ -694,17 +802,19 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                     for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
                   }
                 }
-                // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K (A read transposed)
-                gemm<T>(n, Dv, m, T(1), p_buf.data(), 1, n, gt, Dv, true, dv_head + kb * Dv, Dv);
-                gemm<T>(n, D, m, scale, ds_buf.data(), 1, n, qt, in.qsr, true, dk_head + kb * D, D);
-                gemm<T>(m, D, n, scale, ds_buf.data(), n, 1, kr, in.ksr, true, dq_buf.data(), D);
+                // dV^T += dO^T P, dK^T += (scale Q)^T dS, dQ += dS K (scaled once, below)
+                block_gemm(Dv, n, m, g_t.data(), m, p_buf.data(), n, true, dv_t.data() + kb, S);
+                block_gemm(D, n, m, q_t.data(), m, ds_buf.data(), n, true, dk_t.data() + kb, S);
+                block_gemm(m, D, n, ds_buf.data(), n, kr, in.ksr, true, dq_buf.data(), D);
               }
             }
             T* dst = dq + row0 * D;
-            std::copy(dq_buf.begin(), dq_buf.begin() + m * D, dst);
+            for (int64_t x = 0; x < m * D; ++x) dst[x] = scale * dq_buf[x];
           }
         }
       }
+      transpose(dk_t.data(), D, S, S, dk + (b * Hkv + hk) * S * D, D);
+      transpose(dv_t.data(), Dv, S, S, dv + (b * Hkv + hk) * S * Dv, Dv);
     }
   });
 }
@@ -717,9 +827,11 @@ at::ScalarType compute_type(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// rows read as GEMM operands: unit stride along a row, rows apart by at least a row's length
+// (an expanded tensor with row stride 0 is made contiguous)
 at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
   at::Tensor x = t.to(type);
-  return x.stride(-1) == 1 ? x : x.contiguous();
+  return x.stride(-1) == 1 && x.stride(-2) >= x.size(-1) ? x : x.contiguous();
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -728,7 +840,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 const at::Tensor& table, int64_t table_shift, double scale,
                                 bool with_weights) {
   const at::ScalarType ct = compute_type(q);
-  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  // the scale is applied to the queries once (L x D products) instead of to every score
+  at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
   at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
@@ -740,10 +853,9 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
     const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
                                table.defined() ? table.to(ct).contiguous() : table, table_shift);
-    bad = forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, L > kDecodeRows, false), plan, terms,
-                           static_cast<scalar_t>(scale), out.data_ptr<scalar_t>(),
-                           lse.data_ptr<scalar_t>(),
-                           with_weights ? weights.data_ptr<scalar_t>() : nullptr);
+    bad = forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, L > kDecodeRows, false), plan,
+                                 terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                                 with_weights ? weights.data_ptr<scalar_t>() : nullptr);
   });
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
@@ -760,7 +872,7 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
                                  int64_t table_shift, double scale, bool bias_grad,
                                  bool table_grad) {
   const at::ScalarType ct = compute_type(q);
-  at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+  at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   at::Tensor g = grad.to(ct).contiguous();
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), D = q.size(3);
   // rows that saw nothing: +inf makes every recomputed probability exactly 0
@@ -769,8 +881,9 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
               .contiguous();
   at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
   at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
-  at::Tensor dk = at::zeros({B, k.size(1), S, D}, q.options().dtype(ct));
-  at::Tensor dv = at::zeros({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  // every (batch entry, key/value head) writes its whole dK and dV: no zeros needed
+  at::Tensor dk = at::empty({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = at::empty({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
   at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
   at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
                                  : at::Tensor();
@@ -792,9 +905,21 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   return result;
 }
 
+// How many of torch's intra-op threads one parallel loop of the kernel reaches, over `tasks`
+// tasks (a check of the build: without OpenMP, at::parallel_for runs on the calling thread).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<int> seen(std::max<int64_t>(tasks, 0), -1);
+  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) seen[t] = at::get_thread_num();
+  });
+  std::sort(seen.begin(), seen.end());
+  return std::unique(seen.begin(), seen.end()) - seen.begin();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
 }
