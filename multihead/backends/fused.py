@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import _measure
+from . import _extension, _measure
 from ._call import Call, exporting, stat_dtype
 from ._nonfinite import NonFiniteInput, checks_inputs
 from ._plan import Item, plan, query_tile
@@ -116,8 +116,6 @@ def build():
         )
         raise RuntimeError(_error)
     try:
-        from torch.utils import cpp_extension
-
         name = f"multihead_fused_{_digest()}"
         folder = build_dir() / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -128,13 +126,12 @@ def build():
                 file=sys.stderr,
                 flush=True,
             )
-        _module = cpp_extension.load(
+        _module = _extension.load(
             name,
             [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES],
-            extra_cflags=[*_FLAGS, *_NATIVE, *_OPENMP],
-            extra_ldflags=list(_OPENMP),  # load() appends to the list it is given
-            build_directory=str(folder),
-            verbose=False,
+            folder,
+            cflags=[*_FLAGS, *_NATIVE, *_OPENMP],
+            ldflags=_OPENMP,
         )
     except Exception as e:  # any failure of the toolchain: the other backends still run
         _error = f"the C++ kernel could not be built: {_first_error(e)}"

@@ -66,15 +66,13 @@ def _build():
     if os.environ.get("MULTIHEAD_ROWS_KERNEL", "1") == "0":
         _error = "turned off by MULTIHEAD_ROWS_KERNEL=0"
         raise RuntimeError(_error)
-    from ..backends import fused
+    from ..backends import _extension, fused
 
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         _error = f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX)"
         raise RuntimeError(_error)
     try:
-        from torch.utils import cpp_extension
-
         flags = ["-O3", "-fopenmp", *fused._NATIVE]  # at::parallel_for is OpenMP here
         h = hashlib.sha256(_SOURCE.read_bytes())
         h.update(" ".join([*flags, torch.__version__, fused._cpu_signature()]).encode())
@@ -88,14 +86,7 @@ def _build():
                 file=sys.stderr,
                 flush=True,
             )
-        _module = cpp_extension.load(
-            name,
-            [str(_SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        _module = _extension.load(name, [str(_SOURCE)], folder, cflags=flags, ldflags=["-fopenmp"])
     except Exception as e:  # any toolchain failure: F.linear still runs every product
         _error = f"the decoding kernel could not be built: {fused._first_error(e)}"
         raise RuntimeError(_error) from e

@@ -357,3 +357,25 @@ def test_nan_rule_is_checked_while_reading_not_by_a_second_pass(monkeypatch):
     mh.attention(q, k, v, backend="tiled")
     assert checked  # other backends keep the guard's pass
     assert torch.isfinite(clean).all()
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(monkeypatch):
+    """torch's build lock file, left behind by a process killed while building or loading,
+    made every later load wait for it forever; a build now holds an OS lock that dies with
+    its holder, and clears the left-over file."""
+    import threading
+
+    assert fused.build_error() is None  # built (or loaded from the cache) once
+    folder = fused.build_dir() / f"multihead_fused_{fused._digest()}"
+    monkeypatch.setattr(fused, "_module", None)
+    monkeypatch.setattr(fused, "_error", None)
+    stale = folder / "lock"
+    stale.touch()
+    try:
+        loader = threading.Thread(target=fused.build_error, daemon=True)
+        loader.start()
+        loader.join(timeout=120)  # a no-op ninja run and an import: seconds
+        assert not loader.is_alive(), "the load is still waiting for the left-over lock file"
+        assert fused._module is not None and not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
