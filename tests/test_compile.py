@@ -178,7 +178,7 @@ def test_bert_padded_batches():
     model = Bert(config, pooler=True).eval()
 
     def fn(ids, n):
-        out = model(ids, lengths=n)
+        out = model.run(ids, lengths=n)
         return out.last_hidden_state, out.pooler_output
 
     check_compiled(fn, lambda b, length: _ids(b, length, 50, 6))
