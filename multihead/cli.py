@@ -132,6 +132,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from .apps import generate
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()  # each piece as soon as its tokens are produced
+
+    generate.check_options(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    generate.run(
+        args.model,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        write=write,
+    )
+    sys.stdout.write("\n")
+    return 0
+
+
 def _walkthrough(args: argparse.Namespace) -> int:
     from .apps.demo import run
 
@@ -354,6 +376,8 @@ def _train(args: argparse.Namespace) -> int:
         baselines=not args.no_baselines,
         progress=not args.no_progress,
         overwrite=args.overwrite,
+        arch=args.arch,
+        vocab_size=args.vocab_size,
     )
     metrics = run(args.task, options)
     if metrics:  # empty on every process but the first under torchrun
@@ -499,6 +523,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-measure", action="store_true", help="skip timing the matmul peaks (a few seconds)"
     )
     doctor.set_defaults(func=_doctor)
+    gen = _command(
+        commands,
+        "generate",
+        "continue a prompt with a GPT-2/Llama model folder, printing the text as it is produced",
+    )
+    gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
+    gen.add_argument("--model", metavar="DIR", required=True,
+                     help="a decoder folder (e.g. one written by multihead train lm)")  # fmt: skip
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=50, help="tokens to add")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0: greedy; above 0: sample at this temperature")  # fmt: skip
+    gen.add_argument("--top-k", type=_positive_int, default=None,
+                     help="sample among the k most likely tokens")  # fmt: skip
+    gen.add_argument(
+        "--top-p", type=float, default=None, help="sample from the fewest tokens reaching p"
+    )
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    gen.set_defaults(func=_generate)
     explain = _command(
         commands,
         "explain",
@@ -567,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = _command(
         commands,
         "train",
-        "train an application (sentiment, forecast, crossmodal) with baselines; "
+        "train an application (sentiment, forecast, crossmodal, lm) with baselines; "
         "runs under torchrun for several processes",
         "Train one of the example applications and its baselines in the same run, then print\n"
         "their test metrics side by side. DIR receives the saved model, metrics.json and the\n"
@@ -576,9 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "task",
-        choices=("sentiment", "forecast", "crossmodal"),
+        choices=("sentiment", "forecast", "crossmodal", "lm"),
         metavar="TASK",
-        help="the application: sentiment, forecast or crossmodal",
+        help="the application: sentiment, forecast, crossmodal or lm (a decoder on --data text)",
     )
     train.add_argument(
         "--out",
@@ -608,6 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--max-steps", type=_positive_int, help="stop after this many optimizer steps"
     )
+    train.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                       help="lm: the decoder's shape")  # fmt: skip
+    train.add_argument("--vocab-size", type=_positive_int, default=None,
+                       help="lm: the BPE vocabulary (default: the recipe's)")  # fmt: skip
     train.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)

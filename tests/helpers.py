@@ -293,6 +293,28 @@ def twice_naive_errors(
     return out
 
 
+def train_quick(task: str, tmp_path_factory, *extra: str) -> tuple:
+    """``multihead train TASK --quick`` into a fresh folder: (the folder, what it printed)."""
+    import contextlib
+    import io
+
+    from multihead.cli import main
+
+    out = tmp_path_factory.mktemp(task)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["train", task, "--quick", "--out", str(out), *extra, "--no-progress"]) == 0
+    return out, printed.getvalue()
+
+
+def assert_run_summary(trained: tuple) -> None:
+    """``assert_summary`` of a ``train_quick`` run, against the metrics.json it wrote."""
+    import json
+
+    out, printed = trained
+    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
+
+
 def assert_summary(metrics: dict, printed: str, out) -> None:
     """What ``multihead train`` printed at the end holds every test metric of metrics.json,
     one row per contender under its domain or series, with the best value of each column

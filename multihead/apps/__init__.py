@@ -1,6 +1,7 @@
 """The applications behind ``multihead train``: sentiment (text regression on the VADER ground
-truth), forecast (causal attention on statsmodels' CO2 and sunspots) and crossmodal (questions
-attending to image patches of scikit-learn's digits). Each trains, measures baselines in the
+truth), forecast (causal attention on statsmodels' CO2 and sunspots), crossmodal (questions
+attending to image patches of scikit-learn's digits) and lm (a small GPT-2 or Llama decoder
+with its own tokenizer, trained from scratch on text files). Each trains, measures baselines in the
 same run and writes a saved model, metrics.json and figures. Needs the ``train`` extra.
 """
 
@@ -17,7 +18,7 @@ from .common import Options
 
 __all__ = ["TASKS", "Options", "check_out", "run"]
 
-TASKS = ("sentiment", "forecast", "crossmodal")
+TASKS = ("sentiment", "forecast", "crossmodal", "lm")
 
 
 def run(task: str, options: Options) -> dict[str, Any]:

@@ -39,6 +39,8 @@ class Options:
     baselines: bool = True
     progress: bool = True
     overwrite: bool = False  # replace a previous run in ``out``
+    arch: str = "gpt2"  # lm: the decoder's shape, "gpt2" or "llama"
+    vocab_size: int | None = None  # lm: BPE vocabulary (None: the recipe's)
     # set by ``resolve_precision``: what ``precision`` was resolved from, and why
     precision_choice: PrecisionChoice | None = field(default=None, repr=False)
 
@@ -51,7 +53,9 @@ class Options:
                 f"precision must be one of {', '.join(REQUESTS)}. "
                 f"Received: precision={self.precision!r}"
             )
-        for name in ("epochs", "max_steps"):
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"arch must be 'gpt2' or 'llama'. Received: arch={self.arch!r}")
+        for name in ("epochs", "max_steps", "vocab_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")

@@ -3,29 +3,22 @@ against the pixels, cross-attention with different widths, and the saved model."
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
 import pytest
 import torch
-from helpers import assert_summary
+from helpers import assert_run_summary, train_quick
 from sklearn.datasets import load_digits
 
 import multihead as mh
 from multihead.apps import crossmodal
-from multihead.cli import main
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The quick run's folder and what it printed."""
-    out = tmp_path_factory.mktemp("crossmodal")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["train", "crossmodal", "--quick", "--out", str(out), "--no-progress"]) == 0
-    return out, printed.getvalue()
+    return train_quick("crossmodal", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +27,7 @@ def run_dir(trained):
 
 
 def test_the_run_ends_with_its_metrics_table_and_folder(trained):
-    out, printed = trained
-    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
+    assert_run_summary(trained)
 
 
 def _answer(words: list[str], label: int) -> int:

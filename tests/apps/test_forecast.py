@@ -3,15 +3,13 @@ scikit-learn's Ridge, statsmodels' data), the causal mask, and the saved model's
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
 import pytest
 import statsmodels.api as sm
 import torch
-from helpers import assert_summary
+from helpers import assert_run_summary, train_quick
 from sklearn.linear_model import Ridge
 
 import multihead as mh
@@ -22,11 +20,7 @@ from multihead.cli import main
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The quick run's folder and what it printed."""
-    out = tmp_path_factory.mktemp("forecast")
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main(["train", "forecast", "--quick", "--out", str(out), "--no-progress"]) == 0
-    return out, printed.getvalue()
+    return train_quick("forecast", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +29,7 @@ def run_dir(trained):
 
 
 def test_the_run_ends_with_its_metrics_table_and_folder(trained):
-    out, printed = trained
-    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
+    assert_run_summary(trained)
 
 
 def _co2():

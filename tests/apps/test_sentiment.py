@@ -3,8 +3,6 @@ figures), the split written to metrics.json, baselines recomputed from it, and t
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import time
@@ -13,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_summary
+from helpers import assert_run_summary, train_quick
 from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer, normalize
 
 import multihead as mh
@@ -31,12 +29,7 @@ def corpora():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The quick run's folder and what it printed."""
-    out = tmp_path_factory.mktemp("sentiment")
-    args = ["train", "sentiment", "--quick", "--out", str(out), "--data", str(DATA)]
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        assert main([*args, "--no-progress"]) == 0
-    return out, printed.getvalue()
+    return train_quick("sentiment", tmp_path_factory, "--data", str(DATA))
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +38,7 @@ def run_dir(trained):
 
 
 def test_the_run_ends_with_its_metrics_table_and_folder(trained):
-    out, printed = trained
-    assert_summary(json.loads((out / "metrics.json").read_text()), printed, out)
+    assert_run_summary(trained)
 
 
 def test_data_as_documented(corpora):
