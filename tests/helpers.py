@@ -294,7 +294,11 @@ def twice_naive_errors(
 
 
 def train_quick(task: str, tmp_path_factory, *extra: str) -> tuple:
-    """``multihead train TASK --quick`` into a fresh folder: (the folder, what it printed)."""
+    """``multihead train TASK --quick`` into a fresh folder: (the folder, what it printed).
+
+    In fp32 unless ``extra`` says otherwise: ``--precision auto`` times the machine's matmuls,
+    and on a loaded machine that timing can pick bf16, which tests comparing a run's metrics
+    with an fp32 recomputation must not depend on."""
     import contextlib
     import io
 
@@ -303,7 +307,9 @@ def train_quick(task: str, tmp_path_factory, *extra: str) -> tuple:
     out = tmp_path_factory.mktemp(task)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["train", task, "--quick", "--out", str(out), *extra, "--no-progress"]) == 0
+        precision = [] if "--precision" in extra else ["--precision", "fp32"]
+        args = ["train", task, "--quick", "--out", str(out), *precision, *extra, "--no-progress"]
+        assert main(args) == 0
     return out, printed.getvalue()
 
 
