@@ -10,11 +10,15 @@ in registers; activations and sums stay float32).
 
 * ``RowsLinear``: an ``nn.Linear`` (same parameters, state dict and gradients) whose
   products of at most ``MAX_ROWS`` rows, outside autograd and outside traced graphs, run on
-  the kernel. Everything else runs on ``F.linear``.
+  the kernel where it measured faster than ``F.linear`` (the BLAS) for that shape on this
+  machine: the first product of each (rows, out, in) times both, interleaved, and the choice
+  is kept for the process (``kernel_choices()`` lists them). Everything else runs on
+  ``F.linear``.
 * ``PackedLinear``: weight-only ``"bf16"`` (rounded to nearest) or ``"int8"`` (symmetric, one
   float32 scale per output channel: scale = max |w| / 127 over the channel's inputs). It holds
-  no float32 weight; ``.weight`` dequantizes on access. Products of more rows (a prompt)
-  dequantize the weight and run on ``F.linear``.
+  no float32 weight; ``.weight`` dequantizes on access. Products of at most ``MAX_ROWS`` rows
+  always run on the kernel (the alternative dequantizes the whole matrix first); products of
+  more rows (a prompt) dequantize the weight and run on ``F.linear``.
 
 Where the kernel cannot be built (no compiler) both fall back to ``F.linear`` on the same
 numbers (``PackedLinear`` dequantizing each call): slower, never different beyond rounding.
@@ -26,7 +30,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,21 +45,25 @@ __all__ = [
     "PackedLinear",
     "RowsLinear",
     "dequantize_int8",
+    "kernel_choices",
     "kernel_error",
     "pack_linears",
     "quantize_int8",
     "rows_linear",
 ]
 
-# products of this many rows at most run on the kernel: one row per call (batch 1 decoding).
-# At 8 rows the kernel measured 0.4-0.5x MKL's fp32 GEMM on GPT-2-small shapes (2-core Xeon),
-# so batches run on F.linear (PackedLinear dequantizing first); the kernel takes up to 16
-MAX_ROWS = 1
+# products of this many rows at most may run on the kernel: decoding batches of up to 16
+# sequences. The kernel holds up to 8 rows x a few channels in registers, so each weight read
+# serves every row; past 16 rows a BLAS GEMM reuses weights better
+MAX_ROWS = 16
 WEIGHT_FORMATS = ("bf16", "int8")
 _SOURCE = Path(__file__).parent / "csrc" / "rows_linear.cpp"
 
 _module = None
 _error: str | None = None
+# (rows, out, in) -> whether the kernel measured faster than F.linear on float32 weights
+_faster: dict[tuple[int, int, int], bool] = {}
+_TIMINGS = 5  # interleaved timings of each side per shape; the medians decide
 
 
 def _build():
@@ -132,13 +142,48 @@ def _on_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | N
     return rows_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
 
 
+def _seconds(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def _kernel_faster(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether the kernel beats ``F.linear`` on this product's shape, timed on first use with
+    the call's own tensors (both warmed up, then ``_TIMINGS`` runs each, interleaved so that
+    load from elsewhere falls on both) and kept for the process."""
+    rows = x.numel() // x.shape[-1]
+    key = (rows, weight.shape[0], weight.shape[1])
+    if key not in _faster:
+        flat = x.reshape(rows, x.shape[-1])
+        sides = ((rows_linear, (flat, weight, None, bias)), (F.linear, (flat, weight, bias)))
+        times: list[list[float]] = [[], []]
+        for fn, args in sides:
+            fn(*args)
+        for _ in range(_TIMINGS):
+            for i, (fn, args) in enumerate(sides):
+                times[i].append(_seconds(fn, *args))
+        _faster[key] = statistics.median(times[0]) < statistics.median(times[1])
+    return _faster[key]
+
+
+def kernel_choices() -> dict[tuple[int, int, int], str]:
+    """The products timed so far in this process: (rows, out, in) -> "kernel" or "blas"."""
+    return {key: "kernel" if fast else "blas" for key, fast in _faster.items()}
+
+
 class RowsLinear(nn.Linear):
     """``nn.Linear`` whose products of at most ``MAX_ROWS`` rows, outside autograd, run on the
-    multi-core few-row kernel (see the module docstring); the weight stays the usual (out, in)
-    contiguous float32 parameter."""
+    multi-core few-row kernel where it measured faster than ``F.linear`` for that shape (see
+    the module docstring); the weight stays the usual (out, in) contiguous float32
+    parameter."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.weight.dtype == torch.float32 and _kernel_fits(x):
+        if (
+            self.weight.dtype == torch.float32
+            and _kernel_fits(x)
+            and _kernel_faster(x, self.weight, self.bias)
+        ):
             return _on_kernel(x, self.weight, None, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -27,7 +27,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (k + 2) * u * mags
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16])
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
 def test_kernel_equals_float64_dequantized_product(fmt, rows):
     """K = 100 leaves a tail after the 16-lane blocks; N = 37 splits unevenly over tasks."""
@@ -50,9 +50,13 @@ def test_kernel_equals_float64_dequantized_product(fmt, rows):
     assert (got - want).abs().le(bound).all()
 
 
-def test_kernel_is_bitwise_the_same_for_any_thread_count():
+@pytest.mark.parametrize("rows", [1, 8, 11])
+def test_kernel_is_bitwise_the_same_for_any_thread_count_and_row_count(rows):
+    """Each output is summed in one fixed order whatever task, channel block (4, 2 or 1
+    channels at a time) and row block it falls in: one thread or two, and one row alone or
+    among others, give the same bits. K = 100 leaves a tail; N = 301 splits unevenly."""
     g = torch.Generator().manual_seed(1)
-    w, x = torch.randn(300, 64, generator=g), torch.randn(1, 64, generator=g)
+    w, x = torch.randn(301, 100, generator=g), torch.randn(rows, 100, generator=g)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -62,6 +66,36 @@ def test_kernel_is_bitwise_the_same_for_any_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+    alone = torch.cat([quant.rows_linear(x[r : r + 1], w, None, None) for r in range(rows)])
+    assert torch.equal(alone, two)
+
+
+@pytest.mark.parametrize("kernel_faster", [True, False])
+def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_faster):
+    """RowsLinear times the kernel against F.linear once per (rows, out, in) and keeps the
+    faster: with the timings made up, each side is chosen when it is the faster, the choice is
+    listed, and a second call does not time again."""
+    monkeypatch.setattr(quant, "_faster", {})
+    timed = []
+
+    def seconds(fn, *args):
+        timed.append(fn)
+        fast = (fn is quant.rows_linear) == kernel_faster
+        return 1e-3 if fast else 2e-3
+
+    monkeypatch.setattr(quant, "_seconds", seconds)
+    ran = []
+    real_kernel = quant._on_kernel
+    monkeypatch.setattr(quant, "_on_kernel", lambda *a: ran.append("kernel") or real_kernel(*a))
+    layer = quant.pack_linears(torch.nn.Sequential(torch.nn.Linear(40, 24)), None)[0]
+    x = torch.randn(3, 40)
+    with torch.inference_mode():
+        got = layer(x)
+        layer(x)
+    assert len(timed) == 2 * quant._TIMINGS  # once, on the first call
+    assert quant.kernel_choices() == {(3, 24, 40): "kernel" if kernel_faster else "blas"}
+    assert ran == (["kernel", "kernel"] if kernel_faster else [])
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 def test_quantize_int8_rounds_to_the_nearest_step():

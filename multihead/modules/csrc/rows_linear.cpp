@@ -1,17 +1,23 @@
 // Products of a few rows by a large weight matrix: the one-row products of decoding.
 //
 // out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n], for x float32 (M, K) with M small
-// (one row per sequence being decoded) and w (N, K) row-major in float32, bfloat16 or int8
-// (weight-only quantization with one scale per output channel). The weights are read once
-// per call and converted to float32 in registers; activations and sums stay float32.
+// (one row per sequence being decoded, 16 at most) and w (N, K) row-major in float32, bfloat16
+// or int8 (weight-only quantization with one scale per output channel). The weights are read
+// once per call and widened to float32 in registers; activations and sums stay float32.
 //
 // A BLAS runs such a product as a matrix-vector product that one core streams; here the
 // output channels are split over torch's intra-op pool (at::parallel_for), so every core
-// streams its share of the weights and torch.set_num_threads governs it. Each output is
-// summed by one task in a fixed order: results are bitwise reproducible for any thread count.
+// streams its share of the weights and torch.set_num_threads governs it.
 //
-// The inner loops keep 16 independent float lanes per row, so the compiler vectorizes them
-// (one AVX-512 or two AVX2 fused multiply-adds per 16 weights) without reassociating a sum.
+// Register blocking: a task walks its channels NB at a time and the rows R at a time (R <= 8),
+// keeping R x NB vectors of 16 partial sums in registers; each 16 weights loaded (and widened)
+// serve all R rows, and each 16 activations loaded serve all NB channels. Few rows give few
+// accumulators, so one row takes NB = 4 channels: four independent chains of fused
+// multiply-adds hide their latency.
+//
+// Every output is summed the same way whatever the blocking and the task it falls in: 16 lane
+// sums over k in order, a fixed tree over the lanes, then the K % 16 tail in order. Results are
+// therefore bitwise the same for any thread count, row count and channel split.
 
 #include <torch/extension.h>
 
@@ -21,12 +27,16 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGrain = 16;  // output channels per task at least: amortizes the dispatch
-constexpr int64_t kBlock = 512;  // weights widened at a time (2 KiB of floats: L1)
-constexpr int64_t kMaxRows = 16;  // rows per call at most (MAX_ROWS in quant.py)
+constexpr int64_t kMaxRows = 16;  // rows per call at most (the Python side's limit)
+constexpr int kRowBlock = 8;  // rows held in registers at once
 
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
@@ -37,44 +47,116 @@ inline float widen(c10::BFloat16 v) {
   return f;
 }
 
-// One row of x against a block of float weights: acc[l] += sum over the block's lanes
-inline void dot_block(const float* x, const float* w, int64_t len, float* acc) {
+#if defined(__AVX512F__)
+
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen the 16-bit words and shift them up
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Vec vload(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+#else  // portable: 16 float lanes the compiler may vectorize
+
+struct Vec {
+  float v[kLanes];
+};
+inline Vec vzero() { return Vec{}; }
+template <typename W>
+inline Vec vload(const W* p) {
+  Vec out;
+  for (int64_t l = 0; l < kLanes; ++l) out.v[l] = widen(p[l]);
+  return out;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int64_t l = 0; l < kLanes; ++l) c.v[l] += a.v[l] * b.v[l];
+  return c;
+}
+inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
+inline void prefetch(const void*) {}
+
+#endif
+
+// The lanes' sum in a fixed tree (the same on every path): pairs 8 apart, then 4, 2, 1.
+inline float lanes_sum(Vec v) {
   float a[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) a[l] = acc[l];
-  for (int64_t i = 0; i + kLanes <= len; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) a[l] += x[i + l] * w[i + l];
+  vstore(a, v);
+  for (int64_t half = kLanes / 2; half >= 1; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) a[l] += a[l + half];
   }
-  for (int64_t l = 0; l < kLanes; ++l) acc[l] = a[l];
+  return a[0];
 }
 
-inline const float* as_float(const float* w, int64_t len, float* buffer) { return w; }
-
-template <typename W>
-inline const float* as_float(const W* w, int64_t len, float* buffer) {
-  for (int64_t i = 0; i < len; ++i) buffer[i] = widen(w[i]);
-  return buffer;
-}
-
-// R rows of x against one weight row w (K entries): sums[r] = sum_k x[r, k] * w[k]. The
-// weights are widened a block at a time into a float buffer that stays in L1, then every row
-// runs over the block.
-template <typename W>
-inline void dot_rows(const float* x, int64_t ldx, int64_t R, const W* w, int64_t K,
-                     float* sums) {
-  float acc[kMaxRows][kLanes] = {};
-  float buffer[kBlock];
+// R rows of x (row stride ldx) against NB weight rows starting at w (row stride K):
+// sums[r * NB + j] = sum_k x[r, k] * w[j, k].
+template <int R, int NB, typename W>
+inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sums) {
+  Vec acc[R][NB];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+  }
   const int64_t whole = K / kLanes * kLanes;
-  for (int64_t k0 = 0; k0 < whole; k0 += kBlock) {
-    const int64_t len = std::min(kBlock, whole - k0);
-    const float* wf = as_float(w + k0, len, buffer);
-    for (int64_t r = 0; r < R; ++r) dot_block(x + r * ldx + k0, wf, len, acc[r]);
+  // the next NB weight rows follow these in memory: fetch them one block ahead (a row of
+  // int8 weights is only a few cache lines, too short for the hardware prefetcher to ramp up)
+  constexpr int64_t kLine = 64 / sizeof(W);
+  for (int64_t k = 0; k < whole; k += kLanes) {
+    if (k % kLine == 0) {
+      for (int j = 0; j < NB; ++j) prefetch(w + (NB + j) * K + k);
+    }
+    Vec wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = vload(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(x + r * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+    }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float s = 0.0f;
-    for (int64_t l = 0; l < kLanes; ++l) s += acc[r][l];
+  for (int r = 0; r < R; ++r) {
     const float* xr = x + r * ldx;
-    for (int64_t t = whole; t < K; ++t) s += xr[t] * widen(w[t]);
-    sums[r] = s;
+    for (int j = 0; j < NB; ++j) {
+      float s = lanes_sum(acc[r][j]);
+      const W* wj = w + j * K;
+      for (int64_t t = whole; t < K; ++t) s += xr[t] * widen(wj[t]);
+      sums[r * NB + j] = s;
+    }
+  }
+}
+
+// Channels [n, n + NB) for rows [0, M): R rows at a time, then the output's scale and bias.
+template <int NB, typename W>
+inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n, int64_t N,
+                     const float* scale, const float* bias, float* out) {
+  float sums[kRowBlock * NB];
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+    const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
+    const float* xr = x + r0 * K;
+    const W* wn = w + n * K;
+    switch (rows) {
+      case 1: block<1, NB>(xr, K, wn, K, sums); break;
+      case 2: block<2, NB>(xr, K, wn, K, sums); break;
+      case 3: block<3, NB>(xr, K, wn, K, sums); break;
+      case 4: block<4, NB>(xr, K, wn, K, sums); break;
+      case 5: block<5, NB>(xr, K, wn, K, sums); break;
+      case 6: block<6, NB>(xr, K, wn, K, sums); break;
+      case 7: block<7, NB>(xr, K, wn, K, sums); break;
+      default: block<8, NB>(xr, K, wn, K, sums); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int j = 0; j < NB; ++j) {
+        const int64_t c = n + j;
+        const float s = scale ? scale[c] : 1.0f;
+        const float b = bias ? bias[c] : 0.0f;
+        out[(r0 + r) * N + c] = sums[r * NB + j] * s + b;
+      }
+    }
   }
 }
 
@@ -82,14 +164,14 @@ template <typename W>
 void rows_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
                  const float* scale, const float* bias, float* out) {
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    float sums[kMaxRows];
-    for (int64_t n = n0; n < n1; ++n) {
-      const W* wn = w + n * K;
-      const float s = scale ? scale[n] : 1.0f;
-      const float b = bias ? bias[n] : 0.0f;
-      dot_rows(x, K, M, wn, K, sums);
-      for (int64_t r = 0; r < M; ++r) out[r * N + n] = sums[r] * s + b;
+    int64_t n = n0;
+    // more rows hold more accumulators: fewer channels at a time keep them in registers
+    if (M <= 4) {
+      for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, w, n, N, scale, bias, out);
+    } else {
+      for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, w, n, N, scale, bias, out);
     }
+    for (; n < n1; ++n) channels<1>(x, M, K, w, n, N, scale, bias, out);
   });
 }
 
