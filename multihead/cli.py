@@ -483,8 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train_bench = add_bench(
         "train",
-        "training samples/s of the train apps: eager fp32 against compiled, bf16 autocast and "
-        "both, with graph breaks and the measured matmul peaks",
+        "training samples/s of the train apps: eager fp32 against compiled, bf16 autocast, "
+        "both, and --precision auto, with graph breaks and the measured matmul peaks",
         _bench_train,
         repeats=False,
     )
@@ -492,9 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                              choices=("sentiment", "forecast", "crossmodal"),
                              help="apps to time (default all three)")  # fmt: skip
     train_bench.add_argument("--variants", nargs="+",
-                             default=["eager", "compiled", "bf16", "compiled-bf16"],
-                             choices=("eager", "compiled", "bf16", "compiled-bf16"),
-                             help="step variants (default all four)")  # fmt: skip
+                             default=["eager", "compiled", "bf16", "compiled-bf16", "auto"],
+                             choices=("eager", "compiled", "bf16", "compiled-bf16", "auto"),
+                             help="step variants; auto is --precision auto, which times the "
+                             "task's step in fp32 and bf16 first (default all five)")  # fmt: skip
     train_bench.add_argument(
         "--steps", type=_positive_int, default=20, help="steps per variant (2 untimed)"
     )

@@ -61,12 +61,21 @@ class Options:
                 raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
 
     def resolve_precision(self, info: Dist, say=None) -> None:
-        """Turn ``auto`` into fp32 or bf16 by measurement (``precision.choose``, which also
-        warns through ``say`` about bf16 on a machine where it is slower); the choice and the
-        measured peaks are kept in ``precision_choice`` for metrics.json."""
-        if self.precision_choice is None:
+        """Record an explicit ``--precision`` (``precision.choose``, which warns through
+        ``say`` about bf16 on a machine where it is slower; the choice and the measured peaks
+        are kept in ``precision_choice`` for metrics.json). ``auto`` stays ``auto`` here: the
+        run's first training (``loop.fit``) times its model's step under both precisions and
+        ``adopt`` takes its choice for the rest of the run."""
+        if self.precision_choice is None and self.precision != "auto":
             self.precision_choice = choose(self.precision, info.device, say=say)
             self.precision = self.precision_choice.precision
+
+    def adopt(self, result: FitResult) -> None:
+        """After a training: if the run's precision was still ``auto``, take the one that
+        training resolved (so later trainings and the evaluation run under it)."""
+        if self.precision == "auto" and result.precision_choice is not None:
+            self.precision_choice = result.precision_choice
+            self.precision = result.precision
 
     def train_config(self, *, epochs: int, **kwargs: Any) -> TrainConfig:
         """The task's training settings with the command line's overrides applied."""

@@ -270,6 +270,7 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
         if options.quick and config.max_steps is None:
             config.max_steps = 6
         fitted[name] = fit(m, len(answers), collate, loss_fn, config, info, desc=name)
+        options.adopt(fitted[name])
     if out is None:
         return {}
     save(models["model"], out / "model")

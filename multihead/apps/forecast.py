@@ -362,6 +362,7 @@ def _train_one(
 
     result = fit(model, starts, collate, loss_fn, config, info, desc=series.name,
                  after_epoch=after_epoch)  # fmt: skip
+    options.adopt(result)
     model.load_state_dict(best[2])
     selection = {
         "validation_index": [series.validation_start, series.train_end],

@@ -457,6 +457,7 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
     config = options.train_config(epochs=recipe.epochs, batch_size=recipe.batch_size,
                                   lr=recipe.lr)  # fmt: skip
     result = _fit(model, blocks, config, info, after_epoch, steps_done)
+    options.adopt(result)
     if out is None:
         return {}
     model.eval()

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .precision import PrecisionChoice, choose
+
 __all__ = ["PRECISIONS", "Dist", "FitResult", "TrainConfig", "autocast", "fit", "setup"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -122,6 +124,8 @@ class FitResult:
     first_step_s: float
     compile: dict[str, Any] | None = None
     precision: str = "fp32"  # what autocast ran under (``auto`` resolved)
+    # how ``auto`` was resolved (the timed steps), when it was asked for
+    precision_choice: PrecisionChoice | None = None
 
     def summary(self) -> dict[str, Any]:
         out = {
@@ -189,6 +193,7 @@ class _Run:
     sizes: list[int] = field(default_factory=list)
     compile_report: dict[str, Any] | None = None
     graphs_before: int = 0  # dynamo's graph count when the compiled step started
+    ready: tuple[Tensor, Any] | None = None  # a global batch already collated (auto's probe)
 
     @property
     def step(self) -> int:
@@ -288,7 +293,11 @@ def _train_step(
     info: Dist,
 ) -> float:  # fmt: skip
     t0 = time.perf_counter()
-    batch = collate(global_batch.tensor_split(info.world)[info.rank])
+    if run.ready is not None and torch.equal(run.ready[0], global_batch):
+        batch = run.ready[1]
+    else:
+        batch = collate(global_batch.tensor_split(info.world)[info.rank])
+    run.ready = None
     if config.compile and run.compile_report is None and info.main:
         run.compile_report = _explain(run.step_loss, run.model, batch)
         run.graphs_before = _graphs_compiled()
@@ -319,6 +328,58 @@ def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def _step_timer(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Tensor], device: torch.device
+) -> Callable[[str], float]:
+    """A function timing one forward and backward pass of ``model`` on ``batch`` under a
+    precision's autocast, for ``precision.choose``. It leaves no trace: the gradients are
+    dropped, the random state (dropout) and the buffers (running statistics) are put back, and
+    no optimizer step is taken."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def once(precision: str) -> float:
+        cpu_rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        model.train()
+        sync()
+        start = time.perf_counter()
+        with autocast(precision, device):
+            loss = loss_fn(model, batch).float().sum()
+        loss.backward()
+        sync()
+        seconds = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+        return seconds
+
+    return once
+
+
+def _resolve_auto(
+    model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Tensor], info: Dist
+) -> PrecisionChoice:
+    """``precision="auto"`` resolved by timing the model's step (``precision.choose``). Under
+    ``torchrun`` rank 0 decides and every process takes its choice: processes timing at once
+    on one machine could disagree."""
+    choice = None
+    if info.main:
+        model.to(info.device)
+        choice = choose("auto", info.device, time_step=_step_timer(model, batch, loss_fn,
+                                                                   info.device))  # fmt: skip
+    if info.world > 1:
+        shared = [choice]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        choice = shared[0]
+    assert choice is not None  # rank 0 always decides
+    return choice
 
 
 def _result(run: _Run, epoch_losses: list[float], seconds: float, precision: str) -> FitResult:
@@ -372,12 +433,17 @@ def fit(
     """
     from tqdm.auto import tqdm
 
-    from .precision import choose
-
     _check_sizes(count, config, info)
+    choice = ready = None
     if config.precision == "auto":
-        config = replace(config, precision=choose("auto", info.device).precision)
+        # timed on the first batch, which the first step then takes as collated
+        first = next(b for b in _batches(count, config.batch_size, config.seed, lengths)
+                     if len(b) >= info.world)  # fmt: skip
+        ready = (first, collate(first.tensor_split(info.world)[info.rank]))
+        choice = _resolve_auto(model, ready[1], loss_fn, info)
+        config = replace(config, precision=choice.precision)
     run = _start(model, count, loss_fn, config, info, param_groups)
+    run.ready = ready
     epoch_losses: list[float] = []
     start = time.perf_counter()
     for epoch in range(config.epochs):
@@ -397,4 +463,6 @@ def fit(
             after_epoch(epoch + 1)
         if run.step >= run.total:
             break
-    return _result(run, epoch_losses, time.perf_counter() - start, config.precision)
+    result = _result(run, epoch_losses, time.perf_counter() - start, config.precision)
+    result.precision_choice = choice
+    return result

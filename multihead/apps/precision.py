@@ -1,15 +1,25 @@
-"""``--precision auto``: train under bf16 autocast only where this machine's bf16 matmuls are
-faster than its fp32 ones, measured, not guessed from CPU flags.
+"""``--precision auto``: train under bf16 autocast only where it makes this model's training
+step faster on this machine, measured, not guessed from CPU flags.
 
 An Intel Xeon with AVX512-BF16 but no AMX runs a bf16 matmul at about 0.6x its fp32 speed, so
-bf16 autocast can only slow training there; a CPU with AMX, or a GPU, runs bf16 several times
-faster. ``choose`` times one square matmul of each dtype once per process and device (about a
-quarter of a second on 2 cores) and decides from the ratio; ``--precision bf16`` on a machine
-where bf16 is slower still trains in bf16, after one line saying by how much.
+bf16 autocast can only slow training there; a CPU with AMX, an AMD EPYC of the Zen 4 family,
+or a GPU runs bf16 matmuls two or more times faster. Even there bf16 autocast pays only for a
+model whose step is dominated by large matmuls: it casts weights and activations at every op
+and keeps norms, softmax statistics and losses in fp32, so a small model's step (many small
+ops) can get slower.
+
+``choose`` therefore decides in two stages. It times one square matmul of each dtype (once
+per process and device, about a quarter of a second on 2 cores): where bf16 is not faster,
+fp32 it is. Otherwise, given ``time_step`` (``loop.fit`` passes one that runs a forward and
+backward pass of the model being trained on its first batch), it times the step under both
+and takes bf16 only where it is at least ``STEP_PAYS`` times faster; without one it falls
+back to the matmul ratio (``PAYS``). ``--precision bf16`` on a machine where bf16 is slower
+still trains in bf16, after one line saying by how much.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,15 +27,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["REQUESTS", "Peaks", "PrecisionChoice", "choose", "matmul_peaks"]
+__all__ = ["REQUESTS", "STEP_PAYS", "Peaks", "PrecisionChoice", "choose", "matmul_peaks"]
 
 REQUESTS = ("auto", "fp32", "bf16", "fp16")  # what --precision takes
 # bf16 must measure at least this much faster than fp32 for auto to choose it: autocast casts
 # weights and activations at every step and keeps softmax statistics, norms and losses in fp32,
 # so only part of a step runs at the bf16 rate and a small edge in the matmul does not pay
 PAYS = 1.5
+# a timed training step in bf16 must be this much faster than in fp32: a tie keeps fp32, the
+# more accurate, and the margin covers the timing's noise (a step timed 3 times per precision)
+STEP_PAYS = 1.05
 _SIZE = 512  # n of the n x n matmuls timed: 0.27 GFLOP each, past the small-size overheads
 _REPEATS = 7
+_STEP_REPEATS = 3  # timed steps per precision, after one untimed warm-up of each
 
 _measured: dict[str, Peaks] = {}  # per device, for the process
 
@@ -54,6 +68,8 @@ class PrecisionChoice:
     precision: str  # fp32, bf16 or fp16: what autocast is given
     reason: str
     peaks: Peaks | None = None  # measured for auto and bf16
+    # auto with a step to time: the median seconds of the model's step per precision
+    step_seconds: dict[str, float] | None = None
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -61,6 +77,8 @@ class PrecisionChoice:
             "chosen": self.precision,
             "reason": self.reason,
         }
+        if self.step_seconds is not None:
+            out["step_seconds"] = {k: round(v, 6) for k, v in self.step_seconds.items()}
         if self.peaks is not None:
             out.update(
                 fp32_matmul_gflops=round(self.peaks.fp32_gflops, 1),
@@ -111,18 +129,34 @@ def matmul_peaks(device: torch.device | str = "cpu") -> Peaks:
     return _measured[key]
 
 
+def _time_steps(time_step: Callable[[str], float]) -> dict[str, float]:
+    """Median seconds of ``time_step`` under fp32 and bf16: one warm-up of each, then
+    ``_STEP_REPEATS`` of each, alternating."""
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    for precision in times:
+        time_step(precision)
+    for _ in range(_STEP_REPEATS):
+        for precision, seen in times.items():
+            seen.append(time_step(precision))
+    return {precision: statistics.median(seen) for precision, seen in times.items()}
+
+
 def choose(
     requested: str,
     device: torch.device | str = "cpu",
     *,
     say: Callable[[str], None] | None = None,
+    time_step: Callable[[str], float] | None = None,
 ) -> PrecisionChoice:
     """The precision to train under for ``--precision requested`` on ``device``.
 
-    ``auto`` measures the matmul peaks (``matmul_peaks``) and picks bf16 where it is at least
-    ``PAYS`` times faster than fp32, else fp32. ``bf16`` is kept as asked; where it measures
-    slower than fp32, ``say`` gets one line with the measured ratio. ``fp32`` and ``fp16``
-    are kept without measuring.
+    ``auto`` measures the matmul peaks (``matmul_peaks``): where bf16 is not faster than
+    fp32, fp32. Otherwise, with ``time_step`` (a function that runs one training step under
+    "fp32" or "bf16" autocast, leaves the model as it found it and returns the seconds taken),
+    bf16 where the step is at least ``STEP_PAYS`` times faster in bf16 (medians of
+    ``_STEP_REPEATS`` interleaved runs); without it, bf16 where the matmul is at least ``PAYS``
+    times faster. ``bf16`` is kept as asked; where it measures slower than fp32, ``say`` gets
+    one line with the measured ratio. ``fp32`` and ``fp16`` are kept without measuring.
 
     Raises:
         ValueError: ``requested`` is not one of ``REQUESTS``.
@@ -146,6 +180,20 @@ def choose(
                 "(--precision auto picks fp32 here)"
             )
         return PrecisionChoice("bf16", "bf16", f"asked for; {rates}", peaks)
+    if peaks.ratio < 1:
+        return PrecisionChoice("auto", "fp32", f"bf16 does not pay: {rates} < 1x", peaks)
+    if time_step is not None:
+        steps = _time_steps(time_step)
+        speedup = steps["fp32"] / steps["bf16"]
+        timed = (
+            f"this model's training step {steps['bf16'] * 1e3:.1f} ms in bf16 against "
+            f"{steps['fp32'] * 1e3:.1f} ms in fp32 ({speedup:.2f}x faster); {rates}"
+        )
+        if speedup >= STEP_PAYS:
+            return PrecisionChoice("auto", "bf16", f"bf16 pays: {timed}", peaks, steps)
+        return PrecisionChoice(
+            "auto", "fp32", f"bf16 does not pay: {timed} < {STEP_PAYS}x", peaks, steps
+        )
     if peaks.ratio >= PAYS:
         return PrecisionChoice("auto", "bf16", f"bf16 pays: {rates} >= {PAYS}x", peaks)
     return PrecisionChoice("auto", "fp32", f"bf16 does not pay: {rates} < {PAYS}x", peaks)

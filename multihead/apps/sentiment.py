@@ -670,6 +670,7 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
         d.ids = encode(pretrained.tokenizer, d.corpus.texts, max_tokens)
 
     model, result = _fit_regressor(pretrained, domains, max_tokens, options, info)
+    options.adopt(result)
     fitted = {"model": result}
     baseline = None
     if options.baselines:
