@@ -19,7 +19,9 @@ tokens: the baseline the model must beat.
 
 The run folder is a transformers-format model folder (config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json) that ``multihead.models.load`` opens, plus
-metrics.json, loss_curve.png and samples.txt. Needs the ``train`` extra.
+metrics.json, loss_curve.png, samples.txt and held_out.txt (the held-out texts, one per line:
+what ``multihead bench decode --model DIR --text DIR/held_out.txt`` scores the packed weight
+formats on). Needs the ``train`` extra.
 """
 
 from __future__ import annotations
@@ -482,6 +484,7 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
     save_pretrained(model, out)
     samples = _samples(model, data["held"], options.seed)
     (out / "samples.txt").write_text(_samples_text(samples))
+    (out / "held_out.txt").write_text("".join(f"{t}\n" for t in data["held"]), encoding="utf-8")
     _loss_figure(result, curve, table, out / "loss_curve.png", _describe(model, options.arch))
     parameters = sum(p.numel() for p in model.parameters())
     metrics = {
@@ -498,7 +501,11 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
         },
         "steps": result.steps,
         "seconds": round(result.seconds, 2),
-        "precision": options.precision,
+        "precision": (
+            options.precision_choice.as_json()
+            if options.precision_choice is not None
+            else {"requested": options.precision, "chosen": options.precision}
+        ),
         "evaluation_precision": "fp32",
         "data": {
             "path": str(DEFAULT_DATA if options.data is None else options.data),
@@ -527,6 +534,7 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
             "tokenizer_config.json",
             "loss_curve.png",
             "samples.txt",
+            "held_out.txt",
         ],
     }
     return finish(metrics, options, info, started, out)

@@ -39,14 +39,19 @@ def checks_inputs(run: Callable[[Call], Result]) -> Callable[[Call], Result]:
     return run
 
 
-def _finite(t: Tensor) -> bool:
-    """True when every entry is finite. One reduction, no bool copy; a sum that overflows only
-    sends a finite tensor down the careful path, which is still exact."""
-    if t.numel() == 0:
+def _finite(*tensors: Tensor) -> bool:
+    """True when every entry of every tensor is finite. One reduction per tensor and one read
+    on the host for all of them, no bool copy; a sum that overflows only sends finite tensors
+    down the careful path, which is still exact."""
+    tensors = tuple(t for t in tensors if t.numel())
+    if not tensors:
         return True
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        return bool(torch.isfinite(t.sum(dtype=acc)))
+        total = tensors[0].sum(dtype=acc)
+        for t in tensors[1:]:
+            total = total + t.sum(dtype=acc)
+        return bool(torch.isfinite(total))
 
 
 def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = True) -> Result:
@@ -62,7 +67,7 @@ def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = Tru
             return run(call)
         except NonFiniteInput:
             pass
-    elif _finite(q) and _finite(k) and (not values or _finite(v)):
+    elif _finite(q, k, v) if values else _finite(q, k):
         return run(call)
     with torch.no_grad():
         q_bad = ~torch.isfinite(q).all(-1)  # [B, H, L]

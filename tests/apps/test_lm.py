@@ -16,7 +16,7 @@ import pytest
 from helpers import train_quick
 
 import multihead as mh
-from multihead.apps import lm
+from multihead.apps import Options, lm
 from multihead.cli import main
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "vader-sentiment"
@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
 def test_the_run_writes_a_folder_the_loaders_open(trained):
     out, printed = trained
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.json",
-                 "loss_curve.png", "samples.txt"):  # fmt: skip
+                 "loss_curve.png", "samples.txt", "held_out.txt"):  # fmt: skip
         assert (out / name).is_file(), name
     assert printed.rstrip().splitlines()[-1] == f"wrote {out}"
     model = mh.models.load(out)
@@ -44,6 +44,10 @@ def test_the_run_writes_a_folder_the_loaders_open(trained):
         < metrics["metrics"]["unigram_add_one"]["perplexity"]
     )
     assert metrics["parameters"] == sum(p.numel() for p in model.parameters())
+    # the held-out texts, one per line: exactly the split's held-out share, none trained on
+    held = (out / "held_out.txt").read_text(encoding="utf-8").splitlines()
+    want = lm._data(Options(out=out, quick=True, data=DATA), lm.QUICK)["held"]
+    assert held == want and len(held) == metrics["data"]["held_out_texts"]
 
 
 def test_the_tokenizer_round_trips_and_matches_transformers(trained):
