@@ -134,8 +134,12 @@ def test_a_training_step_with_precision_auto_on_cuda():
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 1))
     cfg = TrainConfig(epochs=3, batch_size=64, lr=1e-2, precision="auto", progress=False)
     device = torch.device("cuda")
-    result = fit(model, 512, lambda i: (x[i].to(device), y[i].to(device)),
-                 lambda m, b: (m(b[0])[:, 0].float() - b[1]).pow(2), cfg, Dist(device=device))  # fmt: skip
+
+    def loss_fn(m, batch):
+        return (m(batch[0])[:, 0].float() - batch[1]).pow(2)
+
+    collate = lambda i: (x[i].to(device), y[i].to(device))  # noqa: E731
+    result = fit(model, 512, collate, loss_fn, cfg, Dist(device=device))
     assert result.precision in ("fp32", "bf16")
     assert result.precision_choice.step_seconds is not None  # bf16 matmuls are faster on a GPU
     assert result.epoch_losses[-1] < result.epoch_losses[0]
