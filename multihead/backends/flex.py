@@ -47,6 +47,7 @@ __all__ = [
 
 BLOCK = 128  # query rows and keys per sparse block: FlexAttention's default (64 ran no faster)
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # Inductor's CPU template
+_CUDA_MIN_HEAD_DIM = 16
 _KERNELS_KEPT = 32  # compiled kernels kept per process (least recently used dropped first)
 _BLOCK_MASKS_KEPT = 16  # block masks of (L, S)-only structures kept for reuse
 
@@ -115,6 +116,14 @@ def _unsupported(call: Call) -> str | None:
     if not torch._dynamo.is_dynamo_supported():
         return "torch.compile is not supported on this Python version"
     dtype = call.query.dtype
+    d, d_v = call.query.shape[-1], call.value.shape[-1]
+    if call.device_type == "cuda" and min(d, d_v) < _CUDA_MIN_HEAD_DIM:
+        # Inductor refuses to lower it ("NYI: embedding dimension ... must be at least 16"),
+        # seen on an H100 with torch 2.11: say so here instead of failing a compile
+        return (
+            f"Inductor's CUDA FlexAttention kernel needs head dims of at least "
+            f"{_CUDA_MIN_HEAD_DIM}; received D={d}, D_v={d_v}"
+        )
     if call.query.device.type == "cpu":
         if dtype not in _CPU_DTYPES:
             return (

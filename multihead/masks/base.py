@@ -573,6 +573,9 @@ class _Combine(Mask):
         self.b.check(batch, heads, length_q, length_k)
 
     def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None):
+        # one device for both sides: a causal mask (anywhere) & lengths on a GPU must not
+        # give a CPU block and a GPU block
+        device = device if device is not None else self._home
         x = self.a.block(length_q, length_k, q0, q1, k0, k1, batch=batch, device=device)
         y = self.b.block(length_q, length_k, q0, q1, k0, k1, batch=batch, device=device)
         return (x & y) if self.op == "&" else (x | y)

@@ -414,8 +414,8 @@ def test_empty_sequences_and_export_are_refused(monkeypatch):
 # ---------------------------------------------------------------- auto
 
 
-def _choose(length, mask, *, bias=None, grad=False, dtype=torch.float32):
-    q, k, v = qkv(1, 2, 2, length, length, 8, dtype=dtype, requires_grad=grad)
+def _choose(length, mask, *, bias=None, grad=False, dtype=torch.float32, head_dim=16):
+    q, k, v = qkv(1, 2, 2, length, length, head_dim, dtype=dtype, requires_grad=grad)
     return mh.explain_backend(q, k, v, mask, bias=bias)
 
 
@@ -465,8 +465,19 @@ def test_auto_uses_flex_as_the_cuda_path_for_structured_masks(monkeypatch, mask,
     if expected == "flex":
         assert "one compiled kernel skips the blocks the mask hides" in choice.reasons["sdpa"]
     # what flex cannot honour still goes elsewhere on a GPU
-    q, k, v = qkv(1, 2, 2, 8, 8, 8, dtype=torch.float32)
+    q, k, v = qkv(1, 2, 2, 8, 8, 16, dtype=torch.float32)
     assert mh.explain_backend(q, k, v, mask, bias=bias, weights=True).backend == "tiled"
+
+
+def test_flex_is_not_asked_on_cuda_for_head_dims_under_16(monkeypatch):
+    """Inductor refuses to lower CUDA FlexAttention for D < 16 (seen on an H100, torch 2.11:
+    every such call paid for a failed compile and a warning before running elsewhere)."""
+    monkeypatch.setattr(Call, "device_type", property(lambda call: "cuda"))
+    choice = _choose(8, masks.sliding_window(2), head_dim=8)
+    assert choice.backend != "flex"
+    assert choice.reasons["flex"] == (
+        "Inductor's CUDA FlexAttention kernel needs head dims of at least 16; received D=8, D_v=8"
+    )
 
 
 # ---------------------------------------------------------------- bench

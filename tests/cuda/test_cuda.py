@@ -143,3 +143,11 @@ def test_a_training_step_with_precision_auto_on_cuda():
     assert result.precision in ("fp32", "bf16")
     assert result.precision_choice.step_seconds is not None  # bf16 matmuls are faster on a GPU
     assert result.epoch_losses[-1] < result.epoch_losses[0]
+
+
+def test_a_mask_holding_cuda_tensors_draws_itself():
+    """print(mask) of a combined mask whose parts live on different devices (causal needs
+    none, the lengths are on the GPU): the picture is computed on one device."""
+    mask = masks.causal() & masks.lengths(torch.tensor([3, 0], device="cuda"))
+    picture = repr(mask).splitlines()
+    assert picture[-1].strip().startswith("###") and "." in picture[-1]
