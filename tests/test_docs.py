@@ -4,7 +4,8 @@ command-line reference covers every command the parser has.
 Each page's ```python blocks run top to bottom in one fresh process, in an empty folder, so a
 page must import what it uses and may not lean on another page. Lines that are not Python
 become blank lines, so a traceback's line number is the line of the page itself. Blocks that
-must not run (a server, torchrun, shell commands) are fenced as console, bash or text.
+must not run (a server, a script for torchrun, shell commands) are fenced as console, bash,
+text or py (a Python script shown with highlighting but not run).
 """
 
 from __future__ import annotations
