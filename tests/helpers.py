@@ -1,7 +1,7 @@
 """Independent ground truth for the tests: a naive attention formula and mask cases.
 
 Nothing here calls the library's own lowering: every expected mask is written out from the
-definitions in DESIGN.md with numpy index arithmetic.
+definitions in docs/design.md ("The mask contract") with numpy index arithmetic.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def test_float64_matches_naive_formula(backend, kind, shape):
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float32_against_float64_reference(backend, kind, shape):
-    """DESIGN.md: fp32 max error vs the fp64 reference <= 1e-5 (outputs), 1e-4 (gradients)."""
+    """The fp32 rule (docs/design.md, "Error rules"): max error vs the fp64 reference <= 1e-5
+    (outputs), 1e-4 (gradients)."""
     b, h, h_kv, length_q, length_k, d, d_v = shape
     q, k, v = qkv(b, h, h_kv, length_q, length_k, d, d_v, requires_grad=True)
     case = make_case(kind, b, h, length_q, length_k)

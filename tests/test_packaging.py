@@ -86,7 +86,8 @@ def test_the_sdist_holds_what_builds_and_tests_the_package(dist):
     for cpp in sorted((ROOT / "multihead").rglob("*.cpp")):
         assert cpp.relative_to(ROOT).as_posix() in names
     for path in ("multihead/py.typed", "LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml",
-                 "constraints.txt", "tests/conftest.py", "tests/helpers.py"):  # fmt: skip
+                 "constraints.txt", "tests/conftest.py", "tests/helpers.py", "mkdocs.yml",
+                 "docs/design.md", "docs/hooks/cli_reference.py"):  # fmt: skip
         assert path in names, path
 
 

@@ -51,9 +51,9 @@ _CUDA_MIN_HEAD_DIM = 16
 _KERNELS_KEPT = 32  # compiled kernels kept per process (least recently used dropped first)
 _BLOCK_MASKS_KEPT = 16  # block masks of (L, S)-only structures kept for reuse
 
-# auto on CPU (README, "FlexAttention backend"): measured in one process against tiled, B=1,
-# H=8, D=64, the compiled kernel ran 1.07-1.28x faster on float32 sliding windows of 256 and
-# 512 keys for L = 4096 to 32768, 1.0x at 1024 keys, 0.8x in bfloat16
+# auto on CPU (docs/guides/backends.md, "FlexAttention backend"): measured in one process
+# against tiled, B=1, H=8, D=64, the compiled kernel ran 1.07-1.28x faster on float32 sliding
+# windows of 256 and 512 keys for L = 4096 to 32768, 1.0x at 1024 keys, 0.8x in bfloat16
 _CPU_MIN_ROWS = 4096
 _CPU_MAX_SPAN = 512  # before + after of the window
 

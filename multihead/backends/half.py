@@ -5,9 +5,10 @@ speed. Here each block of query rows computes its scores with one half-precision
 the keys the mask lets it see (the tiled plan's ranges: hidden tiles are skipped), normalizes
 them with a half-in, half-out softmax (float32 inside) and multiplies them by V with a second
 half-precision matmul. That is the naive formula's arithmetic in the input dtype, so its error
-is the naive formula's (the 2x rule of DESIGN.md). The backward pass recomputes each block's
-softmax from scratch (a block holds whole rows, so no log-sum-exp is needed), keeps those weights
-in float32 for the score gradient and accumulates the gradients in float32.
+is the naive formula's (the 2x rule: docs/design.md, "Error rules"). The backward pass
+recomputes each block's softmax from scratch (a block holds whole rows, so no log-sum-exp is
+needed), keeps those weights in float32 for the score gradient and accumulates the gradients in
+float32.
 
 When ``auto`` runs it: never from the CPU's instruction set alone. Native bf16/fp16 matmuls
 (AVX512-BF16 / AMX, AVX512-FP16 / AMX-FP16) make the kernel a candidate; it then leads only
@@ -34,7 +35,7 @@ from .protocol import FALLBACK, Backend, Capabilities, Rank
 
 __all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run", "unsupported"]
 
-ROWS = 128  # query rows per block: see README "Performance" for the measurement
+ROWS = 128  # query rows per block: see docs/performance.md for the measurement
 
 _CAPABILITIES = Capabilities(
     label="the half-precision kernel",

@@ -25,7 +25,8 @@ from multihead import masks
 from multihead.backends import Call, flex, half
 from multihead.masks import TileKind
 
-FP32_OUT = 1e-5  # DESIGN.md: float32 outputs within 1e-5 of the float64 reference
+# docs/design.md, "Error rules": float32 outputs within 1e-5 of the float64 reference
+FP32_OUT = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -274,8 +275,8 @@ def test_flex_matches_reference_with_every_modifier(eager, monkeypatch, name, ki
 
 def test_bf16_follows_the_accuracy_rule_and_the_bias_rule(eager):
     """bf16: error at most 2x the naive formula's in bf16 plus one ulp of the output scale; and
-    the float32 bias is added in float32, never rounded to bf16 (README, "How correctness is
-    checked")."""
+    the float32 bias is added in float32, never rounded to bf16 (docs/design.md, "Error rules"
+    and "The bias rule")."""
     b, h, length, d = 1, 2, 64, 16
     q, k, v = qkv(b, h, h, length, length, d, seed=9)
     bias = 30 * torch.randn(length, length, generator=torch.Generator().manual_seed(1))

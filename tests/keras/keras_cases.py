@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# fp32 tolerance of DESIGN.md: both sides compute the same softmax(QK^T / sqrt(D)) V in
-# float32 with different summation orders; measured differences are below 1e-6.
+# the fp32 rule (docs/design.md, "Error rules"): both sides compute the same
+# softmax(QK^T / sqrt(D)) V in float32 with different summation orders; measured differences
+# are below 1e-6.
 TOL = 1e-5
 
 

@@ -52,7 +52,8 @@ def test_from_keras_parity(keras, layout, use_bias, mode):
 
 
 def test_bottom_right_causal_is_not_keras_causal(keras):
-    # guards the table in the README: with L != S our default causal() differs from Keras'
+    # guards the table in docs/guides/migrating.md: with L != S our default causal() differs
+    # from Keras'
     layout = LAYOUTS[1]  # L = 4 < S = 7
     theirs = keras_layer(keras, layout)
     ours = from_keras(theirs)

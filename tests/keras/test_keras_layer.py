@@ -111,7 +111,7 @@ def test_gradients_match_keras(keras):
     for layer in (theirs, ours):
         (layer(q, v, k, attention_mask=keep) ** 2).sum().backward()
     for a, b in zip(theirs.weights, ours.weights):
-        # DESIGN.md's fp32 gradient tolerance
+        # the fp32 rule's gradient tolerance (docs/design.md, "Error rules")
         assert (a.value.grad - b.value.grad).abs().max() <= 1e-4, a.path
 
 

@@ -36,7 +36,8 @@ def test_bench_runs_one_and_two_processes(tmp_path, capsys):
         # positions in two shards of 768 are wider than the window, so the same holds there
         assert run["computed_shards"] == ([1] if p == 1 else [1, 2])
         if p == 2:
-            # the fp32 rule of DESIGN.md against the one-process run of the same inputs
+            # the fp32 rule (docs/design.md, "Error rules") against the one-process run of the
+            # same inputs
             diff = run["max_abs_diff_vs_one_process"]
             assert diff["out"] <= 1e-5 and max(diff["dq"], diff["dk"], diff["dv"]) <= 1e-4
             assert run["time_vs_one_process"] > 0

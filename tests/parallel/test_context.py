@@ -73,7 +73,8 @@ UNEVEN = {2: (29, 18), 4: (14, 5, 17, 11)}  # shards of unequal length, 47 posit
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process_attention_fp32(pools, world, kind, bias):
     spec = Spec(kind, UNEVEN[world], bias=bias, seed=world)
-    # the fp32 rule of DESIGN.md: outputs within 1e-5, gradients within 1e-4 of the reference
+    # the fp32 rule (docs/design.md, "Error rules"): outputs within 1e-5, gradients within
+    # 1e-4 of the reference
     _check(spec, pools(world).run(run_shard, spec), out_tol=1e-5, grad_tol=1e-4)
 
 
@@ -92,7 +93,8 @@ def test_bfloat16_within_twice_the_naive_formula_error(pools, kind):
     ref, _ = naive_attention(t.q.double(), t.k.double(), t.v.double(), t.keep)
     naive_err = (naive_attention(t.q, t.k, t.v, t.keep)[0].double() - ref).abs().max()
     got = np.concatenate([r["out"] for r in pools(4).run(run_shard, spec)], axis=2)
-    # FlashAttention's rule (DESIGN.md): at most 2x the naive bf16 formula's error, + 1 ulp
+    # the 2x rule (docs/design.md, "Error rules"): at most 2x the naive bf16 formula's
+    # error, + 1 ulp
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().max()
     assert (torch.from_numpy(got).double() - ref).abs().max() <= 2 * naive_err + ulp
 
