@@ -15,7 +15,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["load"]
+__all__ = ["build_name", "load"]
+
+
+def build_name(prefix: str, sources: Sequence[Path], settings: Sequence[str]) -> str:
+    """The build folder's and module's name: ``prefix`` and a digest of the sources' contents,
+    their absolute paths and the build settings. The paths count because torch's build file
+    records them: two checkouts of the same code sharing one folder would each find the
+    other's build file and rebuild, in turn, at every first use."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for source in sources:
+        h.update(str(Path(source).resolve()).encode() + b"\0")
+        h.update(Path(source).read_bytes())
+    h.update(" ".join(settings).encode())
+    return f"{prefix}_{h.hexdigest()[:16]}"
 
 
 @contextmanager

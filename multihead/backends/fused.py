@@ -25,7 +25,6 @@ The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._b
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
@@ -89,12 +88,10 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def _digest() -> str:
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((Path(__file__).parent / "csrc" / name).read_bytes())
-    h.update(" ".join([*_FLAGS, *_NATIVE, *_OPENMP, torch.__version__, _cpu_signature()]).encode())
-    return h.hexdigest()[:16]
+def _build_name() -> str:
+    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
+    settings = [*_FLAGS, *_NATIVE, *_OPENMP, torch.__version__, _cpu_signature()]
+    return _extension.build_name("multihead_fused", sources, settings)
 
 
 def build():
@@ -116,7 +113,7 @@ def build():
         )
         raise RuntimeError(_error)
     try:
-        name = f"multihead_fused_{_digest()}"
+        name = _build_name()
         folder = build_dir() / name
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob(f"{name}*.so")):  # a compile, not a load from the cache

@@ -502,8 +502,8 @@ def to_onnx(
     Args:
         model: the module to export (its training mode is restored afterwards; the export
             runs in eval mode, without dropout).
-        path: where to write the ``.onnx`` file (folders are created); checked before the
-            export starts (``check_target``).
+        path: where to write the ``.onnx`` file, in an existing folder (folders are not
+            created); checked before the export starts (``check_target``).
         weights: also output the attention weights.
         opset: ONNX opset version, from ``MIN_OPSET`` (18) to the newest the installed onnx
             knows; the graph written has exactly this version.
@@ -534,7 +534,6 @@ def to_onnx(
         )
     spec = graph_spec(model, weights=weights)
     wrapper, example, axes = _prepare(model, weights)
-    target.parent.mkdir(parents=True, exist_ok=True)
     modes = [(m, m.training) for m in wrapper.modules()]
     wrapper.eval()
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")

@@ -142,6 +142,26 @@ def load_checkpoint(
     return model
 
 
+def check_token_ids(config: Any, source: str = "config.json") -> None:
+    """``bos_token_id``, ``eos_token_id`` (an id or a list) and ``pad_token_id`` of a decoder
+    config must be ids of its vocabulary: an id past ``vocab_size`` can never be generated
+    (so it never stops a row) and would pad the output with a token the model cannot embed.
+
+    Raises:
+        ValueError: naming the field, its value and ``vocab_size``.
+    """
+    v = config.vocab_size
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, name)
+        ids = [] if value is None else [value] if isinstance(value, int) else list(value)
+        bad = [i for i in ids if not 0 <= i < v]
+        if bad:
+            raise ValueError(
+                f"{source}: {name} must be a token id in [0, vocab_size={v}) (set it to an id "
+                f"of the vocabulary, or to null). Received: {name}={value!r}"
+            )
+
+
 def check_weights(weights: str | None, dtype: torch.dtype) -> None:
     """Refuse a ``weights=`` value that is not None, "bf16" or "int8", or one combined with a
     ``dtype`` other than float32 (packed weights take float32 activations)."""

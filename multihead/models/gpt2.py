@@ -22,7 +22,7 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
+from .causal_lm import CausalLM, CausalLMOutput, check_token_ids, load_checkpoint, register_family
 
 __all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
 
@@ -76,6 +76,7 @@ class GPT2Config:
                 f"{source}: n_head must divide n_embd={config.n_embd}. "
                 f"Received: n_head={config.n_head}"
             )
+        check_token_ids(config, source)
         return config
 
 

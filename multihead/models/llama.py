@@ -25,7 +25,7 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from .causal_lm import CausalLM, CausalLMOutput, load_checkpoint, register_family
+from .causal_lm import CausalLM, CausalLMOutput, check_token_ids, load_checkpoint, register_family
 
 __all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
@@ -95,6 +95,7 @@ class LlamaConfig:
             raise ValueError(
                 f"{source}: rope_theta must be a positive number. Received: rope_theta={theta!r}"
             )
+        check_token_ids(config, source)
         return config
 
     @property

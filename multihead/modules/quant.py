@@ -27,7 +27,6 @@ numbers (``PackedLinear`` dequantizing each call): slower, never different beyon
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import statistics
@@ -84,9 +83,8 @@ def _build():
         raise RuntimeError(_error)
     try:
         flags = ["-O3", "-fopenmp", *fused._NATIVE]  # at::parallel_for is OpenMP here
-        h = hashlib.sha256(_SOURCE.read_bytes())
-        h.update(" ".join([*flags, torch.__version__, fused._cpu_signature()]).encode())
-        name = f"multihead_rows_{h.hexdigest()[:16]}"
+        settings = [*flags, torch.__version__, fused._cpu_signature()]
+        name = _extension.build_name("multihead_rows", [_SOURCE], settings)
         folder = fused.build_dir() / name
         folder.mkdir(parents=True, exist_ok=True)
         if not any(folder.glob(f"{name}*.so")):

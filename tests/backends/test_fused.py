@@ -366,7 +366,7 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(monkeypatch):
     import threading
 
     assert fused.build_error() is None  # built (or loaded from the cache) once
-    folder = fused.build_dir() / f"multihead_fused_{fused._digest()}"
+    folder = fused.build_dir() / fused._build_name()
     monkeypatch.setattr(fused, "_module", None)
     monkeypatch.setattr(fused, "_error", None)
     stale = folder / "lock"
@@ -379,3 +379,23 @@ def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(monkeypatch):
         assert fused._module is not None and not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_two_checkouts_of_the_same_sources_build_apart(tmp_path):
+    """The build name covers the sources' paths as well as their contents: torch's build file
+    records the paths, so two checkouts sharing one folder rebuilt each other's kernel at every
+    first use (a minute each, one waiting on the other's lock)."""
+    from multihead.backends import _extension
+
+    names = []
+    for checkout in ("one", "two"):
+        source = tmp_path / checkout / "kernel.cpp"
+        source.parent.mkdir()
+        source.write_text("int f() { return 1; }\n")
+        names.append(_extension.build_name("multihead_x", [source], ["-O3"]))
+    assert names[0] != names[1] and all(n.startswith("multihead_x_") for n in names)
+    again = _extension.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
+    assert again == names[0]  # stable for one checkout
+    (tmp_path / "one" / "kernel.cpp").write_text("int f() { return 2; }\n")
+    changed = _extension.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
+    assert changed != names[0]

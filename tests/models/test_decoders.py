@@ -454,6 +454,12 @@ def test_a_billion_new_tokens_fail_fast_on_memory(tmp_path_factory):
         ("llama", {"num_key_value_heads": 0}, "num_key_value_heads must be a positive int or null"),
         ("gpt2", {"n_inner": 0}, r"n_inner must be a positive int or null\. Received: n_inner=0"),
         ("gpt2", {"n_layer": 0}, r"n_layer must be a positive int\. Received: n_layer=0"),
+        # transformers' GPT2Config defaults (50256) in a small vocabulary: never generated, so
+        # never a stop, and padding the output with ids the model cannot embed
+        ("gpt2", {"eos_token_id": 50256}, r"eos_token_id must be a token id in \[0, vocab_size"),
+        ("gpt2", {"bos_token_id": -1}, r"bos_token_id must be .*Received: bos_token_id=-1"),
+        ("llama", {"eos_token_id": [2, 900]}, r"eos_token_id=\[2, 900\]"),
+        ("llama", {"pad_token_id": 10**6}, r"pad_token_id must be a token id"),
     ],
     ids=lambda x: x if isinstance(x, str) else next(iter(x)) if isinstance(x, dict) else "",
 )
