@@ -158,7 +158,7 @@ def test_under_torchrun_rank_0_decides_for_every_process(tmp_path):
     script = tmp_path / "auto.py"
     script.write_text(
         textwrap.dedent("""
-        import json, torch
+        import json, pathlib, sys, torch
         from multihead.apps import precision
         from multihead.apps.loop import TrainConfig, fit, setup, teardown
         info = setup()
@@ -173,20 +173,21 @@ def test_under_torchrun_rank_0_decides_for_every_process(tmp_path):
         cfg = TrainConfig(epochs=1, batch_size=8, precision="auto", progress=False)
         r = fit(model, 16, lambda i: (x[i], y[i]),
                 lambda m, b: (m(b[0])[:, 0].float() - b[1]).pow(2), cfg, info)
-        print(json.dumps({"rank": info.rank, "precision": r.precision}))
+        out = pathlib.Path(sys.argv[1]) / f"rank{info.rank}.json"
+        out.write_text(json.dumps({"rank": info.rank, "precision": r.precision}))
         teardown(info)
     """)
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(script)],
+         str(script), str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = sorted(json.loads(line)["rank"] for line in done.stdout.splitlines()
-                  if line.startswith("{") and '"precision": "bf16"' in line)  # fmt: skip
-    assert rows == [0, 1]
+    # one file per rank: two processes printing at once can interleave their lines
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert rows == [{"rank": 0, "precision": "bf16"}, {"rank": 1, "precision": "bf16"}]
 
 
 def test_bf16_where_slower_says_by_how_much_in_one_line(peaks):
