@@ -356,3 +356,15 @@ def assert_summary(metrics: dict, printed: str, out) -> None:
                 assert cell.endswith("*") == (numbers[m] == best), (name, contender, m)
                 checked += 1
     assert checked >= 3
+
+
+def walk_parsers(parser, name: str = "multihead"):
+    """Every (full command name, parser) of an argparse command line, sub-commands included
+    (walked here, independently of the docs hook's own walk)."""
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, child in action.choices.items():
+                yield from walk_parsers(child, f"{name} {sub}")

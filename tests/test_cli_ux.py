@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import walk_parsers
 
 from multihead import _version, cli
 from multihead.models import bert
@@ -54,18 +55,9 @@ def test_top_level_help_is_written_for_users(capsys):
         assert re.search(rf"^    {command}\b", out, re.M), command
 
 
-def _parsers(parser: argparse.ArgumentParser, name: str = "multihead"):
-    """Every parser of the command line, sub-commands included, with its full name."""
-    yield name, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub, child in action.choices.items():
-                yield from _parsers(child, f"{name} {sub}")
-
-
 def test_every_option_with_a_default_shows_it_in_help(capsys):
     checked = 0
-    for name, parser in _parsers(cli.build_parser()):
+    for name, parser in walk_parsers(cli.build_parser()):
         text = " ".join(parser.format_help().split())
         for action in parser._actions:
             default = action.default

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import walk_parsers
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -79,21 +80,12 @@ def _hook():
     return module
 
 
-def _commands(parser: argparse.ArgumentParser, name: str = "multihead"):
-    """Every (command name, parser), walked here independently of the hook's own walk."""
-    yield name, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub, child in action.choices.items():
-                yield from _commands(child, f"{name} {sub}")
-
-
 def test_cli_reference_has_every_command_option_and_choice():
     from multihead.cli import build_parser
 
     parser = build_parser()
     page = _hook().render(parser)
-    commands = dict(_commands(parser))
+    commands = dict(walk_parsers(parser))
     # the nested levels the generator must reach, named so a walk that stops early fails
     assert {"multihead bench kernels", "multihead export onnx", "multihead train"} <= set(commands)
     for name, sub in commands.items():
