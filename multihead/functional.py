@@ -8,7 +8,7 @@ asked for. No flag changes what a function returns.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -117,7 +117,15 @@ def attention(
     """
     V.reject_foreign_keywords("attention()", unexpected, moved=_MOVED)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    return run_guarded(registry.runner(call, backend), call)[0]
+    return _given(run_guarded(registry.runner(call, backend), call)[0], "output")
+
+
+def _given(t: Tensor | None, what: str) -> Tensor:
+    """A result a backend must have returned (every backend returns the output, and the
+    weights when the call asks for them)."""
+    if t is None:
+        raise RuntimeError(f"the attention backend returned no {what}; it must return it")
+    return t
 
 
 def attention_with_weights(
@@ -156,12 +164,13 @@ def attention_with_weights(
     if heads is None:
         call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
         out, weights = run_guarded(registry.runner(call, backend), call)
-        return AttentionOutput(out, weights)
+        return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
     out = run_guarded(registry.runner(call, backend), call)[0]
     part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
-    return AttentionOutput(out, run_guarded(registry.runner(part, backend), part)[1])
+    weights = run_guarded(registry.runner(part, backend), part)[1]
+    return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
 
 
 def check_heads(heads: object, num_heads: int) -> list[int]:
@@ -176,15 +185,16 @@ def check_heads(heads: object, num_heads: int) -> list[int]:
             "heads must be a non-empty list of query-head indices (ints), or None for every "
             f"head. Received: heads={heads!r}"
         )
-    bad = [h for h in heads if not 0 <= h < num_heads]
+    chosen = list(cast("list[int] | tuple[int, ...]", heads))
+    bad = [h for h in chosen if not 0 <= h < num_heads]
     if bad:
         raise ValueError(
             f"heads must be query-head indices in [0, {num_heads}) (H={num_heads}). "
-            f"Received: heads={list(heads)!r}, out of range: {bad}"
+            f"Received: heads={chosen!r}, out of range: {bad}"
         )
-    if len(set(heads)) != len(heads):
-        raise ValueError(f"heads must not repeat an index. Received: heads={list(heads)!r}")
-    return list(heads)
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"heads must not repeat an index. Received: heads={chosen!r}")
+    return chosen
 
 
 def select_heads(call: Call, heads: list[int]) -> Call:
@@ -266,4 +276,5 @@ def attention_weights(
     if heads is not None:
         call = select_heads(call, check_heads(heads, num_heads))
     # tile by tile, weights only: hidden tiles are never computed (no values to multiply)
-    return run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1]
+    return _given(run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1],
+                  "weights")  # fmt: skip

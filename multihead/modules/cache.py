@@ -245,8 +245,10 @@ class KVCache:
         else:
             real = ar[None] < counts_t[:, None]  # [B, L]
             positions = torch.where(real, offsets_t[:, None] + ar, 0)
+        mask: Mask | None
         if self.window is not None:
-            mask, key_length = self._rolling_plan(offsets_t, counts_t, ar), self.window + width
+            window = self.window
+            mask, key_length = self._rolling_plan(offsets_t, counts_t, ar, window), window + width
         elif uniform:
             # every row sees its whole prefix: nothing to mask for one new token, and the
             # bottom-right causal mask for several
@@ -282,10 +284,9 @@ class KVCache:
         values[..., : self.capacity, :] = self._values
         self._keys, self._values = keys, values
 
-    def _rolling_plan(self, offsets: Tensor, counts: Tensor, ar: Tensor) -> Mask:
+    def _rolling_plan(self, offsets: Tensor, counts: Tensor, ar: Tensor, w: int) -> Mask:
         """Keys of a rolling step are the W ring slots followed by the L new tokens; the ring
         slot j of a row with offset o holds the latest position a < o with a = j (mod W)."""
-        w = self.window
         o = offsets[:, None]  # [B, 1]
         j = torch.arange(w, device=self.device)
         held = o - 1 - torch.remainder(o - 1 - j, w)  # [B, W], < 0 when the slot is empty
@@ -310,7 +311,7 @@ class KVCache:
         read weights returned during decoding: column s of row b is token
         ``key_positions()[b, s]``."""
         step = self.step
-        if self.window is not None:
+        if self._held is not None:  # a rolling cache's columns (set by begin)
             return self._held
         ar = torch.arange(step.length, device=self.device)
         return torch.where(ar[None] < self.lengths[:, None], ar, -1)
@@ -389,6 +390,8 @@ class KVCache:
         return keys, values, masks.lengths(valid)
 
     def _store(self, keys: Tensor, values: Tensor, key: Tensor, value: Tensor) -> None:
+        if self._slots is None:  # begin() plans the slots of every step that stores rows
+            raise RuntimeError("KVCache._store called without a planned step")
         rows, cols, slots = self._slots
         keys[rows, :, slots] = key.transpose(1, 2)[rows, cols]  # [N, H_kv, D]
         values[rows, :, slots] = value.transpose(1, 2)[rows, cols]

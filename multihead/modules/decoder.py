@@ -16,7 +16,7 @@ from ..functional import AttentionOutput
 from ..masks import Mask
 from .attention import _MOVED
 from .cache import KVCache, LayerCache
-from .transformer import _MOVED_STACK, StackOutput, check_layers, run_stack
+from .transformer import _MOVED_STACK, StackOutput, _runner, check_layers, run_stack
 
 __all__ = ["TransformerDecoder", "TransformerDecoderLayer"]
 
@@ -104,7 +104,7 @@ class TransformerDecoderLayer(nn.Module):
         (B, len(heads), L, S) with ``heads``. The layer has no cross-attention, so the
         weights are always its self-attention's (S = L, or the cache slots with a cache)."""
         options = self._options(mask, positions, cache)
-        out = self.self_attn.run(self.norm1(x), heads=heads, **options)
+        out = _runner(self.self_attn).run(self.norm1(x), heads=heads, **options)
         return AttentionOutput(self._finish(x, out.output), out.weights)
 
     @staticmethod

@@ -6,7 +6,7 @@ Post-norm (the original Transformer and BERT) is the default; ``norm_first=True`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
 from torch import Tensor, nn
 
@@ -49,6 +49,18 @@ def _activation(name: str) -> nn.Module:
             f"Received: activation={name!r}"
         )
     return ACTIVATIONS[name]()
+
+
+class _RunsWithWeights(Protocol):
+    """A part with ``run(...) -> AttentionOutput``: the attention modules and layers here, and
+    any self-attention passed in that can return its weights."""
+
+    def run(self, *args: Any, **kwargs: Any) -> AttentionOutput: ...
+
+
+def _runner(part: nn.Module) -> _RunsWithWeights:
+    """``part`` as something with ``run`` (what asking for weights calls)."""
+    return cast(_RunsWithWeights, part)
 
 
 @saveable("multihead.FeedForward")
@@ -195,14 +207,17 @@ class TransformerEncoderLayer(nn.Module):
                     f"pass {' and '.join(lacking)} to build {name}, or pass {name}= itself. "
                     f"Received: {', '.join(f'{s}=None' for s in lacking)}"
                 )
+        # the sizes a missing part needs were checked above
         if self_attn is None:
             self_attn = MultiHeadAttention(
-                embed_dim, num_heads, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout
-            )
+                cast(int, embed_dim), cast(int, num_heads), num_kv_heads=num_kv_heads,
+                bias=bias, dropout=dropout,
+            )  # fmt: skip
         if feed_forward is None:
             feed_forward = FeedForward(
-                embed_dim, ff_dim, activation=activation, dropout=dropout, bias=bias
-            )
+                cast(int, embed_dim), cast(int, ff_dim), activation=activation, dropout=dropout,
+                bias=bias,
+            )  # fmt: skip
         self.self_attn = self_attn
         self.feed_forward = feed_forward
         if norm1 is None:
@@ -243,7 +258,7 @@ class TransformerEncoderLayer(nn.Module):
         """``forward`` that also returns the self-attention weights (through
         ``self_attn.run``): ``AttentionOutput(output (B, L, E), weights (B, H, L, L))``, or
         (B, len(heads), L, L) with ``heads``; the output is the one ``forward`` computes."""
-        out = self.self_attn.run(self._attn_input(x), mask=mask, bias=bias, heads=heads)
+        out = _runner(self.self_attn).run(self._attn_input(x), mask=mask, bias=bias, heads=heads)
         return AttentionOutput(self._finish(x, out.output), out.weights)
 
     def _attn_input(self, x: Tensor) -> Tensor:
@@ -315,7 +330,7 @@ def run_stack(
     hidden, per_layer = [x], []
     for i, layer in enumerate(layers):
         if weights:
-            x, w = layer.run(x, heads=heads, **options(i))
+            x, w = _runner(layer).run(x, heads=heads, **options(i))
             per_layer.append(w)
         else:
             x = layer(x, **options(i))
