@@ -117,6 +117,25 @@ def _focus(
     return find_focus(tokens, special, word, pieces(word))
 
 
+def _labels(tokenizer: Any, tokens: list[str], causal: bool) -> list[str]:
+    """What to print and draw for each token. A byte-level BPE (GPT-2, Llama) spells a leading
+    space and every non-ASCII byte in stand-in characters ("Ġgood"); its decoder gives the text
+    back (" good"), shown without the space ("␣" for a token of spaces alone). A piece that is
+    only part of a character keeps its raw form. Encoder tokens ("##ing") are shown as they
+    are."""
+    decoder = getattr(tokenizer, "decoder", None)
+    if not causal or decoder is None:
+        return tokens
+    labels = []
+    for token in tokens:
+        text = decoder.decode([token])
+        if "\ufffd" in text:
+            labels.append(token)
+        else:
+            labels.append(text.strip() or "␣")  # a token of spaces alone: a visible space
+    return labels
+
+
 def _check_index(name: str, value: int | None, count: int, what: str) -> None:
     if value is None:
         return
@@ -232,6 +251,7 @@ def _report(text, model, tokens, special, weights, causal, focus, layer, head, f
     from ..viz.html import save_head_view
 
     position = _focus(model.tokenizer, tokens, special, focus, causal)
+    tokens = _labels(model.tokenizer, tokens, causal)
     stats = head_stats(weights, special)
     flow = rollout(weights)
     layers, heads = weights.shape[:2]

@@ -231,6 +231,9 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
         assert cli.main([*argv, "--out", str(tmp_path)]) == 0
         printed = capsys.readouterr().out
         assert "causal: each token sees only earlier ones" in printed
+        # byte-level BPE tokens are shown as text: "street", not "Ġstreet"
+        shown = next(line for line in printed.splitlines() if line.startswith("tokens: "))
+        assert "Ġ" not in shown and " ed" in shown  # "tired" in pieces: "t i r ed"
         assert (tmp_path / "attention.html").stat().st_size > 5_000
         return
     lines = []
@@ -239,7 +242,9 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
     )
     assert got.tokens[0] == "<s>"
     pieces = ours.tokenizer.encode(" street", add_special_tokens=False).tokens
-    assert got.tokens[got.focus : got.focus + len(pieces)] == pieces
+    assert pieces[0].startswith("Ġ")  # the byte-level marker of a leading space
+    shown = [ours.tokenizer.decoder.decode([p]).strip() for p in pieces]
+    assert got.tokens[got.focus : got.focus + len(pieces)] == shown == ["s", "t", "r", "e", "et"]
     n = len(got.tokens)
     assert got.weights.shape == (2, 4, n, n)
     torch.testing.assert_close(got.weights.sum(-1), torch.ones(2, 4, n))
