@@ -269,8 +269,8 @@ def _old_bench_call(argv: list[str]) -> str | None:
     sub = chosen[0] if chosen else "kernels"
     rest = [a for a in argv[1:] if a not in _OLD_BENCH_FLAGS]
     return (
-        f"bench takes a sub-command first (kernels, embed, decode, serve, context-parallel): "
-        f"use 'multihead bench {' '.join([sub, *rest])}'. Received: {' '.join(argv)}"
+        "bench takes a sub-command first (kernels, embed, decode, serve, train, "
+        f"context-parallel): use 'multihead bench {' '.join([sub, *rest])}'. Received: {' '.join(argv)}"
     )
 
 
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _command(
         commands,
         "bench",
-        "benchmarks: kernels, embed, decode, serve, context-parallel",
+        "benchmarks: kernels, embed, decode, serve, train, context-parallel",
         "Measure speed against the usual alternatives, in one process on the same inputs. "
         "Each benchmark prints a table and writes results.json (and a PNG where it has one).",
     )
