@@ -270,7 +270,8 @@ def _old_bench_call(argv: list[str]) -> str | None:
     rest = [a for a in argv[1:] if a not in _OLD_BENCH_FLAGS]
     return (
         "bench takes a sub-command first (kernels, embed, decode, serve, train, "
-        f"context-parallel): use 'multihead bench {' '.join([sub, *rest])}'. Received: {' '.join(argv)}"
+        f"context-parallel): use 'multihead bench {' '.join([sub, *rest])}'. "
+        f"Received: {' '.join(argv)}"
     )
 
 
