@@ -645,8 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--seed", type=int, default=0, help="seed for data, init and order")
     train.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                       help="autocast dtype; auto: bf16 where this machine's bf16 matmuls "
-                       "measure faster than fp32, else fp32 (fp16 on CUDA only)")  # fmt: skip
+                       help="autocast dtype; auto: bf16 where the model's own training step "
+                       "measures faster in bf16 on this machine (timed once, on the first "
+                       "batch), else fp32 (fp16 on CUDA only)")  # fmt: skip
     train.add_argument("--compile", action="store_true", help="torch.compile the train step")
     train.add_argument("--epochs", type=_positive_int, help="override the task's number of epochs")
     train.add_argument(
