@@ -11,8 +11,9 @@ in registers; activations and sums stay float32).
 * ``RowsLinear``: an ``nn.Linear`` (same parameters, state dict and gradients) whose
   products of at most ``MAX_ROWS`` rows, outside autograd and outside traced graphs, run on
   the kernel where it measured faster than ``F.linear`` (the BLAS) for that shape on this
-  machine: the first product of each (rows, out, in) times both, interleaved, and the choice
-  is kept for the process (``kernel_choices()`` lists them). Everything else runs on
+  machine: the first product of each (rows, out, in) times both, as ``auto`` times the fused
+  attention kernel (``backends/_measure.compare``: at least 10% faster), and the choice is
+  kept for the process (``kernel_choices()`` lists them). Everything else runs on
   ``F.linear``.
 * ``PackedLinear``: weight-only ``"bf16"`` (rounded to nearest) or ``"int8"`` (symmetric, one
   float32 scale per output channel: scale = max |w| / 127 over the channel's inputs). It holds
@@ -29,9 +30,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,7 +61,6 @@ _module = None
 _error: str | None = None
 # (rows, out, in) -> whether the kernel measured faster than F.linear on float32 weights
 _faster: dict[tuple[int, int, int], bool] = {}
-_TIMINGS = 5  # interleaved timings of each side per shape; the medians decide
 
 
 def _build():
@@ -140,28 +138,26 @@ def _on_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | N
     return rows_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def _seconds(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
+def _clock(fn) -> float:  # the timer of kernel against BLAS (tests replace it)
+    from ..backends import _measure
+
+    return _measure.best_time(fn)
 
 
 def _kernel_faster(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether the kernel beats ``F.linear`` on this product's shape, timed on first use with
-    the call's own tensors (both warmed up, then ``_TIMINGS`` runs each, interleaved so that
-    load from elsewhere falls on both) and kept for the process."""
+    the call's own tensors (``backends/_measure.compare``) and kept for the process."""
+    from ..backends import _measure
+
     rows = x.numel() // x.shape[-1]
     key = (rows, weight.shape[0], weight.shape[1])
     if key not in _faster:
         flat = x.reshape(rows, x.shape[-1])
-        sides = ((rows_linear, (flat, weight, None, bias)), (F.linear, (flat, weight, bias)))
-        times: list[list[float]] = [[], []]
-        for fn, args in sides:
-            fn(*args)
-        for _ in range(_TIMINGS):
-            for i, (fn, args) in enumerate(sides):
-                times[i].append(_seconds(fn, *args))
-        _faster[key] = statistics.median(times[0]) < statistics.median(times[1])
+        _faster[key] = _measure.compare(
+            lambda: rows_linear(flat, weight, None, bias),
+            lambda: F.linear(flat, weight, bias),
+            clock=_clock,
+        )
     return _faster[key]
 
 
