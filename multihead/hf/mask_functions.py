@@ -208,7 +208,7 @@ def _band_mask(band: _Band, geo: _Geometry) -> Mask:
         # local band [lo + shift, hi + shift] around the alignment's diagonal
         before = None if lo is None else offset - (lo + shift)
         after = hi + shift - offset
-        if after >= 0 and (before is None or before >= 0):
+        if (before is None and after == 0) or (before is not None and before >= 0 <= after):
             return _kind_mask(before, after, align)
     whole = _kind_mask(None if lo is None else -lo, hi, "top_left")
     q0, k0 = geo.q_offset, geo.kv_offset
