@@ -578,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--model",
         metavar="PATH",
-        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        help="model folder: BERT family, GPT-2 or Llama, or any architecture transformers "
+        "loads with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
     )
     explain.add_argument(
         "--layer",
@@ -686,7 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument(
         "--model",
         metavar="PATH",
-        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        help="model folder: BERT family, GPT-2 or Llama, or any architecture transformers "
+        "loads with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
     )
     onnx.add_argument(
         "--out",
