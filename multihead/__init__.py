@@ -15,7 +15,6 @@ from ._version import __version__
 from .functional import (
     AttentionOutput,
     attention,
-    attention_weights,
     attention_with_weights,
     explain_backend,
 )
@@ -56,7 +55,6 @@ __all__ = [
     "TransformerEncoderLayer",
     "__version__",
     "attention",
-    "attention_weights",
     "attention_with_weights",
     "explain_backend",
     "load",

@@ -47,7 +47,6 @@ __all__ = [
     "read_config",
     "read_json",
     "read_tokenizer",
-    "read_weights",
     "weights",
 ]
 
@@ -328,12 +327,6 @@ def weights(folder: Path, file: Path | None = None) -> Weights:
         "shards of a model.safetensors.index.json). "
         f"Received: {sorted(p.name for p in folder.iterdir())}"
     )
-
-
-def read_weights(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint in ``folder``, by its name in the file (see
-    ``weights`` for the files tried and the errors)."""
-    return weights(folder).read()
 
 
 class _Budget(TorchFunctionMode):

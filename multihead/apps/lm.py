@@ -58,7 +58,6 @@ __all__ = [
     "read_texts",
     "run",
     "split_texts",
-    "summary",
     "train_tokenizer",
 ]
 
@@ -606,20 +605,3 @@ def _loss_figure(result: FitResult, curve: list[tuple[int, float]], table: dict[
     ax.set_title(f"lm: {title}", fontsize=9)
     ax.legend(fontsize=7)
     return save_figure(fig, path)
-
-
-def summary(metrics: dict[str, Any], out: str | Path) -> str:
-    """A short table of the held-out perplexity and loss of the model and its baselines, then
-    the folder written (what ``multihead train lm`` prints when it ends)."""
-    rows = metrics["metrics"]
-    width = max(len(k) for k in rows)
-    lines = [
-        f"lm: held-out perplexity on {metrics['tokens']['held_out']} tokens "
-        f"({metrics['parameters']:,} parameters, {metrics['steps']} steps, "
-        f"{metrics['seconds']:.0f} s)",
-        f"  {'':<{width}}  {'perplexity (lower is better)':>30}  {'loss (nats/token)':>18}",
-    ]
-    for name, row in rows.items():
-        lines.append(f"  {name:<{width}}  {row['perplexity']:>30.2f}  {row['loss']:>18.4f}")
-    lines.append(f"wrote {out}")
-    return "\n".join(lines)

@@ -54,9 +54,8 @@ def _finite(*tensors: Tensor) -> bool:
         return bool(torch.isfinite(total))
 
 
-def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = True) -> Result:
-    """``run(call)`` with the NaN rule. ``values=False`` when the call has no real values
-    (``attention_weights`` passes the keys twice)."""
+def run_guarded(run: Callable[[Call], Result], call: Call) -> Result:
+    """``run(call)`` with the NaN rule."""
     q, k, v = call.query, call.key, call.value
     if exporting() or torch.compiler.is_compiling():
         # a traced graph cannot branch on data (under torch.compile the check would be a graph
@@ -67,19 +66,17 @@ def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = Tru
             return run(call)
         except NonFiniteInput:
             pass
-    elif _finite(q, k, v) if values else _finite(q, k):
+    elif _finite(q, k, v):
         return run(call)
     with torch.no_grad():
         q_bad = ~torch.isfinite(q).all(-1)  # [B, H, L]
-        kv_bad = ~torch.isfinite(k).all(-1)  # [B, H_kv, S]
-        if values:
-            kv_bad |= ~torch.isfinite(v).all(-1)
+        kv_bad = ~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)  # [B, H_kv, S]
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     clean = replace(
         call,
         query=torch.where(q_bad[..., None], zero, q),
         key=torch.where(kv_bad[..., None], zero, k),
-        value=torch.where(kv_bad[..., None], zero, v) if values else v,
+        value=torch.where(kv_bad[..., None], zero, v),
     )
     out, weights = run(clean)
     row_bad = q_bad | _rows_seeing(call, repeat_kv(kv_bad[..., None], q.shape[1] // k.shape[1]))

@@ -156,12 +156,6 @@ def build_error() -> str | None:
     return None
 
 
-def _forget_build() -> None:
-    """Drop the loaded module and any remembered failure (tests rebuild from a clean cache)."""
-    global _module, _error
-    _module, _error = None, None
-
-
 # ------------------------------------------------------------------------------------------
 # The ops. Plans arrive as tensors: items int64 [n, 6] (b0, b1, q0, q1, first chunk, end
 # chunk; b0 = -1 for every batch entry), chunks int64 [m, 6] (k0, k1, offset of the keep block
@@ -431,14 +425,6 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if not (exporting() or torch.compiler.is_compiling()) and bool(bad):
         raise NonFiniteInput
     return out, weights
-
-
-def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
-    """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
-    have out 0 and lse -inf."""
-    with torch.no_grad():
-        out, lse, _ = _attention_op(*_args(call))
-        return out, lse
 
 
 # ------------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ class Capabilities:
         devices: device types it runs on ("cpu", "cuda", ...); None for every device.
         weights: returns the softmax weights when the call asks for them.
         dropout: applies dropout on the weights.
-        backward: its output is differentiable.
     """
 
     label: str = "this backend"
@@ -57,7 +56,6 @@ class Capabilities:
     devices: tuple[str, ...] | None = None
     weights: bool = False
     dropout: bool = False
-    backward: bool = True
 
     def unsupported(self, call: Call) -> str | None:
         """Why ``call`` is outside these capabilities, or None."""
@@ -72,8 +70,6 @@ class Capabilities:
             return f"{self.label} does not return attention weights"
         if call.dropout_p > 0.0 and not self.dropout:
             return f"{self.label} has no dropout"
-        if call.needs_grad and not self.backward:
-            return f"{self.label} has no backward; call under torch.no_grad()"
         return None
 
 

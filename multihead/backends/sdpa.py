@@ -37,10 +37,6 @@ def rank(call: Call) -> Rank:
     return Rank(FALLBACK, "it lowers the mask to a dense (B, H, L, S) tensor")
 
 
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
-
-
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v = call.query, call.key, call.value
     common = dict(dropout_p=call.dropout_p, scale=call.scale)

@@ -27,8 +27,6 @@ __all__ = [
     "plan",
     "rank",
     "run",
-    "unsupported",
-    "weights",
 ]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -59,10 +57,6 @@ def rank(call: Call) -> Rank:
     if call.mask is None or plain_causal(call) or call.mask.arbitrary:
         return Rank(FALLBACK, skips)
     return Rank(PREFERRED, skips)
-
-
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
 
 
 class _Ctx:
@@ -568,11 +562,6 @@ def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) 
         hidden = ~(chunk.keep if chunk.keep.shape[2] == 1 else chunk.keep[:, :, rel])
         s = s.masked_fill(hidden, float("-inf")) if grad else s.masked_fill_(hidden, float("-inf"))
     return s
-
-
-def weights(call: Call) -> Tensor:
-    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
-    return _one_pass(call, output=False)[1]
 
 
 BACKEND = Backend(

@@ -100,14 +100,6 @@ class BertConfig:
         return config
 
 
-# keywords Bert.forward took before 0.2.0 -> what replaces them
-_MOVED_BERT = {
-    name: "call bert.run(..., " + name + "=True) for a BertOutput(last_hidden_state, "
-    "pooler_output, hidden_states, weights) (forward returns the last hidden states)"
-    for name in ("return_weights", "return_hidden")
-}
-
-
 class BertOutput(NamedTuple):
     """last_hidden_state (B, L, E); pooler_output (B, E) or None when the model has no pooler;
     hidden_states: embeddings output then every layer's output (num_layers + 1 tensors) when
@@ -192,6 +184,7 @@ class Bert(nn.Module):
             layer.self_attn.dropout = config.attention_probs_dropout_prob
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if pooler else None
 
+    @V.torch_keywords("Bert.forward()")
     def forward(
         self,
         input_ids: Tensor,
@@ -200,14 +193,12 @@ class Bert(nn.Module):
         mask: Mask | Tensor | None = None,
         token_type_ids: Tensor | None = None,
         positions: Tensor | None = None,
-        **unexpected: Any,
     ) -> Tensor:
         """Run a padded (or packed) batch: the last layer's hidden states (B, L, E).
 
         The arguments are ``run``'s; ``run`` also gives the pooler output, every layer's
         per-head weights and hidden states, in one ``BertOutput``.
         """
-        V.reject_foreign_keywords("Bert.forward()", unexpected, moved=_MOVED_BERT)
         return self.run(
             input_ids,
             lengths=lengths,

@@ -334,7 +334,6 @@ class CausalLM(nn.Module):
         weights: bool = True,
         heads: list[int] | None = None,
         return_hidden: bool = False,
-        **unexpected: object,
     ) -> CausalLMOutput:
         """``forward`` with more, always as a ``CausalLMOutput(logits, hidden_states,
         weights)``.
@@ -346,7 +345,6 @@ class CausalLM(nn.Module):
             heads: only these query heads' weights, in every layer (B, len(heads), L, L).
             return_hidden: also every layer's hidden states.
         """
-        V.reject_foreign_keywords("CausalLM.run()", unexpected, moved=_MOVED_RUN)
         ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         length = ids.shape[1]
         self._check_length(length, "the input")
@@ -643,12 +641,6 @@ class CausalLM(nn.Module):
         device = self._activations.device  # the norm's: a packed lm_head would dequantize
         ids, lengths, _ = self._prepare(ids.to(device), lengths.to(device), "right")
         return ids, lengths
-
-
-_MOVED_RUN = {
-    "return_weights": "run returns the weights by default (weights=False leaves them out, "
-    "heads=[...] picks heads)",
-}
 
 
 def _unshift(out: CausalLMOutput, shift: Tensor) -> CausalLMOutput:
