@@ -28,6 +28,7 @@ __all__ = [
     "explain_backend",
 ]
 
+
 class AttentionOutput(NamedTuple):
     """What ``attention_with_weights`` and every attention module's ``run`` return.
 

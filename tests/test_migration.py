@@ -159,5 +159,7 @@ def test_sdpa_keywords_in_attention_point_to_the_equivalent(keyword, hint):
         TypeError, match=rf"attention\(\) does not take torch's '{keyword}'.*{hint}"
     ):
         mh.attention(q, k, v, **{keyword: True})
-    with pytest.raises(TypeError, match=r"explain_backend\(\) got an unexpected keyword argument .mask_mod."):
+    with pytest.raises(
+        TypeError, match=r"explain_backend\(\) got an unexpected keyword argument .mask_mod."
+    ):
         mh.explain_backend(q, k, v, mask_mod=None)

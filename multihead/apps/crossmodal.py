@@ -33,6 +33,7 @@ from .common import Options, figure, finish, need, save_figure, seed_everything,
 from .loop import Dist, FitResult, autocast, fit
 
 __all__ = [
+    "SUMMARY",
     "VOCAB",
     "CrossModalQA",
     "ImageOnly",
@@ -41,8 +42,11 @@ __all__ = [
     "make_questions",
     "patches",
     "run",
+    "throughput",
     "tokenize",
 ]
+
+SUMMARY = "yes/no questions about digits, answered by cross-attention to image patches"
 
 VOCAB = ["<pad>", "is", "it", "a", "even", "odd", "greater", "less", "than", "?"] + [
     str(d) for d in range(10)
@@ -356,3 +360,26 @@ def _attention_figure(model, qs, ids, lengths, image, images, pixels, prob, path
         ax.set_yticks([])
     fig.suptitle("cross-attention of the question on image patches", fontsize=10)
     return save_figure(fig, path)
+
+
+def throughput(options: Options, info: Dist, steps: int) -> dict[str, Any]:
+    """The training step alone, for ``multihead bench train``: the cross-attention model on
+    the questions (``options.max_steps`` bounds it); its ``FitResult`` summary."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    qs = make_questions(digits.target, 8, options.seed)
+    ids, lengths = tokenize(qs.words)
+    image = patches(digits.images)[qs.image]
+    answers = torch.as_tensor(qs.answer, dtype=torch.float32)
+
+    def collate(idx):
+        return tuple(t[idx].to(info.device) for t in (ids, lengths, image, answers))
+
+    def loss_fn(m, batch):
+        x, n, img, y = batch
+        logits = m(x, n, img).float()
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
+
+    config = options.train_config(epochs=1, batch_size=64, lr=2e-3)
+    return fit(CrossModalQA(), len(answers), collate, loss_fn, config, info).summary()

@@ -19,10 +19,11 @@ from typing import Any
 from torch import Tensor
 
 from .. import _validation as V
+from .._flags import argument, option
 from .._progress import stages
 from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
-__all__ = ["SUPPORTED", "Explained", "find_focus", "pick_head", "run"]
+__all__ = ["SUPPORTED", "ExplainOptions", "Explained", "find_focus", "pick_head", "run"]
 
 SUPPORTED = (
     "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
@@ -30,6 +31,34 @@ SUPPORTED = (
 )
 _STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
 _SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExplainOptions:
+    """What ``multihead explain`` takes (``multihead explain --help``)."""
+
+    text: str = argument("the sentence to explain", metavar="TEXT")
+    focus: str | None = option(None, "the word to follow (default: last)", metavar="WORD")
+    out: Path = option(
+        Path("explain-out"), "folder for the figures (its parent must exist)", metavar="DIR"
+    )
+    model: Path | None = option(
+        None,
+        "model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        metavar="PATH",
+    )
+    layer: int | None = option(
+        None,
+        "draw this layer in head.png and head_surface.png, counted from 0 (default: the layer "
+        "of the head most fixed on one other word)",
+        metavar="N",
+    )
+    head: int | None = option(
+        None,
+        "draw this head of that layer, counted from 0 (default: the head most fixed on one "
+        "other word; with --layer alone, that layer's)",
+        metavar="N",
+    )
 
 
 @dataclass
@@ -62,13 +91,9 @@ def find_focus(
     )
 
 
-def _attend(
-    text: str, model_path: str | Path | None
-) -> tuple[Any, list[str], list[bool], Tensor, bool]:
-    """Load the model the folder's config.json names (BERT by default; GPT-2 and Llama are
-    causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
-    import torch
-
+def _load(model_path: Path | None) -> Any:
+    """The model in ``model_path`` (None: the default BERT model), refused before loading
+    when the folder holds a kind explain cannot run."""
     from .. import checkpoint, models
     from ..models import kinds
 
@@ -83,9 +108,18 @@ def _attend(
     model = models.load(model_path)
     if kind in (None, "bert"):
         kinds.check_encoder(model, model_path, "multihead explain")
+    return model
+
+
+def _attend(text: str, model: Any) -> tuple[list[str], list[bool], Tensor, bool]:
+    """Run ``text`` through ``model`` (an encoder, or a causal decoder): (tokens, special
+    flags, weights (layers, H, L, L), causal)."""
+    import torch
+
+    if not hasattr(model, "stream_text"):  # an encoder: models.bert.Pretrained
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
-        return model, batch.tokens[0], batch.special[0], weights, False
+        return batch.tokens[0], batch.special[0], weights, False
     if model.tokenizer is None:
         raise FileNotFoundError(
             f"explain needs the model's tokenizer.json, which is missing from {model.path}. "
@@ -96,7 +130,7 @@ def _attend(
         out = model.run(torch.tensor([encoding.ids]))
     weights = torch.stack([w[0] for w in out.weights])
     special = [bool(s) for s in encoding.special_tokens_mask]
-    return model, list(encoding.tokens), special, weights, True
+    return list(encoding.tokens), special, weights, True
 
 
 def _focus(
@@ -181,29 +215,22 @@ def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) 
         say(f"{h:>4} " + "".join(f"{c:>{width}}" for c in cells))
 
 
-def run(
-    text: str,
-    *,
-    focus: str | None = None,
-    out_dir: str | Path = "explain-out",
-    model_path: str | Path | None = None,
-    layer: int | None = None,
-    head: int | None = None,
-    say: Callable[[str], None] = print,
-) -> Explained:
-    """Explain ``text``; see the module docstring. Returns what was computed and written.
+def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Explained:
+    """Explain ``options.text``; see the module docstring. Returns what was computed and
+    written.
 
-    ``layer`` and ``head`` (counted from 0) choose the head drawn alone in head.png and
-    head_surface.png; by default it is the head most fixed on one other word (the strongest
-    weight from the focus word onto a word at least two positions away), searched within
-    ``layer`` or ``head`` when only one is given.
+    ``options.layer`` and ``options.head`` (counted from 0) choose the head drawn alone in
+    head.png and head_surface.png; by default it is the head most fixed on one other word (the
+    strongest weight from the focus word onto a word at least two positions away), searched
+    within ``layer`` or ``head`` when only one is given.
     """
+    text, focus, layer, head = options.text, options.focus, options.layer, options.head
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
     V.check_utf8_text("TEXT", text)
     if focus is not None:
         V.check_utf8_text("--focus", focus)
-    folder = V.check_out_dir("--out", out_dir)
+    folder = V.check_out_dir("--out", options.out)
     for name, value in (("--layer", layer), ("--head", head)):  # before the model loads
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -211,7 +238,8 @@ def run(
             raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
     with stages("explain", _STAGES, say=say) as (progress, say):
         progress.begin(_STAGES[0])
-        model, tokens, special, weights, causal = _attend(text, model_path)
+        model = _load(options.model)
+        tokens, special, weights, causal = _attend(text, model)
         progress.begin(_STAGES[1])
         return _report(text, model, tokens, special, weights, causal, focus, layer, head,
                        folder, progress, say)  # fmt: skip

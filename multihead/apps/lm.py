@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._flags import option, positive_int
 from .common import Options, figure, finish, save_figure, seed_everything
 from .loop import Dist, FitResult, fit
 
@@ -49,7 +50,9 @@ __all__ = [
     "HELD_OUT",
     "QUICK",
     "SPLIT_SEED",
+    "SUMMARY",
     "KneserNeyBigram",
+    "LMOptions",
     "Recipe",
     "build_model",
     "examples",
@@ -61,6 +64,7 @@ __all__ = [
     "train_tokenizer",
 ]
 
+SUMMARY = "a small GPT-2 or Llama decoder and its own tokenizer, trained on --data text"
 DEFAULT_DATA = Path("../shared/data/vader-sentiment")
 VADER_SUFFIX = "_GroundTruth.txt"
 END = "<|endoftext|>"  # id 0: opens and closes every text; prompts begin with it too
@@ -70,6 +74,23 @@ SPLIT_SEED = 19  # fixed: the held-out texts do not change with --seed
 MIN_VOCAB = 260  # the 256 byte symbols, the end-of-text token and a few merges
 MAX_VOCAB = 65536
 SAMPLE_SETTINGS = {"temperature": 0.8, "top_p": 0.95}  # samples.txt: varied but on topic
+
+
+@dataclass
+class LMOptions(Options):
+    """``multihead train lm``'s options: the common ones and the decoder's shape."""
+
+    arch: str = option("gpt2", "the decoder's shape", choices=ARCHS)
+    vocab_size: int | None = option(
+        None, "the BPE vocabulary (default: the recipe's)", parse=positive_int
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.arch not in ARCHS:
+            raise ValueError(
+                f"arch must be one of {', '.join(ARCHS)}. Received: arch={self.arch!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -414,7 +435,7 @@ def _fit(
 # the run
 
 
-def _recipe(options: Options) -> Recipe:
+def _recipe(options: LMOptions) -> Recipe:
     recipe = QUICK if options.quick else FULL
     if options.vocab_size is not None:
         recipe = replace(recipe, vocab_size=options.vocab_size)
@@ -435,7 +456,7 @@ def _data(options: Options, recipe: Recipe) -> dict[str, Any]:
     return {"texts": len(texts), "duplicates": duplicates, "train": train, "held": held}
 
 
-def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
+def run(options: LMOptions, info: Dist, out: Path | None) -> dict[str, Any]:
     """Train the tokenizer and the decoder, measure the baselines, write the run into ``out``
     (None on processes other than rank 0, which write nothing; see the module docstring)."""
     started = time.perf_counter()

@@ -28,13 +28,15 @@ from torch import Tensor
 from .. import _validation as V
 from .. import bias as bias_mod
 from .. import masks
+from .._flags import option
 from .._progress import stages
 from ..bias import ScoreModifier
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
+from .options import Timed
 
-__all__ = ["WORKLOADS", "Workload", "run_suite"]
+__all__ = ["WORKLOADS", "KernelsOptions", "Workload", "run_suite"]
 
 _NAIVE_BUDGET_BYTES = 3 * 2**30  # the naive formula holds the full (B, H, L, S) score tensor
 
@@ -491,23 +493,30 @@ class Report:
     seconds: float = 0.0  # wall time of the whole run
 
 
-def run_suite(
-    *,
-    quick: bool = False,
-    only: list[str] | None = None,
-    repeats: int | None = None,
-    out_dir: Path | str = "bench-results",
-    say: Callable[[str], None] = print,
-) -> Report:
+@dataclass(frozen=True, kw_only=True)
+class KernelsOptions(Timed):
+    """What ``multihead bench kernels`` takes (``multihead bench kernels --help``)."""
+
+    quick: bool = option(
+        False,
+        f"a smoke test: small sizes, about {QUICK_SECONDS} s on 2 CPU cores (the first run on a "
+        "machine also builds the fused C++ kernel, once); warm-up and call overhead dominate "
+        "its ratios, so they are not for comparison",
+    )
+    only: tuple[str, ...] | None = option(None, "run only these workloads", metavar="WORKLOAD")
+
+
+def run_suite(options: KernelsOptions, *, say: Callable[[str], None] = print) -> Report:
     """Run the workloads, print a table, write ``results.json`` and ``results.png``.
 
-    ``quick`` runs small sizes as a smoke test (see ``SMOKE_TEST``): the report and the chart
-    say so, and the run prints its wall time (``QUICK_SECONDS`` on 2 cores)."""
+    ``options.quick`` runs small sizes as a smoke test (see ``SMOKE_TEST``): the report and
+    the chart say so, and the run prints its wall time (``QUICK_SECONDS`` on 2 cores)."""
     started = time.perf_counter()
-    out_dir = V.check_out_dir("--out", out_dir)
+    quick, repeats = options.quick, options.repeats
+    out_dir = V.check_out_dir("--out", options.out)
     out_dir.mkdir(exist_ok=True)
     repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
-    steps = _steps(only)
+    steps = _steps(options.only)
     report = Report(
         machine={
             "python": platform.python_version(),
@@ -542,7 +551,7 @@ def run_suite(
     return report
 
 
-def _steps(only: list[str] | None) -> list[str]:
+def _steps(only: tuple[str, ...] | None) -> list[str]:
     """The workloads to run, in order, the memory one last (every one when ``only`` is None)."""
     names = only or [*WORKLOADS, "memory_window"]
     unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})

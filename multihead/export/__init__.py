@@ -9,11 +9,13 @@ from .onnx import (
     DEFAULT_OPSET,
     EXPORTS,
     MIN_OPSET,
+    ExportOptions,
     GraphSpec,
     check_opset,
     check_target,
     graph_spec,
     load_for_export,
+    run,
     to_onnx,
 )
 from .runtime import OnnxBert, quantize_int8, session
@@ -22,6 +24,7 @@ __all__ = [
     "DEFAULT_OPSET",
     "EXPORTS",
     "MIN_OPSET",
+    "ExportOptions",
     "GraphSpec",
     "OnnxBert",
     "check_opset",
@@ -29,6 +32,7 @@ __all__ = [
     "graph_spec",
     "load_for_export",
     "quantize_int8",
+    "run",
     "session",
     "to_onnx",
 ]

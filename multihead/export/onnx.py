@@ -18,6 +18,7 @@ import re
 import secrets
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from .. import masks
 from .._atomic import replace_file
 from .._extras import require
+from .._flags import option, required
 from ..models.bert import Bert, Pretrained
 from ..models.causal_lm import CausalLM
 from ..modules import (
@@ -41,11 +43,13 @@ __all__ = [
     "DEFAULT_OPSET",
     "EXPORTS",
     "MIN_OPSET",
+    "ExportOptions",
     "GraphSpec",
     "check_opset",
     "check_target",
     "graph_spec",
     "load_for_export",
+    "run",
     "to_onnx",
 ]
 
@@ -571,3 +575,34 @@ def to_onnx(
         )
     _save(program, target, external_data, check)
     return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """What ``multihead export onnx`` takes (``multihead export onnx --help``)."""
+
+    model: Path | None = option(
+        None,
+        "model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        metavar="PATH",
+    )
+    out: Path = required("where to write it (its folder must exist)", metavar="FILE.onnx")
+    weights: bool = option(False, "also output every layer's per-head weights")
+    opset: int = option(DEFAULT_OPSET, "ONNX opset version")
+
+
+def run(options: ExportOptions, *, say: Callable[[str], None] = print) -> Path:
+    """``multihead export onnx``: check the target and the opset, load the folder's model,
+    export it, and say what the graph takes and gives."""
+    from .._progress import stages
+
+    check_target(options.out)  # before the model loads and the export runs
+    check_opset(options.opset)
+    with stages("export onnx", ("loading the model", "exporting and checking")) as (bar, _):
+        bar.begin("loading the model")
+        model = load_for_export(options.model)
+        bar.begin("exporting and checking")
+        path = to_onnx(model, options.out, weights=options.weights, opset=options.opset)
+    spec = graph_spec(model, weights=options.weights)
+    say(f"wrote {path} ({spec.describe()}); onnx.checker: ok")
+    return path

@@ -17,6 +17,7 @@ from .rotary import RotaryEmbedding
 
 __all__ = ["AttentionOutput", "MultiHeadAttention", "merge_heads", "split_heads"]
 
+
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
     """(B, L, H * D) -> (B, H, L, D): view the last dim as H heads, then put heads first.
 

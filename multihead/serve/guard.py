@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._flags import option
 from .metrics import Metrics
 
 __all__ = ["METHODS", "ROUTES", "Access", "Guard", "error_body", "is_loopback_host"]
@@ -70,10 +71,25 @@ class Access:
         127.0.0.1 (DNS rebinding) sends its own name and is refused.
     """
 
-    api_key: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origin: str | None = None
-    loopback: bool = True
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $MULTIHEAD_API_KEY; the environment keeps it out of the process list)",
+        metavar="KEY",
+    )
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        "Host names answered besides localhost, 127.0.0.1 and [::1] when listening on a "
+        "loopback address ('*': any)",
+        metavar="NAME",
+    )
+    cors_origin: str | None = option(
+        None,
+        "the browser origin (https://app.example, or '*') allowed to read answers; default: "
+        "no CORS headers",
+        metavar="ORIGIN",
+    )
+    loopback: bool = True  # set from the address the server listens on, not a flag
 
     def __post_init__(self) -> None:
         key = self.api_key

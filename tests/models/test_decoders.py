@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from decoders import EOS, VOCAB, build, pad, transformers_model
 
 from multihead import cli
 from multihead.apps import explain
+from multihead.apps.explain import ExplainOptions
 from multihead.models import gpt2, llama
 from multihead.models.causal_lm import filter_top_k, filter_top_p
 
@@ -237,9 +239,8 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
         assert (tmp_path / "attention.html").stat().st_size > 5_000
         return
     lines = []
-    got = explain.run(
-        text, focus="street", model_path=ours.path, out_dir=tmp_path, say=lines.append
-    )
+    options = ExplainOptions(text=text, focus="street", model=ours.path, out=tmp_path)
+    got = explain.run(options, say=lines.append)
     assert got.tokens[0] == "<s>"
     pieces = ours.tokenizer.encode(" street", add_special_tokens=False).tokens
     assert pieces[0].startswith("Ġ")  # the byte-level marker of a leading space
@@ -261,9 +262,9 @@ def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
     _, ours, _ = pair
     saved = mh.save(ours, tmp_path / "saved")
     text = "The animal crossed the street"
-    quiet = dict(focus="street", out_dir=tmp_path / "out", say=lambda line: None)
-    got = explain.run(text, model_path=saved, **quiet)
-    direct = explain.run(text, model_path=ours.path, **quiet)
+    options = ExplainOptions(text=text, focus="street", out=tmp_path / "out")
+    got = explain.run(replace(options, model=saved), say=lambda line: None)
+    direct = explain.run(replace(options, model=ours.path), say=lambda line: None)
     assert got.tokens == direct.tokens and got.focus == direct.focus
     assert (got.weights - direct.weights).abs().max() <= 1e-6
 
@@ -516,4 +517,4 @@ def test_no_tokenizer_means_ids_only(tmp_path_factory):
     with pytest.raises(ValueError, match="has no tokenizer"):
         model.stream_text("text", 3)
     with pytest.raises(FileNotFoundError, match=r"explain needs the model's tokenizer\.json"):
-        explain.run("a text", model_path=folder, say=lambda s: None)
+        explain.run(ExplainOptions(text="a text", model=folder), say=lambda s: None)

@@ -54,12 +54,18 @@ def decoders(tmp_path_factory):
 
 
 def test_import_multihead_imports_no_family_and_no_checkpoint_library():
+    """``import multihead`` imports nothing heavy; its first name used imports what that name
+    needs (the model registry for ``load``), and still no family."""
     out = _run(
         "import sys, multihead\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('transformers', 'tokenizers', 'safetensors') or m.startswith('multihead.models.')))"
+        "wanted = lambda: sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'tokenizers', 'safetensors') and '.' not in m "
+        "or m.startswith('multihead.models.'))\n"
+        "print(wanted())\n"
+        "multihead.load\n"
+        "print(wanted())"
     )
-    assert out.strip() == "['multihead.models.families']"
+    assert out.splitlines() == ["[]", "['multihead.models.families']"]
 
 
 def test_load_imports_only_the_family_the_folder_names(decoders, tmp_path):

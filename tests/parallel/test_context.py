@@ -303,9 +303,7 @@ def test_dropout_and_weights_are_refused(pools):
     both = {0: {"kwargs": {"dropout_p": 0.1}}, 1: {"kwargs": {"dropout_p": 0.1}}}
     _all_raise(pools(2), SPEC, both, ValueError, r"computes no dropout.*Received: dropout_p=0.1")
     weights = {0: {"kwargs": {"return_weights": True}}, 1: {"kwargs": {"return_weights": True}}}
-    _all_raise(
-        pools(2), SPEC, weights, TypeError, r"unexpected keyword argument 'return_weights'"
-    )
+    _all_raise(pools(2), SPEC, weights, TypeError, r"unexpected keyword argument 'return_weights'")
 
 
 def test_one_rank_with_bad_input_stops_every_rank(pools):
