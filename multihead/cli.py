@@ -153,11 +153,6 @@ def _resolve(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _record(job: Callable[..., Any]) -> type | None:
-    """The options record a job takes: the annotation of its ``options`` parameter."""
-    return typing.get_type_hints(job).get("options")
-
-
 def _path(argv: list[str]) -> list[str]:
     """The commands ``argv`` names, outermost first (``bench kernels`` -> both)."""
     path: list[str] = []
@@ -178,20 +173,11 @@ def _describe(text: str) -> str:
     return text if "\n" in text else textwrap.fill(text[0].upper() + text[1:], 88)
 
 
-def _add_job(
-    parser: argparse.ArgumentParser, job: Callable[..., Any], record: type | None, *args: str
-) -> None:
-    """``parser`` runs ``job(*args, options)`` with the ``record`` its flags fill (or
-    ``job(*args)`` without one)."""
+def _add_job(parser: argparse.ArgumentParser, job: Callable, record: type | None, *args) -> None:
+    """``parser`` runs ``job(*args, options)``, ``options`` the ``record`` its flags fill."""
     if record is not None:
         _flags.add_arguments(parser, record)
     parser.set_defaults(job=job, job_args=args, record=record)
-
-
-def _entries(group: Group) -> dict[str, Job | Group | tuple[str, type]]:
-    if isinstance(group.commands, dict):
-        return dict(group.commands)
-    return dict(_resolve(group.commands)())  # a registry: {name: (summary, record)}
 
 
 def _add_commands(parser: argparse.ArgumentParser, group: Group, path: list[str] | None) -> None:
@@ -201,7 +187,8 @@ def _add_commands(parser: argparse.ArgumentParser, group: Group, path: list[str]
         dest=group.dest, required=True, metavar=group.dest.upper(),
         parser_class=_flags.CommandParser,
     )  # fmt: skip
-    for name, entry in _entries(group).items():
+    table = group.commands  # or a registry's {name: (summary, record)}
+    for name, entry in (table if isinstance(table, dict) else _resolve(table)()).items():
         summary = entry[0] if isinstance(entry, tuple) else entry.summary
         own = "" if isinstance(entry, tuple) else entry.description
         sub = commands.add_parser(name, help=summary, description=_describe(own or summary))
@@ -212,9 +199,9 @@ def _add_commands(parser: argparse.ArgumentParser, group: Group, path: list[str]
             _add_job(sub, _resolve(group.run), entry[1], name)
         elif isinstance(entry, Group):
             _add_commands(sub, entry, rest)
-        else:
+        else:  # the job's options record: the annotation of its ``options`` parameter
             job = _resolve(entry.target)
-            _add_job(sub, job, _record(job))
+            _add_job(sub, job, typing.get_type_hints(job).get("options"))
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
