@@ -56,7 +56,7 @@ def run(options: EmbedOptions, *, say: Callable[[str], None] = print) -> np.ndar
 
     model_path, max_tokens = options.model, options.max_tokens
     target = V.check_out_file("--out", options.out, ".npy")
-    kinds.check_bert(model_path, "multihead embed")
+    kinds.check_encoder_kind(model_path, "multihead embed")
     V.check_positive_int("max_tokens", max_tokens)
     source = Path(options.file)
     if not source.is_file():

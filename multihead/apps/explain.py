@@ -1,8 +1,8 @@
 """``multihead explain``: what every head of a real model looks at, for one text and one word.
 
-The model folder's ``config.json`` picks the model: BERT-family encoders (the default model),
-or the GPT-2 and Llama decoders, whose heads are causal (a token attends only to itself and
-earlier tokens).
+The model folder's ``config.json`` picks the model family: BERT-family encoders (the default
+model), or decoders such as GPT-2 and Llama, whose heads are causal (a token attends only to
+itself and earlier tokens).
 
 Runs the text through the model with weights on, prints each head's most attended token from the
 focus word and the attention rollout, and writes the figures and the HTML head view.
@@ -23,14 +23,9 @@ from .._flags import argument, option
 from .._progress import stages
 from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
-__all__ = ["SUPPORTED", "ExplainOptions", "Explained", "find_focus", "pick_head", "run"]
+__all__ = ["ExplainOptions", "Explained", "find_focus", "pick_head", "run", "supported"]
 
-SUPPORTED = (
-    "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
-    "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them)"
-)
 _STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
-_SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,22 +86,25 @@ def find_focus(
     )
 
 
+def supported() -> str:
+    """What ``multihead explain`` takes: every model family's folders."""
+    from ..models import all_families, kinds
+
+    return f"language models: {kinds.listed(all_families())}, or multihead.save folders of them"
+
+
 def _load(model_path: Path | None) -> Any:
     """The model in ``model_path`` (None: the default BERT model), refused before loading
-    when the folder holds a kind explain cannot run."""
+    when no model family opens the folder."""
     from .. import checkpoint, models
     from ..models import kinds
+    from ..models.causal_lm import CausalLM
 
     if model_path is not None:
         checkpoint.model_folder(model_path)
-    found = kinds.folder_kind(model_path)
-    kind = None if found is None else found.kind
-    if kind not in (None, "bert", "gpt2", "llama") and not (
-        kind == kinds.SAVED and found.saved_class in _SAVED_LANGUAGE_MODELS
-    ):
-        raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
+    kinds.check_family_kind(model_path, "multihead explain", supported)
     model = models.load(model_path)
-    if kind in (None, "bert"):
+    if not isinstance(model, CausalLM):
         kinds.check_encoder(model, model_path, "multihead explain")
     return model
 
@@ -116,7 +114,9 @@ def _attend(text: str, model: Any) -> tuple[list[str], list[bool], Tensor, bool]
     flags, weights (layers, H, L, L), causal)."""
     import torch
 
-    if not hasattr(model, "stream_text"):  # an encoder: models.bert.Pretrained
+    from ..models.causal_lm import CausalLM
+
+    if not isinstance(model, CausalLM):  # an encoder: models.bert.Pretrained
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
         return batch.tokens[0], batch.special[0], weights, False

@@ -43,7 +43,6 @@ from .common import Options, figure, finish, save_figure, seed_everything
 from .loop import Dist, FitResult, fit
 
 __all__ = [
-    "ARCHS",
     "DEFAULT_DATA",
     "END",
     "FULL",
@@ -54,6 +53,7 @@ __all__ = [
     "KneserNeyBigram",
     "LMOptions",
     "Recipe",
+    "archs",
     "build_model",
     "examples",
     "pack",
@@ -68,7 +68,6 @@ SUMMARY = "a small GPT-2 or Llama decoder and its own tokenizer, trained on --da
 DEFAULT_DATA = Path("../shared/data/vader-sentiment")
 VADER_SUFFIX = "_GroundTruth.txt"
 END = "<|endoftext|>"  # id 0: opens and closes every text; prompts begin with it too
-ARCHS = ("gpt2", "llama")
 HELD_OUT = 0.1  # share of the texts held out for perplexity
 SPLIT_SEED = 19  # fixed: the held-out texts do not change with --seed
 MIN_VOCAB = 260  # the 256 byte symbols, the end-of-text token and a few merges
@@ -76,20 +75,28 @@ MAX_VOCAB = 65536
 SAMPLE_SETTINGS = {"temperature": 0.8, "top_p": 0.95}  # samples.txt: varied but on topic
 
 
+def archs() -> list[str]:
+    """The decoder shapes ``--arch`` takes: every causal model family that builds a fresh
+    model from sizes (``Family.sized``)."""
+    from ..models import all_families
+
+    return [f.model_type for f in all_families() if f.causal and f.sized is not None]
+
+
 @dataclass
 class LMOptions(Options):
     """``multihead train lm``'s options: the common ones and the decoder's shape."""
 
-    arch: str = option("gpt2", "the decoder's shape", choices=ARCHS)
+    arch: str = option("gpt2", "the decoder's shape (its model family)", choices=archs)
     vocab_size: int | None = option(
         None, "the BPE vocabulary (default: the recipe's)", parse=positive_int
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.arch not in ARCHS:
+        if self.arch not in archs():
             raise ValueError(
-                f"arch must be one of {', '.join(ARCHS)}. Received: arch={self.arch!r}"
+                f"arch must be one of {', '.join(archs())}. Received: arch={self.arch!r}"
             )
 
 
@@ -327,27 +334,20 @@ def _unigram_nll(train: Sequence[Sequence[int]], held: Sequence[Sequence[int]], 
 
 
 def build_model(arch: str, recipe: Recipe, vocab_size: int) -> Any:
-    """A freshly initialized GPT-2 or Llama decoder of ``recipe``'s sizes: tied input and output
-    embeddings, ``END`` (id 0) as beginning, end and padding token. Weights are drawn as in
-    GPT-2: N(0, 0.02), the projections back into the residual stream N(0, 0.02 / sqrt(2 *
-    layers)), biases 0."""
-    from ..models import gpt2, llama
+    """A freshly initialized decoder of the family ``arch`` (see ``archs``) and ``recipe``'s
+    sizes: tied input and output embeddings, ``END`` (id 0) as beginning, end and padding
+    token. Weights are drawn as in GPT-2: N(0, 0.02), the projections back into the residual
+    stream N(0, 0.02 / sqrt(2 * layers)), biases 0."""
+    from ..models import family
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}. Received: arch={arch!r}")
+    if arch not in archs():
+        raise ValueError(f"arch must be one of {', '.join(archs())}. Received: arch={arch!r}")
+    chosen = family(arch)
     r = recipe
-    special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-    if arch == "gpt2":
-        model = gpt2.GPT2(gpt2.GPT2Config(
-            vocab_size=vocab_size, n_positions=r.context, n_embd=r.width, n_layer=r.layers,
-            n_head=r.heads, **special))  # fmt: skip
-    else:
-        hidden = 16 * round(8 * r.width / 3 / 16)  # SwiGLU's 8/3 E, a multiple of 16
-        model = llama.Llama(llama.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=r.width, intermediate_size=hidden,
-            num_hidden_layers=r.layers, num_attention_heads=r.heads,
-            num_key_value_heads=r.kv_heads, max_position_embeddings=r.context,
-            rms_norm_eps=1e-5, tie_word_embeddings=True, **special))  # fmt: skip
+    config = chosen.sized(vocab_size=vocab_size, context=r.context, width=r.width,
+                          layers=r.layers, heads=r.heads, kv_heads=r.kv_heads,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    model = chosen.model(config)
     _initialize(model, r.layers)
     return model
 
@@ -508,7 +508,8 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
     samples = _samples(model, data["held"], options.seed)
     (out / "samples.txt").write_text(_samples_text(samples))
     (out / "held_out.txt").write_text("".join(f"{t}\n" for t in data["held"]), encoding="utf-8")
-    _loss_figure(result, curve, table, out / "loss_curve.png", _describe(model, options.arch))
+    title = f"{options.arch} shape, {model.shape}"
+    _loss_figure(result, curve, table, out / "loss_curve.png", title)
     parameters = sum(p.numel() for p in model.parameters())
     metrics = {
         "task": "lm",
@@ -566,16 +567,6 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
 def _scores(nll: float, tokens: int) -> dict[str, float]:
     loss = nll / tokens
     return {"perplexity": round(math.exp(loss), 4), "loss": round(loss, 6)}
-
-
-def _describe(model: Any, arch: str) -> str:
-    c = model.config
-    if arch == "gpt2":
-        return f"GPT-2 shape, {c.n_layer} layers, E={c.n_embd}, H={c.n_head}"
-    return (
-        f"Llama shape, {c.num_hidden_layers} layers, E={c.hidden_size}, "
-        f"H={c.num_attention_heads}, H_kv={c.num_key_value_heads}"
-    )
 
 
 @torch.inference_mode()

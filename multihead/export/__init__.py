@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from .onnx import (
     DEFAULT_OPSET,
-    EXPORTS,
     MIN_OPSET,
     ExportOptions,
     GraphSpec,
     check_opset,
     check_target,
+    exports,
     graph_spec,
     load_for_export,
     run,
@@ -22,13 +22,13 @@ from .runtime import OnnxBert, quantize_int8, session
 
 __all__ = [
     "DEFAULT_OPSET",
-    "EXPORTS",
     "MIN_OPSET",
     "ExportOptions",
     "GraphSpec",
     "OnnxBert",
     "check_opset",
     "check_target",
+    "exports",
     "graph_spec",
     "load_for_export",
     "quantize_int8",

@@ -41,29 +41,23 @@ from ..modules import (
 
 __all__ = [
     "DEFAULT_OPSET",
-    "EXPORTS",
     "MIN_OPSET",
     "ExportOptions",
     "GraphSpec",
     "check_opset",
     "check_target",
+    "exports",
     "graph_spec",
     "load_for_export",
     "run",
     "to_onnx",
 ]
 
-EXPORTS = (
-    "BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama decoders "
-    "(model_type 'gpt2' or 'llama'), and multihead.save folders of a MultiHeadAttention, a "
-    "TransformerEncoder or TransformerEncoderLayer, or a GPT-2 or Llama model"
-)
-_SAVED_EXPORTS = (
+# multihead.save folders of these export too (besides the model families' own)
+_SAVED_MODULES = (
     "multihead.MultiHeadAttention",
     "multihead.TransformerEncoder",
     "multihead.TransformerEncoderLayer",
-    "multihead.models.gpt2.GPT2",
-    "multihead.models.llama.Llama",
 )
 
 # opset 18 is the newest whose every op onnxruntime >= 1.14 runs on CPU, and it has
@@ -341,10 +335,21 @@ def _name_total_axis(program: object) -> None:
     value.shape = ir.Shape([value.shape[0], _TOTAL])
 
 
+def exports() -> str:
+    """What ``multihead export onnx`` takes: every model family's folders, and
+    ``multihead.save`` folders of the modules ``to_onnx`` exports."""
+    from ..models import all_families, kinds
+
+    return (
+        f"{kinds.listed(all_families())}, and multihead.save folders of a MultiHeadAttention, a "
+        "TransformerEncoder or TransformerEncoderLayer, or of a family's model"
+    )
+
+
 def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
-    """The model a folder holds, by its ``config.json``: a GPT-2 or Llama decoder, a
-    BERT-family encoder (None: the default BERT model), or a ``multihead.save`` folder of a
-    module ``to_onnx`` exports (``EXPORTS`` says which).
+    """The model a folder holds, by its ``config.json``: a model family's (None: the default
+    BERT model), or a ``multihead.save`` folder of a module ``to_onnx`` exports (``exports()``
+    says which).
 
     Raises:
         ValueError: a folder of another kind (T5, a saved application model, ...): the message
@@ -356,13 +361,8 @@ def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
     if path is None:
         return models.load(None)
     folder = checkpoint.model_folder(path)
-    found = kinds.folder_kind(folder)
-    kind = None if found is None else found.kind
-    if kind in (None, "bert", "gpt2", "llama") or (
-        kind == kinds.SAVED and found.saved_class in _SAVED_EXPORTS
-    ):
-        return models.load(folder)
-    raise kinds.wrong_kind(found, "multihead export onnx", EXPORTS)
+    kinds.check_family_kind(folder, "multihead export onnx", exports, saved_classes=_SAVED_MODULES)
+    return models.load(folder)
 
 
 def check_target(path: str | Path) -> Path:

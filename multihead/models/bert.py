@@ -30,10 +30,11 @@ from ..modules import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from .families import register_builtin
+from .families import Family, register_builtin
 
 __all__ = [
     "DEFAULT_PACKAGE",
+    "FAMILY",
     "Bert",
     "BertConfig",
     "BertOutput",
@@ -618,4 +619,14 @@ io.register(
     header=lambda pre: _header(pre.config),
     files=_copy_tokenizer,
 )
-register_builtin("bert", load)
+FAMILY = Family(
+    model_type="bert",
+    description="a BERT-family encoder",
+    model=Pretrained,
+    load=load,
+    config=BertConfig,
+    transformers="BertModel",
+    names=_hf_names,
+    unused=_UNUSED_SUFFIXES,
+)
+register_builtin(FAMILY)

@@ -65,7 +65,7 @@ def load_engine(
     from ..models import kinds
 
     _check(runtime, onnx_path, threads)
-    kinds.check_bert(model_path, "multihead serve")
+    kinds.check_encoder_kind(model_path, "multihead serve")
     if threads is not None:
         torch.set_num_threads(threads)
     pretrained = models.load(model_path)

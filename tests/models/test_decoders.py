@@ -414,7 +414,7 @@ def test_kv_cache_larger_than_free_memory_is_refused(tmp_path_factory, monkeypat
     the tiny Llama (2 layers, H_kv=2, D=D_v=8, fp32), plus two int64 (B, T + new) buffers:
     one byte less free memory than that is refused, before any allocation; exactly that
     much is enough."""
-    from multihead.models import causal_lm
+    from multihead.models import generation
 
     model = llama.load(_folder(tmp_path_factory, "llama"))
     ids, lengths = pad(ROWS, "right")  # B=3, longest prompt 23
@@ -422,14 +422,14 @@ def test_kv_cache_larger_than_free_memory_is_refused(tmp_path_factory, monkeypat
     total = 23 + new
     cache = 2 * 3 * 2 * total * (8 + 8) * 4
     buffers = 2 * 3 * (total + new) * 8
-    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers - 1)
+    monkeypatch.setattr(generation, "_free_bytes", lambda device: cache + buffers - 1)
     with pytest.raises(ValueError) as err:
         model.generate(ids, new, lengths=lengths)
     message = str(err.value)
     assert "2 layers x B=3 x H_kv=2 x T=63 tokens x (D=8 + D_v=8) x 4 bytes" in message
     assert f"KV cache of {cache / 1024:.1f} KiB" in message
     assert "ask for fewer new tokens" in message and "Received: max_new_tokens=40" in message
-    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers)
+    monkeypatch.setattr(generation, "_free_bytes", lambda device: cache + buffers)
     assert model.generate(ids, new, lengths=lengths).shape == (3, total)
 
 
