@@ -16,9 +16,9 @@ from torch import Tensor
 from . import _validation as V
 from . import bias as _bias
 from .backends import registry
-from .backends._call import Call
-from .backends._call import prepare as _prepare
 from .backends._nonfinite import run_guarded
+from .backends.call import Call
+from .backends.call import prepare as _prepare
 from .masks import Mask, dense
 
 __all__ = [
@@ -109,7 +109,12 @@ def attention(
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    return _given(run_guarded(registry.runner(call, backend), call)[0], "output")
+    return _given(_guarded(registry.runner(call, backend), call)[0], "output")
+
+
+def _guarded(run: registry.Runner, call: Call) -> tuple[Tensor | None, Tensor | None]:
+    """``run(call)`` under the NaN rule (docs/design.md, "The NaN rule")."""
+    return run_guarded(run, call, checks_inputs=run.checks_inputs)
 
 
 def _given(t: Tensor | None, what: str) -> Tensor:
@@ -154,13 +159,13 @@ def attention_with_weights(
     """
     if heads is None:
         call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
-        out, weights = run_guarded(registry.runner(call, backend), call)
+        out, weights = _guarded(registry.runner(call, backend), call)
         return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    out = run_guarded(registry.runner(call, backend), call)[0]
+    out = _guarded(registry.runner(call, backend), call)[0]
     part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
-    weights = run_guarded(registry.runner(part, backend), part)[1]
+    weights = _guarded(registry.runner(part, backend), part)[1]
     return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
 
 
@@ -225,8 +230,11 @@ def explain_backend(
     """Which backend ``attention(..., backend="auto")`` would run, and why not the others;
     with ``weights=True``, which one ``attention_with_weights`` would run for the weights.
 
-    Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
-    line per backend.
+    Takes the same arguments as ``attention`` and computes nothing: no kernel is compiled and
+    no backend is run or timed. A backend that leads only where it measured faster (the fused
+    and half kernels) is judged by what this process measured for the call's shape class, and
+    said to be untimed when nothing was (the first ``attention`` call of the class times it).
+    ``str(choice)`` prints one line per backend.
     """
     call = _prepare(
         query, key, value, mask, bias, scale, dropout_p, V.check_bool("weights", weights)

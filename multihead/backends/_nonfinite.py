@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from ..masks import TileKind
-from ._call import Call, exporting, repeat_kv
+from ._tensors import repeat_kv
+from .call import Call, exporting
 
-__all__ = ["NonFiniteInput", "checks_inputs", "run_guarded"]
+__all__ = ["NonFiniteInput", "run_guarded"]
 
 _ROWS = 256  # query rows per visibility block when finding the rows that see a bad key
 
@@ -27,16 +28,8 @@ Result = tuple[Tensor | None, Tensor | None]
 
 
 class NonFiniteInput(Exception):
-    """Raised by a backend that checks its inputs as it reads them (see ``checks_inputs``)
+    """Raised by a backend that checks its inputs as it reads them (``Backend.checks_inputs``)
     when it met NaN or ±inf: the careful path takes over."""
-
-
-def checks_inputs(run: Callable[[Call], Result]) -> Callable[[Call], Result]:
-    """Mark a backend's ``run`` as checking q, k and v itself while it reads them (raising
-    ``NonFiniteInput``), so the guard skips its own pass over them: at decode that pass reads
-    the whole cache a second time."""
-    run.checks_inputs = True
-    return run
 
 
 def _finite(*tensors: Tensor) -> bool:
@@ -54,14 +47,17 @@ def _finite(*tensors: Tensor) -> bool:
         return bool(torch.isfinite(total))
 
 
-def run_guarded(run: Callable[[Call], Result], call: Call) -> Result:
-    """``run(call)`` with the NaN rule."""
+def run_guarded(
+    run: Callable[[Call], Result], call: Call, *, checks_inputs: bool = False
+) -> Result:
+    """``run(call)`` with the NaN rule. ``checks_inputs``: ``run`` raises ``NonFiniteInput``
+    when it reads NaN or ±inf (``Backend.checks_inputs``), so the cheap check is skipped."""
     q, k, v = call.query, call.key, call.value
     if exporting() or torch.compiler.is_compiling():
         # a traced graph cannot branch on data (under torch.compile the check would be a graph
         # break in every attention call): it computes the plain formula
         return run(call)
-    if getattr(run, "checks_inputs", False):
+    if checks_inputs:
         try:
             return run(call)
         except NonFiniteInput:

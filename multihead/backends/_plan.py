@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind
-from ._call import Call
+from .call import Call
 
 __all__ = ["Chunk", "Item", "plan", "query_tile"]
 

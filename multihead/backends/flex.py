@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind
-from ._call import BackendUnavailable, Call, exporting, stat_dtype, structured
-from .protocol import LAST, LEADS, Backend, Capabilities, Rank
+from ._tensors import stat_dtype
+from .call import Call, exporting, structured
+from .protocol import LAST, LEADS, Backend, BackendUnavailable, Capabilities, Rank
 
 __all__ = [
     "BACKEND",
@@ -42,7 +43,6 @@ __all__ = [
     "measured_faster",
     "rank",
     "run",
-    "unsupported",
 ]
 
 BLOCK = 128  # query rows and keys per sparse block: FlexAttention's default (64 ran no faster)
@@ -95,10 +95,6 @@ def clear_cache() -> None:
     _block_masks.clear()
     _failures.clear()
     _log.clear()
-
-
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
 
 
 def _unsupported(call: Call) -> str | None:
@@ -281,7 +277,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         why = f"{type(e).__name__}: {first_line}"
         _failures[_structure(call)] = why
         _log.append(CompileRecord(_describe(call), time.perf_counter() - start, why))
-        # unsupported(call) reports the failure from now on, so auto picks another backend
+        # its rule reports the failure from now on, so auto picks another backend
         raise BackendUnavailable(
             f"FlexAttention could not be compiled for this mask and bias ({why})"
         ) from e
@@ -399,4 +395,5 @@ BACKEND = Backend(
     rank=rank,
     capabilities=Capabilities(label="FlexAttention", weights=False, dropout=False),
     unsupported=_unsupported,
+    state=lambda: len(_failures),  # a compile that failed changes what it answers
 )

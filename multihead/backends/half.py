@@ -29,11 +29,12 @@ import torch
 from torch import Tensor
 
 from . import _measure
-from ._call import Call, exporting, repeat_kv
 from ._plan import Item, plan
+from ._tensors import repeat_kv
+from .call import Call, exporting
 from .protocol import FALLBACK, Backend, Capabilities, Rank
 
-__all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run", "unsupported"]
+__all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run"]
 
 ROWS = 128  # query rows per block: see docs/performance.md for the measurement
 
@@ -54,11 +55,6 @@ def _no_bias(call: Call) -> str | None:
     return None
 
 
-def unsupported(call: Call) -> str | None:
-    """Why this call cannot run on the half-precision kernel, or None."""
-    return BACKEND.why_not(call)
-
-
 def rank(call: Call) -> Rank:
     # it leads only through ``measured``, where it ran faster on this machine; its plan reads
     # the mask on the host: never inside traced graphs
@@ -73,7 +69,7 @@ def fast(call: Call) -> bool:
     (AVX512-BF16 / AMX for bf16, AVX512-FP16 / AMX-FP16 for fp16); without them the matmuls
     are emulated and torch's float32 kernel is faster. Native is not fast enough to lead:
     ``measured_faster`` decides that."""
-    if unsupported(call) is not None:
+    if BACKEND.why_not(call) is not None:
         return False
     if call.query.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -191,18 +187,23 @@ _MEASURED: dict[Hashable, bool] = {}
 _best_time = _measure.best_time  # the clock (tests replace it)
 
 
-def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
+def measured_faster(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
     """True when the kernel ran at least 10% faster than ``rival`` (the backend ``auto`` would
     otherwise run) on calls of this shape class on this machine; measured on the first such
-    call and remembered. Only CPUs with native half-precision matmuls are measured (``fast``);
-    nothing is measured with ``MULTIHEAD_HALF_AUTO=0``."""
+    call and remembered (``rival=None``: only the remembered answer, None when there is
+    none). Only CPUs with native half-precision matmuls are measured (``fast``); nothing is
+    measured with ``MULTIHEAD_HALF_AUTO=0``."""
     if _measure.switched_off("MULTIHEAD_HALF_AUTO") or not fast(call):
         return False
     return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
 
 
-def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
-    return measured_faster(call, rival)
+def _measured(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
+    return measured_faster(call, rival)  # through the module: a test may stand one in
+
+
+def _state() -> object:
+    return _measure.switched_off("MULTIHEAD_HALF_AUTO")
 
 
 BACKEND = Backend(
@@ -211,4 +212,5 @@ BACKEND = Backend(
     capabilities=_CAPABILITIES,
     unsupported=_no_bias,
     measured=_measured,
+    state=_state,
 )

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, exporting, plain_causal, stat_dtype
+from ._tensors import dense_keep, drop_dead_keys, stat_dtype
+from .call import Call, exporting, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, exporting, plain_causal, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
+from ._tensors import repeat_kv, stat_dtype
+from .call import Call, exporting, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 __all__ = [

@@ -26,7 +26,8 @@ from torch import Tensor
 from .. import _validation as V
 from .. import masks
 from ..backends import tiled
-from ..backends._call import Call, prepare, stat_dtype
+from ..backends._tensors import stat_dtype
+from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
 from ..masks import Mask, TileKind, dense
 
