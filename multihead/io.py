@@ -352,7 +352,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _check_types(codec: _Codec, args: dict[str, Any], where: str) -> None:
     """Each argument against its constructor annotation (``norm_first: bool`` refuses
     ``"no"``): the class's own signature is the one list of what each field may hold."""
-    from .checkpoint import describe_annotation, fits_annotation
+    from .configs import describe_annotation, fits_annotation
 
     if codec.init is None:
         return
@@ -525,7 +525,7 @@ def load(folder: str | Path) -> Any:
             weights file is empty, corrupt or outside the folder; or the weights do not match
             the architecture (missing, unexpected, mis-shaped or integer tensors, named).
     """
-    from . import checkpoint
+    from . import hf_folders
 
     folder = Path(folder)
     spec, config = _saved_spec(folder)
@@ -540,7 +540,7 @@ def load(folder: str | Path) -> Any:
 
     if _reads_whole_folder(spec):
         return built()
-    weights = checkpoint.file_in(
+    weights = hf_folders.file_in(
         folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
     )
     if not weights.is_file():
@@ -548,15 +548,15 @@ def load(folder: str | Path) -> Any:
             f"the weights file {weights.name} is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    stored = checkpoint.weights(folder, weights)
-    skeleton = checkpoint.build_on_meta(built, stored, source=CONFIG)
+    stored = hf_folders.weights(folder, weights)
+    skeleton = hf_folders.build_on_meta(built, stored, source=CONFIG)
     if skeleton is not None:
         _check_layout(skeleton, stored)
     obj = built()
     codec = _codec_for(obj, "model")
     module = codec.module(obj)
     own = module.state_dict()
-    state = checkpoint.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
+    state = hf_folders.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
@@ -567,7 +567,7 @@ def load(folder: str | Path) -> Any:
 
 def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
     """The ``model`` field and the whole config.json of a ``save`` folder, checked."""
-    from . import checkpoint
+    from . import hf_folders
 
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
@@ -576,7 +576,7 @@ def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
             f"{CONFIG} is missing from {folder}; multihead.save writes it. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    config = checkpoint.read_config(folder)
+    config = hf_folders.read_config(folder)
     if "format_version" not in config:
         raise ValueError(
             f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
@@ -603,13 +603,13 @@ def _file_names(codec: _Codec, obj: Any, state: dict[str, Tensor]) -> dict[str, 
 def _check_layout(skeleton: Any, stored: Any) -> None:
     """The meta-device model against the weights' header: names, shapes and dtypes agree
     before anything is allocated."""
-    from . import checkpoint
+    from . import hf_folders
 
     codec = _codec_for(skeleton, "model")
     expected = codec.module(skeleton).state_dict()
     names = _file_names(codec, skeleton, expected)
-    checkpoint.match(expected, stored.header, names, weights=stored)
-    checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
+    hf_folders.match(expected, stored.header, names, weights=stored)
+    hf_folders.check_unstored(codec.module(skeleton), stored, source=CONFIG)
 
 
 def _reads_whole_folder(spec: Any) -> bool:

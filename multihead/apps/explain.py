@@ -96,12 +96,12 @@ def supported() -> str:
 def _load(model_path: Path | None) -> Any:
     """The model in ``model_path`` (None: the default BERT model), refused before loading
     when no model family opens the folder."""
-    from .. import checkpoint, models
+    from .. import hf_folders, models
     from ..models import kinds
     from ..models.causal_lm import CausalLM
 
     if model_path is not None:
-        checkpoint.model_folder(model_path)
+        hf_folders.model_folder(model_path)
     kinds.check_family_kind(model_path, "multihead explain", supported)
     model = models.load(model_path)
     if not isinstance(model, CausalLM):

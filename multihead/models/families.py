@@ -150,7 +150,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
             ``weights`` given for a model that is not a causal decoder, or not None, "bf16"
             or "int8".
     """
-    from .. import checkpoint, io
+    from .. import hf_folders, io
     from . import kinds
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
@@ -159,7 +159,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         _no_weights(weights, "the default model (BERT)")
         return importlib.import_module(f"{__package__}.bert").load(None)
     path = Path(folder)
-    config = checkpoint.read_config(path) if (path / io.CONFIG).is_file() else {}
+    config = hf_folders.read_config(path) if (path / io.CONFIG).is_file() else {}
     model_type = config.get("model_type")
     if "format_version" in config or not isinstance(model_type, str):
         _no_weights(weights, "a multihead.save folder")

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import checkpoint
-from ..checkpoint import Size
+from .. import configs
+from ..configs import Size
 from ..modules import (
     FeedForward,
     LearnedPositionalEncoding,
@@ -67,7 +67,7 @@ class GPT2Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> GPT2Config:
         """Validate a parsed config; every error names the field."""
-        config = checkpoint.parse_config(
+        config = configs.parse_config(
             cls,
             raw,
             source=source,

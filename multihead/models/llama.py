@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import checkpoint
-from ..checkpoint import Size
+from .. import configs
+from ..configs import Size
 from ..modules import (
     GatedFeedForward,
     MultiHeadAttention,
@@ -63,7 +63,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> LlamaConfig:
         """Validate a parsed config; every error names the field."""
-        config = checkpoint.parse_config(
+        config = configs.parse_config(
             cls,
             raw,
             source=source,

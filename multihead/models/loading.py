@@ -85,26 +85,26 @@ def load_decoder(
             an empty or corrupt file (the file is named), or weights that do not fit the config
             (missing, misshapen or left-over tensors: never a partial load).
     """
-    from .. import checkpoint
+    from .. import hf_folders
 
     check_weights(weights, dtype)
-    folder = checkpoint.model_folder(path)
-    config = family.config.from_dict(checkpoint.read_config(folder))
-    tokenizer = checkpoint.read_tokenizer(folder, required=False)
-    stored = checkpoint.weights(folder).renamed(lambda k: k.removeprefix(family.prefix))
+    folder = hf_folders.model_folder(path)
+    config = family.config.from_dict(hf_folders.read_config(folder))
+    tokenizer = hf_folders.read_tokenizer(folder, required=False)
+    stored = hf_folders.weights(folder).renamed(lambda k: k.removeprefix(family.prefix))
     tied = config.tie_word_embeddings
 
     def unused(name: str) -> bool:  # a tied output layer saved anyway is the embeddings again
         return name.endswith(family.unused) or (tied and name == "lm_head.weight")
 
-    skeleton = checkpoint.build_on_meta(lambda: family.model(config), stored)
+    skeleton = hf_folders.build_on_meta(lambda: family.model(config), stored)
     names_of = family.names(config, tied)  # after the meta build, which stops absurd layer counts
     if skeleton is not None:
         own = skeleton.state_dict()
-        checkpoint.match(own, stored.header, names_of, weights=stored, unused=unused)
-        checkpoint.check_unstored(skeleton, stored)
+        hf_folders.match(own, stored.header, names_of, weights=stored, unused=unused)
+        hf_folders.check_unstored(skeleton, stored)
     model = family.model(config)
-    checkpoint.assign(model, stored.read(), names_of, weights=stored, unused=unused)
+    hf_folders.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
     if dtype == torch.float32:
         quant.pack_linears(model, weights)
@@ -155,9 +155,9 @@ def _save_tokenizer(model: CausalLM, folder: Path) -> None:
 
 def _restore_tokenizer(model: CausalLM, folder: Path) -> None:
     if (folder / "tokenizer.json").is_file():
-        from .. import checkpoint
+        from .. import hf_folders
 
-        model.tokenizer = checkpoint.read_tokenizer(folder, required=False)
+        model.tokenizer = hf_folders.read_tokenizer(folder, required=False)
     model.path = folder
 
 
