@@ -472,13 +472,7 @@ def match(
     sources = {
         mine: (spec, None) if isinstance(spec, str) else spec for mine, spec in names.items()
     }
-    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in stored})
-    if missing:
-        raise ValueError(
-            f"the weights in {weights.folder} lack {len(missing)} tensors the config needs: "
-            f"{_listed(missing)}. config.json and the weights disagree (fewer layers or other "
-            f"parts than the config describes). Received: {len(stored)} tensors"
-        )
+    _check_present(sources, stored, weights)
     paired: dict[str, Tensor] = {}
     for mine, (theirs, convert) in sources.items():
         tensor, target = stored[theirs], own[mine]
@@ -506,6 +500,28 @@ def match(
                 f"Received: {theirs}.shape={tuple(stored[theirs].shape)}"
             )
         paired[mine] = tensor
+    _check_used(sources, stored, weights, unused)
+    return paired
+
+
+def _check_present(sources: Mapping[str, tuple], stored: Mapping[str, Tensor], weights) -> None:
+    """Every checkpoint tensor ``sources`` names must be stored."""
+    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in stored})
+    if missing:
+        raise ValueError(
+            f"the weights in {weights.folder} lack {len(missing)} tensors the config needs: "
+            f"{_listed(missing)}. config.json and the weights disagree (fewer layers or other "
+            f"parts than the config describes). Received: {len(stored)} tensors"
+        )
+
+
+def _check_used(
+    sources: Mapping[str, tuple],
+    stored: Mapping[str, Tensor],
+    weights,
+    unused: Callable[[str], bool],
+) -> None:
+    """Every stored tensor must be used, or one ``unused`` says may be left out."""
     used = {theirs for theirs, _ in sources.values()}
     left = sorted(name for name in stored if name not in used and not unused(name))
     if left:
@@ -515,7 +531,6 @@ def match(
             "other parts than the config describes); loading only some of them would give a "
             f"different model. Received: {len(stored)} tensors, {len(used)} used"
         )
-    return paired
 
 
 def assign(

@@ -231,15 +231,24 @@ def _codec_for(obj: Any, where: str) -> _Codec:
     return codec
 
 
-def _encode(value: Any, where: str) -> Any:
+def _encode_scalar(value: Any) -> tuple[bool, Any]:
+    """(True, its JSON form) for None, bool, int, str, float and torch.dtype; else (False,
+    None)."""
     if value is None or isinstance(value, (bool, int, str)):
-        return value
+        return True, value
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
-            return {"float": str(value)}  # JSON has no NaN or infinity
-        return value
+            return True, {"float": str(value)}  # JSON has no NaN or infinity
+        return True, value
     if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
+        return True, {"dtype": str(value).removeprefix("torch.")}
+    return False, None
+
+
+def _encode(value: Any, where: str) -> Any:
+    scalar, encoded = _encode_scalar(value)
+    if scalar:
+        return encoded
     if isinstance(value, (list, tuple)):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else {"tuple": items}
@@ -325,6 +334,11 @@ def _decode(value: Any, where: str, depth: int) -> Any:
         raise ValueError(
             f"{where}.{kind} must be {words}. Received: {where}.{kind}={inner!r}"[:400]
         )
+    return _decode_tagged(kind, inner, where, depth, words)
+
+
+def _decode_tagged(kind: str, inner: Any, where: str, depth: int, words: str) -> Any:
+    """The value of a ``{kind: inner}`` tag whose ``inner`` has the tag's JSON type."""
     if kind == "tuple":
         return tuple(_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(inner))
     if kind == "dict":

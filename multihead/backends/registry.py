@@ -210,26 +210,7 @@ def explain(call: Call) -> Choice:
     able = [name for name in ranks if why_not[name] is None]
     if not able:
         raise _none_able(call)
-    chosen = leader = able[0]
-    why_first = ranks[leader].why
-    notes: dict[str, str] = {}
-    tracing = exporting() or torch.compiler.is_compiling()
-    for name in [] if tracing else able[1:]:
-        measured = _registered[name].measured
-        known = None if measured is None else measured(call, None)
-        if known:
-            chosen = name
-            why_first = (
-                f"it measured faster than {leader} on this machine for calls of this shape class"
-            )
-            break
-        if measured is not None:
-            notes[name] = f"{ranks[name].why}; " + (
-                f"calls of this shape class have not been timed yet (the first one times it "
-                f"against {leader})"
-                if known is None
-                else f"it did not measure faster than {leader} for calls of this shape class"
-            )
+    chosen, why_first, notes = _measured_lead(call, able, ranks)
     reasons = {
         name: why_not[name]
         or notes.get(name)
@@ -238,6 +219,33 @@ def explain(call: Call) -> Choice:
         if name != chosen
     }
     return Choice(chosen, reasons)
+
+
+def _measured_lead(
+    call: Call, able: list[str], ranks: dict[str, Rank]
+) -> tuple[str, str, dict[str, str]]:
+    """(the chosen backend, why it leads, what each measured backend that does not lead says)
+    from what is already known: the first of ``able`` leads unless a later one measured faster
+    for this shape class."""
+    leader = able[0]
+    notes: dict[str, str] = {}
+    if exporting() or torch.compiler.is_compiling():
+        return leader, ranks[leader].why, notes
+    for name in able[1:]:
+        measured = _registered[name].measured
+        if measured is None:
+            continue
+        known = measured(call, None)
+        if known:
+            why = f"it measured faster than {leader} on this machine for calls of this shape class"
+            return name, why, notes
+        notes[name] = f"{ranks[name].why}; " + (
+            f"calls of this shape class have not been timed yet (the first one times it "
+            f"against {leader})"
+            if known is None
+            else f"it did not measure faster than {leader} for calls of this shape class"
+        )
+    return leader, ranks[leader].why, notes
 
 
 class Runner:

@@ -520,30 +520,35 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
             r1 = min(r0 + _WEIGHT_ROWS, item.q1)
             rel = slice(r0 - item.q0, r1 - item.q0)
             qt = q[item.batch, :, r0:r1].to(stat)
-            if len(item.chunks) == 1:
-                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad)
-            else:  # chunks may leave gaps (key blocks no row sees): those stay -inf
-                s = torch.full(
-                    (*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device
-                )
-                for chunk, kt, bias in zip(item.chunks, keys, adds):
-                    s[..., chunk.start - lo : chunk.stop - lo] = _scores(
-                        qt, kt, bias, chunk, rel, grad
-                    )
-            if grad:
-                p = torch.softmax(s, dim=-1)
-                if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
-                    p = torch.where(torch.isnan(p), 0.0, p)
-            else:  # in place: one buffer holds scores, then weights
-                p = torch.ops.aten._softmax.out(s, -1, False, out=s)
-                if masked:
-                    p.nan_to_num_(0.0)
+            p = _softmax(_item_scores(qt, keys, adds, item.chunks, rel, grad), masked, grad)
             w[item.batch, :, r0:r1, lo:hi] = p.to(w.dtype)
             if output:
                 vt = v[item.batch, :, lo:hi]
                 o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
                 out[item.batch, :, r0:r1] = o.to(out.dtype)
     return out, w
+
+
+def _item_scores(qt: Tensor, keys: list, adds: list, chunks, rel: slice, grad: bool) -> Tensor:
+    """Scaled scores of a block of rows over an item's key range (its chunks' keys, biases)."""
+    if len(chunks) == 1:
+        return _scores(qt, keys[0], adds[0], chunks[0], rel, grad)
+    lo, hi = chunks[0].start, chunks[-1].stop
+    # chunks may leave gaps (key blocks no row sees): those stay -inf
+    s = torch.full((*qt.shape[:-1], hi - lo), float("-inf"), dtype=qt.dtype, device=qt.device)
+    for chunk, kt, bias in zip(chunks, keys, adds):
+        s[..., chunk.start - lo : chunk.stop - lo] = _scores(qt, kt, bias, chunk, rel, grad)
+    return s
+
+
+def _softmax(s: Tensor, masked: bool, grad: bool) -> Tensor:
+    """Row softmax of scores; rows that see nothing (all -inf: NaN) get 0. In place on ``s``
+    when no gradient is needed (one buffer holds scores, then weights)."""
+    if grad:
+        p = torch.softmax(s, dim=-1)
+        return torch.where(torch.isnan(p), 0.0, p) if masked else p
+    p = torch.ops.aten._softmax.out(s, -1, False, out=s)
+    return p.nan_to_num_(0.0) if masked else p
 
 
 def _zero_of(t: Tensor) -> Tensor:

@@ -167,27 +167,8 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
     for p in procs:
         p.start()
     got: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world:
-            try:
-                rank, value = results.get(timeout=1.0)
-            except queue.Empty:
-                # a rank that died before reporting (killed, or failed to start) never will
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-                if dead:
-                    raise RuntimeError(
-                        f"rank(s) {dead} of {world} exited without a result "
-                        f"(exit codes {[procs[r].exitcode for r in dead]})"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{world} processes did not finish within {timeout_s:.0f} s"
-                    ) from None
-                continue
-            if isinstance(value, str):
-                raise RuntimeError(f"rank {rank} of {world} failed: {value}")
-            got[rank] = value
+        _collect(results, procs, got, time.monotonic() + timeout_s, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30 if len(got) == world else 0.1)
@@ -196,6 +177,31 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
                 p.terminate()
                 p.join(timeout=5)
     return [got[r] for r in range(world)]
+
+
+def _collect(results, procs: list, got: dict, deadline: float, timeout_s: float) -> None:
+    """Fill ``got`` with each rank's result from ``results``; a rank that failed, died without
+    a result, or the deadline passing is a RuntimeError."""
+    world = len(procs)
+    while len(got) < world:
+        try:
+            rank, value = results.get(timeout=1.0)
+        except queue.Empty:
+            # a rank that died before reporting (killed, or failed to start) never will
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            if dead:
+                raise RuntimeError(
+                    f"rank(s) {dead} of {world} exited without a result "
+                    f"(exit codes {[procs[r].exitcode for r in dead]})"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{world} processes did not finish within {timeout_s:.0f} s"
+                ) from None
+            continue
+        if isinstance(value, str):
+            raise RuntimeError(f"rank {rank} of {world} failed: {value}")
+        got[rank] = value
 
 
 def _max_diff(folder: Path, name: str, world: int) -> dict[str, float] | None:

@@ -590,6 +590,22 @@ def _memory_line(m: dict) -> str:
     return f"\nmemory workload failed: {m.get('error')}"
 
 
+def _overheads(w: Workload, rows: dict) -> dict[str, float]:
+    """What a bias or the weights cost: the time with them over the time without, for
+    multihead and for the fused kernel."""
+    ratios = {
+        "bias_overhead": ("multihead", "multihead, no bias", w.bias != "none"),
+        "weights_overhead": ("multihead+weights", "multihead", w.weights),
+        "fused_bias_overhead": ("multihead, fused", "multihead, fused, no bias", w.bias != "none"),
+        "fused_weights_overhead": ("multihead, fused+weights", "multihead, fused", w.weights),
+    }
+    return {
+        name: rows[slow]["median_s"] / rows[fast]["median_s"]
+        for name, (slow, fast, applies) in ratios.items()
+        if applies and slow in rows and fast in rows
+    }
+
+
 def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
     contenders, notes, entries = _contenders(w, quick, seed=0)
     times = _time(contenders, repeats)
@@ -615,22 +631,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         "contenders": rows,
         "notes": notes,
     }
-    if w.bias != "none":
-        result["bias_overhead"] = (
-            rows["multihead"]["median_s"] / rows["multihead, no bias"]["median_s"]
-        )
-    if w.weights:
-        result["weights_overhead"] = (
-            rows["multihead+weights"]["median_s"] / rows["multihead"]["median_s"]
-        )
-    if w.bias != "none" and "multihead, fused" in rows:
-        result["fused_bias_overhead"] = (
-            rows["multihead, fused"]["median_s"] / rows["multihead, fused, no bias"]["median_s"]
-        )
-    if w.weights and "multihead, fused" in rows:
-        result["fused_weights_overhead"] = (
-            rows["multihead, fused+weights"]["median_s"] / rows["multihead, fused"]["median_s"]
-        )
+    result.update(_overheads(w, rows))
     say(
         f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"
         f"{' fwd+bwd' if w.train else ''}  (target {w.target})"

@@ -105,25 +105,27 @@ class Access:
                 "allowed_hosts must be host names without a port, such as ('api.example',). "
                 f"Received: {self.allowed_hosts!r}"
             )
-        origin = self.cors_origin
-        if (
-            origin is not None
-            and origin != "*"
-            and (
-                not isinstance(origin, str)
-                or not origin.startswith(("http://", "https://"))
-                or origin.count("/") != 2
-            )
-        ):
-            raise ValueError(
-                "cors_origin must be '*' or an origin such as 'https://app.example' (scheme, "
-                f"host, optional port; no path). Received: {origin!r}"
-            )
+        _check_origin(self.cors_origin)
 
     def host_allowed(self, host: str) -> bool:
         if not self.loopback or "*" in self.allowed_hosts or is_loopback_host(host):
             return True
         return host.lower().rstrip(".") in {h.lower() for h in self.allowed_hosts}
+
+
+def _check_origin(origin: object) -> None:
+    """``Access.cors_origin``: None, "*", or scheme://host[:port] without a path."""
+    if origin is None or origin == "*":
+        return
+    if (
+        not isinstance(origin, str)
+        or not origin.startswith(("http://", "https://"))
+        or origin.count("/") != 2
+    ):
+        raise ValueError(
+            "cors_origin must be '*' or an origin such as 'https://app.example' (scheme, "
+            f"host, optional port; no path). Received: {origin!r}"
+        )
 
 
 def _header(scope: dict, name: bytes) -> str | None:
