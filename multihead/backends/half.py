@@ -15,10 +15,9 @@ When ``auto`` runs it: never from the CPU's instruction set alone. Native bf16/f
 where it measured faster than the backend ``auto`` would otherwise run (``measured_faster``):
 once per shape class (device, dtype, B * H and L, S in powers of two, GQA groups, head dims,
 mask kind, gradients), on the first such call, each side warmed up and timed three times, the
-kernel at least 10% faster; the answer is kept for the process. (An Intel Xeon with
-AVX512-BF16 but no AMX runs bf16 matmuls at 0.6x its fp32 ones: there the kernel was 0.77x
-SDPA, and the measurement keeps ``auto`` on SDPA.) ``MULTIHEAD_HALF_AUTO=0`` turns the
-measurement off, and with it the kernel's lead.
+kernel at least 10% faster; the answer is kept for the process. (Native is not enough: a CPU
+whose bf16 matmuls are slower than its fp32 ones keeps ``auto`` on SDPA this way.)
+``MULTIHEAD_HALF_AUTO=0`` turns the measurement off, and with it the kernel's lead.
 """
 
 from __future__ import annotations
@@ -82,8 +81,8 @@ def _scores(
     """Scaled scores of rows [r0, r1) over the item's key range, hidden entries -inf; and
     whether anything was hidden (rows may then see nothing)."""
     lo, hi = item.chunks[0].start, item.chunks[-1].stop
-    # the scale multiplies the product, as in the naive formula: folded into q first, it
-    # rounded every entry of q (scale = 10) and the scores inherited that error coherently
+    # the scale multiplies the product, as in the naive formula: folded into q first, it would
+    # round every entry of q, and the scores would inherit that error coherently
     s = (q[item.batch, :, r0:r1] @ k[item.batch, :, lo:hi].transpose(-2, -1)).mul_(scale)
     masked = False
     rel = slice(r0 - item.q0, r1 - item.q0)
@@ -149,7 +148,7 @@ def _score_grad(p: Tensor, dp: Tensor) -> Tensor:
 
     The row term comes from this dp, as in the softmax's own backward, not FlashAttention's
     sum(dO * O): with O rounded to half the two differ by a rounding of dp, which survived in
-    dp - row (a row that sees one key got dq = scale * k * that rounding instead of exactly 0).
+    dp - row (a row that sees one key would get dq = scale * k * that rounding, not exactly 0).
     """
     row = (p * dp).sum(-1, keepdim=True)
     return dp.sub_(row).mul_(p)

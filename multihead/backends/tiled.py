@@ -422,8 +422,7 @@ def _prepare(call: Call, seed: int = 0):
     tile = query_tile(call)
     if ctx.band is not None and call.mask.tile_rows(length_q, length_k) is None:
         # one call per tile against the band table: 1024 rows let torch's kernel work on
-        # 256-row query blocks (measured 1.09x an exact causal kernel at L = 8192, against
-        # 1.3x with 256-row tiles, whose kernel blocks are 64 rows)
+        # 256-row query blocks (256-row tiles give it 64-row blocks, which run slower)
         tile = max(tile, min(length_q, _TABLE_TILE))
     return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device, stack=True)
 
@@ -437,10 +436,9 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
         # half inputs train in float32 (torch's CPU flash kernel computes in float32 anyway),
-        # rounded once at the output. In half, the backward's row term sum(dO * O) read an O
-        # rounded to half, off by a rounding of dO.V that survives in dp - sum(dO * O) where
-        # the weights are nearly one-hot (dq 60x the naive formula's error at scale 10), and
-        # the gradients of a row's chunks were added up in half
+        # rounded once at the output: in half, the backward's row term sum(dO * O) would read
+        # an O rounded to half, whose rounding survives in dp - sum(dO * O) where the weights
+        # are nearly one-hot, and a row's chunk gradients would be summed in half
         wide = [t.to(ctx.stat) for t in (q, k, v)]
         out = _TiledAttention.apply(*wide, items, ctx, *call.bias_tensors).to(q.dtype)
         return out, (_one_pass(call, output=False)[1] if call.return_weights else None)

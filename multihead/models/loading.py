@@ -28,9 +28,8 @@ def decode_layout(model: nn.Module) -> None:
     strides change (so ``F.linear`` hands the BLAS a contiguous (in, out) matrix).
 
     Decoding multiplies one row per sequence by every weight matrix, and torch's CPU BLAS
-    streams an (in, out) matrix through such a product about 1.5x faster than an (out, in) one
-    (measured on GPT-2-small shapes: 18 against 12 GB/s); products of many rows (prefill,
-    training) run at the same speed either way. ``state_dict`` tensors are then
+    streams an (in, out) matrix through such a product faster than an (out, in) one; products of
+    many rows (prefill, training) run at the same speed either way. ``state_dict`` tensors are then
     non-contiguous: call ``.contiguous()`` before writing them with safetensors.
     """
     replaced: dict[int, nn.Parameter] = {}

@@ -22,8 +22,8 @@ from .metrics import Metrics
 
 __all__ = ["ClientError", "Limits", "ServeState"]
 
-# malloc_trim takes 0.3 to 15 ms (measured): at most once a second, so a stream of small
-# requests on a quiet machine does not pay it every time
+# malloc_trim takes milliseconds: at most once a second, so a stream of small requests on a
+# quiet machine does not pay it every time
 _RELEASE_EVERY_S = 1.0
 
 
