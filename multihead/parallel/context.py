@@ -333,7 +333,9 @@ def context_attention(
             B, H, H_kv, D, D_v, dtype, whether a mask or bias was given or whether gradients
             are needed; dropout (the ring passes would need the same random draws on every
             rank).
-        TypeError: SDPA keywords, each with the equivalent to use here.
+        TypeError: SDPA keywords, each with the equivalent to use here. A keyword it does not
+            take fails the call before any communication, on the rank that passed it (pass
+            the same keywords on every rank).
     """
     rank, world = _membership(group)
     error: Exception | None = None
