@@ -6,15 +6,22 @@ Messages say what was expected, what was received, and how to fix it. They end w
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
 __all__: list[str] = []
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def tracing() -> bool:
@@ -324,23 +331,37 @@ _FOREIGN_KEYWORDS = {
 }
 
 
-def reject_foreign_keywords(
-    where: str, unexpected: dict[str, object], *, moved: dict[str, str] | None = None
-) -> None:
-    """A TypeError that names this library's equivalent of a torch keyword (or the typo).
+def torch_keywords(where: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a public function a torch user calls: a keyword it does not take, but
+    ``torch.nn.MultiheadAttention`` or ``scaled_dot_product_attention`` does, is refused with a
+    TypeError naming this library's equivalent. Any other unknown keyword keeps Python's own
+    message, and the signature stays the function's own (for readers and type checkers)."""
 
-    ``moved``: keywords this function took before 0.2.0 -> what replaces them."""
-    if not unexpected:
-        return
-    name, value = next(iter(unexpected.items()))
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        taken = frozenset(inspect.signature(fn).parameters)
+
+        @functools.wraps(fn)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            try:
+                return fn(*args, **kwargs)
+            except TypeError:
+                # an unknown keyword fails the call before the body runs, so this is the cause
+                foreign = [k for k in kwargs if k in _FOREIGN_KEYWORDS and k not in taken]
+                if not foreign:
+                    raise
+                raise _foreign_keyword(where, foreign[0], kwargs[foreign[0]]) from None
+
+        return checked
+
+    return decorate
+
+
+def _foreign_keyword(where: str, name: str, value: object) -> TypeError:
     received = (
         f"{name} of shape {tuple(value.shape)}"
         if isinstance(value, Tensor)
         else f"{name}={value!r}"
     )
-    if moved and name in moved:
-        raise TypeError(f"{where} no longer takes {name!r}: {moved[name]}. Received: {received}")
-    hint = _FOREIGN_KEYWORDS.get(name)
-    if hint is None:
-        raise TypeError(f"{where} got an unexpected keyword argument. Received: {received}")
-    raise TypeError(f"{where} does not take torch's {name!r}: {hint}. Received: {received}")
+    return TypeError(
+        f"{where} does not take torch's {name!r}: {_FOREIGN_KEYWORDS[name]}. Received: {received}"
+    )

@@ -15,25 +15,18 @@ from torch import Tensor
 
 from . import _validation as V
 from . import bias as _bias
-from .backends import registry, tiled
-from .backends._call import Call
-from .backends._call import prepare as _prepare
+from .backends import registry
 from .backends._nonfinite import run_guarded
+from .backends.call import Call
+from .backends.call import prepare as _prepare
 from .masks import Mask, dense
 
 __all__ = [
     "AttentionOutput",
     "attention",
-    "attention_weights",
     "attention_with_weights",
     "explain_backend",
 ]
-
-# keywords removed in 0.2.0 -> what replaces them (reject_foreign_keywords names it)
-_MOVED = {
-    "return_weights": "call multihead.attention_with_weights(query, key, value, ...) for an "
-    "AttentionOutput(output, weights) (heads=[...] limits the weights to those heads)",
-}
 
 
 class AttentionOutput(NamedTuple):
@@ -49,6 +42,7 @@ class AttentionOutput(NamedTuple):
     weights: Tensor
 
 
+@V.torch_keywords("attention()")
 def attention(
     query: Tensor,
     key: Tensor,
@@ -59,7 +53,6 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
-    **unexpected: object,
 ) -> Tensor:
     """Scaled dot-product attention for every mask, on any backend.
 
@@ -113,15 +106,19 @@ def attention(
         are allowed.
 
     Raises:
-        TypeError: non-float inputs, int/float masks, mixed dtypes, ``return_weights`` (use
-            ``attention_with_weights``), and SDPA keywords (``attn_mask``, ``is_causal``,
-            ``enable_gqa``), each with the equivalent to use here.
+        TypeError: non-float inputs, int/float masks, mixed dtypes, and SDPA keywords
+            (``attn_mask``, ``is_causal``, ``enable_gqa``), each with the equivalent to use
+            here.
         ValueError: shapes that do not fit, a mask or bias that does not fit (B, H, L, S),
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
-    V.reject_foreign_keywords("attention()", unexpected, moved=_MOVED)
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    return _given(run_guarded(registry.runner(call, backend), call)[0], "output")
+    return _given(_guarded(registry.runner(call, backend), call)[0], "output")
+
+
+def _guarded(run: registry.Runner, call: Call) -> tuple[Tensor | None, Tensor | None]:
+    """``run(call)`` under the NaN rule (docs/design.md, "The NaN rule")."""
+    return run_guarded(run, call, checks_inputs=run.checks_inputs)
 
 
 def _given(t: Tensor | None, what: str) -> Tensor:
@@ -132,6 +129,7 @@ def _given(t: Tensor | None, what: str) -> Tensor:
     return t
 
 
+@V.torch_keywords("attention_with_weights()")
 def attention_with_weights(
     query: Tensor,
     key: Tensor,
@@ -143,7 +141,6 @@ def attention_with_weights(
     heads: list[int] | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
-    **unexpected: object,
 ) -> AttentionOutput:
     """``attention`` that also returns the softmax weights: ``AttentionOutput(output, weights)``.
 
@@ -164,16 +161,15 @@ def attention_with_weights(
             non-empty list of distinct ints in [0, H), and for a backend that cannot return
             weights (``explain_backend(..., weights=True)`` says which can).
     """
-    V.reject_foreign_keywords("attention_with_weights()", unexpected, moved=_MOVED)
     if heads is None:
         call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
-        out, weights = run_guarded(registry.runner(call, backend), call)
+        out, weights = _guarded(registry.runner(call, backend), call)
         return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    out = run_guarded(registry.runner(call, backend), call)[0]
+    out = _guarded(registry.runner(call, backend), call)[0]
     part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
-    weights = run_guarded(registry.runner(part, backend), part)[1]
+    weights = _guarded(registry.runner(part, backend), part)[1]
     return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
 
 
@@ -224,6 +220,7 @@ def select_heads(call: Call, heads: list[int]) -> Call:
     )
 
 
+@V.torch_keywords("explain_backend()")
 def explain_backend(
     query: Tensor,
     key: Tensor,
@@ -234,52 +231,17 @@ def explain_backend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     weights: bool = False,
-    **unexpected: object,
 ) -> registry.Choice:
     """Which backend ``attention(..., backend="auto")`` would run, and why not the others;
     with ``weights=True``, which one ``attention_with_weights`` would run for the weights.
 
-    Takes the same arguments as ``attention`` and computes nothing. ``str(choice)`` prints one
-    line per backend.
+    Takes the same arguments as ``attention`` and computes nothing: no kernel is compiled and
+    no backend is run or timed. A backend that leads only where it measured faster (the fused
+    and half kernels) is judged by what this process measured for the call's shape class, and
+    said to be untimed when nothing was (the first ``attention`` call of the class times it).
+    ``str(choice)`` prints one line per backend.
     """
-    V.reject_foreign_keywords(
-        "explain_backend()",
-        unexpected,
-        moved={"return_weights": "pass weights=True to explain attention_with_weights"},
-    )
     call = _prepare(
         query, key, value, mask, bias, scale, dropout_p, V.check_bool("weights", weights)
     )
     return registry.explain(call)
-
-
-def attention_weights(
-    query: Tensor,
-    key: Tensor,
-    mask: Mask | Tensor | None = None,
-    *,
-    bias: Tensor | _bias.ScoreModifier | None = None,
-    scale: float | None = None,
-    heads: slice | list[int] | None = None,
-) -> Tensor:
-    """The weights alone: ``attention_with_weights(query, key, key, ...).weights`` for
-    callers that have no values (kept from 0.1; new code calls ``attention_with_weights``).
-
-    Args:
-        query: (B, H, L, D).
-        key: (B, H_kv, S, D).
-        mask, bias, scale: as in ``attention``.
-        heads: as in ``attention_with_weights``; a slice is also accepted here.
-
-    Returns:
-        (B, H, L, S), or (B, len(heads), L, S).
-    """
-    num_heads = V.check_qkv(query, key, key)[1]  # before slicing: messages name all heads
-    if isinstance(heads, slice):
-        heads = list(range(num_heads))[heads]
-    call = _prepare(query, key, key, mask, bias, scale, 0.0, True)
-    if heads is not None:
-        call = select_heads(call, check_heads(heads, num_heads))
-    # tile by tile, weights only: hidden tiles are never computed (no values to multiply)
-    return _given(run_guarded(lambda c: (None, tiled.weights(c)), call, values=False)[1],
-                  "weights")  # fmt: skip

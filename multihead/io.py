@@ -231,15 +231,24 @@ def _codec_for(obj: Any, where: str) -> _Codec:
     return codec
 
 
-def _encode(value: Any, where: str) -> Any:
+def _encode_scalar(value: Any) -> tuple[bool, Any]:
+    """(True, its JSON form) for None, bool, int, str, float and torch.dtype; else (False,
+    None)."""
     if value is None or isinstance(value, (bool, int, str)):
-        return value
+        return True, value
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
-            return {"float": str(value)}  # JSON has no NaN or infinity
-        return value
+            return True, {"float": str(value)}  # JSON has no NaN or infinity
+        return True, value
     if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
+        return True, {"dtype": str(value).removeprefix("torch.")}
+    return False, None
+
+
+def _encode(value: Any, where: str) -> Any:
+    scalar, encoded = _encode_scalar(value)
+    if scalar:
+        return encoded
     if isinstance(value, (list, tuple)):
         items = [_encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else {"tuple": items}
@@ -325,6 +334,11 @@ def _decode(value: Any, where: str, depth: int) -> Any:
         raise ValueError(
             f"{where}.{kind} must be {words}. Received: {where}.{kind}={inner!r}"[:400]
         )
+    return _decode_tagged(kind, inner, where, depth, words)
+
+
+def _decode_tagged(kind: str, inner: Any, where: str, depth: int, words: str) -> Any:
+    """The value of a ``{kind: inner}`` tag whose ``inner`` has the tag's JSON type."""
     if kind == "tuple":
         return tuple(_decode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(inner))
     if kind == "dict":
@@ -352,7 +366,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def _check_types(codec: _Codec, args: dict[str, Any], where: str) -> None:
     """Each argument against its constructor annotation (``norm_first: bool`` refuses
     ``"no"``): the class's own signature is the one list of what each field may hold."""
-    from .checkpoint import describe_annotation, fits_annotation
+    from .configs import describe_annotation, fits_annotation
 
     if codec.init is None:
         return
@@ -525,7 +539,7 @@ def load(folder: str | Path) -> Any:
             weights file is empty, corrupt or outside the folder; or the weights do not match
             the architecture (missing, unexpected, mis-shaped or integer tensors, named).
     """
-    from . import checkpoint
+    from . import hf_folders
 
     folder = Path(folder)
     spec, config = _saved_spec(folder)
@@ -540,7 +554,7 @@ def load(folder: str | Path) -> Any:
 
     if _reads_whole_folder(spec):
         return built()
-    weights = checkpoint.file_in(
+    weights = hf_folders.file_in(
         folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
     )
     if not weights.is_file():
@@ -548,15 +562,15 @@ def load(folder: str | Path) -> Any:
             f"the weights file {weights.name} is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    stored = checkpoint.weights(folder, weights)
-    skeleton = checkpoint.build_on_meta(built, stored, source=CONFIG)
+    stored = hf_folders.weights(folder, weights)
+    skeleton = hf_folders.build_on_meta(built, stored, source=CONFIG)
     if skeleton is not None:
         _check_layout(skeleton, stored)
     obj = built()
     codec = _codec_for(obj, "model")
     module = codec.module(obj)
     own = module.state_dict()
-    state = checkpoint.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
+    state = hf_folders.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
@@ -567,7 +581,7 @@ def load(folder: str | Path) -> Any:
 
 def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
     """The ``model`` field and the whole config.json of a ``save`` folder, checked."""
-    from . import checkpoint
+    from . import hf_folders
 
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
@@ -576,7 +590,7 @@ def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
             f"{CONFIG} is missing from {folder}; multihead.save writes it. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    config = checkpoint.read_config(folder)
+    config = hf_folders.read_config(folder)
     if "format_version" not in config:
         raise ValueError(
             f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
@@ -603,13 +617,13 @@ def _file_names(codec: _Codec, obj: Any, state: dict[str, Tensor]) -> dict[str, 
 def _check_layout(skeleton: Any, stored: Any) -> None:
     """The meta-device model against the weights' header: names, shapes and dtypes agree
     before anything is allocated."""
-    from . import checkpoint
+    from . import hf_folders
 
     codec = _codec_for(skeleton, "model")
     expected = codec.module(skeleton).state_dict()
     names = _file_names(codec, skeleton, expected)
-    checkpoint.match(expected, stored.header, names, weights=stored)
-    checkpoint.check_unstored(codec.module(skeleton), stored, source=CONFIG)
+    hf_folders.match(expected, stored.header, names, weights=stored)
+    hf_folders.check_unstored(codec.module(skeleton), stored, source=CONFIG)
 
 
 def _reads_whole_folder(spec: Any) -> bool:

@@ -308,13 +308,13 @@ def test_adding_none_adds_no_bias():
     )
 
 
-def test_attention_weights_selects_the_modifiers_heads():
-    q, k, _ = qkv(1, 4, 2, 6, 6, 3, seed=9)
+def test_chosen_heads_select_the_modifiers_heads():
+    q, k, v = qkv(1, 4, 2, 6, 6, 3, seed=9)
     modifier = mb.alibi(4) + mb.relative_buckets(
         torch.randn(8, 4, dtype=torch.float64), max_distance=9
     )
-    full = mh.attention_weights(q, k, masks.causal(), bias=modifier)
-    part = mh.attention_weights(q, k, masks.causal(), bias=modifier, heads=[3, 1])
+    full = mh.attention_with_weights(q, k, v, masks.causal(), bias=modifier).weights
+    part = mh.attention_with_weights(q, k, v, masks.causal(), bias=modifier, heads=[3, 1]).weights
     torch.testing.assert_close(part, full[:, [3, 1]], rtol=0, atol=1e-12)
 
 

@@ -105,3 +105,13 @@ def test_impossible_sizes_are_refused_by_argparse(capsys, argv):
         cli.main(argv)
     assert stop.value.code == 2
     assert "expected a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["", "   "], ids=["empty", "spaces"])
+def test_generate_refuses_an_empty_prompt_before_loading(tmp_path, capsys, prompt):
+    """``generate ""`` is refused as ``explain ""`` is, before the folder is opened (an empty
+    folder would otherwise be named as the problem)."""
+    assert cli.main(["generate", "--model", str(tmp_path), prompt]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("multihead generate: error: the prompt is empty; give some text")
+    assert f"Received: PROMPT {prompt!r}" in err

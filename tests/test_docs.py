@@ -87,7 +87,9 @@ def test_cli_reference_has_every_command_option_and_choice():
     page = _hook().render(parser)
     commands = dict(walk_parsers(parser))
     # the nested levels the generator must reach, named so a walk that stops early fails
-    assert {"multihead bench kernels", "multihead export onnx", "multihead train"} <= set(commands)
+    assert {"multihead bench kernels", "multihead export onnx", "multihead train lm"} <= set(
+        commands
+    )
     for name, sub in commands.items():
         assert re.search(rf"^#+ `{name}` \{{ #{name.replace(' ', '-')} \}}$", page, re.M), name
         section = page.split(f"`{name}` {{", 1)[1].split("\n#", 1)[0]
@@ -98,6 +100,7 @@ def test_cli_reference_has_every_command_option_and_choice():
             for flag in action.option_strings:
                 assert f"`{flag}" in section or f", {flag}" in section, (name, flag)
             for choice in action.choices or ():
-                assert f"`{choice}`" in section, (name, choice)  # e.g. train's `lm`
-    assert "One of `sentiment`, `forecast`, `crossmodal`, `lm`." in page
+                assert f"`{choice}`" in section, (name, choice)  # e.g. --precision's `bf16`
+    for task in ("sentiment", "forecast", "crossmodal", "lm"):  # the applications' registry
+        assert f"- [`multihead train {task}`](#multihead-train-{task}): " in page
     assert "| `--opset OPSET` |" in page and "| `18` |" in page  # a default, in its column

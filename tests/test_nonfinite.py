@@ -17,7 +17,7 @@ from multihead import MultiHeadAttention, masks
 # (L, S): fewer queries than keys, more, and equal
 SHAPES = [(4, 7), (7, 4), (6, 6)]
 # every way a call reaches a backend: auto's choices (which differ with weights, gradients,
-# bias and dropout), each backend forced, and the weights-only entry point
+# bias and dropout) and each backend forced
 PATHS = [
     "auto",
     "auto_weights",
@@ -32,7 +32,6 @@ PATHS = [
     "fused",
     "fused_grad",
     "fused_weights",
-    "attention_weights",
 ]
 
 
@@ -45,8 +44,6 @@ def _run(path: str, q, k, v, mask):
     if "bias" in path:
         bias = torch.linspace(-1, 1, q.shape[2] * k.shape[2], dtype=q.dtype)
         bias = bias.view(1, 1, q.shape[2], k.shape[2]).requires_grad_(grad)
-    if path == "attention_weights":
-        return None, mh.attention_weights(q, k, mask), None
     backend = path if path in ("reference", "sdpa", "tiled", "fused") else "auto"
     if path in ("tiled_weights_grad", "fused_grad", "fused_weights"):
         backend = path.split("_")[0]
@@ -163,7 +160,6 @@ def test_per_query_dense_mask_broadcast_over_keys():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     _, w = mh.attention_with_weights(q, k, v, masks.dense(keep))
     torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
-    torch.testing.assert_close(mh.attention_weights(q, k, keep), want_w, rtol=0, atol=1e-12)
     mha = MultiHeadAttention(8, 2).double()
     x = torch.randn(1, 8, 8, dtype=torch.float64)
     _, w_mod = mha.run(x, mask=keep)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .._flags import option, positive_int, required
 from .loop import Dist, FitResult, TrainConfig
 from .precision import REQUESTS, PrecisionChoice, choose
 
@@ -26,21 +27,34 @@ __all__ = ["Options", "figure", "need", "save_figure", "seed_everything", "train
 
 @dataclass
 class Options:
-    """The command-line options of ``multihead train`` (see ``multihead train --help``)."""
+    """The options of ``multihead train TASK`` (``multihead train TASK --help``); an
+    application with options of its own subclasses it."""
 
-    out: Path
-    quick: bool = False
-    data: Path | None = None
-    seed: int = 0
-    precision: str = "auto"  # auto: bf16 autocast where it measures faster (precision.choose)
-    compile: bool = False
-    epochs: int | None = None
-    max_steps: int | None = None
-    baselines: bool = True
-    progress: bool = True
-    overwrite: bool = False  # replace a previous run in ``out``
-    arch: str = "gpt2"  # lm: the decoder's shape, "gpt2" or "llama"
-    vocab_size: int | None = None  # lm: BPE vocabulary (None: the recipe's)
+    out: Path = required(
+        "folder for model and metrics: new or empty, in a folder that exists; written whole "
+        "when the run ends",
+        metavar="DIR",
+    )
+    overwrite: bool = option(False, "replace a previous run in DIR when this one ends")
+    quick: bool = option(False, "a small version (under a minute on 2 cores)")
+    data: Path | None = option(
+        None,
+        "sentiment: a folder of *_GroundTruth.txt files or one such file "
+        "(default ../shared/data/vader-sentiment)",
+        metavar="PATH",
+    )
+    seed: int = option(0, "seed for data, init and order")
+    precision: str = option(
+        "auto",
+        "autocast dtype; auto: bf16 where the model's own training step measures faster in bf16 "
+        "on this machine (timed once, on the first batch), else fp32 (fp16 on CUDA only)",
+        choices=REQUESTS,
+    )
+    compile: bool = option(False, "torch.compile the train step")
+    epochs: int | None = option(None, "override the task's number of epochs", parse=positive_int)
+    max_steps: int | None = option(None, "stop after this many optimizer steps", parse=positive_int)
+    baselines: bool = option(True, "skip the baselines", flag="--no-baselines")
+    progress: bool = option(True, "no progress bars", flag="--no-progress")
     # set by ``resolve_precision``: what ``precision`` was resolved from, and why
     precision_choice: PrecisionChoice | None = field(default=None, repr=False)
 
@@ -53,9 +67,7 @@ class Options:
                 f"precision must be one of {', '.join(REQUESTS)}. "
                 f"Received: precision={self.precision!r}"
             )
-        if self.arch not in ("gpt2", "llama"):
-            raise ValueError(f"arch must be 'gpt2' or 'llama'. Received: arch={self.arch!r}")
-        for name in ("epochs", "max_steps", "vocab_size"):
+        for name in ("epochs", "max_steps"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")

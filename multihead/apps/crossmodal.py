@@ -33,6 +33,7 @@ from .common import Options, figure, finish, need, save_figure, seed_everything,
 from .loop import Dist, FitResult, autocast, fit
 
 __all__ = [
+    "SUMMARY",
     "VOCAB",
     "CrossModalQA",
     "ImageOnly",
@@ -41,8 +42,11 @@ __all__ = [
     "make_questions",
     "patches",
     "run",
+    "throughput",
     "tokenize",
 ]
+
+SUMMARY = "yes/no questions about digits, answered by cross-attention to image patches"
 
 VOCAB = ["<pad>", "is", "it", "a", "even", "odd", "greater", "less", "than", "?"] + [
     str(d) for d in range(10)
@@ -249,28 +253,7 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
         sets[name] = (qs, ids, lengths, all_patches[images[qs.image]], images[qs.image])
     qs, ids, lengths, image, _ = sets["train"]
     answers = torch.as_tensor(qs.answer, dtype=torch.float32)
-
-    def collate(idx: Tensor) -> tuple[Tensor, ...]:
-        return tuple(t[idx].to(info.device) for t in (ids, lengths, image, answers))
-
-    def loss_fn(m: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
-        x, n, img, y = batch
-        return nn.functional.binary_cross_entropy_with_logits(m(x, n, img).float(), y,
-                                                              reduction="none")  # fmt: skip
-
-    models: dict[str, nn.Module] = {"model": CrossModalQA()}
-    if options.baselines:
-        models["question_only"] = QuestionOnly()
-        models["image_only"] = ImageOnly()
-    fitted: dict[str, FitResult] = {}
-    for name, m in models.items():
-        config = options.train_config(
-            epochs=1 if options.quick else 20, batch_size=32 if options.quick else 64, lr=2e-3
-        )
-        if options.quick and config.max_steps is None:
-            config.max_steps = 6
-        fitted[name] = fit(m, len(answers), collate, loss_fn, config, info, desc=name)
-        options.adopt(fitted[name])
+    models, fitted = _fit_all(options, info, (ids, lengths, image, answers))
     if out is None:
         return {}
     save(models["model"], out / "model")
@@ -307,6 +290,43 @@ def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
         "figures": ["training_curve.png", "confusion.png", "attention.png"],
     }
     return finish(summary, options, info, started, out)
+
+
+def _loss(m: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
+    x, n, img, y = batch
+    return nn.functional.binary_cross_entropy_with_logits(m(x, n, img).float(), y,
+                                                          reduction="none")  # fmt: skip
+
+
+def _collate(tensors: tuple[Tensor, ...], device: torch.device) -> Any:
+    """A batch of the questions ``idx``: ids, lengths, patches and answers on ``device``."""
+
+    def collate(idx: Tensor) -> tuple[Tensor, ...]:
+        return tuple(t[idx].to(device) for t in tensors)
+
+    return collate
+
+
+def _fit_all(
+    options: Options, info: Dist, tensors: tuple[Tensor, ...]
+) -> tuple[dict[str, nn.Module], dict[str, FitResult]]:
+    """The cross-attention model and, unless ``--no-baselines``, both baselines, trained on
+    the questions ``tensors`` (ids, lengths, patches, answers)."""
+    models: dict[str, nn.Module] = {"model": CrossModalQA()}
+    if options.baselines:
+        models["question_only"] = QuestionOnly()
+        models["image_only"] = ImageOnly()
+    fitted: dict[str, FitResult] = {}
+    collate = _collate(tensors, info.device)
+    for name, m in models.items():
+        config = options.train_config(
+            epochs=1 if options.quick else 20, batch_size=32 if options.quick else 64, lr=2e-3
+        )
+        if options.quick and config.max_steps is None:
+            config.max_steps = 6
+        fitted[name] = fit(m, len(tensors[3]), collate, _loss, config, info, desc=name)
+        options.adopt(fitted[name])
+    return models, fitted
 
 
 def _confusion_figure(prob: np.ndarray, answer: np.ndarray, path: Path) -> Path:
@@ -356,3 +376,18 @@ def _attention_figure(model, qs, ids, lengths, image, images, pixels, prob, path
         ax.set_yticks([])
     fig.suptitle("cross-attention of the question on image patches", fontsize=10)
     return save_figure(fig, path)
+
+
+def throughput(options: Options, info: Dist, steps: int) -> dict[str, Any]:
+    """The training step alone, for ``multihead bench train``: the cross-attention model on
+    the questions (``options.max_steps`` bounds it); its ``FitResult`` summary."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    qs = make_questions(digits.target, 8, options.seed)
+    ids, lengths = tokenize(qs.words)
+    image = patches(digits.images)[qs.image]
+    answers = torch.as_tensor(qs.answer, dtype=torch.float32)
+    collate = _collate((ids, lengths, image, answers), info.device)
+    config = options.train_config(epochs=1, batch_size=64, lr=2e-3)
+    return fit(CrossModalQA(), len(answers), collate, _loss, config, info).summary()

@@ -8,35 +8,45 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .. import _validation as V
 from .._extras import require
+from .._flags import argument, option, positive_int, required
 
-__all__ = ["PROGRESS_FROM", "RAY_BATCH", "embed_on_ray", "run"]
+__all__ = ["PROGRESS_FROM", "RAY_BATCH", "EmbedOptions", "embed_on_ray", "run"]
 
 PROGRESS_FROM = 256  # lines; shorter inputs finish too fast for a progress bar to help
 # texts per Ray batch: enough to fill several packed rows, small enough to spread over actors
 RAY_BATCH = 256
 
 
-def run(
-    file: str | Path,
-    out: str | Path,
-    *,
-    model_path: str | Path | None = None,
-    max_tokens: int = 1536,
-    ray: bool = False,
-    workers: int = 2,
-    ray_address: str | None = None,
-    ray_batch_size: int = RAY_BATCH,
-    say: Callable[[str], None] = print,
-) -> np.ndarray:
-    """Embed each line of ``file`` (UTF-8; an empty line embeds as empty text) into ``out``.
+@dataclass(frozen=True, kw_only=True)
+class EmbedOptions:
+    """What ``multihead embed`` takes (``multihead embed --help``)."""
 
-    With ``ray=True`` the work runs on Ray Data (see ``embed_on_ray``); the result is the
+    file: Path = argument("UTF-8 text, one sentence per line", metavar="FILE")
+    out: Path = required("where to save them (its folder must exist)", metavar="OUT.npy")
+    model: Path | None = option(
+        None, "BERT-family model folder (default: all-MiniLM-L6-v2)", metavar="PATH"
+    )
+    max_tokens: int = option(1536, "tokens per packed row", parse=positive_int)
+    ray: bool = option(False, "run on Ray Data: an actor pool, each with the model")
+    workers: int = option(2, "Ray actors", parse=positive_int)
+    ray_address: str | None = option(
+        None, "an existing Ray cluster (default: start one here)", metavar="ADDR"
+    )
+    ray_batch_size: int = option(RAY_BATCH, "lines per Ray batch", parse=positive_int)
+
+
+def run(options: EmbedOptions, *, say: Callable[[str], None] = print) -> np.ndarray:
+    """Embed each line of ``options.file`` (UTF-8; an empty line embeds as empty text) into
+    ``options.out``.
+
+    With ``options.ray`` the work runs on Ray Data (see ``embed_on_ray``); the result is the
     same, row for row in input order.
 
     Returns the (lines, E) float32 array that was saved.
@@ -44,23 +54,24 @@ def run(
     from .. import models
     from ..models import kinds
 
-    target = V.check_out_file("--out", out, ".npy")
-    kinds.check_bert(model_path, "multihead embed")
+    model_path, max_tokens = options.model, options.max_tokens
+    target = V.check_out_file("--out", options.out, ".npy")
+    kinds.check_encoder_kind(model_path, "multihead embed")
     V.check_positive_int("max_tokens", max_tokens)
-    source = Path(file)
+    source = Path(options.file)
     if not source.is_file():
         raise FileNotFoundError(f"no such input file. Received: {source}")
     lines = V.read_utf8_lines(source)
     if not lines:
         raise ValueError(f"the input file has no lines to embed. Received: {source}")
-    if ray:
+    if options.ray:
         array = embed_on_ray(
             lines,
             model_path=model_path,
-            workers=workers,
+            workers=options.workers,
             max_tokens=max_tokens,
-            batch_size=ray_batch_size,
-            address=ray_address,
+            batch_size=options.ray_batch_size,
+            address=options.ray_address,
         )
     else:
         model = models.load(model_path)

@@ -1,7 +1,7 @@
 """``multihead explain``: what every head of a real model looks at, for one text and one word.
 
 The model folder's ``config.json`` picks the model: the library's own families (BERT-family
-encoders, the default model; the GPT-2 and Llama decoders, whose heads are causal: a token
+encoders, the default model; decoders such as GPT-2 and Llama, whose heads are causal: a token
 attends only to itself and earlier tokens), or any other architecture transformers can load
 from the folder with its ``tokenizer.json`` (a decoder, an encoder, or the encoder of an
 encoder-decoder), run on ``attn_implementation="multihead"`` with ``multihead.hf.capture``.
@@ -21,19 +21,42 @@ from typing import Any
 from torch import Tensor
 
 from .. import _validation as V
+from .._flags import argument, option
 from .._progress import stages
 from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
 
-__all__ = ["SUPPORTED", "Explained", "find_focus", "pick_head", "run"]
+__all__ = ["ExplainOptions", "Explained", "find_focus", "pick_head", "run", "supported"]
 
-SUPPORTED = (
-    "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
-    "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them), and any "
-    "other architecture transformers loads, with its tokenizer (the hf extra)"
-)
-_OWN = (None, "bert", "gpt2", "llama")
 _STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
-_SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExplainOptions:
+    """What ``multihead explain`` takes (``multihead explain --help``)."""
+
+    text: str = argument("the sentence to explain", metavar="TEXT")
+    focus: str | None = option(None, "the word to follow (default: last)", metavar="WORD")
+    out: Path = option(
+        Path("explain-out"), "folder for the figures (its parent must exist)", metavar="DIR"
+    )
+    model: Path | None = option(
+        None,
+        "model folder: BERT family, GPT-2 or Llama, or any architecture transformers loads "
+        "with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
+        metavar="PATH",
+    )
+    layer: int | None = option(
+        None,
+        "draw this layer in head.png and head_surface.png, counted from 0 (default: the layer "
+        "of the head most fixed on one other word)",
+        metavar="N",
+    )
+    head: int | None = option(
+        None,
+        "draw this head of that layer, counted from 0 (default: the head most fixed on one "
+        "other word; with --layer alone, that layer's)",
+        metavar="N",
+    )
 
 
 @dataclass
@@ -66,30 +89,49 @@ def find_focus(
     )
 
 
-def _attend(
-    text: str, model_path: str | Path | None
-) -> tuple[Any, list[str], list[bool], Tensor, bool]:
-    """Load the model the folder's config.json names (BERT by default; GPT-2 and Llama are
-    causal) and run ``text``: (model, tokens, special flags, weights (layers, H, L, L), causal)."""
-    import torch
+def supported() -> str:
+    """What ``multihead explain`` takes: every model family's folders."""
+    from ..models import all_families, kinds
 
-    from .. import checkpoint, models
+    return (
+        f"language models: {kinds.listed(all_families())}, or multihead.save folders of them, "
+        "and any other architecture transformers loads, with its tokenizer (the hf extra)"
+    )
+
+
+def _load(model_path: Path | None) -> Any:
+    """The model in ``model_path`` (None: the default BERT model), refused before loading
+    when no model family opens the folder."""
+    from .. import hf_folders, models
     from ..models import kinds
+    from ..models.causal_lm import CausalLM
 
     if model_path is not None:
-        checkpoint.model_folder(model_path)
+        hf_folders.model_folder(model_path)
     found = kinds.folder_kind(model_path)
-    kind = None if found is None else found.kind
-    if found is not None and kind not in (*_OWN, kinds.SAVED):
-        return _attend_transformers(text, found.folder)
-    if kind == kinds.SAVED and found.saved_class not in _SAVED_LANGUAGE_MODELS:
-        raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
+    foreign = found is not None and found.kind not in (None, kinds.SAVED)
+    if foreign and models.family(found.kind) is None:  # no family of ours: transformers
+        return _Foreign.load(found.folder)
+    kinds.check_family_kind(model_path, "multihead explain", supported)
     model = models.load(model_path)
-    if kind in (None, "bert"):
+    if not isinstance(model, CausalLM):
         kinds.check_encoder(model, model_path, "multihead explain")
+    return model
+
+
+def _attend(text: str, model: Any) -> tuple[list[str], list[bool], Tensor, bool]:
+    """Run ``text`` through ``model`` (an encoder, or a causal decoder): (tokens, special
+    flags, weights (layers, H, L, L), causal)."""
+    import torch
+
+    from ..models.causal_lm import CausalLM
+
+    if isinstance(model, _Foreign):
+        return model.attend(text)
+    if not isinstance(model, CausalLM):  # an encoder: models.bert.Pretrained
         batch, out = model([text], return_weights=True)
         weights = for_text(out.weights, 0, int(batch.lengths[0]))
-        return model, batch.tokens[0], batch.special[0], weights, False
+        return batch.tokens[0], batch.special[0], weights, False
     if model.tokenizer is None:
         raise FileNotFoundError(
             f"explain needs the model's tokenizer.json, which is missing from {model.path}. "
@@ -100,57 +142,62 @@ def _attend(
         out = model.run(torch.tensor([encoding.ids]))
     weights = torch.stack([w[0] for w in out.weights])
     special = [bool(s) for s in encoding.special_tokens_mask]
-    return model, list(encoding.tokens), special, weights, True
+    return list(encoding.tokens), special, weights, True
 
 
 @dataclass(frozen=True)
 class _Foreign:
-    """A transformers model's folder and tokenizer: what the report reads of a model."""
+    """A model of an architecture the library has no family for, loaded by transformers on
+    the multihead attention implementation, with its folder and tokenizer (what the report
+    reads of a model)."""
 
     path: Path
     tokenizer: Any
+    model: Any
 
+    @classmethod
+    def load(cls, folder: Path) -> _Foreign:
+        from .._extras import require
 
-def _attend_transformers(
-    text: str, folder: Path
-) -> tuple[_Foreign, list[str], list[bool], Tensor, bool]:
-    """Run ``text`` through the model transformers loads from ``folder``, on the multihead
-    attention implementation, capturing every head of every self-attention layer (an
-    encoder-decoder's encoder). The heads are causal when no weight lies above the diagonal
-    (multihead gives hidden keys exactly 0)."""
-    import torch
+        transformers = require("transformers", "hf", "multihead explain on this architecture")
+        from tokenizers import Tokenizer
 
-    from .._extras import require
+        from .. import hf  # noqa: F401  registers "multihead" with transformers
 
-    transformers = require("transformers", "hf", "multihead explain on this architecture")
-    from tokenizers import Tokenizer
+        vocabulary = folder / "tokenizer.json"
+        if not vocabulary.is_file():
+            raise FileNotFoundError(
+                f"explain needs the model's tokenizer.json, which is missing from {folder}. "
+                "Received: a folder without tokenizer.json"
+            )
+        try:
+            model = transformers.AutoModel.from_pretrained(folder, attn_implementation="multihead")
+        except (ValueError, OSError, KeyError) as err:
+            raise ValueError(
+                f"transformers could not load a model from {folder} for multihead explain, "
+                f"which supports {supported()}. "
+                f"Received: {type(err).__name__}: {str(err).splitlines()[0]}"
+            ) from err
+        return cls(folder, Tokenizer.from_file(str(vocabulary)), model.eval())
 
-    from ..hf import capture
+    def attend(self, text: str) -> tuple[list[str], list[bool], Tensor, bool]:
+        """Run ``text``, capturing every head of every self-attention layer (an
+        encoder-decoder's encoder). The heads are causal when no weight lies above the
+        diagonal (multihead gives hidden keys exactly 0)."""
+        import torch
 
-    vocabulary = folder / "tokenizer.json"
-    if not vocabulary.is_file():
-        raise FileNotFoundError(
-            f"explain needs the model's tokenizer.json, which is missing from {folder}. "
-            "Received: a folder without tokenizer.json"
-        )
-    tokenizer = Tokenizer.from_file(str(vocabulary))
-    try:
-        model = transformers.AutoModel.from_pretrained(folder, attn_implementation="multihead")
-    except (ValueError, OSError, KeyError) as err:
-        raise ValueError(
-            f"transformers could not load a model from {folder} for multihead explain, which "
-            f"supports {SUPPORTED}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
-        ) from err
-    model.eval()
-    encoding = tokenizer.encode(text)
-    ids = torch.tensor([encoding.ids])
-    encoder = model.get_encoder() if model.config.is_encoder_decoder else model
-    with capture(model) as cap, torch.inference_mode():
-        encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
-    weights = torch.stack([cap.weights[layer][0] for layer in range(cap.num_layers)]).float()
-    causal = bool((weights.triu(1) == 0).all()) and ids.shape[1] > 1
-    special = [bool(s) for s in encoding.special_tokens_mask]
-    return _Foreign(folder, tokenizer), list(encoding.tokens), special, weights, causal
+        from ..hf import capture
+
+        encoding = self.tokenizer.encode(text)
+        ids = torch.tensor([encoding.ids])
+        config = self.model.config
+        encoder = self.model.get_encoder() if config.is_encoder_decoder else self.model
+        with capture(self.model) as cap, torch.inference_mode():
+            encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+        weights = torch.stack([cap.weights[i][0] for i in range(cap.num_layers)]).float()
+        causal = bool((weights.triu(1) == 0).all()) and ids.shape[1] > 1
+        special = [bool(s) for s in encoding.special_tokens_mask]
+        return list(encoding.tokens), special, weights, causal
 
 
 def _decodes(tokenizer: Any) -> bool:
@@ -241,29 +288,22 @@ def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) 
         say(f"{h:>4} " + "".join(f"{c:>{width}}" for c in cells))
 
 
-def run(
-    text: str,
-    *,
-    focus: str | None = None,
-    out_dir: str | Path = "explain-out",
-    model_path: str | Path | None = None,
-    layer: int | None = None,
-    head: int | None = None,
-    say: Callable[[str], None] = print,
-) -> Explained:
-    """Explain ``text``; see the module docstring. Returns what was computed and written.
+def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Explained:
+    """Explain ``options.text``; see the module docstring. Returns what was computed and
+    written.
 
-    ``layer`` and ``head`` (counted from 0) choose the head drawn alone in head.png and
-    head_surface.png; by default it is the head most fixed on one other word (the strongest
-    weight from the focus word onto a word at least two positions away), searched within
-    ``layer`` or ``head`` when only one is given.
+    ``options.layer`` and ``options.head`` (counted from 0) choose the head drawn alone in
+    head.png and head_surface.png; by default it is the head most fixed on one other word (the
+    strongest weight from the focus word onto a word at least two positions away), searched
+    within ``layer`` or ``head`` when only one is given.
     """
+    text, focus, layer, head = options.text, options.focus, options.layer, options.head
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
     V.check_utf8_text("TEXT", text)
     if focus is not None:
         V.check_utf8_text("--focus", focus)
-    folder = V.check_out_dir("--out", out_dir)
+    folder = V.check_out_dir("--out", options.out)
     for name, value in (("--layer", layer), ("--head", head)):  # before the model loads
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -271,7 +311,8 @@ def run(
             raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
     with stages("explain", _STAGES, say=say) as (progress, say):
         progress.begin(_STAGES[0])
-        model, tokens, special, weights, causal = _attend(text, model_path)
+        model = _load(options.model)
+        tokens, special, weights, causal = _attend(text, model)
         progress.begin(_STAGES[1])
         return _report(text, model, tokens, special, weights, causal, focus, layer, head,
                        folder, progress, say)  # fmt: skip

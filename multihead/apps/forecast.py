@@ -41,6 +41,7 @@ from .loop import Dist, FitResult, fit
 
 __all__ = [
     "SERIES",
+    "SUMMARY",
     "CausalForecaster",
     "Series",
     "features",
@@ -49,7 +50,10 @@ __all__ = [
     "linear_direct",
     "load_series",
     "run",
+    "throughput",
 ]
+
+SUMMARY = "a causal-attention forecaster of CO2 and sunspots, beside seasonal-naive and linear"
 
 
 @dataclass(frozen=True)
@@ -514,3 +518,9 @@ def _attention_figure(weights: dict[str, Tensor], path: Path) -> Path:
         ax.set_title(f"{name}: last layer, weights of the forecasting position", fontsize=10)
         ax.legend(fontsize=7, ncol=4)
     return save_figure(fig, path)
+
+
+def throughput(options: Options, info: Dist, steps: int) -> dict[str, Any]:
+    """The training step alone, for ``multihead bench train``: the CO2 forecaster's training
+    (``options.max_steps`` bounds it); its ``FitResult`` summary."""
+    return _train_one(load_series("co2"), options, info)[1].summary()

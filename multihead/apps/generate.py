@@ -8,10 +8,36 @@ Greedy by default (``temperature`` 0); a temperature above 0, or ``top_k`` / ``t
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["check_options", "run"]
+from .._flags import argument, option, positive_int, required
+
+__all__ = ["GenerateOptions", "check_options", "run"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions:
+    """What ``multihead generate`` takes (``multihead generate --help``)."""
+
+    prompt: str = argument("the text to continue", metavar="PROMPT")
+    model: Path = required(
+        "a decoder folder (e.g. one written by multihead train lm)", metavar="DIR"
+    )
+    max_new_tokens: int = option(50, "tokens to add", parse=positive_int)
+    temperature: float = option(0.0, "0: greedy; above 0: sample at this temperature")
+    top_k: int | None = option(None, "sample among the k most likely tokens", parse=positive_int)
+    top_p: float | None = option(None, "sample from the fewest tokens reaching p")
+    seed: int = option(0, "seed of the sampling")
+
+    def __post_init__(self) -> None:
+        check_options(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise ValueError(
+                f"the prompt is empty; give some text to continue. Received: PROMPT {self.prompt!r}"
+            )
 
 
 def check_options(
@@ -34,25 +60,19 @@ def check_options(
         raise ValueError(f"--top-p must be in (0, 1]. Received: {top_p!r}")
 
 
-def run(
-    model: str | Path,
-    prompt: str,
-    *,
-    max_new_tokens: int = 50,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int = 0,
-    write: Callable[[str], object] = print,
-) -> str:
-    """Stream the continuation of ``prompt`` through ``write`` (each piece as its tokens
-    arrive) and return it whole."""
+def _write(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()  # each piece as soon as its tokens are produced
+
+
+def run(options: GenerateOptions, *, write: Callable[[str], object] = _write) -> str:
+    """Stream the continuation of ``options.prompt`` through ``write`` (each piece as its
+    tokens arrive, then a line break) and return it whole."""
     import torch
 
     from .. import models
 
-    check_options(max_new_tokens, temperature, top_k, top_p)
-    path = Path(model)
+    path = Path(options.model)
     if not path.is_dir():
         raise FileNotFoundError(
             f"--model must be a model folder (config.json, weights, tokenizer.json). "
@@ -64,17 +84,19 @@ def run(
             f"multihead generate needs a decoder (GPT-2 or Llama); {path} holds a "
             f"{type(lm).__name__}. Received: --model {path}"
         )
+    temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
     sample = temperature > 0 or top_k is not None or top_p is not None
     pieces = []
     for piece in lm.stream_text(
-        prompt,
-        max_new_tokens,
+        options.prompt,
+        options.max_new_tokens,
         do_sample=sample,
         temperature=temperature if temperature > 0 else 1.0,
         top_k=top_k,
         top_p=top_p,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(options.seed),
     ):
         pieces.append(piece)
         write(piece)
+    write("\n")
     return "".join(pieces)

@@ -38,19 +38,22 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .._flags import option, positive_int
 from .common import Options, figure, finish, save_figure, seed_everything
 from .loop import Dist, FitResult, fit
 
 __all__ = [
-    "ARCHS",
     "DEFAULT_DATA",
     "END",
     "FULL",
     "HELD_OUT",
     "QUICK",
     "SPLIT_SEED",
+    "SUMMARY",
     "KneserNeyBigram",
+    "LMOptions",
     "Recipe",
+    "archs",
     "build_model",
     "examples",
     "pack",
@@ -58,19 +61,43 @@ __all__ = [
     "read_texts",
     "run",
     "split_texts",
-    "summary",
     "train_tokenizer",
 ]
 
+SUMMARY = "a small GPT-2 or Llama decoder and its own tokenizer, trained on --data text"
 DEFAULT_DATA = Path("../shared/data/vader-sentiment")
 VADER_SUFFIX = "_GroundTruth.txt"
 END = "<|endoftext|>"  # id 0: opens and closes every text; prompts begin with it too
-ARCHS = ("gpt2", "llama")
 HELD_OUT = 0.1  # share of the texts held out for perplexity
 SPLIT_SEED = 19  # fixed: the held-out texts do not change with --seed
 MIN_VOCAB = 260  # the 256 byte symbols, the end-of-text token and a few merges
 MAX_VOCAB = 65536
 SAMPLE_SETTINGS = {"temperature": 0.8, "top_p": 0.95}  # samples.txt: varied but on topic
+
+
+def archs() -> list[str]:
+    """The decoder shapes ``--arch`` takes: every causal model family that builds a fresh
+    model from sizes (``Family.sized``)."""
+    from ..models import all_families
+
+    return [f.model_type for f in all_families() if f.causal and f.sized is not None]
+
+
+@dataclass
+class LMOptions(Options):
+    """``multihead train lm``'s options: the common ones and the decoder's shape."""
+
+    arch: str = option("gpt2", "the decoder's shape (its model family)", choices=archs)
+    vocab_size: int | None = option(
+        None, "the BPE vocabulary (default: the recipe's)", parse=positive_int
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.arch not in archs():
+            raise ValueError(
+                f"arch must be one of {', '.join(archs())}. Received: arch={self.arch!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -307,27 +334,20 @@ def _unigram_nll(train: Sequence[Sequence[int]], held: Sequence[Sequence[int]], 
 
 
 def build_model(arch: str, recipe: Recipe, vocab_size: int) -> Any:
-    """A freshly initialized GPT-2 or Llama decoder of ``recipe``'s sizes: tied input and output
-    embeddings, ``END`` (id 0) as beginning, end and padding token. Weights are drawn as in
-    GPT-2: N(0, 0.02), the projections back into the residual stream N(0, 0.02 / sqrt(2 *
-    layers)), biases 0."""
-    from ..models import gpt2, llama
+    """A freshly initialized decoder of the family ``arch`` (see ``archs``) and ``recipe``'s
+    sizes: tied input and output embeddings, ``END`` (id 0) as beginning, end and padding
+    token. Weights are drawn as in GPT-2: N(0, 0.02), the projections back into the residual
+    stream N(0, 0.02 / sqrt(2 * layers)), biases 0."""
+    from ..models import family
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {', '.join(ARCHS)}. Received: arch={arch!r}")
+    if arch not in archs():
+        raise ValueError(f"arch must be one of {', '.join(archs())}. Received: arch={arch!r}")
+    chosen = family(arch)
     r = recipe
-    special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
-    if arch == "gpt2":
-        model = gpt2.GPT2(gpt2.GPT2Config(
-            vocab_size=vocab_size, n_positions=r.context, n_embd=r.width, n_layer=r.layers,
-            n_head=r.heads, **special))  # fmt: skip
-    else:
-        hidden = 16 * round(8 * r.width / 3 / 16)  # SwiGLU's 8/3 E, a multiple of 16
-        model = llama.Llama(llama.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=r.width, intermediate_size=hidden,
-            num_hidden_layers=r.layers, num_attention_heads=r.heads,
-            num_key_value_heads=r.kv_heads, max_position_embeddings=r.context,
-            rms_norm_eps=1e-5, tie_word_embeddings=True, **special))  # fmt: skip
+    config = chosen.sized(vocab_size=vocab_size, context=r.context, width=r.width,
+                          layers=r.layers, heads=r.heads, kv_heads=r.kv_heads,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+    model = chosen.model(config)
     _initialize(model, r.layers)
     return model
 
@@ -415,7 +435,7 @@ def _fit(
 # the run
 
 
-def _recipe(options: Options) -> Recipe:
+def _recipe(options: LMOptions) -> Recipe:
     recipe = QUICK if options.quick else FULL
     if options.vocab_size is not None:
         recipe = replace(recipe, vocab_size=options.vocab_size)
@@ -436,7 +456,7 @@ def _data(options: Options, recipe: Recipe) -> dict[str, Any]:
     return {"texts": len(texts), "duplicates": duplicates, "train": train, "held": held}
 
 
-def run(options: Options, info: Dist, out: Path | None) -> dict[str, Any]:
+def run(options: LMOptions, info: Dist, out: Path | None) -> dict[str, Any]:
     """Train the tokenizer and the decoder, measure the baselines, write the run into ``out``
     (None on processes other than rank 0, which write nothing; see the module docstring)."""
     started = time.perf_counter()
@@ -488,7 +508,8 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
     samples = _samples(model, data["held"], options.seed)
     (out / "samples.txt").write_text(_samples_text(samples))
     (out / "held_out.txt").write_text("".join(f"{t}\n" for t in data["held"]), encoding="utf-8")
-    _loss_figure(result, curve, table, out / "loss_curve.png", _describe(model, options.arch))
+    title = f"{options.arch} shape, {model.shape}"
+    _loss_figure(result, curve, table, out / "loss_curve.png", title)
     parameters = sum(p.numel() for p in model.parameters())
     metrics = {
         "task": "lm",
@@ -548,16 +569,6 @@ def _scores(nll: float, tokens: int) -> dict[str, float]:
     return {"perplexity": round(math.exp(loss), 4), "loss": round(loss, 6)}
 
 
-def _describe(model: Any, arch: str) -> str:
-    c = model.config
-    if arch == "gpt2":
-        return f"GPT-2 shape, {c.n_layer} layers, E={c.n_embd}, H={c.n_head}"
-    return (
-        f"Llama shape, {c.num_hidden_layers} layers, E={c.hidden_size}, "
-        f"H={c.num_attention_heads}, H_kv={c.num_key_value_heads}"
-    )
-
-
 @torch.inference_mode()
 def _samples(model: Any, held: Sequence[str], seed: int) -> list[dict[str, str]]:
     """Four texts from nothing (the END token alone) and three continuations of the first words
@@ -606,20 +617,3 @@ def _loss_figure(result: FitResult, curve: list[tuple[int, float]], table: dict[
     ax.set_title(f"lm: {title}", fontsize=9)
     ax.legend(fontsize=7)
     return save_figure(fig, path)
-
-
-def summary(metrics: dict[str, Any], out: str | Path) -> str:
-    """A short table of the held-out perplexity and loss of the model and its baselines, then
-    the folder written (what ``multihead train lm`` prints when it ends)."""
-    rows = metrics["metrics"]
-    width = max(len(k) for k in rows)
-    lines = [
-        f"lm: held-out perplexity on {metrics['tokens']['held_out']} tokens "
-        f"({metrics['parameters']:,} parameters, {metrics['steps']} steps, "
-        f"{metrics['seconds']:.0f} s)",
-        f"  {'':<{width}}  {'perplexity (lower is better)':>30}  {'loss (nats/token)':>18}",
-    ]
-    for name, row in rows.items():
-        lines.append(f"  {name:<{width}}  {row['perplexity']:>30.2f}  {row['loss']:>18.4f}")
-    lines.append(f"wrote {out}")
-    return "\n".join(lines)

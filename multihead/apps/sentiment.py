@@ -49,6 +49,7 @@ __all__ = [
     "DEFAULT_DATA",
     "PAPER_VADER",
     "STRETCHES",
+    "SUMMARY",
     "AttentionClassifier",
     "Corpus",
     "SentimentRegressor",
@@ -58,8 +59,11 @@ __all__ = [
     "run",
     "split",
     "stretch",
+    "throughput",
     "validation_split",
 ]
+
+SUMMARY = "fine-tune all-MiniLM-L6-v2 to rate the VADER ground truth, beside VADER and TF-IDF"
 
 # relative to the working directory, as seen from a checkout of the repository
 DEFAULT_DATA = Path("../shared/data/vader-sentiment")
@@ -732,3 +736,20 @@ def _attention_figure(
     fig = heatmap_grid(weights, batch.tokens[0], layers=[len(weights) - 1] if quick else None)
     fig.suptitle(f"fine-tuned encoder on: {text[:70]}", fontsize=9)
     return save_figure(fig, path)
+
+
+def throughput(options: Options, info: Dist, steps: int) -> dict[str, Any]:
+    """The training step alone, for ``multihead bench train``: ``steps`` optimizer steps of the
+    fine-tuning on the real texts (no evaluation, no baselines); its ``FitResult`` summary."""
+    from ..models import bert
+
+    corpora = read_corpora(options.data)
+    pretrained = bert.load()
+    texts = [c.texts[i] for c in corpora for i in split(c, options.seed)[0]]
+    ratings = np.concatenate([c.ratings[split(c, options.seed)[0]] for c in corpora])
+    count = min(len(texts), 32 * (steps + 2) * 4)  # enough texts for the batches, few to encode
+    ids = encode(pretrained.tokenizer, texts[:count], 128)
+    model = SentimentRegressor(pretrained.model, alphas=STRETCHES)
+    config = options.train_config(epochs=1, batch_size=32, lr=5e-5)
+    targets = np.stack([stretch(ratings[:count], a) for a in STRETCHES], axis=1)
+    return _train(model, ids, targets, config, info, "MiniLM").summary()

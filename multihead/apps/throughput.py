@@ -1,7 +1,8 @@
 """Training throughput of each application's model on its real data, without the evaluation
 and baselines of a full run: ``python -m multihead.apps.throughput TASK [--precision bf16]
 [--compile] [--steps N]``, also under ``torchrun --nproc-per-node N``. Prints one JSON line
-(rank 0) with samples/s measured after the first two steps (which pay for compilation).
+(rank 0) with samples/s measured after the first two steps (which pay for compilation). The
+tasks are the applications of ``multihead.apps.TASKS`` that have a ``throughput`` function.
 
 ``compare`` (``multihead bench train``) runs every task under several variants in one process
 (eager fp32, compiled, bf16 autocast, both) and tabulates samples/s against eager fp32, with
@@ -12,17 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from .. import _machine
+from .. import _validation as V
+from .._flags import option, positive_int
+from . import options_of, task, timed_tasks
 from . import precision as _precision
-from .common import Options
 from .loop import setup, teardown
 
-__all__ = ["VARIANTS", "compare", "main"]
+__all__ = ["VARIANTS", "TrainBenchOptions", "compare", "main"]
 
 # variant -> (--precision, torch.compile the step); auto resolves by timing the task's step
 VARIANTS = {
@@ -34,82 +38,49 @@ VARIANTS = {
 }
 
 
-def _sentiment(options: Options, info: Any, steps: int) -> dict[str, Any]:
-    from ..models import bert
-    from . import sentiment as s
+@dataclass(frozen=True, kw_only=True)
+class TrainBenchOptions:
+    """What ``multihead bench train`` takes (``multihead bench train --help``)."""
 
-    corpora = s.read_corpora(options.data)
-    pretrained = bert.load()
-    texts = [c.texts[i] for c in corpora for i in s.split(c, options.seed)[0]]
-    ratings = np.concatenate([c.ratings[s.split(c, options.seed)[0]] for c in corpora])
-    count = min(len(texts), 32 * (steps + 2) * 4)  # enough texts for the batches, few to encode
-    ids = s.encode(pretrained.tokenizer, texts[:count], 128)
-    model = s.SentimentRegressor(pretrained.model, alphas=s.STRETCHES)
-    config = options.train_config(epochs=1, batch_size=32, lr=5e-5)
-    targets = np.stack([s.stretch(ratings[:count], a) for a in s.STRETCHES], axis=1)
-    result = s._train(model, ids, targets, config, info, "MiniLM")
-    return result.summary()
+    out: Path = option(Path("bench-results"), "folder for the results", metavar="DIR")
+    tasks: tuple[str, ...] | None = option(
+        None, "apps to time (default: every app with a timed step)", choices=timed_tasks
+    )
+    variants: tuple[str, ...] = option(
+        tuple(VARIANTS),
+        "step variants; auto is --precision auto, which times the task's step in fp32 and "
+        "bf16 first",
+        choices=tuple(VARIANTS),
+    )
+    steps: int = option(20, "steps per variant (2 untimed)", parse=positive_int)
+    data: Path | None = option(None, "sentiment data (as for train)", metavar="PATH")
 
-
-def _forecast(options: Options, info: Any, steps: int) -> dict[str, Any]:
-    from . import forecast as f
-
-    return f._train_one(f.load_series("co2"), options, info)[1].summary()
-
-
-def _crossmodal(options: Options, info: Any, steps: int) -> dict[str, Any]:
-    from sklearn.datasets import load_digits
-
-    from . import crossmodal as c
-    from .loop import fit
-
-    digits = load_digits()
-    qs = c.make_questions(digits.target, 8, options.seed)
-    ids, lengths = c.tokenize(qs.words)
-    image = c.patches(digits.images)[qs.image]
-    answers = torch.as_tensor(qs.answer, dtype=torch.float32)
-
-    def collate(idx):
-        return tuple(t[idx].to(info.device) for t in (ids, lengths, image, answers))
-
-    def loss_fn(m, batch):
-        x, n, img, y = batch
-        logits = m(x, n, img).float()
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
-
-    config = options.train_config(epochs=1, batch_size=64, lr=2e-3)
-    return fit(c.CrossModalQA(), len(answers), collate, loss_fn, config, info).summary()
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("tasks", timed_tasks() if self.tasks is None else self.tasks, timed_tasks()),
+            ("variants", self.variants, VARIANTS),
+        ):
+            unknown = [v for v in value if v not in allowed]
+            if unknown or not value:
+                raise ValueError(
+                    f"{name} must be one or more of {', '.join(allowed)}. "
+                    f"Received: {name}={list(value)}"
+                )
 
 
-_TASKS = {"sentiment": _sentiment, "forecast": _forecast, "crossmodal": _crossmodal}
-TASKS = tuple(_TASKS)
-
-
-def compare(
-    tasks: list[str],
-    variants: list[str],
-    *,
-    steps: int = 20,
-    data: str | None = None,
-    cpu: str = "",
-    say=print,
-) -> dict[str, Any]:
+def compare(options: TrainBenchOptions, *, say=print) -> dict[str, Any]:
     """samples/s of each task's training step under each variant (``VARIANTS``), in this
     process, with the matmul peaks measured first and what ``--precision auto`` picks from
-    them. Rows keep the compiled step's graph-break count; ``vs_eager`` is the ratio to the
-    same task's eager fp32 row when it ran."""
-    for name, value, allowed in (("tasks", tasks, TASKS), ("variants", variants, VARIANTS)):
-        unknown = [v for v in value if v not in allowed]
-        if unknown or not value:
-            raise ValueError(
-                f"{name} must be one or more of {', '.join(allowed)}. Received: {name}={value}"
-            )
+    them; written to ``options.out``/train.json. Rows keep the compiled step's graph-break
+    count; ``vs_eager`` is the ratio to the same task's eager fp32 row when it ran."""
+    out = V.check_out_dir("--out", options.out)  # before the work
+    cpu = _machine.cpu_info()[0]
     info = setup()
     auto = _precision.choose("auto", info.device)
     report: dict[str, Any] = {
         "cpu": cpu,
         "threads": torch.get_num_threads(),
-        "steps": steps,
+        "steps": options.steps,
         "peaks": auto.as_json(),
         "rows": [],
     }
@@ -119,35 +90,38 @@ def compare(
     say(f"{'task':<11} {'variant':<14} {'ran as':<6} {'samples/s':>10} {'vs eager':>9} "
         f"{'first step s':>13} {'graph breaks':>13}")  # fmt: skip
     try:
-        for task in tasks:
+        for name in options.tasks or timed_tasks():
             base = None
-            for variant in variants:
-                row = _variant_row(task, variant, steps, data, info)
+            for variant in options.variants:
+                row = _variant_row(name, variant, options.steps, options.data, info)
                 if variant == "eager":
                     base = row["samples_per_s"]
                 row["vs_eager"] = round(row["samples_per_s"] / base, 3) if base else None
                 report["rows"].append(row)
                 ratio = "" if row["vs_eager"] is None else f"{row['vs_eager']:.2f}x"
                 breaks = "" if row["graph_breaks"] is None else str(row["graph_breaks"])
-                say(f"{task:<11} {variant:<14} {row['precision']:<6} "
+                say(f"{name:<11} {variant:<14} {row['precision']:<6} "
                     f"{row['samples_per_s']:>10.1f} {ratio:>9} {row['first_step_s']:>13.2f} "
                     f"{breaks:>13}")  # fmt: skip
     finally:
         teardown(info)
+    out.mkdir(exist_ok=True)
+    (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
+    say(f"written: {out / 'train.json'}")
     return report
 
 
-def _variant_row(task: str, variant: str, steps: int, data: str | None, info) -> dict[str, Any]:
+def _variant_row(name: str, variant: str, steps: int, data: Path | None, info) -> dict[str, Any]:
     dtype, compiled = VARIANTS[variant]
-    options = Options(out=Path("."), data=data, precision=dtype, compile=compiled,
-                      max_steps=steps, progress=False)  # fmt: skip
+    options = options_of(name)(out=Path("."), data=data, precision=dtype, compile=compiled,
+                               max_steps=steps, progress=False)  # fmt: skip
     import torch._dynamo
 
     torch._dynamo.reset()  # every compiled variant pays for its own compilation
-    summary = _TASKS[task](options, info, steps)
+    summary = task(name).throughput(options, info, steps)
     report = summary.get("compile")
     return {
-        "task": task,
+        "task": name,
         "variant": variant,
         "precision": summary["precision"],  # auto: what it resolved to
         "compile": compiled,
@@ -161,13 +135,13 @@ def _variant_row(task: str, variant: str, steps: int, data: str | None, info) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m multihead.apps.throughput")
-    parser.add_argument("task", choices=sorted(_TASKS))
+    parser.add_argument("task", choices=timed_tasks())
     parser.add_argument("--precision", default="fp32", choices=_precision.REQUESTS)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--data", help="sentiment data folder (as for multihead train)")
     args = parser.parse_args(argv)
-    options = Options(
+    options = options_of(args.task)(
         out=Path("."),
         data=args.data,
         precision=args.precision,
@@ -177,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     info = setup()
     try:
-        summary = _TASKS[args.task](options, info, args.steps)
+        summary = task(args.task).throughput(options, info, args.steps)
     finally:
         teardown(info)
     if info.main:

@@ -4,8 +4,8 @@
 runs it and ``auto`` ranks it by its own rule (see ``Backend`` for the protocol).
 """
 
-from ._call import BackendUnavailable, Call
-from .protocol import Backend, Capabilities, Rank
+from .call import Call
+from .protocol import Backend, BackendUnavailable, Capabilities, Rank
 from .registry import BACKENDS, register, unregister
 
 __all__ = [

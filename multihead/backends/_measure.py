@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from ._call import Call
 from ._nonfinite import NonFiniteInput
+from .call import Call
 
 __all__ = ["MARGIN", "best_time", "compare", "faster", "shape_class", "switched_off", "timed"]
 
@@ -100,18 +100,21 @@ def faster(
     cache: dict[Hashable, bool],
     call: Call,
     mine: Callable[[Call], tuple],
-    rival: Callable[[Call], object],
+    rival: Callable[[Call], object] | None,
     *,
     clock: Callable[[Callable[[], object]], float] = best_time,
-) -> bool:
+) -> bool | None:
     """True when ``mine`` ran faster than ``rival`` on calls of ``call``'s shape class.
 
     Measured on the first call of the class (a warm-up run each, then ``clock`` times
     ``mine`` and then ``rival``) and remembered in ``cache``. Inputs holding NaN or ±inf
     (a backend that checks as it reads raises ``NonFiniteInput``) measure nothing: a later,
-    cleaner call of the class does.
+    cleaner call of the class does. With ``rival=None`` nothing runs: the remembered answer,
+    or None when the class has not been measured.
     """
     key = shape_class(call)
+    if rival is None:
+        return cache.get(key)
     if key not in cache:
         try:
             cache[key] = compare(timed(mine, call), timed(rival, call), clock=clock)

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from ..masks import TileKind
-from ._call import Call, exporting, repeat_kv
+from ._tensors import repeat_kv
+from .call import Call, exporting
 
-__all__ = ["NonFiniteInput", "checks_inputs", "run_guarded"]
+__all__ = ["NonFiniteInput", "run_guarded"]
 
 _ROWS = 256  # query rows per visibility block when finding the rows that see a bad key
 
@@ -27,16 +28,8 @@ Result = tuple[Tensor | None, Tensor | None]
 
 
 class NonFiniteInput(Exception):
-    """Raised by a backend that checks its inputs as it reads them (see ``checks_inputs``)
+    """Raised by a backend that checks its inputs as it reads them (``Backend.checks_inputs``)
     when it met NaN or ±inf: the careful path takes over."""
-
-
-def checks_inputs(run: Callable[[Call], Result]) -> Callable[[Call], Result]:
-    """Mark a backend's ``run`` as checking q, k and v itself while it reads them (raising
-    ``NonFiniteInput``), so the guard skips its own pass over them: at decode that pass reads
-    the whole cache a second time."""
-    run.checks_inputs = True
-    return run
 
 
 def _finite(*tensors: Tensor) -> bool:
@@ -54,32 +47,32 @@ def _finite(*tensors: Tensor) -> bool:
         return bool(torch.isfinite(total))
 
 
-def run_guarded(run: Callable[[Call], Result], call: Call, *, values: bool = True) -> Result:
-    """``run(call)`` with the NaN rule. ``values=False`` when the call has no real values
-    (``attention_weights`` passes the keys twice)."""
+def run_guarded(
+    run: Callable[[Call], Result], call: Call, *, checks_inputs: bool = False
+) -> Result:
+    """``run(call)`` with the NaN rule. ``checks_inputs``: ``run`` raises ``NonFiniteInput``
+    when it reads NaN or ±inf (``Backend.checks_inputs``), so the cheap check is skipped."""
     q, k, v = call.query, call.key, call.value
     if exporting() or torch.compiler.is_compiling():
         # a traced graph cannot branch on data (under torch.compile the check would be a graph
         # break in every attention call): it computes the plain formula
         return run(call)
-    if getattr(run, "checks_inputs", False):
+    if checks_inputs:
         try:
             return run(call)
         except NonFiniteInput:
             pass
-    elif _finite(q, k, v) if values else _finite(q, k):
+    elif _finite(q, k, v):
         return run(call)
     with torch.no_grad():
         q_bad = ~torch.isfinite(q).all(-1)  # [B, H, L]
-        kv_bad = ~torch.isfinite(k).all(-1)  # [B, H_kv, S]
-        if values:
-            kv_bad |= ~torch.isfinite(v).all(-1)
+        kv_bad = ~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)  # [B, H_kv, S]
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     clean = replace(
         call,
         query=torch.where(q_bad[..., None], zero, q),
         key=torch.where(kv_bad[..., None], zero, k),
-        value=torch.where(kv_bad[..., None], zero, v) if values else v,
+        value=torch.where(kv_bad[..., None], zero, v),
     )
     out, weights = run(clean)
     row_bad = q_bad | _rows_seeing(call, repeat_kv(kv_bad[..., None], q.shape[1] // k.shape[1]))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind
-from ._call import Call
+from .call import Call
 
 __all__ = ["Chunk", "Item", "plan", "query_tile"]
 
@@ -86,6 +86,16 @@ def _pattern(block: Tensor) -> str | None:
     return None
 
 
+def _kind(block: Tensor) -> str:
+    """What a key block of a tile is: "empty", "full" (wide enough to run unmasked), a
+    triangle ("tril", "triu") or "mask"."""
+    if not bool(block.any()):
+        return "empty"
+    if bool(block.all()) and block.shape[-1] >= _MIN_FULL_RUN:
+        return "full"
+    return _pattern(block) or "mask"
+
+
 def _chunks(keep: Tensor, start: int) -> list[Chunk]:
     """Split a partly visible block into key blocks the width of the tile, anchored at its right
     end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
@@ -96,13 +106,7 @@ def _chunks(keep: Tensor, start: int) -> list[Chunk]:
     edges = sorted({0, *range(width, 0, -step)})
     pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
     for a, b in itertools.pairwise([*edges, width]):
-        block = keep[..., a:b]
-        if not bool(block.any()):
-            kind = "empty"
-        elif bool(block.all()) and b - a >= _MIN_FULL_RUN:
-            kind = "full"
-        else:
-            kind = _pattern(block) or "mask"
+        kind = _kind(keep[..., a:b])
         if kind == "empty":
             continue
         if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
@@ -248,10 +252,8 @@ def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[I
             return []
         return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
     chunks = _chunks(keep, answer.start)
-    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
-    area = sum(c.keep.shape[-1] for c in masked) * (q1 - q0)
-    if q1 - q0 >= 2 * _MIN_FULL_RUN and area and _visible(masked) < 0.6 * area:
-        # mostly hidden masked work (a tile across a document boundary): split the rows
+    if _mostly_hidden(chunks, q1 - q0):
+        # a tile across a document boundary: split the rows
         mid = (q0 + q1) // 2
         return [
             piece
@@ -260,6 +262,14 @@ def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[I
             for piece in _items(mask, group, b, length_q, length_k, lo, hi, ans, device)
         ]
     return [Item(group, q0, q1, tuple(chunks))]
+
+
+def _mostly_hidden(chunks: list[Chunk], rows: int) -> bool:
+    """True when a tile of ``rows`` rows is worth splitting: its masked chunks are mostly
+    hidden work."""
+    masked = [c for c in chunks if c.keep is not None and c.pattern is None]
+    area = sum(c.keep.shape[-1] for c in masked) * rows
+    return rows >= 2 * _MIN_FULL_RUN and bool(area) and _visible(masked) < 0.6 * area
 
 
 def _visible(chunks: list[Chunk]) -> int:

@@ -29,8 +29,9 @@ import torch
 from torch import Tensor
 
 from ..masks import Mask, TileKind
-from ._call import BackendUnavailable, Call, exporting, stat_dtype, structured
-from .protocol import LAST, LEADS, Backend, Capabilities, Rank
+from ._tensors import stat_dtype
+from .call import Call, exporting, structured
+from .protocol import LAST, LEADS, Backend, BackendUnavailable, Capabilities, Rank
 
 __all__ = [
     "BACKEND",
@@ -42,7 +43,6 @@ __all__ = [
     "measured_faster",
     "rank",
     "run",
-    "unsupported",
 ]
 
 BLOCK = 128  # query rows and keys per sparse block: FlexAttention's default (64 ran no faster)
@@ -51,9 +51,8 @@ _CUDA_MIN_HEAD_DIM = 16
 _KERNELS_KEPT = 32  # compiled kernels kept per process (least recently used dropped first)
 _BLOCK_MASKS_KEPT = 16  # block masks of (L, S)-only structures kept for reuse
 
-# auto on CPU (docs/guides/backends.md, "FlexAttention backend"): measured in one process
-# against tiled, B=1, H=8, D=64, the compiled kernel ran 1.07-1.28x faster on float32 sliding
-# windows of 256 and 512 keys for L = 4096 to 32768, 1.0x at 1024 keys, 0.8x in bfloat16
+# where auto leads with it on CPU (docs/guides/backends.md, "FlexAttention backend"): float32
+# sliding windows this narrow over at least this many query rows
 _CPU_MIN_ROWS = 4096
 _CPU_MAX_SPAN = 512  # before + after of the window
 
@@ -97,10 +96,6 @@ def clear_cache() -> None:
     _log.clear()
 
 
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
-
-
 def _unsupported(call: Call) -> str | None:
     """What the capabilities cannot say: tracing, sizes, CPU limits, earlier failures."""
     if exporting():
@@ -118,8 +113,8 @@ def _unsupported(call: Call) -> str | None:
     dtype = call.query.dtype
     d, d_v = call.query.shape[-1], call.value.shape[-1]
     if call.device_type == "cuda" and min(d, d_v) < _CUDA_MIN_HEAD_DIM:
-        # Inductor refuses to lower it ("NYI: embedding dimension ... must be at least 16"),
-        # seen on an H100 with torch 2.11: say so here instead of failing a compile
+        # Inductor refuses to lower it ("NYI: embedding dimension ... must be at least 16"):
+        # say so here instead of failing a compile
         return (
             f"Inductor's CUDA FlexAttention kernel needs head dims of at least "
             f"{_CUDA_MIN_HEAD_DIM}; received D={d}, D_v={d_v}"
@@ -281,7 +276,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         why = f"{type(e).__name__}: {first_line}"
         _failures[_structure(call)] = why
         _log.append(CompileRecord(_describe(call), time.perf_counter() - start, why))
-        # unsupported(call) reports the failure from now on, so auto picks another backend
+        # its rule reports the failure from now on, so auto picks another backend
         raise BackendUnavailable(
             f"FlexAttention could not be compiled for this mask and bias ({why})"
         ) from e
@@ -399,4 +394,5 @@ BACKEND = Backend(
     rank=rank,
     capabilities=Capabilities(label="FlexAttention", weights=False, dropout=False),
     unsupported=_unsupported,
+    state=lambda: len(_failures),  # a compile that failed changes what it answers
 )

@@ -14,9 +14,11 @@ It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
 flags, the torch version and the CPU, so a change of any of them builds afresh and nothing
 else ever rebuilds. Where the build cannot run (no compiler, no headers) the failure is
 remembered, ``unsupported`` reports it in one line and ``auto`` uses the other backends.
-``auto`` runs the kernel only where it measured faster than the backend it would otherwise
-choose (``measured_faster``).
-Setting ``MULTIHEAD_FUSED=0`` turns the kernel off without trying to build it.
+``auto`` never starts the compile: it uses a kernel built earlier on this machine (by
+``multihead doctor``, ``multihead bench kernels`` or a call with ``backend="fused"``), and runs
+it only where it measured faster than the backend it would otherwise choose
+(``measured_faster``). Setting ``MULTIHEAD_FUSED=0`` turns the kernel off without trying to
+build it.
 
 The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._backward``,
 ``..._weights``) with fake kernels and an autograd formula, so ``torch.compile`` and
@@ -37,9 +39,10 @@ import torch
 from torch import Tensor
 
 from . import _extension, _measure
-from ._call import Call, exporting, stat_dtype
-from ._nonfinite import NonFiniteInput, checks_inputs
+from ._nonfinite import NonFiniteInput
 from ._plan import Item, plan, query_tile
+from ._tensors import stat_dtype
+from .call import Call, exporting
 from .protocol import LAST, Backend, Capabilities, Rank
 
 __all__ = [
@@ -50,7 +53,6 @@ __all__ = [
     "measured_faster",
     "rank",
     "run",
-    "unsupported",
 ]
 
 _SOURCES = ("fused_attention.cpp",)
@@ -67,6 +69,11 @@ _OPENMP = ["-fopenmp"] if _ON_OPENMP else []
 
 _module = None  # the loaded extension
 _error: str | None = None  # why it could not be built, once tried
+_looked = False  # whether this process has looked for a build already in the cache
+NOT_BUILT = (
+    "not built on this machine yet: multihead doctor builds it (about a minute), as does the "
+    "first call with backend='fused'; auto never starts the compile"
+)
 
 
 def build_dir() -> Path:
@@ -146,6 +153,19 @@ def _first_error(e: Exception) -> str:
     return (lines[0] if lines else type(e).__name__)[:300]
 
 
+def built() -> bool:
+    """True when the kernel is loaded in this process; a build already in the cache (from an
+    earlier process) is loaded now, but nothing is ever compiled here."""
+    global _looked
+    if _module is None and _error is None and not _looked:
+        _looked = True
+        name = _build_name()
+        switched_off = os.environ.get("MULTIHEAD_FUSED", "1") == "0"
+        if not switched_off and any((build_dir() / name).glob(f"{name}*.so")):
+            build_error()  # loads it: its sources are unchanged, so nothing compiles
+    return _module is not None
+
+
 @torch._dynamo.assume_constant_result  # traced calls see the answer of the eager world
 def build_error() -> str | None:
     """None when the kernel is built (building it now if needed), else why not, in one line."""
@@ -154,12 +174,6 @@ def build_error() -> str | None:
     except RuntimeError:
         return _error
     return None
-
-
-def _forget_build() -> None:
-    """Drop the loaded module and any remembered failure (tests rebuild from a clean cache)."""
-    global _module, _error
-    _module, _error = None, None
 
 
 # ------------------------------------------------------------------------------------------
@@ -403,10 +417,6 @@ def _args(call: Call) -> tuple:
     return (call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale)
 
 
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
-
-
 def rank(call: Call) -> Rank:
     # it leads only through ``measured``, where it ran faster on this machine
     return Rank(LAST + 10, "the C++ kernel leads only where it measured faster")
@@ -415,11 +425,15 @@ def rank(call: Call) -> Rank:
 def _unsupported(call: Call) -> str | None:
     if call.return_weights and call.needs_grad:
         return "gradients through returned weights run on tiled"
-    why = build_error()
-    return None if why is None else why
+    if _error is not None:
+        return _error
+    return None if built() else NOT_BUILT
 
 
-@checks_inputs
+def _prepare() -> None:
+    build_error()  # an explicit backend="fused" builds the kernel; a failure is remembered
+
+
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
@@ -433,14 +447,6 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     return out, weights
 
 
-def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
-    """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
-    have out 0 and lse -inf."""
-    with torch.no_grad():
-        out, lse, _ = _attention_op(*_args(call))
-        return out, lse
-
-
 # ------------------------------------------------------------------------------------------
 # auto's measurement (``_measure.py``): once per shape class, the kernel against the backend
 # auto would pick otherwise, on the call itself; the faster one is remembered for the process.
@@ -449,24 +455,29 @@ _MEASURED: dict[Hashable, bool] = {}
 _best_time = _measure.best_time  # the clock (tests replace it)
 
 
-def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
+def measured_faster(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
     """True when the kernel ran faster than ``rival`` on a call of this shape class.
 
     Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
     dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
     times (forward only, or forward and backward when the call needs gradients), and the best
-    times are compared; the kernel leads where it was at least 10% faster. Nothing is measured
-    while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not
-    built.
+    times are compared; the kernel leads where it was at least 10% faster. ``rival=None``:
+    only the answer already known, None when the class has not been measured. Nothing is
+    measured while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the
+    kernel is not built.
     """
-    if _measure.switched_off("MULTIHEAD_FUSED_AUTO") or unsupported(call) is not None:
+    if _measure.switched_off("MULTIHEAD_FUSED_AUTO") or BACKEND.why_not(call) is not None:
         return False
     return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
 
 
-def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
+def _measured(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
     # a stand-in GPU in tests keeps the CPU measurement out
-    return call.device_type == "cpu" and measured_faster(call, rival)
+    return measured_faster(call, rival) if call.device_type == "cpu" else False
+
+
+def _state() -> object:
+    return (_module is not None, _error, _measure.switched_off("MULTIHEAD_FUSED_AUTO"))
 
 
 BACKEND = Backend(
@@ -482,4 +493,7 @@ BACKEND = Backend(
     ),
     unsupported=_unsupported,
     measured=_measured,
+    prepare=_prepare,
+    state=_state,
+    checks_inputs=True,
 )

@@ -15,10 +15,9 @@ When ``auto`` runs it: never from the CPU's instruction set alone. Native bf16/f
 where it measured faster than the backend ``auto`` would otherwise run (``measured_faster``):
 once per shape class (device, dtype, B * H and L, S in powers of two, GQA groups, head dims,
 mask kind, gradients), on the first such call, each side warmed up and timed three times, the
-kernel at least 10% faster; the answer is kept for the process. (An Intel Xeon with
-AVX512-BF16 but no AMX runs bf16 matmuls at 0.6x its fp32 ones: there the kernel was 0.77x
-SDPA, and the measurement keeps ``auto`` on SDPA.) ``MULTIHEAD_HALF_AUTO=0`` turns the
-measurement off, and with it the kernel's lead.
+kernel at least 10% faster; the answer is kept for the process. (Native is not enough: a CPU
+whose bf16 matmuls are slower than its fp32 ones keeps ``auto`` on SDPA this way.)
+``MULTIHEAD_HALF_AUTO=0`` turns the measurement off, and with it the kernel's lead.
 """
 
 from __future__ import annotations
@@ -29,11 +28,12 @@ import torch
 from torch import Tensor
 
 from . import _measure
-from ._call import Call, exporting, repeat_kv
 from ._plan import Item, plan
+from ._tensors import repeat_kv
+from .call import Call, exporting
 from .protocol import FALLBACK, Backend, Capabilities, Rank
 
-__all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run", "unsupported"]
+__all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run"]
 
 ROWS = 128  # query rows per block: see docs/performance.md for the measurement
 
@@ -54,11 +54,6 @@ def _no_bias(call: Call) -> str | None:
     return None
 
 
-def unsupported(call: Call) -> str | None:
-    """Why this call cannot run on the half-precision kernel, or None."""
-    return BACKEND.why_not(call)
-
-
 def rank(call: Call) -> Rank:
     # it leads only through ``measured``, where it ran faster on this machine; its plan reads
     # the mask on the host: never inside traced graphs
@@ -73,7 +68,7 @@ def fast(call: Call) -> bool:
     (AVX512-BF16 / AMX for bf16, AVX512-FP16 / AMX-FP16 for fp16); without them the matmuls
     are emulated and torch's float32 kernel is faster. Native is not fast enough to lead:
     ``measured_faster`` decides that."""
-    if unsupported(call) is not None:
+    if BACKEND.why_not(call) is not None:
         return False
     if call.query.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -86,8 +81,8 @@ def _scores(
     """Scaled scores of rows [r0, r1) over the item's key range, hidden entries -inf; and
     whether anything was hidden (rows may then see nothing)."""
     lo, hi = item.chunks[0].start, item.chunks[-1].stop
-    # the scale multiplies the product, as in the naive formula: folded into q first, it
-    # rounded every entry of q (scale = 10) and the scores inherited that error coherently
+    # the scale multiplies the product, as in the naive formula: folded into q first, it would
+    # round every entry of q, and the scores would inherit that error coherently
     s = (q[item.batch, :, r0:r1] @ k[item.batch, :, lo:hi].transpose(-2, -1)).mul_(scale)
     masked = False
     rel = slice(r0 - item.q0, r1 - item.q0)
@@ -153,7 +148,7 @@ def _score_grad(p: Tensor, dp: Tensor) -> Tensor:
 
     The row term comes from this dp, as in the softmax's own backward, not FlashAttention's
     sum(dO * O): with O rounded to half the two differ by a rounding of dp, which survived in
-    dp - row (a row that sees one key got dq = scale * k * that rounding instead of exactly 0).
+    dp - row (a row that sees one key would get dq = scale * k * that rounding, not exactly 0).
     """
     row = (p * dp).sum(-1, keepdim=True)
     return dp.sub_(row).mul_(p)
@@ -191,18 +186,23 @@ _MEASURED: dict[Hashable, bool] = {}
 _best_time = _measure.best_time  # the clock (tests replace it)
 
 
-def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
+def measured_faster(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
     """True when the kernel ran at least 10% faster than ``rival`` (the backend ``auto`` would
     otherwise run) on calls of this shape class on this machine; measured on the first such
-    call and remembered. Only CPUs with native half-precision matmuls are measured (``fast``);
-    nothing is measured with ``MULTIHEAD_HALF_AUTO=0``."""
+    call and remembered (``rival=None``: only the remembered answer, None when there is
+    none). Only CPUs with native half-precision matmuls are measured (``fast``); nothing is
+    measured with ``MULTIHEAD_HALF_AUTO=0``."""
     if _measure.switched_off("MULTIHEAD_HALF_AUTO") or not fast(call):
         return False
     return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
 
 
-def _measured(call: Call, rival: Callable[[Call], object]) -> bool:
-    return measured_faster(call, rival)
+def _measured(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
+    return measured_faster(call, rival)  # through the module: a test may stand one in
+
+
+def _state() -> object:
+    return _measure.switched_off("MULTIHEAD_HALF_AUTO")
 
 
 BACKEND = Backend(
@@ -211,4 +211,5 @@ BACKEND = Backend(
     capabilities=_CAPABILITIES,
     unsupported=_no_bias,
     measured=_measured,
+    state=_state,
 )

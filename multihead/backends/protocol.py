@@ -10,13 +10,13 @@ takes the lead where it ran faster on this machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._call import BackendUnavailable, Call
+from .call import Call
 
 __all__ = ["Backend", "BackendUnavailable", "Capabilities", "Rank"]
 
@@ -28,6 +28,12 @@ FAVOURED = 5  # ahead of the usual choice where this machine favours it
 PREFERRED = 10  # the usual choice for this kind of call
 FALLBACK = 20  # honours the call, but another is expected to be faster
 LAST = 30  # runs only what no other backend can
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised by a backend's ``run`` when it finds only on trying that it cannot run the call
+    (a compile that fails). The registry catches it and runs the next backend ``auto`` would
+    choose; the backend's ``unsupported`` should report the reason from then on."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,6 @@ class Capabilities:
         devices: device types it runs on ("cpu", "cuda", ...); None for every device.
         weights: returns the softmax weights when the call asks for them.
         dropout: applies dropout on the weights.
-        backward: its output is differentiable.
         softcap: applies ``bias.softcap`` (tanh capping of the scores).
         sinks: applies ``bias.sinks`` (sink logits in the softmax denominator).
     """
@@ -59,7 +64,6 @@ class Capabilities:
     devices: tuple[str, ...] | None = None
     weights: bool = False
     dropout: bool = False
-    backward: bool = True
     softcap: bool = False
     sinks: bool = False
 
@@ -76,8 +80,6 @@ class Capabilities:
             return f"{self.label} does not return attention weights"
         if call.dropout_p > 0.0 and not self.dropout:
             return f"{self.label} has no dropout"
-        if call.needs_grad and not self.backward:
-            return f"{self.label} has no backward; call under torch.no_grad()"
         if call.softcap is not None and not self.softcap:
             return f"{self.label} has no soft-capping"
         if call.sinks is not None and not self.sinks:
@@ -109,17 +111,31 @@ class Backend:
         rank: ``rank(call) -> Rank``, the ranking rule ``auto`` orders backends by.
         capabilities: what the backend can run at all.
         unsupported: ``unsupported(call) -> reason or None`` for what capabilities cannot
-            say (sizes, build failures, mask shapes...).
-        measured: ``measured(call, rival_run) -> bool``, optional: True when this backend ran
-            faster than ``rival_run`` (the backend ``auto`` would otherwise lead with) on calls
-            like this one, measured on this machine. Never asked while tracing.
+            say (sizes, a kernel not built or whose build failed, mask shapes...). It must
+            not compile or time anything: ``explain_backend`` asks it.
+        measured: ``measured(call, rival_run) -> bool | None``, optional: True when this
+            backend ran faster than ``rival_run`` (the backend ``auto`` would otherwise lead
+            with) on calls like this one, measured on this machine. With ``rival_run=None``
+            nothing is run: the answer already known, or None when this shape class has not
+            been measured yet. Never asked while tracing.
+        prepare: ``prepare()``, optional: get ready to run (compile a kernel), called before
+            an explicit ``backend=name`` call is checked; ``auto`` never calls it.
+        state: ``state() -> hashable``, optional: what the backend's rules read besides the
+            call (a kernel built since, a compile that failed, a setting). ``auto`` remembers
+            its choice per shape class and per state.
+        checks_inputs: ``run`` checks q, k and v for NaN and ±inf as it reads them and raises
+            ``multihead.backends._nonfinite.NonFiniteInput`` when it meets one, so the NaN
+            rule skips its own pass over them (at decode that pass reads the whole cache).
     """
 
     run: Callable[[Call], tuple[Tensor, Tensor | None]]
     rank: Callable[[Call], Rank]
     capabilities: Capabilities = Capabilities()
     unsupported: Callable[[Call], str | None] = _nothing_more
-    measured: Callable[[Call, Callable[[Call], object]], bool] | None = None
+    measured: Callable[[Call, Callable[[Call], object] | None], bool | None] | None = None
+    prepare: Callable[[], None] | None = None
+    state: Callable[[], Hashable] | None = None
+    checks_inputs: bool = False
 
     def why_not(self, call: Call) -> str | None:
         """Why this backend cannot run ``call``, or None when it can."""

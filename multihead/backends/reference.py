@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, exporting, repeat_kv, stat_dtype
+from ._tensors import dense_keep, drop_dead_keys, repeat_kv, stat_dtype
+from .call import Call, exporting
 from .protocol import LAST, LEADS, PREFERRED, Backend, Capabilities, Rank
 
 

@@ -4,13 +4,17 @@ Every backend is a ``Backend`` record (``protocol.py``) registered under a name:
 ones at the end of this file, others through ``register``. A new backend is one file plus one
 ``register`` call. ``auto`` orders the backends by the ``Rank`` each one's rule gives the call
 (the registry holds no list of names), skips those that cannot run it, and lets a backend that
-times itself take the lead where it measured faster.
+times itself take the lead where it measured faster. Choosing (``select``) only ranks and
+checks, and remembers its answer per shape class; explaining (``explain``) builds the reasons
+and runs nothing.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -18,13 +22,26 @@ import torch
 from torch import Tensor
 
 from . import flex, fused, half, reference, sdpa, tiled
-from ._call import BackendUnavailable, Call, exporting
-from .protocol import Backend
+from ._measure import shape_class
+from .call import Call, exporting, plain_causal
+from .protocol import Backend, BackendUnavailable, Rank
 
-__all__ = ["BACKENDS", "Choice", "explain", "register", "runner", "select", "unregister"]
+__all__ = [
+    "BACKENDS",
+    "Choice",
+    "Runner",
+    "explain",
+    "register",
+    "runner",
+    "select",
+    "unregister",
+]
 
 _registered: dict[str, Backend] = {}
 BACKENDS = MappingProxyType(_registered)  # name -> Backend, read-only; change with register()
+_STATES: list[Callable[[], Hashable]] = []  # the registered backends' state functions
+_CHOICES: dict[Hashable, str] = {}  # auto's choice per _key
+_CHOICES_KEPT = 4096  # more distinct keys than this: forget them all and start again
 
 
 @dataclass(frozen=True)
@@ -72,6 +89,13 @@ def register(name: str, backend: Backend, *, replace: bool = False) -> None:
             f"or pick another name. Received: name={name!r}"
         )
     _registered[name] = backend
+    _changed()
+
+
+def _changed() -> None:
+    """The backends changed: their state functions are read anew, remembered choices forgotten."""
+    _STATES[:] = [b.state for b in _registered.values() if b.state is not None]
+    _CHOICES.clear()
 
 
 def unregister(name: str) -> None:
@@ -86,89 +110,190 @@ def unregister(name: str) -> None:
             f"Received: name={name!r}"
         )
     del _registered[name]
+    _changed()
 
 
-def explain(call: Call, *, skip: frozenset[str] = frozenset()) -> Choice:
-    """The backend ``auto`` runs for ``call`` (leaving out ``skip``) and why not the others."""
-    ranks = {name: b.rank(call) for name, b in _registered.items()}
-    order = sorted(_registered, key=lambda name: ranks[name].cost)  # ties: registration order
-    why_not = {name: _registered[name].why_not(call) for name in order}
-    for name in skip:
-        why_not[name] = "it failed on this call"
-    able = [name for name in order if why_not[name] is None]
-    if not able:
-        raise ValueError(
-            "no registered backend can run this call (the reference backend runs every call; "
-            f"was it unregistered?). Received: {why_not}"
-        )
-    chosen, why_first = able[0], ranks[able[0]].why
-    # a measurement is a data-dependent branch: never while a graph is traced
-    if not exporting() and not torch.compiler.is_compiling():
-        rival = _registered[chosen]
-        for name in able[1:]:
-            measured = _registered[name].measured
-            if measured is not None and measured(call, rival.run):
-                why_first = (
-                    f"it measured faster than {chosen} on this machine for calls of this "
-                    "shape class"
-                )
-                chosen = name
-                break
-    reasons = {
-        name: why_not[name] or f"supported, but {chosen} is expected to be faster: {why_first}"
-        for name in order
-        if name != chosen
-    }
-    return Choice(chosen, reasons)
+def _ranked(call: Call) -> list[tuple[str, Rank]]:
+    """Every backend with its rank for ``call``, lowest cost first (ties: registration order)."""
+    ranks = [(name, b.rank(call)) for name, b in _registered.items()]
+    return sorted(ranks, key=lambda pair: pair[1].cost)
+
+
+def _none_able(call: Call) -> ValueError:
+    why_not = {name: b.why_not(call) for name, b in _registered.items()}
+    return ValueError(
+        "no registered backend can run this call (the reference backend runs every call; "
+        f"was it unregistered?). Received: {why_not}"
+    )
+
+
+def _choose(call: Call, skip: frozenset[str] = frozenset()) -> str:
+    """``auto``'s choice, leaving out ``skip``: the cheapest backend that can run the call,
+    unless a later one measures faster than it (measured here, on the first call of a shape
+    class). Builds no reason for the others: that is ``explain``'s."""
+    order = [name for name, _ in _ranked(call) if name not in skip]
+    leader = next((name for name in order if _registered[name].why_not(call) is None), None)
+    if leader is None:
+        raise _none_able(call)
+    if exporting() or torch.compiler.is_compiling():  # a measurement is a data-dependent branch
+        return leader
+    rival = _registered[leader].run
+    for name in order[order.index(leader) + 1 :]:
+        backend = _registered[name]
+        measured = backend.measured
+        if measured is not None and backend.why_not(call) is None and measured(call, rival):
+            return name
+    return leader
+
+
+def _key(call: Call) -> Hashable | None:
+    """What ``auto``'s choice for ``call`` depends on: the shape class (``_measure``), what the
+    ranking rules read of the mask beyond it, and each backend's own state. None while a
+    graph is traced (the choice is made anew then)."""
+    if exporting() or torch.compiler.is_compiling():
+        return None
+    _, _, _, length_q, length_k, _ = call.shape
+    mask = call.mask
+    band = None if mask is None else mask.visible_distances(length_q, length_k)
+    traits = (
+        call.device_type,
+        call.dropout_p > 0.0,
+        plain_causal(call),
+        None if mask is None else mask.arbitrary,
+        # a band's width, not its offset (which moves with every decoding step)
+        None if band is None or None in band else band[1] - band[0],
+        length_q == 0 or length_k == 0,
+        call.softcap is not None,  # backends without a cap or sinks refuse those calls
+        call.sinks is not None,
+    )
+    return (shape_class(call), traits, tuple(state() for state in _STATES))
 
 
 def select(call: Call, backend: str) -> str:
-    """The name of the backend that runs ``call`` for ``backend=`` (checked)."""
+    """The name of the backend that runs ``call`` for ``backend=`` (checked). ``auto``'s
+    choice is remembered per ``_key``: a later call of the class pays one lookup."""
     if not isinstance(backend, str) or (backend != "auto" and backend not in _registered):
         raise ValueError(
             f"backend must be 'auto' or one of {sorted(_registered)} (more can be added with "
             f"multihead.backends.register). Received: backend={backend!r}"
         )
-    if backend == "auto":
-        return explain(call).backend
-    why = _registered[backend].why_not(call)
+    if backend != "auto":
+        return _explicit(call, backend)
+    key = _key(call)
+    chosen = None if key is None else _CHOICES.get(key)
+    if chosen is None:
+        chosen = _choose(call)
+        if key is not None:
+            if len(_CHOICES) >= _CHOICES_KEPT:
+                _CHOICES.clear()
+            _CHOICES[key] = chosen
+    return chosen
+
+
+def _explicit(call: Call, name: str) -> str:
+    chosen = _registered[name]
+    if chosen.prepare is not None:
+        chosen.prepare()
+    why = chosen.why_not(call)
     if why is not None:
         hint = " Use backend='auto' or backend='reference'." if call.return_weights else ""
         raise ValueError(
-            f"backend {backend!r} cannot run this call: {why}.{hint} Received: backend={backend!r}"
+            f"backend {name!r} cannot run this call: {why}.{hint} Received: backend={name!r}"
         )
-    return backend
+    return name
 
 
-def runner(call: Call, backend: str) -> Callable[[Call], tuple[Tensor, Tensor | None]]:
-    """A function running a call like ``call`` on the backend ``backend=`` selects.
+def explain(call: Call) -> Choice:
+    """The backend ``auto`` runs for ``call`` and why not each of the others. Nothing is
+    compiled, run or timed: a backend that leads only where it measured faster is judged by
+    what is known of this shape class, and said to be untimed when nothing is."""
+    ranks = dict(_ranked(call))
+    why_not = {name: _registered[name].why_not(call) for name in ranks}
+    able = [name for name in ranks if why_not[name] is None]
+    if not able:
+        raise _none_able(call)
+    chosen, why_first, notes = _measured_lead(call, able, ranks)
+    reasons = {
+        name: why_not[name]
+        or notes.get(name)
+        or f"supported, but {chosen} is expected to be faster: {why_first}"
+        for name in ranks
+        if name != chosen
+    }
+    return Choice(chosen, reasons)
 
-    The backend is checked now (errors raise here). A backend that raises
-    ``BackendUnavailable`` while running is replaced, with a warning, by the next backend
-    ``auto`` would choose.
-    """
-    first = select(call, backend)
 
-    def run(call: Call) -> tuple[Tensor, Tensor | None]:
+def _measured_lead(
+    call: Call, able: list[str], ranks: dict[str, Rank]
+) -> tuple[str, str, dict[str, str]]:
+    """(the chosen backend, why it leads, what each measured backend that does not lead says)
+    from what is already known: the first of ``able`` leads unless a later one measured faster
+    for this shape class."""
+    leader = able[0]
+    notes: dict[str, str] = {}
+    if exporting() or torch.compiler.is_compiling():
+        return leader, ranks[leader].why, notes
+    for name in able[1:]:
+        measured = _registered[name].measured
+        if measured is None:
+            continue
+        known = measured(call, None)
+        if known:
+            why = f"it measured faster than {leader} on this machine for calls of this shape class"
+            return name, why, notes
+        notes[name] = f"{ranks[name].why}; " + (
+            f"calls of this shape class have not been timed yet (the first one times it "
+            f"against {leader})"
+            if known is None
+            else f"it did not measure faster than {leader} for calls of this shape class"
+        )
+    return leader, ranks[leader].why, notes
+
+
+class Runner:
+    """Runs calls like the one it was made for on the backend ``backend=`` selects; a backend
+    that raises ``BackendUnavailable`` while running is replaced, with a warning, by the next
+    one ``auto`` would choose."""
+
+    def __init__(self, call: Call, backend: str) -> None:
+        self.name = select(call, backend)  # the backend is checked now: errors raise here
+
+    @property
+    def checks_inputs(self) -> bool:
+        """The backend checks q, k and v for NaN and ±inf as it reads them."""
+        return _registered[self.name].checks_inputs
+
+    def __call__(self, call: Call) -> tuple[Tensor, Tensor | None]:
         failed: set[str] = set()
-        name = first
+        name = self.name
         while True:
             try:
                 return _registered[name].run(call)
             except BackendUnavailable as e:
                 failed.add(name)
-                successor = explain(call, skip=frozenset(failed)).backend
+                _CHOICES.clear()  # its rules answer differently from now on
+                successor = _choose(call, skip=frozenset(failed))
                 warnings.warn(
                     f"{e}; this call and later ones like it run on {successor!r}. "
                     "explain_backend() gives the reason.",
                     RuntimeWarning,
-                    stacklevel=4,  # run <- run_guarded <- attention() <- its caller
+                    stacklevel=_outside(),  # the warning points at the caller's line
                 )
                 name = successor
 
-    # the NaN rule skips its own pass over q, k and v for a backend that checks as it reads
-    run.checks_inputs = getattr(_registered[first].run, "checks_inputs", False)  # type: ignore[attr-defined]
-    return run
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first frame outside this package, as seen from its caller."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def runner(call: Call, backend: str) -> Runner:
+    """A ``Runner`` for ``call`` and ``backend=`` (checked now)."""
+    return Runner(call, backend)
 
 
 for _name, _module in (

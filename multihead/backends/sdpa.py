@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._call import Call, dense_keep, drop_dead_keys, exporting, plain_causal, stat_dtype
+from ._tensors import dense_keep, drop_dead_keys, stat_dtype
+from .call import Call, exporting, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 
@@ -35,10 +36,6 @@ def rank(call: Call) -> Rank:
     if call.mask.arbitrary:
         return Rank(PREFERRED, "an arbitrary dense mask has little to skip")
     return Rank(FALLBACK, "it lowers the mask to a dense (B, H, L, S) tensor")
-
-
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:

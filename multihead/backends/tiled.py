@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import Call, exporting, plain_causal, repeat_kv, stat_dtype
 from ._plan import Chunk, Item, plan, query_tile
+from ._tensors import repeat_kv, stat_dtype
+from .call import Call, exporting, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 __all__ = [
@@ -27,8 +28,6 @@ __all__ = [
     "plan",
     "rank",
     "run",
-    "unsupported",
-    "weights",
 ]
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -61,10 +60,6 @@ def rank(call: Call) -> Rank:
     return Rank(PREFERRED, skips)
 
 
-def unsupported(call: Call) -> str | None:
-    return BACKEND.why_not(call)
-
-
 class _Ctx:
     """What the per-chunk kernels need besides q, k and v."""
 
@@ -75,6 +70,7 @@ class _Ctx:
         self.softcap = call.softcap
         self.device = call.query.device
         self.stat = stat_dtype(call.query.dtype)
+        self.sinks = None if call.sinks is None else call.sinks.to(self.stat)
         # a bias that learns needs each chunk's score gradient, which only the eager kernel
         # exposes
         self.bias_grad = call.bias is not None and call.needs_grad and call.bias.requires_grad
@@ -465,8 +461,7 @@ def _prepare(call: Call, seed: int = 0):
     tile = query_tile(call)
     if ctx.band is not None and call.mask.tile_rows(length_q, length_k) is None:
         # one call per tile against the band table: 1024 rows let torch's kernel work on
-        # 256-row query blocks (measured 1.09x an exact causal kernel at L = 8192, against
-        # 1.3x with 256-row tiles, whose kernel blocks are 64 rows)
+        # 256-row query blocks (256-row tiles give it 64-row blocks, which run slower)
         tile = max(tile, min(length_q, _TABLE_TILE))
     return q, k, v, ctx, plan(call.mask, b, length_q, length_k, tile, q.device, stack=True)
 
@@ -480,10 +475,9 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     q, k, v, ctx, items = _prepare(call, seed)
     if call.needs_grad:
         # half inputs train in float32 (torch's CPU flash kernel computes in float32 anyway),
-        # rounded once at the output. In half, the backward's row term sum(dO * O) read an O
-        # rounded to half, off by a rounding of dO.V that survives in dp - sum(dO * O) where
-        # the weights are nearly one-hot (dq 60x the naive formula's error at scale 10), and
-        # the gradients of a row's chunks were added up in half
+        # rounded once at the output: in half, the backward's row term sum(dO * O) would read
+        # an O rounded to half, whose rounding survives in dp - sum(dO * O) where the weights
+        # are nearly one-hot, and a row's chunk gradients would be summed in half
         wide = [t.to(ctx.stat) for t in (q, k, v)]
         out = _TiledAttention.apply(*wide, items, ctx, call.sinks, *call.bias_tensors)
         return out.to(q.dtype), (_one_pass(call, output=False)[1] if call.return_weights else None)
@@ -568,32 +562,42 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
             r1 = min(r0 + _WEIGHT_ROWS, item.q1)
             rel = slice(r0 - item.q0, r1 - item.q0)
             qt = q[item.batch, :, r0:r1].to(stat)
-            if len(item.chunks) == 1:
-                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad, ctx.softcap)
-            else:  # chunks may leave gaps (key blocks no row sees): those stay -inf
-                s = torch.full(
-                    (*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device
-                )
-                for chunk, kt, bias in zip(item.chunks, keys, adds):
-                    s[..., chunk.start - lo : chunk.stop - lo] = _scores(
-                        qt, kt, bias, chunk, rel, grad, ctx.softcap
-                    )
-            if call.sinks is not None:
-                p = _sink_softmax(s, call.sinks.to(stat), grad)
-            elif grad:
-                p = torch.softmax(s, dim=-1)
-                if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
-                    p = torch.where(torch.isnan(p), 0.0, p)
-            else:  # in place: one buffer holds scores, then weights
-                p = torch.ops.aten._softmax.out(s, -1, False, out=s)
-                if masked:
-                    p.nan_to_num_(0.0)
+            s = _item_scores(qt, keys, adds, item.chunks, rel, grad, ctx.softcap)
+            p = _softmax(s, masked, grad, ctx.sinks)
             w[item.batch, :, r0:r1, lo:hi] = p.to(w.dtype)
             if output:
                 vt = v[item.batch, :, lo:hi]
                 o = p @ vt if vt.dtype == stat else (p @ vt.to(stat))
                 out[item.batch, :, r0:r1] = o.to(out.dtype)
     return out, w
+
+
+def _item_scores(
+    qt: Tensor, keys: list, adds: list, chunks, rel: slice, grad: bool, cap: float | None
+) -> Tensor:
+    """Scaled, capped scores of a block of rows over an item's key range (its chunks' keys,
+    biases)."""
+    if len(chunks) == 1:
+        return _scores(qt, keys[0], adds[0], chunks[0], rel, grad, cap)
+    lo, hi = chunks[0].start, chunks[-1].stop
+    # chunks may leave gaps (key blocks no row sees): those stay -inf
+    s = torch.full((*qt.shape[:-1], hi - lo), float("-inf"), dtype=qt.dtype, device=qt.device)
+    for chunk, kt, bias in zip(chunks, keys, adds):
+        s[..., chunk.start - lo : chunk.stop - lo] = _scores(qt, kt, bias, chunk, rel, grad, cap)
+    return s
+
+
+def _softmax(s: Tensor, masked: bool, grad: bool, sinks: Tensor | None) -> Tensor:
+    """Row softmax of scores, with each head's sink logit in the denominator when there are
+    sinks; rows that see nothing (all -inf: NaN) get 0. In place on ``s`` when no gradient is
+    needed (one buffer holds scores, then weights)."""
+    if sinks is not None:
+        return _sink_softmax(s, sinks, grad)
+    if grad:
+        p = torch.softmax(s, dim=-1)
+        return torch.where(torch.isnan(p), 0.0, p) if masked else p
+    p = torch.ops.aten._softmax.out(s, -1, False, out=s)
+    return p.nan_to_num_(0.0) if masked else p
 
 
 def _zero_of(t: Tensor) -> Tensor:
@@ -625,11 +629,6 @@ def _scores(
         hidden = ~(chunk.keep if chunk.keep.shape[2] == 1 else chunk.keep[:, :, rel])
         s = s.masked_fill(hidden, float("-inf")) if grad else s.masked_fill_(hidden, float("-inf"))
     return s
-
-
-def weights(call: Call) -> Tensor:
-    """Softmax weights (B, H, L, S), computed tile by tile over the visible ranges only."""
-    return _one_pass(call, output=False)[1]
 
 
 BACKEND = Backend(

@@ -23,7 +23,7 @@ import queue
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,9 +31,11 @@ from pathlib import Path
 import torch
 
 from .. import _validation as V
+from .._flags import option, positive_int
 from .._progress import stages
+from .options import Timed
 
-__all__ = ["ContextConfig", "run_context_bench"]
+__all__ = ["ContextBenchOptions", "ContextConfig", "run_context_bench"]
 
 _BLOCK = 1024  # inputs are drawn in blocks of rows, each from its own seed
 _MASKS = ("causal", "window")
@@ -165,27 +167,8 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
     for p in procs:
         p.start()
     got: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world:
-            try:
-                rank, value = results.get(timeout=1.0)
-            except queue.Empty:
-                # a rank that died before reporting (killed, or failed to start) never will
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-                if dead:
-                    raise RuntimeError(
-                        f"rank(s) {dead} of {world} exited without a result "
-                        f"(exit codes {[procs[r].exitcode for r in dead]})"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{world} processes did not finish within {timeout_s:.0f} s"
-                    ) from None
-                continue
-            if isinstance(value, str):
-                raise RuntimeError(f"rank {rank} of {world} failed: {value}")
-            got[rank] = value
+        _collect(results, procs, got, time.monotonic() + timeout_s, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30 if len(got) == world else 0.1)
@@ -194,6 +177,31 @@ def _launch(world: int, cfg: ContextConfig, folder: Path, timeout_s: float) -> l
                 p.terminate()
                 p.join(timeout=5)
     return [got[r] for r in range(world)]
+
+
+def _collect(results, procs: list, got: dict, deadline: float, timeout_s: float) -> None:
+    """Fill ``got`` with each rank's result from ``results``; a rank that failed, died without
+    a result, or the deadline passing is a RuntimeError."""
+    world = len(procs)
+    while len(got) < world:
+        try:
+            rank, value = results.get(timeout=1.0)
+        except queue.Empty:
+            # a rank that died before reporting (killed, or failed to start) never will
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            if dead:
+                raise RuntimeError(
+                    f"rank(s) {dead} of {world} exited without a result "
+                    f"(exit codes {[procs[r].exitcode for r in dead]})"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{world} processes did not finish within {timeout_s:.0f} s"
+                ) from None
+            continue
+        if isinstance(value, str):
+            raise RuntimeError(f"rank {rank} of {world} failed: {value}")
+        got[rank] = value
 
 
 def _max_diff(folder: Path, name: str, world: int) -> dict[str, float] | None:
@@ -245,24 +253,33 @@ def _config(
     return cfg
 
 
+@dataclass(frozen=True, kw_only=True)
+class ContextBenchOptions(Timed):
+    """What ``multihead bench context-parallel`` takes (its ``--help``)."""
+
+    quick: bool = option(False, "a short sequence, seconds")
+    processes: tuple[int, ...] = option(
+        (1, 2, 4), "process counts", metavar="P", parse=positive_int
+    )
+
+
 def run_context_bench(
+    options: ContextBenchOptions,
     *,
-    quick: bool = False,
-    processes: Sequence[int] = (1, 2, 4),
-    repeats: int | None = None,
-    out_dir: Path | str = "bench-results",
     config: ContextConfig | None = None,
     timeout_s: float = 3600.0,
     say: Callable[[str], None] = print,
 ) -> dict:
     """Measure, print a table, write ``context_parallel.json`` and ``context_parallel.png``.
 
-    ``quick`` shrinks L to 8192 (seconds instead of minutes). Each number of processes is a
-    fresh launch, so every process's peak memory is its own.
+    ``options.quick`` shrinks L to 8192 (seconds instead of minutes); ``config`` replaces the
+    sizes. Each number of processes is a fresh launch, so every process's peak memory is its
+    own.
     """
-    out_dir = V.check_out_dir("--out", out_dir)
-    processes = sorted({V.check_positive_int("processes", p) for p in processes})
-    cfg = _config(config, quick, repeats, processes)
+    quick = options.quick
+    out_dir = V.check_out_dir("--out", options.out)
+    processes = sorted({V.check_positive_int("processes", p) for p in options.processes})
+    cfg = _config(config, quick, options.repeats, processes)
     if not Path("/proc/self/clear_refs").exists():
         raise RuntimeError("the context-parallel benchmark reads peak memory from Linux's /proc")
     cores = _cores()

@@ -29,9 +29,18 @@ from pathlib import Path
 import torch
 
 from .. import _validation as V
+from .._flags import option
 from .._progress import stages
+from .options import Timed
 
-__all__ = ["DecodeShape", "linear_bytes", "memory_bandwidth", "quality", "run_decode_bench"]
+__all__ = [
+    "DecodeBenchOptions",
+    "DecodeShape",
+    "linear_bytes",
+    "memory_bandwidth",
+    "quality",
+    "run_decode_bench",
+]
 
 FORMATS = (None, "bf16", "int8")  # gpt2.load(weights=...): fp32, then the packed formats
 
@@ -132,25 +141,41 @@ def _contenders(models: dict, theirs, ids: torch.Tensor, new: int) -> dict[str, 
     }
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecodeBenchOptions(Timed):
+    """What ``multihead bench decode`` takes (``multihead bench decode --help``)."""
+
+    quick: bool = option(False, "a small model, seconds")
+    model: Path | None = option(
+        None, "trained GPT-2/Llama folder: quality rows of bf16/int8", metavar="DIR"
+    )
+    text: Path | None = option(None, "held-out UTF-8 text for --model", metavar="FILE")
+
+    def __post_init__(self) -> None:
+        if (self.model is None) != (self.text is None):
+            raise ValueError(
+                "--model and --text go together (a trained model folder and held-out text for "
+                f"the quality rows). Received: --model {self.model}, --text {self.text}"
+            )
+
+
 def run_decode_bench(
+    options: DecodeBenchOptions,
     *,
-    repeats: int = 3,
     batch_sizes: tuple[int, ...] = (1, 8),
-    shape: DecodeShape = DecodeShape(),
-    out_dir: Path | str = "bench-results",
-    model: Path | str | None = None,
-    text: Path | str | None = None,
     say: Callable[[str], None] = print,
 ) -> dict:
     """Time greedy generation for every batch size and weight format; write decode.json and
-    decode.png. With ``model`` (a trained GPT-2/Llama folder) and ``text`` (held-out text), add
-    the packed formats' quality (``quality``)."""
+    decode.png. With ``options.model`` (a trained GPT-2/Llama folder) and ``options.text``
+    (held-out text), add the packed formats' quality (``quality``)."""
+    from .._machine import cpu_info
     from ..models import gpt2
-    from .doctor import _cpuinfo
     from .suite import matmul_peak
 
-    out = V.check_out_dir("--out", out_dir)  # before the work
-    cpu = _cpuinfo()[0]
+    shape, repeats = QUICK if options.quick else DecodeShape(), options.repeats or 3
+    model, text = options.model, options.text
+    out = V.check_out_dir("--out", options.out)  # before the work
+    cpu = cpu_info()[0]
     bandwidth = memory_bandwidth()
     size = 512 if shape.embed_dim < 256 else 1024
     peaks = {

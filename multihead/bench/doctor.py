@@ -6,15 +6,16 @@ measures (``backends/fused.measured_faster``). The peaks are measured here, like
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import _machine
+from .._flags import option
 from .._progress import stages
 
-__all__ = ["Diagnosis", "diagnose", "run"]
+__all__ = ["Diagnosis", "DoctorOptions", "diagnose", "run"]
 
 # the /proc/cpuinfo flags that decide how fast attention can run on a CPU
 _FLAGS = (
@@ -42,23 +43,6 @@ class Diagnosis:
     peak_gflops: dict[str, float] = field(default_factory=dict)
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    """(model name, flags) from /proc/cpuinfo; the platform's processor string elsewhere."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if name == "model name" and not model:
-                    model = value.strip()
-                elif name in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model or platform.processor() or platform.machine(), flags
-
-
 def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
     """Build the kernel if needed and describe the machine; ``measure`` times an fp32 and a
     bf16 matmul of ``size`` x ``size`` (median of 5, as ``multihead bench`` does)."""
@@ -66,7 +50,7 @@ def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
     from .suite import matmul_peak
 
     why = fused.build_error()
-    cpu, flags = _cpuinfo()
+    cpu, flags = _machine.cpu_info()
     found = fused.build_dir()
     kernel = f"built (cache: {found})" if why is None else f"not built: {why}"
     diagnosis = Diagnosis(
@@ -82,11 +66,21 @@ def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
     return diagnosis
 
 
-def run(*, measure: bool = True, say: Callable[[str], None] = print) -> Diagnosis:
-    """Diagnose (the kernel's first build takes a minute: a progress bar shows it) and print."""
+@dataclass(frozen=True, kw_only=True)
+class DoctorOptions:
+    """What ``multihead doctor`` takes (``multihead doctor --help``)."""
+
+    measure: bool = option(
+        True, "skip timing the matmul peaks (a few seconds)", flag="--no-measure"
+    )
+
+
+def run(options: DoctorOptions, *, say: Callable[[str], None] = print) -> int:
+    """Diagnose (the kernel's first build takes a minute: a progress bar shows it) and print;
+    the exit status: 0 when the fused kernel is built, else 1."""
     with stages("doctor", ["fused kernel (built on first use) and CPU peaks"]) as (bar, _):
         bar.begin("fused kernel (built on first use) and CPU peaks")
-        d = diagnose(measure=measure)
+        d = diagnose(measure=options.measure)
     say(f"fused kernel: {d.kernel}")
     say(f"cpu: {d.cpu}")
     say(f"instruction sets: {' '.join(d.instruction_sets) or 'none of ' + ' '.join(_FLAGS)}")
@@ -97,4 +91,4 @@ def run(*, measure: bool = True, say: Callable[[str], None] = print) -> Diagnosi
             f"matmul peak: fp32 {fp32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s "
             f"(bf16/fp32 = {bf16 / fp32:.2f})"
         )
-    return d
+    return 0 if d.built else 1

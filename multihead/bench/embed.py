@@ -16,14 +16,17 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .._flags import option, positive_int
+from .options import Timed
 from .texts import sentences
 
-__all__ = ["run_embed_bench"]
+__all__ = ["EmbedBenchOptions", "run_embed_bench"]
 
 
 def _quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
@@ -52,29 +55,34 @@ def _onnx_contenders(
     }
 
 
-def run_embed_bench(
-    *,
-    count: int = 2000,
-    repeats: int = 3,
-    out_dir: Path | str = "bench-results",
-    model_path: str | Path | None = None,
-    onnx_path: str | Path | None = None,
-    threads: int | None = None,
-    say: Callable[[str], None] = print,
-) -> dict:
-    """Time every contender on ``count`` sentences of 3 to 200 words; write embed.json.
+@dataclass(frozen=True, kw_only=True)
+class EmbedBenchOptions(Timed):
+    """What ``multihead bench embed`` takes (``multihead bench embed --help``)."""
 
-    Args:
-        onnx_path: an exported graph of the same model (``multihead export onnx``); None
-            exports one into a temporary folder (about 20 s, not timed).
-        threads: torch and onnxruntime intra-op threads (default: torch's current setting).
-    """
+    sentences: int = option(2000, "sentences to embed", parse=positive_int)
+    threads: int | None = option(None, "torch/onnxruntime threads (default: all)")
+    model: Path | None = option(
+        None, "BERT-family model folder (default: all-MiniLM-L6-v2)", metavar="PATH"
+    )
+    onnx: Path | None = option(
+        None,
+        "time this exported graph of the same model (default: export one into a temporary "
+        "folder, about 20 s, not timed)",
+        metavar="FILE.onnx",
+    )
+
+
+def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = print) -> dict:
+    """Time every contender on ``options.sentences`` sentences of 3 to 200 words; write
+    embed.json."""
     from sentence_transformers import SentenceTransformer
 
     from .. import _validation as V
     from .._progress import Stages
     from ..models import bert
 
+    count, repeats, threads = options.sentences, options.repeats or 3, options.threads
+    out_dir, model_path, onnx_path = options.out, options.model, options.onnx
     V.check_out_dir("--out", out_dir)
     V.check_positive_int("count", count)
     V.check_positive_int("repeats", repeats)

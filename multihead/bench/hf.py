@@ -34,9 +34,11 @@ from typing import Any
 import torch
 
 from .. import _validation as V
+from .._flags import option
 from .._progress import stages
+from .options import Timed
 
-__all__ = ["WORKLOADS", "HfWorkload", "peak_growth", "run_hf_bench"]
+__all__ = ["WORKLOADS", "HfBenchOptions", "HfWorkload", "peak_growth", "run_hf_bench"]
 
 VOCAB = 1000
 
@@ -314,27 +316,32 @@ def _capture(length: int, say: Callable[[str], None]) -> dict:
     return {"length": length, "captured_bytes": captured, "peak_growth_bytes": rows, "met": met}
 
 
-def run_hf_bench(
-    *,
-    repeats: int = 3,
-    quick: bool = False,
-    out_dir: Path | str = "bench-results",
-    say: Callable[[str], None] = print,
-) -> dict:
-    """Run every workload (``quick``: at 1/16 of the lengths, a smoke test), print the table
-    with the machine, and write hf.json and hf.png into ``out_dir``."""
+@dataclass(frozen=True, kw_only=True)
+class HfBenchOptions(Timed):
+    """What ``multihead bench hf`` takes (``multihead bench hf --help``)."""
+
+    quick: bool = option(False, "1/16 of the lengths: a smoke test, not for comparison")
+
+
+def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print) -> dict:
+    """Run every workload (``options.quick``: at 1/16 of the lengths, a smoke test), print the
+    table with the machine, and write hf.json and hf.png into ``options.out``."""
+    from .._machine import cpu_info
+    from ..backends import fused
     from .decode import memory_bandwidth
-    from .doctor import _cpuinfo
     from .suite import matmul_peak
 
-    out = V.check_out_dir("--out", out_dir)
-    V.check_positive_int("repeats", repeats)
+    quick, repeats = options.quick, options.repeats or 3
+    out = V.check_out_dir("--out", options.out)
+    # auto leads with the fused kernel only where it is built; build it now, as bench kernels
+    # does, so the table is the machine's and not the build's
+    fused.build_error()
     workloads = list(WORKLOADS)
     capture_length = CAPTURE_LENGTH
     if quick:
         workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]
         capture_length //= 16
-    cpu = _cpuinfo()[0]
+    cpu = cpu_info()[0]
     peaks = {
         str(d).removeprefix("torch."): matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)
     }

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,20 @@ import numpy as np
 
 from .. import _validation as V
 from .._extras import require
+from .._flags import option
 from .._progress import Stages
+from .options import Results
 from .texts import sentences
 
-__all__ = ["BASELINE", "OURS", "baseline_app", "drive", "run_serve_bench"]
+__all__ = [
+    "BASELINE",
+    "OURS",
+    "ServeBenchOptions",
+    "baseline_app",
+    "command",
+    "drive",
+    "run_serve_bench",
+]
 
 OURS, BASELINE = "multihead serve", "FastAPI + sentence-transformers encode"
 GOAL = 2.0  # throughput over the baseline at the largest client count
@@ -264,13 +275,27 @@ def _report(
     return report
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServeBenchOptions(Results):
+    """What ``multihead bench serve`` takes (``multihead bench serve --help``)."""
+
+    requests: int = option(512, "requests per client count and server")
+    clients: tuple[int, ...] = option((1, 8, 32), "concurrent client counts")
+    threads: int | None = option(None, "torch threads in each server (default: all, one per core)")
+    model: Path | None = option(
+        None, "BERT-family model folder (default: all-MiniLM-L6-v2)", metavar="PATH"
+    )
+
+
+def command(options: ServeBenchOptions) -> int:
+    """``multihead bench serve``: the exit status is 0 when ``run_serve_bench`` found no
+    failed request and the embeddings agree, else 1."""
+    return 0 if run_serve_bench(options)["ok"] else 1
+
+
 def run_serve_bench(
+    options: ServeBenchOptions,
     *,
-    requests: int = 512,
-    clients: Sequence[int] = (1, 8, 32),
-    threads: int | None = None,
-    model_path: str | Path | None = None,
-    out_dir: Path | str = "bench-results",
     level_timeout_s: float = 300.0,
     texts: Sequence[str] | None = None,
     say: Callable[[str], None] = print,
@@ -278,18 +303,19 @@ def run_serve_bench(
     """Start both servers, drive each client count at both, write serve.json and serve.png.
 
     Args:
-        requests: requests per client count and server.
-        clients: the concurrent client counts.
-        threads: torch threads in each server (default: torch's default, one per core).
+        options: the requests per client count and server, the client counts, the torch
+            threads of each server, the model and the output folder.
         texts: what the clients send (default: 512 generated sentences of 3 to 60 words).
         level_timeout_s: each level stops sending after this long (then counts errors).
 
     Returns the report; ``report["ok"]`` is True when no request failed and the embeddings
     agree to 1e-5 (the speed goal is reported, not enforced).
     """
+    requests, clients, threads = options.requests, options.clients, options.threads
+    model_path = options.model
     _check_sizes(requests, clients, threads)
     texts = list(texts) if texts is not None else sentences(512, min_words=3, max_words=60)
-    out = V.check_out_dir("--out", out_dir)
+    out = V.check_out_dir("--out", options.out)
     out.mkdir(exist_ok=True)
     common = [] if threads is None else ["--threads", str(threads)]
     model = [] if model_path is None else ["--model", str(model_path)]

@@ -28,13 +28,15 @@ from torch import Tensor
 from .. import _validation as V
 from .. import bias as bias_mod
 from .. import masks
+from .._flags import option
 from .._progress import stages
 from ..bias import ScoreModifier
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
+from .options import Timed
 
-__all__ = ["WORKLOADS", "Workload", "run_suite"]
+__all__ = ["WORKLOADS", "KernelsOptions", "Workload", "run_suite"]
 
 _NAIVE_BUDGET_BYTES = 3 * 2**30  # the naive formula holds the full (B, H, L, S) score tensor
 
@@ -491,23 +493,30 @@ class Report:
     seconds: float = 0.0  # wall time of the whole run
 
 
-def run_suite(
-    *,
-    quick: bool = False,
-    only: list[str] | None = None,
-    repeats: int | None = None,
-    out_dir: Path | str = "bench-results",
-    say: Callable[[str], None] = print,
-) -> Report:
+@dataclass(frozen=True, kw_only=True)
+class KernelsOptions(Timed):
+    """What ``multihead bench kernels`` takes (``multihead bench kernels --help``)."""
+
+    quick: bool = option(
+        False,
+        f"a smoke test: small sizes, about {QUICK_SECONDS} s on 2 CPU cores (the first run on a "
+        "machine also builds the fused C++ kernel, once); warm-up and call overhead dominate "
+        "its ratios, so they are not for comparison",
+    )
+    only: tuple[str, ...] | None = option(None, "run only these workloads", metavar="WORKLOAD")
+
+
+def run_suite(options: KernelsOptions, *, say: Callable[[str], None] = print) -> Report:
     """Run the workloads, print a table, write ``results.json`` and ``results.png``.
 
-    ``quick`` runs small sizes as a smoke test (see ``SMOKE_TEST``): the report and the chart
-    say so, and the run prints its wall time (``QUICK_SECONDS`` on 2 cores)."""
+    ``options.quick`` runs small sizes as a smoke test (see ``SMOKE_TEST``): the report and
+    the chart say so, and the run prints its wall time (``QUICK_SECONDS`` on 2 cores)."""
     started = time.perf_counter()
-    out_dir = V.check_out_dir("--out", out_dir)
+    quick, repeats = options.quick, options.repeats
+    out_dir = V.check_out_dir("--out", options.out)
     out_dir.mkdir(exist_ok=True)
     repeats = (3 if quick else 5) if repeats is None else V.check_positive_int("repeats", repeats)
-    steps = _steps(only)
+    steps = _steps(options.only)
     report = Report(
         machine={
             "python": platform.python_version(),
@@ -542,7 +551,7 @@ def run_suite(
     return report
 
 
-def _steps(only: list[str] | None) -> list[str]:
+def _steps(only: tuple[str, ...] | None) -> list[str]:
     """The workloads to run, in order, the memory one last (every one when ``only`` is None)."""
     names = only or [*WORKLOADS, "memory_window"]
     unknown = sorted(set(names) - set(WORKLOADS) - {"memory_window"})
@@ -581,6 +590,22 @@ def _memory_line(m: dict) -> str:
     return f"\nmemory workload failed: {m.get('error')}"
 
 
+def _overheads(w: Workload, rows: dict) -> dict[str, float]:
+    """What a bias or the weights cost: the time with them over the time without, for
+    multihead and for the fused kernel."""
+    ratios = {
+        "bias_overhead": ("multihead", "multihead, no bias", w.bias != "none"),
+        "weights_overhead": ("multihead+weights", "multihead", w.weights),
+        "fused_bias_overhead": ("multihead, fused", "multihead, fused, no bias", w.bias != "none"),
+        "fused_weights_overhead": ("multihead, fused+weights", "multihead, fused", w.weights),
+    }
+    return {
+        name: rows[slow]["median_s"] / rows[fast]["median_s"]
+        for name, (slow, fast, applies) in ratios.items()
+        if applies and slow in rows and fast in rows
+    }
+
+
 def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
     contenders, notes, entries = _contenders(w, quick, seed=0)
     times = _time(contenders, repeats)
@@ -606,22 +631,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         "contenders": rows,
         "notes": notes,
     }
-    if w.bias != "none":
-        result["bias_overhead"] = (
-            rows["multihead"]["median_s"] / rows["multihead, no bias"]["median_s"]
-        )
-    if w.weights:
-        result["weights_overhead"] = (
-            rows["multihead+weights"]["median_s"] / rows["multihead"]["median_s"]
-        )
-    if w.bias != "none" and "multihead, fused" in rows:
-        result["fused_bias_overhead"] = (
-            rows["multihead, fused"]["median_s"] / rows["multihead, fused, no bias"]["median_s"]
-        )
-    if w.weights and "multihead, fused" in rows:
-        result["fused_weights_overhead"] = (
-            rows["multihead, fused+weights"]["median_s"] / rows["multihead, fused"]["median_s"]
-        )
+    result.update(_overheads(w, rows))
     say(
         f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"
         f"{' fwd+bwd' if w.train else ''}  (target {w.target})"

@@ -7,28 +7,32 @@ from __future__ import annotations
 
 from .onnx import (
     DEFAULT_OPSET,
-    EXPORTS,
     MIN_OPSET,
+    ExportOptions,
     GraphSpec,
     check_opset,
     check_target,
+    exports,
     graph_spec,
     load_for_export,
+    run,
     to_onnx,
 )
 from .runtime import OnnxBert, quantize_int8, session
 
 __all__ = [
     "DEFAULT_OPSET",
-    "EXPORTS",
     "MIN_OPSET",
+    "ExportOptions",
     "GraphSpec",
     "OnnxBert",
     "check_opset",
     "check_target",
+    "exports",
     "graph_spec",
     "load_for_export",
     "quantize_int8",
+    "run",
     "session",
     "to_onnx",
 ]

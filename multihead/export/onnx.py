@@ -18,6 +18,7 @@ import re
 import secrets
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from .. import masks
 from .._atomic import replace_file
 from .._extras import require
+from .._flags import option, required
 from ..models.bert import Bert, Pretrained
 from ..models.causal_lm import CausalLM
 from ..modules import (
@@ -39,27 +41,23 @@ from ..modules import (
 
 __all__ = [
     "DEFAULT_OPSET",
-    "EXPORTS",
     "MIN_OPSET",
+    "ExportOptions",
     "GraphSpec",
     "check_opset",
     "check_target",
+    "exports",
     "graph_spec",
     "load_for_export",
+    "run",
     "to_onnx",
 ]
 
-EXPORTS = (
-    "BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama decoders "
-    "(model_type 'gpt2' or 'llama'), and multihead.save folders of a MultiHeadAttention, a "
-    "TransformerEncoder or TransformerEncoderLayer, or a GPT-2 or Llama model"
-)
-_SAVED_EXPORTS = (
+# multihead.save folders of these export too (besides the model families' own)
+_SAVED_MODULES = (
     "multihead.MultiHeadAttention",
     "multihead.TransformerEncoder",
     "multihead.TransformerEncoderLayer",
-    "multihead.models.gpt2.GPT2",
-    "multihead.models.llama.Llama",
 )
 
 # opset 18 is the newest whose every op onnxruntime >= 1.14 runs on CPU, and it has
@@ -337,28 +335,34 @@ def _name_total_axis(program: object) -> None:
     value.shape = ir.Shape([value.shape[0], _TOTAL])
 
 
+def exports() -> str:
+    """What ``multihead export onnx`` takes: every model family's folders, and
+    ``multihead.save`` folders of the modules ``to_onnx`` exports."""
+    from ..models import all_families, kinds
+
+    return (
+        f"{kinds.listed(all_families())}, and multihead.save folders of a MultiHeadAttention, a "
+        "TransformerEncoder or TransformerEncoderLayer, or of a family's model"
+    )
+
+
 def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
-    """The model a folder holds, by its ``config.json``: a GPT-2 or Llama decoder, a
-    BERT-family encoder (None: the default BERT model), or a ``multihead.save`` folder of a
-    module ``to_onnx`` exports (``EXPORTS`` says which).
+    """The model a folder holds, by its ``config.json``: a model family's (None: the default
+    BERT model), or a ``multihead.save`` folder of a module ``to_onnx`` exports (``exports()``
+    says which).
 
     Raises:
         ValueError: a folder of another kind (T5, a saved application model, ...): the message
             names the kind found and what export supports.
     """
-    from .. import checkpoint, models
+    from .. import hf_folders, models
     from ..models import kinds
 
     if path is None:
         return models.load(None)
-    folder = checkpoint.model_folder(path)
-    found = kinds.folder_kind(folder)
-    kind = None if found is None else found.kind
-    if kind in (None, "bert", "gpt2", "llama") or (
-        kind == kinds.SAVED and found.saved_class in _SAVED_EXPORTS
-    ):
-        return models.load(folder)
-    raise kinds.wrong_kind(found, "multihead export onnx", EXPORTS)
+    folder = hf_folders.model_folder(path)
+    kinds.check_family_kind(folder, "multihead export onnx", exports, saved_classes=_SAVED_MODULES)
+    return models.load(folder)
 
 
 def check_target(path: str | Path) -> Path:
@@ -571,3 +575,34 @@ def to_onnx(
         )
     _save(program, target, external_data, check)
     return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """What ``multihead export onnx`` takes (``multihead export onnx --help``)."""
+
+    model: Path | None = option(
+        None,
+        "model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        metavar="PATH",
+    )
+    out: Path = required("where to write it (its folder must exist)", metavar="FILE.onnx")
+    weights: bool = option(False, "also output every layer's per-head weights")
+    opset: int = option(DEFAULT_OPSET, "ONNX opset version")
+
+
+def run(options: ExportOptions, *, say: Callable[[str], None] = print) -> Path:
+    """``multihead export onnx``: check the target and the opset, load the folder's model,
+    export it, and say what the graph takes and gives."""
+    from .._progress import stages
+
+    check_target(options.out)  # before the model loads and the export runs
+    check_opset(options.opset)
+    with stages("export onnx", ("loading the model", "exporting and checking")) as (bar, _):
+        bar.begin("loading the model")
+        model = load_for_export(options.model)
+        bar.begin("exporting and checking")
+        path = to_onnx(model, options.out, weights=options.weights, opset=options.opset)
+    spec = graph_spec(model, weights=options.weights)
+    say(f"wrote {path} ({spec.describe()}); onnx.checker: ok")
+    return path

@@ -199,20 +199,27 @@ def _as_mask(part: Mask | _Band, geo: _Geometry) -> Mask:
 def _band_mask(band: _Band, geo: _Geometry) -> Mask:
     """A band of absolute distances as a built-in kind in local coordinates."""
     lo, hi = band.lo, band.hi
-    if (lo is not None and hi is not None and lo > hi) or (lo is None and hi is None):
+    # the kinds express bands around the diagonal, bounded above (causal and windows)
+    if hi is None or hi < 0 or (lo is not None and (lo > 0 or lo > hi)):
         raise _Unknown(band)
-    if (lo is not None and lo > 0) or (hi is not None and hi < 0) or hi is None:
-        raise _Unknown(band)  # not a band the kinds express around the diagonal
-    length_q, length_k, shift = geo.length_q, geo.length_k, geo.shift
-    for align, offset in (("bottom_right", length_k - length_q), ("top_left", 0)):
+    aligned = _aligned(lo, hi, geo)
+    if aligned is not None:
+        return aligned
+    whole = _kind_mask(None if lo is None else -lo, hi, "top_left")
+    q0, k0, length_q, length_k = geo.q_offset, geo.kv_offset, geo.length_q, geo.length_k
+    return whole.crop(q0 + length_q, k0 + length_k, q0, q0 + length_q, k0, k0 + length_k)
+
+
+def _aligned(lo: int | None, hi: int, geo: _Geometry) -> Mask | None:
+    """The band as causal() or sliding_window() with bottom-right or top-left alignment, when
+    one of them puts it around its diagonal; else None."""
+    for align, offset in (("bottom_right", geo.length_k - geo.length_q), ("top_left", 0)):
         # local band [lo + shift, hi + shift] around the alignment's diagonal
-        before = None if lo is None else offset - (lo + shift)
-        after = hi + shift - offset
+        before = None if lo is None else offset - (lo + geo.shift)
+        after = hi + geo.shift - offset
         if (before is None and after == 0) or (before is not None and before >= 0 <= after):
             return _kind_mask(before, after, align)
-    whole = _kind_mask(None if lo is None else -lo, hi, "top_left")
-    q0, k0 = geo.q_offset, geo.kv_offset
-    return whole.crop(q0 + length_q, k0 + length_k, q0, q0 + length_q, k0, k0 + length_k)
+    return None
 
 
 def _kind_mask(before: int | None, after: int, align: str) -> Mask:

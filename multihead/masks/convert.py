@@ -24,6 +24,28 @@ class TorchMasks(NamedTuple):
     bias: Tensor | None
 
 
+def _attn_mask_4d(attn_mask: object, num_heads: int | None) -> Tensor:
+    """torch's (L, S) or (B * H, L, S) ``attn_mask`` as (1 or B, 1 or H, L, S)."""
+    if not isinstance(attn_mask, Tensor) or attn_mask.dim() not in (2, 3):
+        shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
+        raise ValueError(
+            f"attn_mask must be a 2-D (L, S) or 3-D (B * H, L, S) tensor. Received: {shape}"
+        )
+    if attn_mask.dim() == 2:
+        return attn_mask[None, None]
+    if num_heads is None:
+        raise ValueError(
+            "a 3-D attn_mask is laid out (B * H, L, S); pass num_heads=H to unpack it. "
+            f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads=None"
+        )
+    if attn_mask.shape[0] % num_heads:
+        raise ValueError(
+            "the first dimension of a 3-D attn_mask must be B * num_heads. "
+            f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads={num_heads}"
+        )
+    return attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])
+
+
 def from_torch(
     *args: object,
     attn_mask: Tensor | None = None,
@@ -59,26 +81,9 @@ def from_torch(
     parts: list[Mask] = []
     biases: list[Tensor] = []
     if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor) or attn_mask.dim() not in (2, 3):
-            shape = tuple(attn_mask.shape) if isinstance(attn_mask, Tensor) else type(attn_mask)
-            raise ValueError(
-                f"attn_mask must be a 2-D (L, S) or 3-D (B * H, L, S) tensor. Received: {shape}"
-            )
-        if attn_mask.dim() == 3:
-            if num_heads is None:
-                raise ValueError(
-                    "a 3-D attn_mask is laid out (B * H, L, S); pass num_heads=H to unpack it. "
-                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads=None"
-                )
-            if attn_mask.shape[0] % num_heads:
-                raise ValueError(
-                    "the first dimension of a 3-D attn_mask must be B * num_heads. "
-                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}, num_heads={num_heads}"
-                )
-            attn_mask = attn_mask.reshape(-1, num_heads, *attn_mask.shape[1:])
-        else:
-            attn_mask = attn_mask[None, None]
-        parts, biases = _split_torch_mask(attn_mask, "attn_mask", parts, biases)
+        parts, biases = _split_torch_mask(
+            _attn_mask_4d(attn_mask, num_heads), "attn_mask", parts, biases
+        )
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dim() != 2:
             raise ValueError(

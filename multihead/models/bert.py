@@ -22,18 +22,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validation as V
-from .. import checkpoint, io, masks
-from ..checkpoint import Size
+from .. import configs, hf_folders, io, masks
+from ..configs import Size
 from ..masks import Mask
 from ..modules import (
     LearnedPositionalEncoding,
     TransformerEncoder,
     TransformerEncoderLayer,
 )
-from .families import register_builtin
+from .families import Family, register_builtin
 
 __all__ = [
     "DEFAULT_PACKAGE",
+    "FAMILY",
     "Bert",
     "BertConfig",
     "BertOutput",
@@ -85,7 +86,7 @@ class BertConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> BertConfig:
         """Validate a parsed config; every error names the field. Unrelated fields are ignored."""
-        config = checkpoint.parse_config(
+        config = configs.parse_config(
             cls,
             raw,
             source=source,
@@ -98,14 +99,6 @@ class BertConfig:
                 f"{config.hidden_size}. Received: num_attention_heads={config.num_attention_heads}"
             )
         return config
-
-
-# keywords Bert.forward took before 0.2.0 -> what replaces them
-_MOVED_BERT = {
-    name: "call bert.run(..., " + name + "=True) for a BertOutput(last_hidden_state, "
-    "pooler_output, hidden_states, weights) (forward returns the last hidden states)"
-    for name in ("return_weights", "return_hidden")
-}
 
 
 class BertOutput(NamedTuple):
@@ -192,6 +185,7 @@ class Bert(nn.Module):
             layer.self_attn.dropout = config.attention_probs_dropout_prob
         self.pooler = nn.Linear(config.hidden_size, config.hidden_size) if pooler else None
 
+    @V.torch_keywords("Bert.forward()")
     def forward(
         self,
         input_ids: Tensor,
@@ -200,14 +194,12 @@ class Bert(nn.Module):
         mask: Mask | Tensor | None = None,
         token_type_ids: Tensor | None = None,
         positions: Tensor | None = None,
-        **unexpected: Any,
     ) -> Tensor:
         """Run a padded (or packed) batch: the last layer's hidden states (B, L, E).
 
         The arguments are ``run``'s; ``run`` also gives the pooler output, every layer's
         per-head weights and hidden states, in one ``BertOutput``.
         """
-        V.reject_foreign_keywords("Bert.forward()", unexpected, moved=_MOVED_BERT)
         return self.run(
             input_ids,
             lengths=lengths,
@@ -544,16 +536,16 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
             config: missing, misshapen or left-over tensors (never a partial load). Heads of
             task checkpoints (``cls.``, ``classifier.``, ``qa_outputs.``) are skipped.
     """
-    folder = checkpoint.model_folder(default_path() if path is None else path)
+    folder = hf_folders.model_folder(default_path() if path is None else path)
     for name in ("config.json", "tokenizer.json"):
         if not (folder / name).is_file():
             raise FileNotFoundError(
                 f"{name} is missing from {folder}; a BERT-family model directory needs "
                 f"config.json, {' or '.join(WEIGHT_FILES)} and tokenizer.json"
             )
-    config = BertConfig.from_dict(checkpoint.read_config(folder))
-    st_config = checkpoint.read_json(folder, "sentence_bert_config.json", required=False)
-    tokenizer = checkpoint.read_tokenizer(folder, required=True)
+    config = BertConfig.from_dict(hf_folders.read_config(folder))
+    st_config = hf_folders.read_json(folder, "sentence_bert_config.json", required=False)
+    tokenizer = hf_folders.read_tokenizer(folder, required=True)
     embed_length = config.max_position_embeddings
     if st_config is not None:
         embed_length = st_config.get("max_seq_length", embed_length)
@@ -562,7 +554,7 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
                 f"sentence_bert_config.json in {folder}: max_seq_length must be a positive int. "
                 f"Received: max_seq_length={embed_length!r}"
             )
-    stored = checkpoint.weights(folder).renamed(_modern_name)
+    stored = hf_folders.weights(folder).renamed(_modern_name)
     has_pooler = "pooler.dense.weight" in stored.header
 
     def unused(name: str) -> bool:
@@ -570,14 +562,14 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
 
     # the config meets the weights' header on a model without memory first: a wrong size
     # is an error naming both shapes, never a huge allocation
-    skeleton = checkpoint.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
+    skeleton = hf_folders.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
     names = _hf_names(config, has_pooler)  # after the meta build, which stops absurd layer counts
     if skeleton is not None:
         own = skeleton.state_dict()
-        checkpoint.match(own, stored.header, names, weights=stored, unused=unused)
-        checkpoint.check_unstored(skeleton, stored)
+        hf_folders.match(own, stored.header, names, weights=stored, unused=unused)
+        hf_folders.check_unstored(skeleton, stored)
     model = Bert(config, pooler=has_pooler)
-    checkpoint.assign(model, stored.read(), names, weights=stored, unused=unused)
+    hf_folders.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()
     return Pretrained(model, tokenizer, config, folder, embed_length)
 
@@ -627,4 +619,14 @@ io.register(
     header=lambda pre: _header(pre.config),
     files=_copy_tokenizer,
 )
-register_builtin("bert", load)
+FAMILY = Family(
+    model_type="bert",
+    description="a BERT-family encoder",
+    model=Pretrained,
+    load=load,
+    config=BertConfig,
+    transformers="BertModel",
+    names=_hf_names,
+    unused=_UNUSED_SUFFIXES,
+)
+register_builtin(FAMILY)

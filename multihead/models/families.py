@@ -1,73 +1,137 @@
-"""Model families by ``model_type``: ``load(folder)`` opens a folder by what its config.json
-says, ``register(model_type, loader)`` adds a family.
+"""Model families by ``model_type``: a ``Family`` record says everything the library needs to
+know about one (its classes, loader, weight names, what it can do), ``register(family)`` adds
+it, and ``load(folder)`` opens a folder by what its config.json says.
 
-The built-in families (``bert``, ``gpt2``, ``llama``) register themselves at the end of their
-own files; this module only knows which file to import for which ``model_type``, so neither
-``import multihead`` nor ``import multihead.models`` loads a family (or safetensors and
-tokenizers) before a folder asks for one.
+A built-in family lives in ``multihead/models/<model_type>.py`` and registers itself at the end
+of that file, which is imported when a folder first names its ``model_type``: neither ``import
+multihead`` nor ``import multihead.models`` loads a family (or safetensors and tokenizers)
+before a folder asks for one. ``all_families()`` imports every built-in one, for the commands that
+list what they take.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import pkgutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load", "register", "register_builtin", "supported"]
-
-Loader = Callable[[Path], Any]
-
-# model_type -> the module whose import registers the family (imported on first use)
-_BUILTIN = {
-    "bert": "multihead.models.bert",
-    "gpt2": "multihead.models.gpt2",
-    "llama": "multihead.models.llama",
-}
-_LOADERS: dict[str, Loader] = {}
+__all__ = [
+    "Family",
+    "all_families",
+    "family",
+    "load",
+    "register",
+    "register_builtin",
+    "supported",
+]
 
 
-def register(model_type: str, loader: Loader) -> None:
-    """Open folders whose config.json has ``"model_type": model_type`` with ``loader(folder)``
-    (``folder`` is a ``pathlib.Path``); a later call for the same ``model_type`` replaces the
-    loader, built-in families included.
+@dataclass(frozen=True)
+class Family:
+    """One model family, registered once with ``multihead.models.register``.
+
+    Attributes:
+        model_type: the ``model_type`` of the config.json files it opens ("gpt2").
+        description: what it is, in words, for messages ("a GPT-2 decoder").
+        model: its model class; ``multihead.save`` folders of that class are this family's.
+        load: ``load(folder, **kwargs) -> model``, what ``models.load`` calls (a causal
+            family's loader also takes ``weights=``).
+        config: its config dataclass, built with ``config.from_dict(dict)``; None when the
+            family has none of its own.
+        causal: a decoder language model (a ``CausalLM``): it generates text, explain shows
+            causal heads, export writes the decoder graph with past keys and values, and
+            ``weights="bf16"``/``"int8"`` pack its linear layers. Otherwise an encoder whose
+            model embeds sentences (``multihead serve`` and ``embed`` take those).
+        transformers: the transformers class it mirrors ("GPT2LMHeadModel"), written into the
+            ``architectures`` of a folder it saves.
+        names: ``names(config, tied)`` -> {our state-dict key: the checkpoint's name, or
+            (name, convert) where the checkpoint stores it differently}.
+        prefix: what the checkpoint's names begin with ("transformer.").
+        unused: name endings of checkpoint tensors that hold no weights (old buffers).
+        sized: ``sized(vocab_size=, context=, width=, layers=, heads=, kv_heads=, **token_ids)``
+            -> a config for a fresh model of those sizes (``multihead train lm --arch``).
+    """
+
+    model_type: str
+    description: str
+    model: type
+    load: Callable[..., Any]
+    config: Any = None
+    causal: bool = False
+    transformers: str | None = None
+    names: Callable[[Any, bool], dict[str, Any]] | None = None
+    prefix: str = ""
+    unused: tuple[str, ...] = ()
+    sized: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise ValueError(
+                "model_type must be a non-empty string, as config.json's model_type field "
+                f"(e.g. 'bert'). Received: model_type={self.model_type!r}"
+            )
+        if not callable(self.load):
+            raise TypeError(
+                "load must be callable as load(folder) -> model. "
+                f"Received: {type(self.load).__name__} {self.load!r}"[:300]
+            )
+
+    @property
+    def saved_class(self) -> str:
+        """The name ``multihead.save`` records for this family's model class."""
+        return f"{self.model.__module__}.{self.model.__qualname__}"
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> None:
+    """Open folders whose config.json has ``"model_type": family.model_type`` with this
+    family; a later registration of the same ``model_type`` replaces the family, built-in
+    families included.
 
     Raises:
-        TypeError: ``model_type`` is not a string or ``loader`` is not callable.
-        ValueError: ``model_type`` is empty.
+        TypeError: ``family`` is not a ``Family``.
     """
-    if not isinstance(model_type, str):
+    if not isinstance(family, Family):
         raise TypeError(
-            "model_type must be a string, as config.json's model_type field (e.g. 'bert'). "
-            f"Received: {type(model_type).__name__} {model_type!r}"
+            "register takes a multihead.models.Family record (model_type, description, model, "
+            f"load, ...). Received: {type(family).__name__} {family!r}"[:300]
         )
-    if not model_type:
-        raise ValueError(
-            "model_type must be a non-empty string such as 'bert'. Received: model_type=''"
-        )
-    if not callable(loader):
-        raise TypeError(
-            "loader must be callable as loader(folder) -> model. "
-            f"Received: {type(loader).__name__} {loader!r}"[:300]
-        )
-    _LOADERS[model_type] = loader
+    _FAMILIES[family.model_type] = family
 
 
-def register_builtin(model_type: str, loader: Loader) -> None:
-    """What a built-in family's file calls when imported: a loader registered from outside
-    before that import stays in place."""
-    _LOADERS.setdefault(model_type, loader)
+def register_builtin(family: Family) -> None:
+    """What a built-in family's file calls when imported: a family registered from outside
+    under the same ``model_type`` before that import stays in place."""
+    _FAMILIES.setdefault(family.model_type, family)
+
+
+def family(model_type: str) -> Family | None:
+    """The family that opens ``model_type`` (importing its built-in file when there is one),
+    or None."""
+    name = f"{__package__}.{model_type}"
+    builtin = model_type.isidentifier() and importlib.util.find_spec(name) is not None
+    if model_type not in _FAMILIES and builtin:
+        importlib.import_module(name)
+    return _FAMILIES.get(model_type)
+
+
+def all_families() -> list[Family]:
+    """Every family, built-in (all imported now) and registered, by ``model_type``."""
+    package = importlib.import_module(__package__)
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{module.name}")
+    return [_FAMILIES[name] for name in sorted(_FAMILIES)]
 
 
 def supported() -> list[str]:
     """The ``model_type`` values ``load`` opens, built-in and registered."""
-    return sorted({*_BUILTIN, *_LOADERS})
-
-
-def _loader(model_type: str) -> Loader | None:
-    if model_type not in _LOADERS and model_type in _BUILTIN:
-        importlib.import_module(_BUILTIN[model_type])
-    return _LOADERS.get(model_type)
+    return [f.model_type for f in all_families()]
 
 
 def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any:
@@ -76,54 +140,51 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
     tokenizer, when the folder has one; or a family added with ``register``). None: the
     default BERT model, all-MiniLM-L6-v2 from its package. ``weights`` ("bf16", "int8") is
-    handed to the decoder families' loaders (``gpt2.load``, ``llama.load``): weight-only
-    formats for their linear layers.
+    handed to a causal family's loader: weight-only formats for its linear layers.
 
     Raises:
         FileNotFoundError: the folder, its config.json or its weights are missing.
         ValueError: config.json is not a JSON object, has neither ``format_version`` nor
             ``model_type``, or names a ``model_type`` no family opens (the message names it and
             the supported ones); or the family's loader refuses the folder (named);
-            ``weights`` given for a model that is not a GPT-2 or Llama decoder, or not None,
-            "bf16" or "int8".
+            ``weights`` given for a model that is not a causal decoder, or not None, "bf16"
+            or "int8".
     """
-    from .. import checkpoint, io
+    from .. import hf_folders, io
     from . import kinds
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
         raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
     if folder is None:  # the default model, MiniLM, is the BERT family's to find
         _no_weights(weights, "the default model (BERT)")
-        return importlib.import_module(_BUILTIN["bert"]).load(None)
+        return importlib.import_module(f"{__package__}.bert").load(None)
     path = Path(folder)
-    config = checkpoint.read_config(path) if (path / io.CONFIG).is_file() else {}
+    config = hf_folders.read_config(path) if (path / io.CONFIG).is_file() else {}
     model_type = config.get("model_type")
     if "format_version" in config or not isinstance(model_type, str):
         _no_weights(weights, "a multihead.save folder")
         return io.load(path)  # a multihead.save folder, or io.load names what is missing
-    loader = _loader(model_type)
-    if loader is None:
-        found = kinds.FolderKind(path, model_type)
+    found = family(model_type)
+    if found is None:
+        kind = kinds.FolderKind(path, model_type)
         raise ValueError(
-            f"{path} holds {found.describe()}, which no model family opens; "
+            f"{path} holds {kind.describe()}, which no model family opens; "
             f"multihead.models.load opens model_type {', '.join(map(repr, supported()))} and "
-            "multihead.save folders (add a family with multihead.models.register(model_type, "
-            f"loader)). Received: {found.received}"
+            "multihead.save folders (add a family with multihead.models.register(Family(...)))"
+            f". Received: {kind.received}"
         )
     if weights is None:
-        return loader(path)
-    _no_weights(weights if model_type not in _DECODERS else None, f"model_type {model_type!r}")
-    decoder_loader: Any = loader  # the decoders' loaders also take weights=
-    return decoder_loader(path, weights=weights)
+        return found.load(path)
+    _no_weights(None if found.causal else weights, f"model_type {model_type!r}")
+    return found.load(path, weights=weights)
 
 
 _WEIGHT_FORMATS = ("bf16", "int8")
-_DECODERS = ("gpt2", "llama")  # the families whose loaders take weights=
 
 
 def _no_weights(weights: str | None, what: str) -> None:
     if weights is not None:
         raise ValueError(
-            f"weights= packs the linear layers of the GPT-2 and Llama decoders; {what} takes "
+            f"weights= packs the linear layers of causal decoders (GPT-2, Llama); {what} takes "
             f"none. Received: weights={weights!r}"
         )

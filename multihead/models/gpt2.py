@@ -1,4 +1,5 @@
-"""GPT-2 checkpoints (transformers format) on multihead's own decoder blocks.
+"""The GPT-2 family: its model on multihead's own decoder blocks, its config, the names of its
+checkpoints' tensors, and its ``Family`` record.
 
 ``load(path)`` reads ``config.json``, the weights and ``tokenizer.json`` (when present) of a
 ``GPT2LMHeadModel`` / ``GPT2Model`` folder. Needs the ``pretrained`` extra.
@@ -13,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import checkpoint
-from ..checkpoint import Size
+from .. import configs
+from ..configs import Size
 from ..modules import (
     FeedForward,
     LearnedPositionalEncoding,
@@ -22,9 +23,11 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from .causal_lm import CausalLM, CausalLMOutput, check_token_ids, load_checkpoint, register_family
+from .causal_lm import CausalLM, CausalLMOutput
+from .families import Family
+from .loading import check_token_ids, load_decoder, register_decoder
 
-__all__ = ["GPT2", "CausalLMOutput", "GPT2Config", "load"]
+__all__ = ["FAMILY", "GPT2", "CausalLMOutput", "GPT2Config", "load"]
 
 # Hugging Face ``activation_function`` -> our activation name
 _HF_ACTIVATIONS = {
@@ -64,7 +67,7 @@ class GPT2Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> GPT2Config:
         """Validate a parsed config; every error names the field."""
-        config = checkpoint.parse_config(
+        config = configs.parse_config(
             cls,
             raw,
             source=source,
@@ -113,12 +116,6 @@ class GPT2(CausalLM):
         pad = config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
 
-    def __repr__(self) -> str:
-        if self.path is None:
-            return super().__repr__()
-        c = self.config
-        return f"GPT2(path='{self.path}', layers={c.n_layer}, heads={c.n_head}, hidden={c.n_embd})"
-
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         return self.wpe(self.wte(input_ids), positions)
 
@@ -162,38 +159,30 @@ def _hf_names(config: GPT2Config, tied: bool) -> dict[str, Any]:
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, weights: str | None = None
 ) -> GPT2:
-    """Load a GPT-2 model folder (``config.json``, ``model.safetensors`` or
-    ``pytorch_model.bin``, and ``tokenizer.json`` when present).
-
-    Args:
-        path: the folder, as written by transformers' ``save_pretrained``.
-        dtype: parameter dtype.
-        weights: None (the linear layers in ``dtype``), or a weight-only format for the
-            linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
-            quarter; one float32 scale per output channel). Decoding reads every weight once
-            per token, so fewer bytes decode faster; the cost in quality is measured by
-            ``multihead.bench.decode.quality``. Needs ``dtype=torch.float32``.
-
-    Returns:
-        A ``GPT2`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
-
-    Raises:
-        FileNotFoundError: the folder, config.json or the weights are missing.
-        ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
-            than float32), a config value we do not implement (the field is named), an empty or
-            corrupt file (the file is named), or weights that do not fit the config (missing,
-            misshapen or left-over tensors: never a partial load).
-    """
-    return load_checkpoint(
-        path,
-        GPT2,
-        GPT2Config,
-        prefix="transformer.",
-        names=_hf_names,
-        unused_suffixes=_UNUSED_SUFFIXES,
-        dtype=dtype,
-        weights=weights,
-    )
+    """A GPT-2 folder (``GPT2LMHeadModel`` / ``GPT2Model``): ``loading.load_decoder`` for
+    ``FAMILY``, whose docstring gives the arguments, the result and the errors."""
+    return load_decoder(FAMILY, path, dtype=dtype, weights=weights)
 
 
-register_family("gpt2", GPT2, GPT2Config, load)
+def _sized(*, vocab_size: int, context: int, width: int, layers: int, heads: int,
+           kv_heads: int, **token_ids: int) -> GPT2Config:  # fmt: skip
+    """A GPT-2 config of these sizes (GPT-2 has no grouped-query attention: ``kv_heads`` is
+    not used)."""
+    return GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width, n_layer=layers,
+                      n_head=heads, **token_ids)  # fmt: skip
+
+
+FAMILY = Family(
+    model_type="gpt2",
+    description="a GPT-2 decoder",
+    model=GPT2,
+    load=load,
+    config=GPT2Config,
+    causal=True,
+    transformers="GPT2LMHeadModel",
+    names=_hf_names,
+    prefix="transformer.",
+    unused=_UNUSED_SUFFIXES,
+    sized=_sized,
+)
+register_decoder(FAMILY)

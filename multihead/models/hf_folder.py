@@ -1,10 +1,11 @@
-"""Writing a GPT-2 or Llama model as a transformers-format folder: ``config.json`` with
-``model_type``, ``model.safetensors`` under the checkpoint names and, when the model has one,
-``tokenizer.json`` with a ``tokenizer_config.json`` for ``PreTrainedTokenizerFast``.
+"""Writing a decoder family's model (GPT-2, Llama) as a transformers-format folder:
+``config.json`` with ``model_type``, ``model.safetensors`` under the checkpoint names and, when
+the model has one, ``tokenizer.json`` with a ``tokenizer_config.json`` for
+``PreTrainedTokenizerFast``.
 
-The folder opens with ``multihead.models.load``, ``gpt2.load`` / ``llama.load`` and
-transformers' ``AutoModelForCausalLM``. The names come from the loaders' own tables
-(``_hf_names``) run backwards, and every written tensor is read back through the loader's
+The folder opens with ``multihead.models.load``, the family's ``load`` and transformers'
+``AutoModelForCausalLM``. The names come from the family's own table (``Family.names``) run
+backwards, and every written tensor is read back through the loader's
 conversion and compared with the model's before the file is written, so a writer that
 disagreed with the loader could not write a folder. Needs the ``pretrained`` extra.
 """
@@ -22,21 +23,21 @@ from torch import Tensor
 
 from .._extras import require
 from .causal_lm import CausalLM
+from .families import Family, all_families
 
 __all__ = ["save_pretrained"]
 
 
-def _family(model: CausalLM) -> tuple[str, str, str, Callable[[Any, bool], dict[str, Any]]]:
-    """(model_type, transformers class, checkpoint prefix, names table) of ``model``."""
-    from . import gpt2, llama
-
-    if isinstance(model, gpt2.GPT2):
-        return "gpt2", "GPT2LMHeadModel", "transformer.", gpt2._hf_names
-    if isinstance(model, llama.Llama):
-        return "llama", "LlamaForCausalLM", "model.", llama._hf_names
+def _family(model: CausalLM) -> Family:
+    """The decoder family of ``model`` that names its tensors in transformers' format."""
+    writable = [f for f in all_families() if f.causal and f.names is not None and f.transformers]
+    for family in writable:
+        if isinstance(model, family.model):
+            return family
     raise TypeError(
-        "save_pretrained writes GPT-2 and Llama models (multihead.models.gpt2.GPT2, "
-        f"multihead.models.llama.Llama). Received: {type(model).__qualname__}"
+        "save_pretrained writes the models of the decoder families ("
+        + ", ".join(f.saved_class for f in writable)
+        + f"). Received: {type(model).__qualname__}"
     )
 
 
@@ -97,19 +98,20 @@ def save_pretrained(model: CausalLM, folder: str | Path) -> Path:
     replaced.
 
     Raises:
-        TypeError: ``model`` is not a GPT-2 or Llama model.
+        TypeError: ``model`` is not the model of a decoder family (GPT-2, Llama, or one
+            registered with its weight names and transformers class).
     """
     save_file = require("safetensors.torch", "pretrained", "writing model.safetensors").save_file
-    model_type, architecture, prefix, table = _family(model)
+    family = _family(model)
     tied = bool(model.config.tie_word_embeddings)
-    stored = _stored(model.state_dict(), table(model.config, tied))
+    stored = _stored(model.state_dict(), family.names(model.config, tied))
     if tied:  # the loader reads the output layer from the embeddings
         stored.pop("lm_head.weight", None)
-    tensors = {k if k == "lm_head.weight" else prefix + k: v for k, v in stored.items()}
+    tensors = {k if k == "lm_head.weight" else family.prefix + k: v for k, v in stored.items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = _config(model, model_type, architecture)
+    config = _config(model, family.model_type, family.transformers)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if model.tokenizer is not None:
         model.tokenizer.save(str(folder / "tokenizer.json"))

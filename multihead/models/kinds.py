@@ -3,30 +3,31 @@ given the wrong kind says what it found and what it takes before loading anythin
 
 A Hugging Face folder names its family in ``model_type`` (``bert``, ``gpt2``, ``llama``,
 ``t5``, ...); a ``multihead.save`` folder has ``format_version`` and the saved class under
-``model.class`` (BERT saved that way also has ``model_type``, so it reads as ``bert``).
+``model.class`` (BERT saved that way also has ``model_type``, so it reads as ``bert``). What a
+command takes is read from the family registry (``Family.causal``), never from a list here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .families import Family, all_families, family
+
 __all__ = [
-    "BERT_ONLY",
     "SAVED",
     "FolderKind",
-    "check_bert",
     "check_encoder",
+    "check_encoder_kind",
+    "check_family_kind",
+    "encoders",
     "folder_kind",
+    "listed",
     "wrong_kind",
 ]
 
 SAVED = "multihead.save"  # the kind of a multihead.save folder without a model_type
-_NAMES = {
-    "bert": "a BERT-family encoder",
-    "gpt2": "a GPT-2 decoder",
-    "llama": "a Llama decoder",
-}
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class FolderKind:
             return f"a multihead.save folder of {self.saved_class} (config.json model.class)"
         if self.kind is None:
             return "a config.json with neither model_type nor format_version"
-        name = _NAMES.get(self.kind, f"a {self.kind!r} model")
+        known = family(self.kind)
+        name = f"a {self.kind!r} model" if known is None else known.description
         return f"{name} (config.json model_type {self.kind!r})"
 
     @property
@@ -62,14 +64,14 @@ def folder_kind(path: str | Path | None) -> FolderKind | None:
     Raises:
         ValueError: config.json is empty, not UTF-8, not JSON or not an object (named).
     """
-    from .. import checkpoint
+    from .. import hf_folders
 
     if path is None:
         return None
     folder = Path(path)
     if not (folder / "config.json").is_file():
         return None
-    config = checkpoint.read_config(folder)
+    config = hf_folders.read_config(folder)
     kind = config.get("model_type")
     if isinstance(kind, str):
         return FolderKind(folder, kind)
@@ -88,15 +90,52 @@ def wrong_kind(found: FolderKind, command: str, supported: str) -> ValueError:
     )
 
 
-BERT_ONLY = "BERT-family encoders (config.json model_type 'bert', as the default all-MiniLM-L6-v2)"
+def listed(chosen: list[Family]) -> str:
+    """Families as a message names them: "a BERT-family encoder (config.json model_type
+    'bert') or a GPT-2 decoder (model_type 'gpt2')"."""
+    parts = [f"{f.description} (model_type {f.model_type!r})" for f in chosen]
+    if parts:
+        parts[0] = parts[0].replace("(model_type", "(config.json model_type", 1)
+    return " or ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
 
 
-def check_bert(path: str | Path | None, command: str) -> None:
-    """Refuse, before loading, a folder that holds another kind than a BERT-family encoder
+def encoders() -> str:
+    """What ``multihead serve`` and ``embed`` take: the sentence encoders (every family that is
+    not causal)."""
+    chosen = [f for f in all_families() if not f.causal]
+    return f"sentence encoders: {listed(chosen)}, as the default all-MiniLM-L6-v2"
+
+
+def check_encoder_kind(path: str | Path | None, command: str) -> None:
+    """Refuse, before loading, a folder that holds anything but a sentence encoder
     (``multihead serve`` and ``embed`` take only those)."""
     found = folder_kind(path)
-    if found is not None and found.kind is not None and found.kind != "bert":
-        raise wrong_kind(found, command, BERT_ONLY)
+    if found is None or found.kind is None:
+        return
+    known = None if found.kind == SAVED else family(found.kind)
+    if known is None or known.causal:
+        raise wrong_kind(found, command, encoders())
+
+
+def check_family_kind(
+    path: str | Path | None,
+    command: str,
+    supported: Callable[[], str],
+    *,
+    saved_classes: tuple[str, ...] = (),
+) -> None:
+    """Refuse, before loading, a folder no family opens: a ``model_type`` no family has, or a
+    ``multihead.save`` folder of a class that is neither a family's model nor one of
+    ``saved_classes``. ``supported()`` says what ``command`` takes."""
+    found = folder_kind(path)
+    if found is None or found.kind is None:
+        return  # the loader names what is missing
+    if found.kind == SAVED:
+        ok = found.saved_class in {*saved_classes, *(f.saved_class for f in all_families())}
+    else:
+        ok = family(found.kind) is not None
+    if not ok:
+        raise wrong_kind(found, command, supported())
 
 
 def check_encoder(model: object, path: str | Path | None, command: str) -> None:
@@ -105,7 +144,7 @@ def check_encoder(model: object, path: str | Path | None, command: str) -> None:
     if getattr(model, "tokenizer", None) is None:  # a models.bert.Pretrained carries one
         raise ValueError(
             f"{path} holds a multihead.save folder of {type(model).__name__}, a model without "
-            f"its tokenizer, but {command} supports {BERT_ONLY}; save the whole "
+            f"its tokenizer, but {command} supports {encoders()}; save the whole "
             "models.bert.Pretrained (model and tokenizer) instead. "
             f"Received: {type(model).__module__}.{type(model).__qualname__}"
         )

@@ -1,4 +1,5 @@
-"""Llama checkpoints (transformers format) on multihead's own decoder blocks.
+"""The Llama family: its model on multihead's own decoder blocks, its config, the names of its
+checkpoints' tensors, and its ``Family`` record.
 
 ``load(path)`` reads ``config.json``, the weights (single or sharded safetensors, or
 ``pytorch_model.bin``) and ``tokenizer.json`` when present, of a ``LlamaForCausalLM`` folder.
@@ -15,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import checkpoint
-from ..checkpoint import Size
+from .. import configs
+from ..configs import Size
 from ..modules import (
     GatedFeedForward,
     MultiHeadAttention,
@@ -25,9 +26,11 @@ from ..modules import (
     TransformerDecoder,
     TransformerDecoderLayer,
 )
-from .causal_lm import CausalLM, CausalLMOutput, check_token_ids, load_checkpoint, register_family
+from .causal_lm import CausalLM, CausalLMOutput
+from .families import Family
+from .loading import check_token_ids, load_decoder, register_decoder
 
-__all__ = ["CausalLMOutput", "Llama", "LlamaConfig", "load"]
+__all__ = ["FAMILY", "CausalLMOutput", "Llama", "LlamaConfig", "load"]
 
 _FIXED = {"model_type": ("llama",), "hidden_act": ("silu",), "pretraining_tp": (1,)}
 # buffers older checkpoints saved: the rotary frequencies, recomputed here
@@ -60,7 +63,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> LlamaConfig:
         """Validate a parsed config; every error names the field."""
-        config = checkpoint.parse_config(
+        config = configs.parse_config(
             cls,
             raw,
             source=source,
@@ -144,16 +147,6 @@ class Llama(CausalLM):
         pad = config.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
 
-    def __repr__(self) -> str:
-        if self.path is None:
-            return super().__repr__()
-        c = self.config
-        kv = c.num_key_value_heads or c.num_attention_heads
-        return (
-            f"Llama(path='{self.path}', layers={c.num_hidden_layers}, "
-            f"heads={c.num_attention_heads}, kv_heads={kv}, hidden={c.hidden_size})"
-        )
-
     def embed(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)
 
@@ -189,37 +182,33 @@ def _hf_names(config: LlamaConfig, tied: bool) -> dict[str, str]:
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, weights: str | None = None
 ) -> Llama:
-    """Load a Llama model folder (``config.json``, weights, ``tokenizer.json`` when present).
-
-    Args:
-        path: the folder, as written by transformers' ``save_pretrained``.
-        dtype: parameter dtype (checkpoints stored in bf16 are converted).
-        weights: None (the linear layers in ``dtype``), or a weight-only format for the
-            linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
-            quarter; one float32 scale per output channel). Decoding reads every weight once
-            per token, so fewer bytes decode faster; the cost in quality is measured by
-            ``multihead.bench.decode.quality``. Needs ``dtype=torch.float32``.
-
-    Returns:
-        A ``Llama`` in eval mode with ``.tokenizer`` (or None) and ``.path``.
-
-    Raises:
-        FileNotFoundError: the folder, config.json or the weights are missing.
-        ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
-            than float32), a config value we do not implement (the field is named), an empty or
-            corrupt file (the file is named), or weights that do not fit the config (missing,
-            misshapen or left-over tensors: never a partial load).
-    """
-    return load_checkpoint(
-        path,
-        Llama,
-        LlamaConfig,
-        prefix="model.",
-        names=_hf_names,
-        unused_suffixes=_UNUSED_SUFFIXES,
-        dtype=dtype,
-        weights=weights,
-    )
+    """A Llama folder (``LlamaForCausalLM``): ``loading.load_decoder`` for ``FAMILY``, whose
+    docstring gives the arguments, the result and the errors."""
+    return load_decoder(FAMILY, path, dtype=dtype, weights=weights)
 
 
-register_family("llama", Llama, LlamaConfig, load)
+def _sized(*, vocab_size: int, context: int, width: int, layers: int, heads: int,
+           kv_heads: int, **token_ids: int) -> LlamaConfig:  # fmt: skip
+    """A Llama config of these sizes: SwiGLU's hidden width 8/3 E (a multiple of 16), tied
+    embeddings."""
+    hidden = 16 * round(8 * width / 3 / 16)
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=hidden,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, max_position_embeddings=context,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True, **token_ids)  # fmt: skip
+
+
+FAMILY = Family(
+    model_type="llama",
+    description="a Llama decoder",
+    model=Llama,
+    load=load,
+    config=LlamaConfig,
+    causal=True,
+    transformers="LlamaForCausalLM",
+    names=_hf_names,
+    prefix="model.",
+    unused=_UNUSED_SUFFIXES,
+    sized=_sized,
+)
+register_decoder(FAMILY)

@@ -17,12 +17,6 @@ from .rotary import RotaryEmbedding
 
 __all__ = ["AttentionOutput", "MultiHeadAttention", "merge_heads", "split_heads"]
 
-# keywords removed from the modules' forward in 0.2.0 -> what replaces them
-_MOVED = {
-    "return_weights": "call module.run(...) for an AttentionOutput(output, weights) "
-    "(forward always returns the output tensor)",
-}
-
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
     """(B, L, H * D) -> (B, H, L, D): view the last dim as H heads, then put heads first.
@@ -76,6 +70,7 @@ class MultiHeadAttention(nn.Module):
     ``out_proj`` H * D_v -> out_dim.
     """
 
+    @V.torch_keywords("MultiHeadAttention()")
     def __init__(
         self,
         embed_dim: int,
@@ -90,10 +85,8 @@ class MultiHeadAttention(nn.Module):
         value_head_dim: int | None = None,
         out_dim: int | None = None,
         rotary: RotaryEmbedding | None = None,
-        **unexpected: object,
     ) -> None:
         super().__init__()
-        V.reject_foreign_keywords("MultiHeadAttention()", unexpected)
         if head_dim is None:
             self.num_kv_heads = V.check_heads(embed_dim, num_heads, num_kv_heads)
             head_dim = embed_dim // num_heads
@@ -141,6 +134,7 @@ class MultiHeadAttention(nn.Module):
             f"dropout={self.dropout}"
         )
 
+    @V.torch_keywords("MultiHeadAttention.forward()")
     def forward(
         self,
         query: Tensor,
@@ -151,7 +145,6 @@ class MultiHeadAttention(nn.Module):
         bias: Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
-        **unexpected: object,
     ) -> Tensor:
         """Attend from ``query`` to ``key``/``value`` (self-attention when both are omitted).
 
@@ -175,14 +168,14 @@ class MultiHeadAttention(nn.Module):
 
         Raises:
             TypeError: torch-style keywords (``attn_mask``, ``key_padding_mask``,
-                ``need_weights``), ``return_weights`` (use ``run``), non-float inputs or
-                inputs of another dtype than the parameters (outside autocast).
+                ``need_weights``), non-float inputs or inputs of another dtype than the
+                parameters (outside autocast).
         """
-        V.reject_foreign_keywords("MultiHeadAttention.forward()", unexpected, moved=_MOVED)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         out = attention(q, k, v, mask, bias=bias, dropout_p=self._dropout_p())
         return self.out_proj(merge_heads(out))
 
+    @V.torch_keywords("MultiHeadAttention.run()")
     def run(
         self,
         query: Tensor,
@@ -194,7 +187,6 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
         heads: list[int] | None = None,
-        **unexpected: object,
     ) -> AttentionOutput:
         """``forward`` that also returns the per-head weights: ``AttentionOutput(output,
         weights)`` whatever the arguments.
@@ -208,7 +200,6 @@ class MultiHeadAttention(nn.Module):
             output (B, L, out_dim), the same as ``forward`` gives; weights (B, H, L, S) before
             dropout, or (B, len(heads), L, S). With a cache, one weight column per cache slot.
         """
-        V.reject_foreign_keywords("MultiHeadAttention.run()", unexpected)
         if heads is not None:  # before the cache stores anything
             check_heads(heads, self.num_heads)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)

@@ -218,6 +218,30 @@ class KVCache:
                 f"Received: no update from layers {missing}"
             )
         b = self.batch_size
+        host, width = self._counts(counts, length)
+        offsets = self._host
+        if self.window is None:
+            self._reserve(max(o + c for o, c in zip(offsets, host)))
+        counts_t = torch.tensor(host, dtype=torch.long, device=self.device)
+        offsets_t = self.lengths
+        ar = torch.arange(width, device=self.device)
+        uniform = len(set(offsets)) == 1 and min(host) == width
+        if uniform:
+            positions = (ar + offsets[0]).expand(b, width)
+        else:
+            real = ar[None] < counts_t[:, None]  # [B, L]
+            positions = torch.where(real, offsets_t[:, None] + ar, 0)
+        mask, key_length = self._step_mask(offsets, host, counts_t, ar, uniform)
+        self._host = [o + c for o, c in zip(offsets, host)]
+        self.lengths = offsets_t + counts_t
+        self._offsets, self._width = offsets, width
+        self._step = CacheStep(positions, counts_t, mask, key_length)
+        self._written = set()
+        return self._step
+
+    def _counts(self, counts: Tensor | int, length: int | None) -> tuple[list[int], int]:
+        """``begin``'s counts as host ints (one per row) and the step's width L, checked."""
+        b = self.batch_size
         if isinstance(counts, Tensor):
             counts = V.check_index_tensor("counts", counts, (1,), "(B,)")
             if counts.shape[0] != b:
@@ -233,40 +257,26 @@ class KVCache:
         width = max(host) if length is None else V.check_positive_int("length", length)
         if min(host) < 0 or max(host) > width:
             raise ValueError(f"counts must be in [0, L] with L={width}. Received: counts={host}")
-        offsets = self._host
-        if self.window is None:
-            self._reserve(max(o + c for o, c in zip(offsets, host)))
-        counts_t = torch.tensor(host, dtype=torch.long, device=self.device)
-        offsets_t = self.lengths
-        ar = torch.arange(width, device=self.device)
-        uniform = len(set(offsets)) == 1 and min(host) == width
-        if uniform:
-            positions = (ar + offsets[0]).expand(b, width)
-        else:
-            real = ar[None] < counts_t[:, None]  # [B, L]
-            positions = torch.where(real, offsets_t[:, None] + ar, 0)
-        mask: Mask | None
+        return host, width
+
+    def _step_mask(
+        self, offsets: list[int], host: list[int], counts_t: Tensor, ar: Tensor, uniform: bool
+    ) -> tuple[Mask | None, int]:
+        """The step's mask and key length S, and the cache slots its new tokens go to."""
+        width, offsets_t = ar.shape[0], self.lengths
         if self.window is not None:
             window = self.window
-            mask, key_length = self._rolling_plan(offsets_t, counts_t, ar, window), window + width
-        elif uniform:
+            return self._rolling_plan(offsets_t, counts_t, ar, window), window + width
+        if uniform:
             # every row sees its whole prefix: nothing to mask for one new token, and the
             # bottom-right causal mask for several
-            mask, key_length = (None if width == 1 else masks.causal()), offsets[0] + width
             self._slots = None
-        else:
-            real = ar[None] < counts_t[:, None]
-            valid = torch.where(real, offsets_t[:, None] + ar + 1, 0)  # [B, L] keys per query
-            mask = masks.lengths(valid)
-            key_length = max(o + c for o, c in zip(offsets, host))
-            rows, cols = real.nonzero(as_tuple=True)
-            self._slots = (rows, cols, offsets_t[rows] + cols)
-        self._host = [o + c for o, c in zip(offsets, host)]
-        self.lengths = offsets_t + counts_t
-        self._offsets, self._width = offsets, width
-        self._step = CacheStep(positions, counts_t, mask, key_length)
-        self._written = set()
-        return self._step
+            return (None if width == 1 else masks.causal()), offsets[0] + width
+        real = ar[None] < counts_t[:, None]
+        valid = torch.where(real, offsets_t[:, None] + ar + 1, 0)  # [B, L] keys per query
+        rows, cols = real.nonzero(as_tuple=True)
+        self._slots = (rows, cols, offsets_t[rows] + cols)
+        return masks.lengths(valid), max(o + c for o, c in zip(offsets, host))
 
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:

@@ -14,9 +14,8 @@ from .. import masks
 from .._saveable import saveable
 from ..functional import AttentionOutput
 from ..masks import Mask
-from .attention import _MOVED
 from .cache import KVCache, LayerCache
-from .transformer import _MOVED_STACK, StackOutput, _runner, check_layers, run_stack
+from .transformer import StackOutput, _runner, check_layers, run_stack
 
 __all__ = ["TransformerDecoder", "TransformerDecoderLayer"]
 
@@ -67,6 +66,7 @@ class TransformerDecoderLayer(nn.Module):
         self.norm2 = nn.Identity() if norm2 is None else _check_part("norm2", norm2)
         self.dropout = nn.Dropout(V.check_dropout(dropout, "dropout"))
 
+    @V.torch_keywords("TransformerDecoderLayer.forward()")
     def forward(
         self,
         x: Tensor,
@@ -74,7 +74,6 @@ class TransformerDecoderLayer(nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
-        **unexpected: object,
     ) -> Tensor:
         """Args:
             x: (B, L, E).
@@ -86,7 +85,6 @@ class TransformerDecoderLayer(nn.Module):
         Returns:
             (B, L, E), always a tensor; ``run`` also returns the attention weights.
         """
-        V.reject_foreign_keywords("TransformerDecoderLayer.forward()", unexpected, moved=_MOVED)
         attended = self.self_attn(self.norm1(x), **self._options(mask, positions, cache))
         return self._finish(x, attended)
 
@@ -141,6 +139,7 @@ class TransformerDecoder(nn.Module):
         self.layers = check_layers(layers, TransformerDecoderLayer)
         self.norm = nn.Identity() if norm is None else _check_part("norm", norm)
 
+    @V.torch_keywords("TransformerDecoder.forward()")
     def forward(
         self,
         x: Tensor,
@@ -148,7 +147,6 @@ class TransformerDecoder(nn.Module):
         mask: Mask | Tensor | None = None,
         positions: Tensor | None = None,
         cache: KVCache | None = None,
-        **unexpected: object,
     ) -> Tensor:
         """Args:
             x: (B, L, E).
@@ -159,7 +157,6 @@ class TransformerDecoder(nn.Module):
         Returns:
             (B, L, E), always a tensor; ``run`` gives weights and hidden states.
         """
-        V.reject_foreign_keywords("TransformerDecoder.forward()", unexpected, moved=_MOVED_STACK)
         self._check_cache(cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i])

@@ -14,14 +14,7 @@ from .. import _validation as V
 from .._saveable import saveable
 from ..functional import AttentionOutput
 from ..masks import Mask
-from .attention import _MOVED, MultiHeadAttention
-
-# keywords the stacks' forward took before 0.2.0 -> what replaces them
-_MOVED_STACK = {
-    "return_weights": "call stack.run(...) for a StackOutput(output, hidden_states, weights)",
-    "return_hidden": "call stack.run(..., return_hidden=True) for a StackOutput(output, "
-    "hidden_states, weights)",
-}
+from .attention import MultiHeadAttention
 
 __all__ = [
     "ACTIVATIONS",
@@ -231,20 +224,19 @@ class TransformerEncoderLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"norm_first={self.norm_first}"
 
+    @V.torch_keywords("TransformerEncoderLayer.forward()")
     def forward(
         self,
         x: Tensor,
         *,
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
-        **unexpected: object,
     ) -> Tensor:
         """Args: x (B, L, E); mask and bias as in ``multihead.attention``.
 
         Returns:
             (B, L, E), always a tensor; ``run`` also returns the attention weights.
         """
-        V.reject_foreign_keywords("TransformerEncoderLayer.forward()", unexpected, moved=_MOVED)
         return self._finish(x, self.self_attn(self._attn_input(x), mask=mask, bias=bias))
 
     def run(
@@ -361,20 +353,19 @@ class TransformerEncoder(nn.Module):
         self.layers = check_layers(layers, TransformerEncoderLayer)
         self.norm = norm
 
+    @V.torch_keywords("TransformerEncoder.forward()")
     def forward(
         self,
         x: Tensor,
         *,
         mask: Mask | Tensor | None = None,
         bias: Tensor | None = None,
-        **unexpected: object,
     ) -> Tensor:
         """Args: x (B, L, E); mask and bias as in ``multihead.attention``, used by every layer.
 
         Returns:
             (B, L, E), always a tensor; ``run`` gives weights and hidden states.
         """
-        V.reject_foreign_keywords("TransformerEncoder.forward()", unexpected, moved=_MOVED_STACK)
         for layer in self.layers:
             x = layer(x, mask=mask, bias=bias)
         return x if self.norm is None else self.norm(x)

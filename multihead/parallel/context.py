@@ -26,7 +26,8 @@ from torch import Tensor
 from .. import _validation as V
 from .. import masks
 from ..backends import tiled
-from ..backends._call import Call, prepare, stat_dtype
+from ..backends._tensors import stat_dtype
+from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
 from ..masks import Mask, TileKind, dense
 
@@ -279,6 +280,7 @@ def _band_pieces(
     return pieces
 
 
+@V.torch_keywords("context_attention()")
 def context_attention(
     query: Tensor,
     key: Tensor,
@@ -289,7 +291,6 @@ def context_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     group: dist.ProcessGroup | None = None,
-    **unexpected: object,
 ) -> Tensor:
     """Exact attention over a sequence split across the ranks of a process group.
 
@@ -332,13 +333,14 @@ def context_attention(
             B, H, H_kv, D, D_v, dtype, whether a mask or bias was given or whether gradients
             are needed; dropout (the ring passes would need the same random draws on every
             rank).
-        TypeError: SDPA keywords and other unexpected keywords; ``return_weights`` (there are
-            no weights: each rank's rows span every shard, more than one process holds).
+        TypeError: SDPA keywords, each with the equivalent to use here. A keyword it does not
+            take fails the call before any communication, on the rank that passed it (pass
+            the same keywords on every rank).
     """
     rank, world = _membership(group)
     error: Exception | None = None
     try:
-        _check_local(query, key, value, dropout_p, unexpected)
+        _check_local(query, key, value, dropout_p)
         _check_device(dist.get_backend(group), query.device)
     except (TypeError, ValueError) as err:
         error = err
@@ -413,14 +415,7 @@ def _membership(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-_MOVED = {
-    "return_weights": "context_attention returns no weights (each rank's (L_r, S) rows span "
-    "every shard); call multihead.attention_with_weights on the shards you want to look at",
-}
-
-
-def _check_local(query, key, value, dropout_p, unexpected) -> None:
-    V.reject_foreign_keywords("context_attention()", unexpected, moved=_MOVED)
+def _check_local(query, key, value, dropout_p) -> None:
     V.check_qkv(query, key, value)
     if V.check_dropout(dropout_p) > 0.0:
         raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from .app import create_app
 from .engine import Engine, Tokens, TooLong
 from .guard import Access
-from .server import RUNTIMES, Background, bind, load_engine, open_warning, run
+from .server import RUNTIMES, Background, ServeOptions, bind, load_engine, open_warning, run
 from .state import ClientError, Limits, ServeState
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "ClientError",
     "Engine",
     "Limits",
+    "ServeOptions",
     "ServeState",
     "Tokens",
     "TooLong",

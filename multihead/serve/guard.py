@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._flags import option
 from .metrics import Metrics
 
 __all__ = ["METHODS", "ROUTES", "Access", "Guard", "error_body", "is_loopback_host"]
@@ -70,10 +71,25 @@ class Access:
         127.0.0.1 (DNS rebinding) sends its own name and is refused.
     """
 
-    api_key: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origin: str | None = None
-    loopback: bool = True
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $MULTIHEAD_API_KEY; the environment keeps it out of the process list)",
+        metavar="KEY",
+    )
+    allowed_hosts: tuple[str, ...] = option(
+        (),
+        "Host names answered besides localhost, 127.0.0.1 and [::1] when listening on a "
+        "loopback address ('*': any)",
+        metavar="NAME",
+    )
+    cors_origin: str | None = option(
+        None,
+        "the browser origin (https://app.example, or '*') allowed to read answers; default: "
+        "no CORS headers",
+        metavar="ORIGIN",
+    )
+    loopback: bool = True  # set from the address the server listens on, not a flag
 
     def __post_init__(self) -> None:
         key = self.api_key
@@ -89,25 +105,27 @@ class Access:
                 "allowed_hosts must be host names without a port, such as ('api.example',). "
                 f"Received: {self.allowed_hosts!r}"
             )
-        origin = self.cors_origin
-        if (
-            origin is not None
-            and origin != "*"
-            and (
-                not isinstance(origin, str)
-                or not origin.startswith(("http://", "https://"))
-                or origin.count("/") != 2
-            )
-        ):
-            raise ValueError(
-                "cors_origin must be '*' or an origin such as 'https://app.example' (scheme, "
-                f"host, optional port; no path). Received: {origin!r}"
-            )
+        _check_origin(self.cors_origin)
 
     def host_allowed(self, host: str) -> bool:
         if not self.loopback or "*" in self.allowed_hosts or is_loopback_host(host):
             return True
         return host.lower().rstrip(".") in {h.lower() for h in self.allowed_hosts}
+
+
+def _check_origin(origin: object) -> None:
+    """``Access.cors_origin``: None, "*", or scheme://host[:port] without a path."""
+    if origin is None or origin == "*":
+        return
+    if (
+        not isinstance(origin, str)
+        or not origin.startswith(("http://", "https://"))
+        or origin.count("/") != 2
+    ):
+        raise ValueError(
+            "cors_origin must be '*' or an origin such as 'https://app.example' (scheme, "
+            f"host, optional port; no path). Received: {origin!r}"
+        )
 
 
 def _header(scope: dict, name: bytes) -> str | None:

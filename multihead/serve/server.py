@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import sys
@@ -12,10 +13,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .._extras import require
+from .._flags import option
 from .app import create_app
 from .engine import Engine, OnnxRuntime
 from .guard import Access, is_loopback_host
@@ -25,6 +28,7 @@ from .state import Limits
 __all__ = [
     "RUNTIMES",
     "Background",
+    "ServeOptions",
     "bind",
     "load_engine",
     "open_warning",
@@ -61,7 +65,7 @@ def load_engine(
     from ..models import kinds
 
     _check(runtime, onnx_path, threads)
-    kinds.check_bert(model_path, "multihead serve")
+    kinds.check_encoder_kind(model_path, "multihead serve")
     if threads is not None:
         torch.set_num_threads(threads)
     pretrained = models.load(model_path)
@@ -149,25 +153,41 @@ def open_warning(host: str, access: Access) -> str | None:
     )
 
 
-def run(
-    *,
-    model_path: str | Path | None = None,
-    runtime: str = "torch",
-    onnx_path: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    limits: Limits | None = None,
-    access: Access | None = None,
-    threads: int | None = None,
-    say: Callable[[str], None] = print,
-) -> None:
+@dataclass(kw_only=True)
+class ServeOptions:
+    """What ``multihead serve`` takes (``multihead serve --help``): the model, where to listen,
+    the ``Limits`` and the ``Access`` rules. ``access.api_key`` defaults to the environment's
+    ``MULTIHEAD_API_KEY``."""
+
+    model: Path | None = option(
+        None, "BERT-family model folder (default: all-MiniLM-L6-v2)", metavar="PATH"
+    )
+    runtime: str = option("torch", "what runs the model", choices=RUNTIMES)
+    onnx: Path | None = option(
+        None,
+        "with --runtime onnx: a graph from 'export onnx --weights' (default: export now)",
+        metavar="FILE.onnx",
+    )
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8080, "0 picks a free port")
+    threads: int | None = option(None, "torch/onnxruntime threads (default: all)")
+    limits: Limits = field(default_factory=Limits)
+    access: Access = field(default_factory=Access)
+
+    def __post_init__(self) -> None:
+        if self.access.api_key is None and os.environ.get("MULTIHEAD_API_KEY"):
+            self.access = dataclasses.replace(self.access, api_key=os.environ["MULTIHEAD_API_KEY"])
+
+
+def run(options: ServeOptions, *, say: Callable[[str], None] = print) -> None:
     """Serve until SIGINT/SIGTERM; the requests in flight then finish before it returns (those
     still queued ``limits.drain_timeout_s`` after the signal get 503).
 
     ``access.loopback`` is set from ``host``: only a loopback listener checks Host headers.
     """
-    limits = limits or Limits()
-    access = dataclasses.replace(access or Access(), loopback=is_loopback_host(host))
+    model_path, runtime, onnx_path = options.model, options.runtime, options.onnx
+    host, port, threads, limits = options.host, options.port, options.threads, options.limits
+    access = dataclasses.replace(options.access, loopback=is_loopback_host(host))
     _check(runtime, onnx_path, threads)  # before taking the port or loading anything
     sock = bind(host, port)
     try:

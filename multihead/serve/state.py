@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .._flags import option
 from .batcher import MicroBatcher
 from .engine import Engine
 from .guard import Access
@@ -21,8 +22,8 @@ from .metrics import Metrics
 
 __all__ = ["ClientError", "Limits", "ServeState"]
 
-# malloc_trim takes 0.3 to 15 ms (measured): at most once a second, so a stream of small
-# requests on a quiet machine does not pay it every time
+# malloc_trim takes milliseconds: at most once a second, so a stream of small requests on a
+# quiet machine does not pay it every time
 _RELEASE_EVERY_S = 1.0
 
 
@@ -46,15 +47,32 @@ class Limits:
         503 with Retry-After; the batch already in the model finishes.
     """
 
-    max_batch_tokens: int = 16384
-    max_wait_ms: float = 2.0
-    max_client_batch_size: int = 32
-    max_concurrent_requests: int = 512
-    payload_limit: int = 2_000_000
-    max_response_mb: float = 16.0
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    drain_timeout_s: float = 20.0
+    max_batch_tokens: int = option(16384, "most tokens in one model batch")
+    max_wait_ms: float = option(2.0, "how long a request waits for company")
+    max_client_batch_size: int = option(32, "most texts in one request")
+    max_concurrent_requests: int = option(512, "more at once get 429")
+    payload_limit: int = option(2_000_000, "most bytes per body (else 413)")
+    max_response_mb: float = option(
+        16.0, "most MB per response, else 413 asking for fewer layers, heads or tokens"
+    )
+    header_timeout_s: float = option(
+        10.0,
+        "seconds to send a request's header, else the connection closes",
+        flag="--header-timeout",
+        metavar="S",
+    )
+    body_timeout_s: float = option(
+        30.0,
+        "seconds to send a request's body after its header, else 408",
+        flag="--body-timeout",
+        metavar="S",
+    )
+    drain_timeout_s: float = option(
+        20.0,
+        "on SIGTERM, requests still queued after S seconds get 503",
+        flag="--drain-timeout",
+        metavar="S",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_client_batch_size", "max_concurrent_requests"):

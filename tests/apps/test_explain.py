@@ -8,6 +8,7 @@ import torch
 
 from multihead import cli
 from multihead.apps import explain
+from multihead.apps.explain import ExplainOptions as Options
 
 TEXT = "The animal didn't cross the street because it was too tired"
 
@@ -26,7 +27,7 @@ def test_explain_end_to_end(tmp_path, capsys):
 
 def test_explain_values(tmp_path):
     lines = []
-    got = explain.run(TEXT, focus="animal", out_dir=tmp_path, say=lines.append)
+    got = explain.run(Options(text=TEXT, focus="animal", out=tmp_path), say=lines.append)
     assert got.tokens[got.focus] == "animal"
     assert got.weights.shape == (6, 12, 15, 15)
     torch.testing.assert_close(got.weights.sum(-1), torch.ones(6, 12, 15))
@@ -40,7 +41,7 @@ def test_explain_values(tmp_path):
 
 
 def test_default_focus_is_last_word(tmp_path):
-    got = explain.run("cats chase mice", out_dir=tmp_path, say=lambda s: None)
+    got = explain.run(Options(text="cats chase mice", out=tmp_path), say=lambda s: None)
     assert got.tokens[got.focus] == "mice"
 
 
@@ -86,7 +87,8 @@ def test_embed_progress_bar_on_long_inputs(tmp_path, capsys):
 
 
 def test_focus_on_a_word_split_into_pieces(tmp_path):
-    got = explain.run("Tokenization matters", focus="Tokenization", out_dir=tmp_path, say=print)
+    options = Options(text="Tokenization matters", focus="Tokenization", out=tmp_path)
+    got = explain.run(options, say=print)
     assert got.tokens[got.focus : got.focus + 2] == ["token", "##ization"]
     assert explain.find_focus(["[CLS]", "an", "animal", "[SEP]"], [1, 0, 0, 1], "x", ["an"]) == 1
 
@@ -124,7 +126,7 @@ def test_explain_layer_and_head_choose_the_figure_and_are_named(tmp_path, capsys
     assert f"{tmp_path / 'heads_grid.png'}  (every head: 6 layers (rows) x 12 heads" in printed
 
     # --layer alone: the strongest head of that layer, found independently
-    got = explain.run(TEXT, focus="it", out_dir=tmp_path, layer=4, say=lambda s: None)
+    got = explain.run(Options(text=TEXT, focus="it", out=tmp_path, layer=4), say=lambda s: None)
     real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
     far = [i for i in real if abs(i - got.focus) > 1]
     assert got.head == _strongest_head(got.weights, got.focus, far, [4], range(12))
@@ -132,7 +134,7 @@ def test_explain_layer_and_head_choose_the_figure_and_are_named(tmp_path, capsys
 
 
 def test_explain_default_head_is_the_one_most_fixed_on_a_far_word(tmp_path, capsys):
-    got = explain.run(TEXT, focus="it", out_dir=tmp_path)
+    got = explain.run(Options(text=TEXT, focus="it", out=tmp_path))
     printed = capsys.readouterr().out
     real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
     far = [i for i in real if abs(i - got.focus) > 1]

@@ -76,9 +76,8 @@ def _eager(folder, text: str) -> torch.Tensor:
 )
 def test_explain_a_transformers_folder(folders, tmp_path, name, causal):
     lines = []
-    got = explain.run(
-        TEXT, focus="tired", out_dir=tmp_path, model_path=folders[name], say=lines.append
-    )
+    options = explain.ExplainOptions(text=TEXT, focus="tired", out=tmp_path, model=folders[name])
+    got = explain.run(options, say=lines.append)
     assert got.tokens[got.focus] == "tired"  # decoded from the byte-level "Ġtired"
     want = _eager(folders[name], TEXT)
     assert got.weights.shape == want.shape and got.weights.shape[:2] == (2, 4)
@@ -101,4 +100,5 @@ def test_a_folder_without_tokenizer_is_refused(folders, tmp_path):
     bare.mkdir()
     (bare / "config.json").write_text((folders["qwen2"] / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match=r"explain needs the model's tokenizer.json"):
-        explain.run(TEXT, out_dir=tmp_path / "out", model_path=bare, say=lambda s: None)
+        options = explain.ExplainOptions(text=TEXT, out=tmp_path / "out", model=bare)
+        explain.run(options, say=lambda s: None)

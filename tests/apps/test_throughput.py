@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from multihead.apps.throughput import compare
+from multihead.apps.throughput import TrainBenchOptions
 from multihead.cli import main
 
 
@@ -34,6 +34,6 @@ def test_bench_train_writes_rows_against_eager(tmp_path, capsys):
 def test_bench_train_rejects_unknown_names():
     with pytest.raises(ValueError, match=r"variants must be one or more of eager, compiled, "
                        r"bf16, compiled-bf16, auto. Received: variants=\['fp8'\]"):  # fmt: skip
-        compare(["forecast"], ["fp8"])
+        TrainBenchOptions(tasks=("forecast",), variants=("fp8",))
     with pytest.raises(ValueError, match=r"tasks must be one or more of sentiment, forecast"):
-        compare([], ["eager"])
+        TrainBenchOptions(tasks=(), variants=("eager",))

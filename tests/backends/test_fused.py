@@ -11,8 +11,8 @@ from helpers import make_case, naive_attention, qkv
 import multihead as mh
 from multihead import bias as mb
 from multihead import masks
-from multihead.backends import fused
-from multihead.backends._call import prepare
+from multihead.backends import fused, registry
+from multihead.backends.call import prepare
 
 pytestmark = pytest.mark.skipif(
     fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
@@ -166,7 +166,7 @@ def test_parallel_loops_reach_every_thread():
 def test_half_inputs_keep_their_dtype_and_lse_is_float32():
     q, k, v = qkv(1, 2, 2, 9, 11, 8, dtype=torch.bfloat16)
     call = prepare(q, k, v, masks.causal(), None, None, 0.0, False)
-    out, lse = fused.forward_with_lse(call)
+    out, lse, _ = torch.ops.multihead.fused_attention(*fused._args(call))
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = torch.logsumexp((q.float() @ k.float().transpose(-2, -1)) * 8**-0.5 + torch.where(
         make_case("causal", 1, 2, 9, 11).keep, 0.0, float("-inf")
@@ -220,6 +220,8 @@ def unbuilt(monkeypatch, tmp_path):
     monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(fused, "_module", None)
     monkeypatch.setattr(fused, "_error", None)
+    monkeypatch.setattr(fused, "_looked", False)
+    monkeypatch.setattr(registry, "_CHOICES", {})
     return tmp_path / "cache"
 
 
@@ -227,17 +229,21 @@ def test_missing_compiler_falls_back_and_says_why_in_one_line(monkeypatch, unbui
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
     q, k, v = qkv(1, 2, 2, 6, 6, 4, dtype=torch.float32)
+    # asking why not fused, or running auto, never starts a compile
     choice = mh.explain_backend(q, k, v, masks.sliding_window(2))
     assert choice.backend == "tiled"
-    reason = choice.reasons["fused"]
-    assert "\n" not in reason
-    assert "no C++ compiler '/nonexistent/c++' found" in reason
+    assert choice.reasons["fused"].startswith("not built on this machine yet: multihead doctor")
     torch.testing.assert_close(
         mh.attention(q, k, v, masks.sliding_window(2)),
         mh.attention(q, k, v, masks.sliding_window(2), backend="reference"),
     )
+    assert not unbuilt.exists()
+    # an explicit backend="fused" tries the build, and the failure is said in one line
     with pytest.raises(ValueError, match=r"backend 'fused' cannot run this call: .*install g\+\+"):
         mh.attention(q, k, v, backend="fused")
+    reason = mh.explain_backend(q, k, v, masks.sliding_window(2)).reasons["fused"]
+    assert "\n" not in reason
+    assert "no C++ compiler '/nonexistent/c++' found" in reason
 
 
 def test_failed_build_reports_the_compiler_error(monkeypatch, unbuilt):
@@ -274,6 +280,7 @@ def test_turned_off_by_environment(monkeypatch, unbuilt):
 def measuring(monkeypatch):
     monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
     monkeypatch.setattr(fused, "_MEASURED", {})
+    monkeypatch.setattr(registry, "_CHOICES", {})  # auto's remembered choices: none yet
     times: list[float] = []
     monkeypatch.setattr(fused, "_best_time", lambda fn, repeats=3: (fn(), times.pop(0))[1])
     return times
@@ -281,14 +288,18 @@ def measuring(monkeypatch):
 
 def test_auto_picks_fused_only_where_it_measured_faster(measuring):
     q, k, v = qkv(2, 4, 2, 100, 100, 16, dtype=torch.float32)
+    assert "not been timed yet" in mh.explain_backend(q, k, v).reasons["fused"]
     measuring += [1.0, 2.0]  # fused, then sdpa (auto's choice without it)
+    mh.attention(q, k, v)  # the first call of the class times it
     choice = mh.explain_backend(q, k, v)
     assert choice.backend == "fused"
     assert "measured faster than sdpa on this machine" in choice.reasons["sdpa"]
-    assert mh.explain_backend(q, k, v).backend == "fused"  # remembered: nothing measured again
-    assert mh.explain_backend(q[:, :, :70], k, v).backend == "fused"  # the same shape class
+    mh.attention(q, k, v)
+    mh.attention(q[:, :, :70], k, v)  # the same shape class: remembered, nothing measured again
+    assert mh.explain_backend(q[:, :, :70], k, v).backend == "fused"
     measuring += [1.95, 2.0]  # a new class (L=256); 2.5% faster is noise
     q2, k2, v2 = qkv(2, 4, 2, 256, 256, 16, dtype=torch.float32)
+    mh.attention(q2, k2, v2)
     assert mh.explain_backend(q2, k2, v2).backend == "sdpa"
     assert measuring == []
 
@@ -326,8 +337,9 @@ def test_auto_measures_training_calls_with_their_backward(measuring, monkeypatch
     real = torch.autograd.grad
     monkeypatch.setattr(torch.autograd, "grad", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     measuring += [1.0, 2.0]
-    assert mh.explain_backend(q, k, v, masks.causal()).backend == "fused"
+    mh.attention(q, k, v, masks.causal())
     assert len(seen) == 2 * 2  # a warm-up and a timed step on each side
+    assert mh.explain_backend(q, k, v, masks.causal()).backend == "fused"
     assert q.grad is None and k.grad is None and v.grad is None
 
 

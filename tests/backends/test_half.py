@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import MASK_KINDS, make_case, qkv, twice_naive_errors
 
-from multihead.backends import half
-from multihead.backends._call import prepare
+from multihead.backends import half, registry
+from multihead.backends.call import prepare
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -21,7 +21,7 @@ def test_half_kernel_within_twice_naive_error(kind, dtype, monkeypatch):
 
     def run(q, k, v):
         call = prepare(q, k, v, case.mask, None, None, 0.0, False)
-        assert half.unsupported(call) is None
+        assert half.BACKEND.why_not(call) is None
         out = half.run(call)[0]
         assert out.dtype == dtype
         return out
@@ -32,12 +32,12 @@ def test_half_kernel_within_twice_naive_error(kind, dtype, monkeypatch):
 
 def test_half_kernel_says_what_it_cannot_run():
     q, k, v = qkv(1, 1, 1, 4, 4, 2, dtype=torch.float32)
-    why = half.unsupported(prepare(q, k, v, None, None, None, 0.0, False))
+    why = half.BACKEND.why_not(prepare(q, k, v, None, None, None, 0.0, False))
     assert "takes bfloat16 or float16; received torch.float32" in why
     q, k, v = (t.bfloat16() for t in (q, k, v))
-    assert "dropout" in half.unsupported(prepare(q, k, v, None, None, None, 0.1, False))
+    assert "dropout" in half.BACKEND.why_not(prepare(q, k, v, None, None, None, 0.1, False))
     bias = torch.zeros(4, 4)
-    assert "bias rule" in half.unsupported(prepare(q, k, v, None, bias, None, 0.0, False))
+    assert "bias rule" in half.BACKEND.why_not(prepare(q, k, v, None, bias, None, 0.0, False))
 
 
 @pytest.fixture
@@ -46,6 +46,7 @@ def measuring(monkeypatch):
     test appends (the half kernel's, then its rival's) after running what it times."""
     monkeypatch.setenv("MULTIHEAD_HALF_AUTO", "1")
     monkeypatch.setattr(half, "_MEASURED", {})
+    monkeypatch.setattr(registry, "_CHOICES", {})  # auto's remembered choices: none yet
     times: list[float] = []
     monkeypatch.setattr(half, "_best_time", lambda fn, repeats=3: (fn(), times.pop(0))[1])
     return times
@@ -60,15 +61,23 @@ def test_auto_runs_it_only_where_it_measured_faster(monkeypatch, measuring, nati
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
     q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
-    if native:
+    if native:  # explain_backend times nothing: the class is not timed yet
+        untimed = mh.explain_backend(q, k, v)
+        assert untimed.backend == "sdpa" and "not been timed yet" in untimed.reasons["half"]
         measuring += [1.0, 2.0]  # half, then sdpa (auto's choice without it): half leads
+    mh.attention(q, k, v)  # the first call of the class times it
     choice = mh.explain_backend(q, k, v)
     assert choice.backend == ("half" if native else "sdpa")
     if native:
         assert "measured faster than sdpa on this machine" in choice.reasons["sdpa"]
+        mh.attention(q, k, v)
         assert mh.explain_backend(q, k, v).backend == "half"  # remembered: not measured again
         measuring += [1.95, 2.0]  # causal is another class; 2.5% faster is noise
-    assert mh.explain_backend(q, k, v, masks.causal()).backend == "sdpa"
+    mh.attention(q, k, v, masks.causal())
+    causal = mh.explain_backend(q, k, v, masks.causal())
+    assert causal.backend == "sdpa"
+    if native:
+        assert "did not measure faster than sdpa" in causal.reasons["half"]
     assert measuring == []  # without native matmuls nothing is measured
     # weights and biases stay on the float32 paths, unmeasured
     assert mh.explain_backend(q, k, v, weights=True).backend == "tiled"
@@ -94,7 +103,9 @@ def test_the_measurement_times_the_real_backends(monkeypatch):
     monkeypatch.setenv("MULTIHEAD_HALF_AUTO", "1")
     monkeypatch.setattr(half, "_MEASURED", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(registry, "_CHOICES", {})
     q, k, v = qkv(1, 2, 2, 16, 16, 8, dtype=torch.bfloat16)
+    mh.attention(q, k, v)
     chosen = mh.explain_backend(q, k, v).backend
     call = prepare(q, k, v, None, None, None, 0.0, False)
     (answer,) = half._MEASURED.values()

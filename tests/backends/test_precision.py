@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import multihead as mh
 from multihead import masks
 from multihead.backends import half
-from multihead.backends._call import prepare
+from multihead.backends.call import prepare
 
 # "auto" runs what it picks here (sdpa: the half kernel's measured lead is off in tests);
 # "..._other_cpu" runs as on CPUs without native bf16/fp16 matmuls; "tiled" computes half

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from helpers import MASK_KINDS, make_case, naive_attention, qkv
 
 import multihead as mh
 from multihead import backends, masks
+from multihead import bias as mb
 from multihead.backends import half, registry
-from multihead.backends._call import prepare
+from multihead.backends.call import prepare
 
 
 @pytest.mark.parametrize(
@@ -32,9 +35,16 @@ def test_auto_choice_and_reasons(mask, expected):
     assert all(
         r.startswith(f"supported, but {expected} is expected to be faster: ")
         for name, r in choice.reasons.items()
-        # float64 inputs: flex and the half kernel say why they cannot run them
-        if name not in ("flex", "half")
+        # float64 inputs: flex and the half kernel say why they cannot run them; the fused
+        # kernel leads only by measurement, which explain_backend reports and never runs
+        if name not in ("flex", "half", "fused")
     )
+    assert re.match(
+        r"the C\+\+ kernel leads only where it measured faster; (calls of this shape class "
+        rf"have not been timed yet \(the first one times it against {expected}\)|it did not "
+        rf"measure faster than {expected} for calls of this shape class)|not built",
+        choice.reasons["fused"],
+    ), choice.reasons["fused"]
     assert str(choice).splitlines()[0] == f"chosen: {expected}"
 
 
@@ -268,3 +278,87 @@ def test_no_backend_imports_the_registry():
         assert not any("registry" in n for n in names), path.name
     context = Path(backends.__file__).parent.parent / "parallel" / "context.py"
     assert "functional" not in context.read_text()
+
+
+def _auto(q, k, v, mask=None, **kw):
+    """``auto``'s choice for a call, as ``attention`` makes it (through the remembered one)."""
+    weights = kw.pop("weights", False)
+    return registry.select(prepare(q, k, v, mask, kw.pop("bias", None), None, 0.0, weights), "auto")
+
+
+def test_auto_remembers_its_choice_per_shape_class(monkeypatch):
+    """A decoding step pays one lookup: calls of one shape class rank the backends once."""
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    ranked = []
+    real = registry._ranked
+    monkeypatch.setattr(registry, "_ranked", lambda call: ranked.append(1) or real(call))
+    cache = masks.causal()
+    for s in range(100, 128):  # one new key per step: L=1 over a growing cache
+        q, k, v = qkv(1, 4, 2, 1, s, 16, dtype=torch.float32)
+        _auto(q, k, v, cache)
+    assert len(ranked) == 1
+    q, k, v = qkv(1, 4, 2, 1, 128, 16, dtype=torch.float32)
+    _auto(q, k, v, cache)  # S=128 is the next power of two: a new class, ranked again
+    assert len(ranked) == 2
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        # causal with L = S is torch's is_causal (sdpa); L = 5, S = 6 is bottom-right (tiled)
+        ((6, 6, masks.causal(), {}), (5, 6, masks.causal(), {})),
+        ((6, 6, None, {}), (6, 6, None, {"weights": True})),
+        (
+            (6, 6, masks.sliding_window(2), {}),
+            (6, 6, masks.dense(torch.ones(6, 6, dtype=bool)), {}),
+        ),
+        ((6, 6, None, {}), (6, 6, None, {"bias": mb.alibi(2)})),
+        # sdpa has neither: a cap or sinks remembered as sdpa's would be silently dropped
+        ((6, 6, None, {}), (6, 6, None, {"bias": mb.softcap(1.0)})),
+        ((6, 6, None, {}), (6, 6, None, {"bias": mb.sinks(torch.zeros(2, dtype=torch.float64))})),
+    ],
+    ids=["plain_causal", "weights", "mask_kind", "computed_bias", "softcap", "sinks"],
+)
+def test_calls_whose_answer_differs_get_their_own(monkeypatch, first, second):
+    """Everything the rules read is in the remembered choice's key: a call of the same sizes
+    whose answer differs is answered for itself, in either order."""
+    answers = []
+    for order in ((first, second), (second, first)):
+        monkeypatch.setattr(registry, "_CHOICES", {})
+        got = {}
+        for length_q, length_k, mask, kw in order:
+            q, k, v = qkv(1, 2, 2, length_q, length_k, 4)
+            call = prepare(q, k, v, mask, kw.get("bias"), None, 0.0, kw.get("weights", False))
+            got[id(kw), length_q] = (registry.select(call, "auto"), registry.explain(call).backend)
+        answers.append(got)
+    assert answers[0] == answers[1]
+    for chosen, explained in answers[0].values():
+        assert chosen == explained
+    assert len({chosen for chosen, _ in answers[0].values()}) == 2
+
+
+def test_gradients_and_dropout_are_part_of_the_key(monkeypatch):
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    q, k, v = qkv(1, 2, 2, 6, 6, 4)
+    plain = prepare(q, k, v, masks.sliding_window(2), None, None, 0.0, True)
+    assert registry.select(plain, "auto") == "tiled"
+    dropped = prepare(q, k, v, masks.sliding_window(2), None, None, 0.2, True)
+    assert registry.select(dropped, "auto") == registry.explain(dropped).backend
+    with torch.no_grad():
+        a = registry._key(prepare(q, k, v, None, None, None, 0.0, False))
+    b = registry._key(prepare(q.requires_grad_(), k, v, None, None, None, 0.0, False))
+    assert a != b
+
+
+def test_registering_a_backend_forgets_the_remembered_choices():
+    q, k, v = qkv(1, 2, 2, 4, 4, 3)
+    before = _auto(q, k, v)
+    lead = backends.Backend(
+        run=lambda call: (call.query, None), rank=lambda call: backends.Rank(-10, "leads")
+    )
+    backends.register("leader", lead)
+    try:
+        assert _auto(q, k, v) == "leader"
+    finally:
+        backends.unregister("leader")
+    assert _auto(q, k, v) == before

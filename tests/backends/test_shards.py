@@ -13,7 +13,7 @@ from helpers import MASK_KINDS, make_case, qkv
 import multihead as mh
 from multihead import bias as mb
 from multihead.backends import tiled
-from multihead.backends._call import prepare
+from multihead.backends.call import prepare
 
 
 def _merge(parts):

@@ -114,24 +114,27 @@ def test_weights_keep_fast_output_and_match_reference():
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "lengths", "key_padding", "documents", "dense"])
-def test_attention_weights_function(kind):
+def test_weights_by_tile(kind):
     b, h, h_kv, length_q, length_k = 2, 6, 3, 13, 17
     q, k, v = qkv(b, h, h_kv, length_q, length_k, 5)
     case = make_case(kind, b, h, length_q, length_k)
     _, want = naive_attention(q, k, v, case.keep)
-    torch.testing.assert_close(mh.attention_weights(q, k, case.mask), want, rtol=0, atol=1e-12)
+    got = mh.attention_with_weights(q, k, v, case.mask, backend="tiled").weights
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     # a per-head dense mask included: its rows for the chosen heads go with them
-    part = mh.attention_weights(q, k, case.mask, heads=slice(1, 5, 2))
+    part = mh.attention_with_weights(q, k, v, case.mask, heads=[1, 3], backend="tiled").weights
     torch.testing.assert_close(part, want[:, 1:5:2], rtol=0, atol=1e-12)
-    torch.testing.assert_close(mh.attention_weights(q, k, case.mask, heads=[5]), want[:, [5]])
+    one = mh.attention_with_weights(q, k, v, case.mask, heads=[5], backend="tiled").weights
+    torch.testing.assert_close(one, want[:, [5]])
 
 
-def test_attention_weights_errors():
-    q, k, _ = qkv(1, 4, 2, 3, 3, 2)
+def test_heads_errors():
+    q, k, v = qkv(1, 4, 2, 3, 3, 2)
     with pytest.raises(ValueError, match=r"heads must be query-head indices in \[0, 4\)"):
-        mh.attention_weights(q, k, heads=[4])
+        mh.attention_with_weights(q, k, v, heads=[4], backend="tiled")
     with pytest.raises(ValueError, match=r"Received: query heads H=4, key/value heads H_kv=3"):
-        mh.attention_weights(q, torch.cat([k, k[:, :1]], dim=1), heads=[1])
+        kv = torch.cat([k, k[:, :1]], dim=1)
+        mh.attention_with_weights(q, kv, kv, heads=[1], backend="tiled")
 
 
 def test_tiled_computes_bias_gradients():
@@ -223,7 +226,9 @@ def test_weights_when_a_key_block_inside_the_range_is_hidden():
     items = tiled.plan(mask, 1, length, length, 256, "cpu")
     assert any(a.stop < b.start for i in items for a, b in zip(i.chunks, i.chunks[1:]))
     _, want = mh.attention_with_weights(q, k, v, mask, backend="reference")
-    torch.testing.assert_close(mh.attention_weights(q, k, mask), want, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        _, got = mh.attention_with_weights(q, k, v, mask, backend="tiled")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     _, got = mh.attention_with_weights(q, k, v, mask, backend="tiled")  # with grad
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from multihead import cli
+from multihead import _machine, cli
 from multihead.backends import fused
 from multihead.bench import doctor
 
@@ -30,7 +30,7 @@ def test_doctor_says_why_the_kernel_is_missing(monkeypatch, capsys):
 
 
 def test_instruction_sets_come_from_cpuinfo_flags(monkeypatch):
-    monkeypatch.setattr(doctor, "_cpuinfo", lambda: ("Test CPU", {"avx2", "fma", "sse4_2"}))
+    monkeypatch.setattr(_machine, "cpu_info", lambda: ("Test CPU", {"avx2", "fma", "sse4_2"}))
     d = doctor.diagnose(measure=False)
     assert d.cpu == "Test CPU"
     assert d.instruction_sets == ["avx2", "fma"]

@@ -82,31 +82,6 @@ def test_unknown_workload_is_an_error(tmp_path, capsys):
     assert "unknown workloads ['nope']" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("argv", "use"),
-    [
-        (["bench", "--embed", "--sentences", "12"], "'multihead bench embed --sentences 12'"),
-        (["bench", "--decode", "--quick"], "'multihead bench decode --quick'"),
-        (["bench", "--serve"], "'multihead bench serve'"),
-        (["bench", "--context-parallel"], "'multihead bench context-parallel'"),
-        (["bench", "--quick"], "'multihead bench kernels --quick'"),
-    ],
-)
-def test_old_bench_flags_name_the_sub_command(capsys, argv, use):
-    """The pre-0.2.0 flags are refused with the sub-command that replaced them."""
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert f"use {use}" in err
-    assert f"Received: {' '.join(argv)}" in err
-
-
-def test_two_old_bench_flags_are_refused_not_half_run(capsys):
-    """`--decode --serve` once silently ran only the decode benchmark."""
-    assert cli.main(["bench", "--decode", "--serve"]) == 2
-    err = capsys.readouterr().err
-    assert "'multihead bench decode' and 'multihead bench serve' as separate runs" in err
-
-
 def test_bench_options_belong_to_their_sub_command(capsys):
     """Each benchmark's options exist only on its sub-command."""
     with pytest.raises(SystemExit) as stop:

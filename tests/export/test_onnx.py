@@ -247,9 +247,9 @@ def test_out_that_cannot_be_written_fails_before_the_export(tmp_path, monkeypatc
 
 
 def cli_export():
-    import multihead.export
+    import multihead.export.onnx
 
-    return multihead.export
+    return multihead.export.onnx
 
 
 @pytest.mark.parametrize("opset", [5, 17, 29, 10**6])

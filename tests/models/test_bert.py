@@ -274,5 +274,5 @@ def test_forward_returns_the_hidden_states_and_run_one_record(pretrained):
             assert (out.weights is not None) == weights
             assert (out.hidden_states is not None) == hidden_states
     for flag in ("return_weights", "return_hidden"):
-        with pytest.raises(TypeError, match=rf"no longer takes '{flag}': call bert.run"):
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{flag}'"):
             pretrained.model(ids, lengths=lengths, **{flag: True})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from decoders import EOS, VOCAB, build, pad, transformers_model
 
 from multihead import cli
 from multihead.apps import explain
+from multihead.apps.explain import ExplainOptions
 from multihead.models import gpt2, llama
 from multihead.models.causal_lm import filter_top_k, filter_top_p
 
@@ -237,9 +239,8 @@ def test_explain_on_a_decoder(pair, tmp_path, capsys):
         assert (tmp_path / "attention.html").stat().st_size > 5_000
         return
     lines = []
-    got = explain.run(
-        text, focus="street", model_path=ours.path, out_dir=tmp_path, say=lines.append
-    )
+    options = ExplainOptions(text=text, focus="street", model=ours.path, out=tmp_path)
+    got = explain.run(options, say=lines.append)
     assert got.tokens[0] == "<s>"
     pieces = ours.tokenizer.encode(" street", add_special_tokens=False).tokens
     assert pieces[0].startswith("Ġ")  # the byte-level marker of a leading space
@@ -261,9 +262,9 @@ def test_explain_on_a_multihead_save_folder_of_a_decoder(pair, tmp_path):
     _, ours, _ = pair
     saved = mh.save(ours, tmp_path / "saved")
     text = "The animal crossed the street"
-    quiet = dict(focus="street", out_dir=tmp_path / "out", say=lambda line: None)
-    got = explain.run(text, model_path=saved, **quiet)
-    direct = explain.run(text, model_path=ours.path, **quiet)
+    options = ExplainOptions(text=text, focus="street", out=tmp_path / "out")
+    got = explain.run(replace(options, model=saved), say=lambda line: None)
+    direct = explain.run(replace(options, model=ours.path), say=lambda line: None)
     assert got.tokens == direct.tokens and got.focus == direct.focus
     assert (got.weights - direct.weights).abs().max() <= 1e-6
 
@@ -413,7 +414,7 @@ def test_kv_cache_larger_than_free_memory_is_refused(tmp_path_factory, monkeypat
     the tiny Llama (2 layers, H_kv=2, D=D_v=8, fp32), plus two int64 (B, T + new) buffers:
     one byte less free memory than that is refused, before any allocation; exactly that
     much is enough."""
-    from multihead.models import causal_lm
+    from multihead.models import generation
 
     model = llama.load(_folder(tmp_path_factory, "llama"))
     ids, lengths = pad(ROWS, "right")  # B=3, longest prompt 23
@@ -421,14 +422,14 @@ def test_kv_cache_larger_than_free_memory_is_refused(tmp_path_factory, monkeypat
     total = 23 + new
     cache = 2 * 3 * 2 * total * (8 + 8) * 4
     buffers = 2 * 3 * (total + new) * 8
-    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers - 1)
+    monkeypatch.setattr(generation, "_free_bytes", lambda device: cache + buffers - 1)
     with pytest.raises(ValueError) as err:
         model.generate(ids, new, lengths=lengths)
     message = str(err.value)
     assert "2 layers x B=3 x H_kv=2 x T=63 tokens x (D=8 + D_v=8) x 4 bytes" in message
     assert f"KV cache of {cache / 1024:.1f} KiB" in message
     assert "ask for fewer new tokens" in message and "Received: max_new_tokens=40" in message
-    monkeypatch.setattr(causal_lm, "_free_bytes", lambda device: cache + buffers)
+    monkeypatch.setattr(generation, "_free_bytes", lambda device: cache + buffers)
     assert model.generate(ids, new, lengths=lengths).shape == (3, total)
 
 
@@ -516,4 +517,4 @@ def test_no_tokenizer_means_ids_only(tmp_path_factory):
     with pytest.raises(ValueError, match="has no tokenizer"):
         model.stream_text("text", 3)
     with pytest.raises(FileNotFoundError, match=r"explain needs the model's tokenizer\.json"):
-        explain.run("a text", model_path=folder, say=lambda s: None)
+        explain.run(ExplainOptions(text="a text", model=folder), say=lambda s: None)

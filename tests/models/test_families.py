@@ -40,11 +40,13 @@ def _run(code: str) -> str:
 
 @pytest.fixture
 def restore_families():
-    """Registrations made by a test are undone after it (the registry is process-wide)."""
-    before = dict(families._LOADERS)
+    """Registrations made by a test are undone after it (the registry is process-wide); the
+    built-in families are registered first, so the restore keeps them."""
+    models.all_families()
+    before = dict(families._FAMILIES)
     yield
-    families._LOADERS.clear()
-    families._LOADERS.update(before)
+    families._FAMILIES.clear()
+    families._FAMILIES.update(before)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +56,18 @@ def decoders(tmp_path_factory):
 
 
 def test_import_multihead_imports_no_family_and_no_checkpoint_library():
+    """``import multihead`` imports nothing heavy; its first name used imports what that name
+    needs (the model registry for ``load``), and still no family."""
     out = _run(
         "import sys, multihead\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('transformers', 'tokenizers', 'safetensors') or m.startswith('multihead.models.')))"
+        "wanted = lambda: sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'tokenizers', 'safetensors') and '.' not in m "
+        "or m.startswith('multihead.models.'))\n"
+        "print(wanted())\n"
+        "multihead.load\n"
+        "print(wanted())"
     )
-    assert out.strip() == "['multihead.models.families']"
+    assert out.splitlines() == ["[]", "['multihead.models.families']"]
 
 
 def test_load_imports_only_the_family_the_folder_names(decoders, tmp_path):
@@ -128,24 +136,24 @@ def test_register_adds_a_family_from_outside(tmp_path, restore_families):
     torch.save(toy.state_dict(), tmp_path / "toy.pt")
     with pytest.raises(ValueError, match=r"model_type 'toy'"):
         models.load(tmp_path)
-    models.register("toy", _load_toy)
+    models.register(models.Family("toy", "a toy", _Toy, _load_toy))
     assert "toy" in models.supported()
     back = mh.load(tmp_path)
     assert isinstance(back, _Toy) and not back.training
     assert torch.equal(back.linear.weight, toy.linear.weight)
-    models.register("toy", lambda folder: "replaced")  # a later registration replaces
+    # a later registration replaces
+    models.register(models.Family("toy", "a toy", _Toy, lambda folder: "replaced"))
     assert models.load(tmp_path) == "replaced"
 
 
 def test_a_registration_from_outside_outlives_the_family_import(restore_families):
     """A built-in family imported after a user registered its model_type keeps the user's."""
 
-    def mine(folder):
-        return "mine"
-
-    families.register("bert", mine)
-    families.register_builtin("bert", lambda folder: "built-in")
-    assert families._loader("bert") is mine
+    mine = models.Family("bert", "mine", nn.Module, lambda folder: "mine")
+    families.register(mine)
+    builtin = models.Family("bert", "built-in", nn.Module, lambda folder: "built-in")
+    families.register_builtin(builtin)
+    assert models.family("bert") is mine
 
 
 def test_an_unknown_kind_is_named_with_the_supported_ones(tmp_path):
@@ -178,14 +186,24 @@ def test_multihead_io_load_points_hugging_face_folders_to_models_load(tiny_bert)
 @pytest.mark.parametrize(
     ("model_type", "loader", "error", "match"),
     [
-        (3, _load_toy, TypeError, r"model_type must be a string.*Received: int 3"),
+        (
+            3,
+            _load_toy,
+            ValueError,
+            r"model_type must be a non-empty string.*Received: model_type=3",
+        ),
         ("", _load_toy, ValueError, r"non-empty string.*Received: model_type=''"),
-        ("toy", "a loader", TypeError, r"loader must be callable.*Received: str 'a loader'"),
+        ("toy", "a loader", TypeError, r"load must be callable.*Received: str 'a loader'"),
     ],
 )
-def test_register_refuses_bad_arguments(model_type, loader, error, match, restore_families):
+def test_a_family_refuses_bad_fields(model_type, loader, error, match):
     with pytest.raises(error, match=match):
-        models.register(model_type, loader)
+        models.Family(model_type, "a toy", _Toy, loader)
+
+
+def test_register_takes_a_family_record(restore_families):
+    with pytest.raises(TypeError, match=r"register takes a multihead.models.Family record"):
+        models.register("toy")
 
 
 def test_library_classes_declare_saving_in_their_own_files():
@@ -233,7 +251,7 @@ def test_a_saved_bare_bert_is_refused_by_text_commands(tiny_bert, tmp_path, caps
     err = capsys.readouterr().err
     assert re.search(
         rf"holds a multihead.save folder of Bert, a model without its tokenizer, but "
-        rf"multihead {command} supports BERT-family encoders.*"
+        rf"multihead {command} supports sentence encoders: a BERT-family encoder.*"
         r"Received: multihead.models.bert.Bert",
         err,
     ), err

@@ -34,9 +34,16 @@ SAVED = (
     r"holds a multihead.save folder of multihead.apps.sentiment.AttentionClassifier "
     r"\(config.json model.class\)"
 )
-BERT_ONLY = r"supports BERT-family encoders \(config.json model_type 'bert'"
-EXPORTS = r"supports BERT-family encoders .* GPT-2 and Llama decoders .* multihead.save folders"
-EXPLAINS = r"supports language models: BERT-family encoders .* GPT-2 and Llama decoders"
+BERT_ONLY = (
+    r"supports sentence encoders: a BERT-family encoder \(config.json model_type 'bert'\), as "
+    r"the default all-MiniLM-L6-v2"
+)
+FAMILIES = (
+    r"a BERT-family encoder \(config.json model_type 'bert'\), a GPT-2 decoder \(model_type "
+    r"'gpt2'\) or a Llama decoder \(model_type 'llama'\)"
+)
+EXPORTS = rf"supports {FAMILIES}, and multihead.save folders of a MultiHeadAttention"
+EXPLAINS = rf"supports language models: {FAMILIES}, or multihead.save folders of them"
 
 
 @pytest.mark.parametrize(

@@ -9,14 +9,13 @@ import pytest
 
 from multihead import cli
 from multihead.bench import context
-from multihead.bench.context import ContextConfig, run_context_bench
+from multihead.bench.context import ContextBenchOptions, ContextConfig, run_context_bench
 
 
 def test_bench_runs_one_and_two_processes(tmp_path, capsys):
     # a short sequence: the launch, the measurements and the report, not the speed, are tested
-    report = run_context_bench(
-        processes=[2, 1], config=ContextConfig(length=1536, heads=2), out_dir=tmp_path
-    )
+    options = ContextBenchOptions(processes=(2, 1), out=tmp_path)
+    report = run_context_bench(options, config=ContextConfig(length=1536, heads=2))
     saved = json.loads((tmp_path / "context_parallel.json").read_text())
     assert saved == json.loads(json.dumps(report))
     assert saved["config"]["length"] == 1536 and saved["config"]["heads"] == 2
@@ -50,10 +49,14 @@ def test_bench_runs_one_and_two_processes(tmp_path, capsys):
 
 def test_cli_flag_reaches_the_bench(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(context, "run_context_bench", lambda **kw: seen.update(kw))
+
+    def job(options: ContextBenchOptions) -> None:
+        seen.update(vars(options))
+
+    monkeypatch.setattr(context, "run_context_bench", job)
     argv = ["bench", "context-parallel", "--processes", "1", "4", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
-    assert seen == {"quick": False, "processes": [1, 4], "repeats": None, "out_dir": str(tmp_path)}
+    assert seen == {"quick": False, "processes": (1, 4), "repeats": None, "out": tmp_path}
 
 
 def test_bench_input_errors(tmp_path, capsys):
@@ -61,4 +64,5 @@ def test_bench_input_errors(tmp_path, capsys):
         cli.main(["bench", "context-parallel", "--processes", "0"])
     assert "expected a whole number >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"at least one position.*Received: L=3"):
-        run_context_bench(processes=[4], config=ContextConfig(length=3), out_dir=tmp_path)
+        options = ContextBenchOptions(processes=(4,), out=tmp_path)
+        run_context_bench(options, config=ContextConfig(length=3))

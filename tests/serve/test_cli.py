@@ -14,7 +14,7 @@ import pytest
 
 from multihead import cli
 from multihead.bench.texts import sentences
-from multihead.serve import Access, load_engine, open_warning
+from multihead.serve import Access, ServeOptions, load_engine, open_warning
 
 FP32 = 1e-5  # onnxruntime fp32 against torch fp32 (tests/export)
 
@@ -85,7 +85,11 @@ def test_serve_limits_and_access_flags(monkeypatch, capsys):
     import multihead.serve
 
     seen: dict = {}
-    monkeypatch.setattr(multihead.serve, "run", lambda **kwargs: seen.update(kwargs))
+
+    def run(options: ServeOptions) -> None:
+        seen.update(vars(options))
+
+    monkeypatch.setattr(multihead.serve, "run", run)
     monkeypatch.setenv("MULTIHEAD_API_KEY", "from-the-environment")
     argv = ["serve", "--max-response-mb", "4", "--header-timeout", "3", "--body-timeout", "7"]
     argv += ["--drain-timeout", "9", "--allowed-hosts", "a.example", "b.example"]

@@ -1,5 +1,6 @@
-"""The validated request every backend receives (``prepare`` builds it), and helpers shared by
-the eager backends."""
+"""The validated request every backend receives: ``prepare`` checks an attention call and
+builds its ``Call``; ``plain_causal``, ``structured`` and ``exporting`` are what the backends'
+ranking rules read besides the shapes."""
 
 from __future__ import annotations
 
@@ -13,11 +14,7 @@ from .. import bias as _bias
 from ..bias import ScoreModifier
 from ..masks import Mask, TorchMasks, dense
 
-
-class BackendUnavailable(RuntimeError):
-    """Raised by a backend's ``run`` when it finds only on trying that it cannot run the call
-    (a compile that fails). The registry catches it and runs the next backend ``auto`` would
-    choose; the backend's ``unsupported`` should report the reason from then on."""
+__all__ = ["Call", "exporting", "plain_causal", "prepare", "structured"]
 
 
 @dataclass(frozen=True)
@@ -142,38 +139,3 @@ def structured(call: Call) -> bool:
 def exporting() -> bool:
     """True while torch.export or the ONNX exporter traces: no data-dependent branches then."""
     return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
-
-
-def stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax statistics and biases: float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def repeat_kv(t: Tensor, groups: int) -> Tensor:
-    """[B, H_kv, S, D] -> [B, H_kv * groups, S, D]; query head h reads kv head h // groups."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def dense_keep(call: Call) -> Tensor | None:
-    """The mask as a bool tensor broadcastable to [B, H, L, S], or None when there is none."""
-    if call.mask is None:
-        return None
-    _, _, _, length_q, length_k, _ = call.shape
-    return call.mask.to_dense(length_q, length_k, device=call.query.device)
-
-
-def drop_dead_keys(keep: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Zero key/value rows that no query may see.
-
-    Padding often holds garbage (even NaN); a weight of 0 times NaN is still NaN inside a matmul,
-    so keys that are invisible to every query must not be read at all. When the mask differs
-    per head, key/value are first expanded from H_kv to H heads so each head drops its own.
-    """
-    live = keep.any(dim=2)  # [B|1, H|1, S]
-    # no early exit when every key is live: a data-dependent branch would stop torch.export
-    if live.shape[1] not in (1, key.shape[1]):
-        groups = live.shape[1] // key.shape[1]
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    live = live[..., None]  # [B|1, H|1, S, 1]
-    zero = torch.zeros((), dtype=key.dtype, device=key.device)
-    return torch.where(live, key, zero), torch.where(live, value, zero)

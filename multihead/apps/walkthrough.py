@@ -1,4 +1,4 @@
-"""``multihead demo``: multi-head attention on a 3-token sentence, one stage at a time.
+"""``multihead walkthrough``: multi-head attention on a 3-token sentence, one stage at a time.
 
 Every stage is printed with its shape, and the hand-computed result is checked against
 ``MultiHeadAttention`` at the end.

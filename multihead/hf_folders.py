@@ -1,4 +1,5 @@
-"""Reading model folders, shared by the bert, gpt2 and llama loaders and ``multihead.load``.
+"""Reading model folders in Hugging Face's layout, shared by the model families' loaders and
+``multihead.load``.
 
 A folder holds ``config.json``, weights (``model.safetensors``, a sharded
 ``model.safetensors.index.json`` or ``pytorch_model.bin``) and usually ``tokenizer.json``. Every
@@ -12,15 +13,11 @@ an error, never a partial load. File names read from a config stay inside the fo
 
 from __future__ import annotations
 
-import collections.abc
 import contextlib
 import dataclasses
 import json
-import math
-import types
-import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
@@ -31,23 +28,17 @@ from torch.overrides import TorchFunctionMode
 from ._extras import require
 
 __all__ = [
-    "POSITIVE",
     "WEIGHT_FILES",
-    "Size",
     "Weights",
     "assign",
     "build_on_meta",
     "check_unstored",
-    "describe_annotation",
     "file_in",
-    "fits_annotation",
     "match",
     "model_folder",
-    "parse_config",
     "read_config",
     "read_json",
     "read_tokenizer",
-    "read_weights",
     "weights",
 ]
 
@@ -330,12 +321,6 @@ def weights(folder: Path, file: Path | None = None) -> Weights:
     )
 
 
-def read_weights(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint in ``folder``, by its name in the file (see
-    ``weights`` for the files tried and the errors)."""
-    return weights(folder).read()
-
-
 class _Budget(TorchFunctionMode):
     """Counts torch calls and stops a build that makes far more than the weights justify."""
 
@@ -453,176 +438,6 @@ def read_tokenizer(folder: Path, *, required: bool) -> Any:
     return tokenizer
 
 
-class _Positive:
-    """Annotation marker: the number must be > 0 (a size or a count)."""
-
-    def __repr__(self) -> str:
-        return "positive"
-
-
-POSITIVE = _Positive()
-Size = typing.Annotated[int, POSITIVE]  # a config field that counts or sizes something: an int > 0
-
-_SEQUENCES = (list, tuple, collections.abc.Sequence, collections.abc.Iterable)
-_MAPPINGS = (dict, collections.abc.Mapping)
-
-
-def fits_annotation(value: Any, tp: Any, *, non_negative: bool = False) -> bool:
-    """Whether a value read from a config fits a type annotation (``int``, ``float``, ``bool``,
-    ``str``, ``X | None``, ``Literal``, lists, sequences, tuples, dicts, classes). A bool is
-    not an int and an int is a float; ``non_negative``: numbers must also be >= 0 (floats
-    finite). Annotations that say nothing checkable (``Any``, callables) accept anything."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(
-            fits_annotation(value, arm, non_negative=non_negative) for arm in typing.get_args(tp)
-        )
-    if origin is typing.Annotated:
-        base, *marks = typing.get_args(tp)
-        fits = fits_annotation(value, base, non_negative=non_negative)
-        return fits and (POSITIVE not in marks or value > 0)
-    if origin is typing.Literal:
-        return any(value == v and type(value) is type(v) for v in typing.get_args(tp))
-    scalar = _fits_scalar(value, tp, non_negative)
-    if scalar is not None:
-        return scalar
-    if origin in _SEQUENCES or tp in _SEQUENCES:
-        return _fits_sequence(value, tp, non_negative)
-    return _fits_mapping_or_class(value, tp, origin)
-
-
-def _fits_mapping_or_class(value: Any, tp: Any, origin: Any) -> bool:
-    if origin in _MAPPINGS or tp in _MAPPINGS:
-        return isinstance(value, dict)
-    if isinstance(tp, type) and tp is not object:
-        return isinstance(value, tp)
-    return True  # Any, callables, type variables: nothing a config value can be checked against
-
-
-def _fits_scalar(value: Any, tp: Any, non_negative: bool) -> bool | None:
-    """``fits_annotation`` for None, bool, int, float and str; None for any other annotation."""
-    if tp is type(None) or tp is None:
-        return value is None
-    if tp is bool or tp is str:
-        return isinstance(value, tp)
-    if tp is int:
-        return (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and (value >= 0 or not non_negative)
-        )
-    if tp is float:
-        return (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and (not non_negative or (math.isfinite(value) and value >= 0))
-        )
-    return None
-
-
-def _fits_sequence(value: Any, tp: Any, non_negative: bool) -> bool:
-    """``fits_annotation`` for lists, sequences and tuples (fixed length or ``...``)."""
-    if not isinstance(value, (list, tuple)):
-        return False
-    arms = typing.get_args(tp)
-    if typing.get_origin(tp) is tuple and arms and arms[-1] is not Ellipsis:
-        return len(arms) == len(value) and all(
-            fits_annotation(v, arm, non_negative=non_negative) for v, arm in zip(value, arms)
-        )
-    return not arms or all(fits_annotation(v, arms[0], non_negative=non_negative) for v in value)
-
-
-def describe_annotation(tp: Any, *, non_negative: bool = False) -> str:
-    """An annotation in words, for messages ("true or false", "a non-negative int or null")."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(
-            describe_annotation(arm, non_negative=non_negative) for arm in typing.get_args(tp)
-        )
-    if origin is typing.Annotated:
-        base, *marks = typing.get_args(tp)
-        if POSITIVE in marks and base is int:
-            return "a positive int"
-        return describe_annotation(base, non_negative=non_negative)
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    if origin in _SEQUENCES or tp in _SEQUENCES:
-        arms = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        inner = " or ".join(describe_annotation(a, non_negative=non_negative) for a in arms)
-        return f"a list of ({inner})" if inner else "a list"
-    return _describe_plain(tp, origin, non_negative)
-
-
-def _describe_plain(tp: Any, origin: Any, non_negative: bool) -> str:
-    """``describe_annotation`` for an annotation without arms: a scalar, a mapping, a class."""
-    names = {
-        type(None): "null",
-        bool: "true or false",
-        int: "a non-negative int" if non_negative else "an int",
-        float: "a number >= 0" if non_negative else "a number",
-        str: "a string",
-        dict: "an object",
-    }
-    if tp in names:
-        return names[tp]
-    if origin in _MAPPINGS or tp in _MAPPINGS:
-        return "an object"
-    if isinstance(tp, type):
-        return f"a {tp.__name__}"
-    return str(tp)
-
-
-def parse_config(
-    cls: type[C],
-    raw: Mapping[str, Any],
-    *,
-    source: str = "config.json",
-    fixed: Mapping[str, Iterable[Any]] | tuple[()] = (),
-    choices: Mapping[str, Iterable[Any]] | tuple[()] = (),
-) -> C:
-    """Build the config dataclass ``cls`` from a parsed config.json, checking every field
-    against its annotation (int: >= 0, ``Size``: > 0, float: finite and >= 0, ``X | None``,
-    ``list[int]``): the dataclass is the one list of fields and what each may hold.
-
-    Args:
-        fixed: fields that change the math, with the only values implemented; other values
-            are refused (absent fields are fine).
-        choices: fields whose value must be one of a set (e.g. activation names).
-
-    Fields that ``cls`` does not declare are ignored. Every error names the field and ends
-    with "Received: field=value".
-    """
-
-    def fail(field: str, expected: str) -> ValueError:
-        return ValueError(
-            f"{source}: {field} must be {expected}. Received: {field}={raw.get(field)!r}"
-        )
-
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{source} must hold a JSON object. Received: {type(raw).__name__}")
-    for field, allowed in dict(fixed).items():
-        allowed = list(allowed)
-        if field in raw and raw[field] not in allowed:
-            raise fail(field, f"one of {allowed} (the only values implemented)")
-    hints = typing.get_type_hints(cls, include_extras=True)
-    allowed_values = {k: list(v) for k, v in dict(choices).items()}
-    values: dict[str, Any] = {}
-    for spec in fields(cls):  # type: ignore[arg-type]  # cls is a dataclass, as documented
-        field = spec.name
-        if field not in raw:
-            if spec.default is MISSING and spec.default_factory is MISSING:
-                raise ValueError(f"{source}: the required field {field} is missing")
-            continue
-        value = raw[field]
-        if field in allowed_values:
-            if value not in allowed_values[field]:
-                raise fail(field, f"one of {allowed_values[field]}")
-        elif not fits_annotation(value, hints[field], non_negative=True):
-            raise fail(field, describe_annotation(hints[field], non_negative=True))
-        values[field] = value
-    return cls(**values)
-
-
 def _listed(names: list[str]) -> str:
     more = f" and {len(names) - _LISTED} more" if len(names) > _LISTED else ""
     return ", ".join(names[:_LISTED]) + more
@@ -657,13 +472,7 @@ def match(
     sources = {
         mine: (spec, None) if isinstance(spec, str) else spec for mine, spec in names.items()
     }
-    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in stored})
-    if missing:
-        raise ValueError(
-            f"the weights in {weights.folder} lack {len(missing)} tensors the config needs: "
-            f"{_listed(missing)}. config.json and the weights disagree (fewer layers or other "
-            f"parts than the config describes). Received: {len(stored)} tensors"
-        )
+    _check_present(sources, stored, weights)
     paired: dict[str, Tensor] = {}
     for mine, (theirs, convert) in sources.items():
         tensor, target = stored[theirs], own[mine]
@@ -691,6 +500,28 @@ def match(
                 f"Received: {theirs}.shape={tuple(stored[theirs].shape)}"
             )
         paired[mine] = tensor
+    _check_used(sources, stored, weights, unused)
+    return paired
+
+
+def _check_present(sources: Mapping[str, tuple], stored: Mapping[str, Tensor], weights) -> None:
+    """Every checkpoint tensor ``sources`` names must be stored."""
+    missing = sorted({theirs for theirs, _ in sources.values() if theirs not in stored})
+    if missing:
+        raise ValueError(
+            f"the weights in {weights.folder} lack {len(missing)} tensors the config needs: "
+            f"{_listed(missing)}. config.json and the weights disagree (fewer layers or other "
+            f"parts than the config describes). Received: {len(stored)} tensors"
+        )
+
+
+def _check_used(
+    sources: Mapping[str, tuple],
+    stored: Mapping[str, Tensor],
+    weights,
+    unused: Callable[[str], bool],
+) -> None:
+    """Every stored tensor must be used, or one ``unused`` says may be left out."""
     used = {theirs for theirs, _ in sources.values()}
     left = sorted(name for name in stored if name not in used and not unused(name))
     if left:
@@ -700,7 +531,6 @@ def match(
             "other parts than the config describes); loading only some of them would give a "
             f"different model. Received: {len(stored)} tensors, {len(used)} used"
         )
-    return paired
 
 
 def assign(

@@ -1,14 +1,14 @@
-"""`multihead walkthrough` (once `multihead demo`) walks through every stage and checks it."""
+"""`multihead walkthrough` walks through every stage and checks it."""
 
 from __future__ import annotations
 
 from multihead import cli
-from multihead.apps import demo
+from multihead.apps import walkthrough
 
 
-def test_demo_prints_every_stage_and_agrees_with_module():
+def test_walkthrough_prints_every_stage_and_agrees_with_module():
     lines: list[str] = []
-    diff = demo.run(lines.append)
+    diff = walkthrough.run(lines.append)
     text = "\n".join(lines)
     assert diff <= 1e-6
     for stage in (
@@ -25,8 +25,8 @@ def test_demo_prints_every_stage_and_agrees_with_module():
     assert "[  1.000    2.000]\n    [  5.000    6.000]\n    [  9.000   10.000]" in text
 
 
-def test_demo_is_deterministic_and_runs_from_the_cli(capsys):
+def test_walkthrough_is_deterministic_and_runs_from_the_cli(capsys):
     first: list[str] = []
-    demo.run(first.append)
+    walkthrough.run(first.append)
     assert cli.main(["walkthrough"]) == 0
     assert capsys.readouterr().out.splitlines() == "\n".join(first).splitlines()

@@ -1,0 +1,28 @@
+"""The options every benchmark shares: where its results go and how often it times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._flags import option, positive_int
+
+__all__ = ["Results", "Timed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Results:
+    """A benchmark's output folder."""
+
+    out: Path = option(Path("bench-results"), "folder for the results", metavar="DIR")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timed(Results):
+    """A benchmark that times each contender several times."""
+
+    repeats: int | None = option(
+        None,
+        "timed repeats per contender (default: 3; kernels: 5, with --quick 3)",
+        parse=positive_int,
+    )
