@@ -388,6 +388,47 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_download(args: argparse.Namespace) -> int:
+    from .data import DownloadError, download
+
+    try:
+        download(args.dataset, source=args.source)
+    except DownloadError as err:  # the network or the mirror: not a usage error
+        print(f"multihead data download: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_data(commands: argparse._SubParsersAction) -> None:
+    """``multihead data download NAME [--from URL]``: one call to ``multihead.data.download``."""
+    from .data import DATASETS, ENV
+
+    data = _command(commands, "data", "download the data sets the train applications read")
+    actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    download = _command(
+        actions,
+        "download",
+        "fetch a data set into the cache, each file checked against its SHA-256 digest",
+        "Fetch a data set into ~/.cache/multihead/data (the folder $" + ENV + " names, when\n"
+        "set). Every file is checked against the SHA-256 digest recorded in multihead and\n"
+        "written whole; files already there and intact are kept.\n"
+        + "\n".join(
+            textwrap.fill(f"{name}: {d.about}", 88, initial_indent="  ", subsequent_indent="    ")
+            for name, d in DATASETS.items()
+        ),
+    )
+    download.add_argument("dataset", choices=sorted(DATASETS), metavar="NAME",
+                          help=f"the data set: {', '.join(sorted(DATASETS))}")  # fmt: skip
+    download.add_argument(
+        "--from",
+        dest="source",
+        metavar="URL",
+        help="a mirror: a base URL (or a folder) holding the same files by name "
+        "(default: the data set's public source)",
+    )
+    download.set_defaults(func=_data_download)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench.suite import QUICK_SECONDS
 
@@ -608,6 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="lines per Ray batch",
     )
     embed.set_defaults(func=_embed)
+    _add_data(commands)
     train = _command(
         commands,
         "train",
@@ -640,8 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--data",
         metavar="PATH",
-        help="sentiment: a folder of *_GroundTruth.txt files or one such file "
-        "(default ../shared/data/vader-sentiment)",
+        help="sentiment: a folder of *_GroundTruth.txt files or one such file; lm: any UTF-8 "
+        "text file or folder (default: the VADER ground truth in the cache, which "
+        "'multihead data download vader' fetches)",
     )
     train.add_argument("--seed", type=int, default=0, help="seed for data, init and order")
     train.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",

