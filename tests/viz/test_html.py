@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -14,17 +13,6 @@ from multihead.inspect import for_text
 from multihead.viz.html import MIN_WEIGHT, head_view, save_head_view
 
 TEXT = "The animal didn't cross the street because it was too tired"
-# the flags the machine notes recommend for a closed network: no background traffic at all
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +24,6 @@ def page_file(pretrained, tmp_path_factory):
     path = tmp_path_factory.mktemp("view") / "attention.html"
     save_head_view(path, weights, batch.tokens[0], special=batch.special[0], focus=focus)
     return path, weights, batch.tokens[0], focus
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("Debian's chromium is needed for the browser tests; `make test` installs it")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=executable, args=FLAGS, headless=True)
-        yield b
-        b.close()
 
 
 def _embedded(page):
