@@ -50,14 +50,19 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert "--out must be a folder, but" in capsys.readouterr().err
 
 
-def test_overwrite_replaces_the_run_whole(previous, tmp_path):
+def test_overwrite_replaces_the_run_whole(previous, tmp_path, capsys):
     """A stray file of the previous run does not survive: the new run replaces DIR whole, its
     metrics record DIR (not the temporary folder it was written in), and no temporary is left
-    beside it."""
+    beside it. The run being replaced is said first (before, nothing said it)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "stray.txt").write_text("from an older run")
+    (out / "model").mkdir()
     assert main([*QUICK, "--out", str(out), "--overwrite"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"--out {out} holds a previous run (model, stray.txt); --overwrite replaces it whole "
+        "when this run ends"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert not (out / "stray.txt").exists()
     metrics = json.loads((out / "metrics.json").read_text())
