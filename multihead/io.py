@@ -523,7 +523,8 @@ def load(folder: str | Path) -> Any:
         ValueError: config.json is not UTF-8 JSON, nests too deeply, or has an unknown format
             version or class, or a field of the wrong type (named, with its file); the
             weights file is empty, corrupt or outside the folder; or the weights do not match
-            the architecture (missing, unexpected, mis-shaped or integer tensors, named).
+            the architecture (missing, unexpected, mis-shaped or integer tensors, named), or
+            mix floating-point dtypes among tensors built in one (the odd one named).
     """
     from . import checkpoint
 
