@@ -119,6 +119,36 @@ def test_head_view_in_browser(page_file, browser, tmp_path):
     page.close()
 
 
+def _pixels_of(png: bytes, colour: str, tolerance: int = 24) -> int:
+    """How many pixels of ``png`` are within ``tolerance`` (per channel) of ``colour``."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    want = np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)])
+    return int((np.abs(rgb - want).max(axis=-1) <= tolerance).sum())
+
+
+def test_twelve_heads_on_stay_distinguishable(page_file, browser):
+    """With every head on, each drawn head shows in its own colour in the drawing (before,
+    twelve half-transparent lines on the same path blended into one brown, and most heads'
+    colours appeared nowhere)."""
+    path, _, _, focus = page_file
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(path.as_uri())
+    page.wait_for_selector("line.attn")
+    data = _embedded(page)
+    assert len(set(data["colours"])) == 12
+    drawn = {h for h in range(12) if max(data["weights"][0][h][focus]) >= MIN_WEIGHT}
+    assert len(drawn) == 12
+    png = page.locator("#view").screenshot()
+    for h in sorted(drawn):
+        assert _pixels_of(png, data["colours"][h]) >= 30, f"head {h} ({data['colours'][h]})"
+    page.close()
+
+
 def test_head_view_bad_input():
     w = torch.rand(1, 2, 3, 3).softmax(-1)
     with pytest.raises(ValueError, match=r"one label per position \(3\)"):
