@@ -110,6 +110,28 @@ def test_getting_started_holds_whichever_kernel_auto_picks_for_each_shape(tmp_pa
     assert done.returncode == 0, done.stderr[-6000:]
 
 
+DURATION = re.compile(
+    r"\b(?:about|under|within|in) (?:half a|an?|\d+(?:\.\d+)?) (?:seconds?|minutes?)\b"
+)
+
+
+def test_one_claim_for_how_long_train_quick_takes():
+    """`train lm --quick` was "about 15 seconds" in the decoding guide and "under a minute" in
+    `train --help` (1 min 47 s measured). The help and the guides make one claim now, measured
+    on a loaded 2-core machine (the runs are in the CHANGELOG)."""
+    from multihead.cli import build_parser
+
+    train = dict(walk_parsers(build_parser()))["multihead train"]
+    quick = next(a for a in train._actions if "--quick" in a.option_strings)
+    sources = {"multihead train --help": quick.help}
+    for name in ("guides/training.md", "guides/decoding.md"):
+        paragraphs = (DOCS / name).read_text(encoding="utf-8").split("\n\n")
+        sources[name] = " ".join(p.replace("\n", " ") for p in paragraphs if "--quick" in p)
+    claims = {name: set(DURATION.findall(text)) for name, text in sources.items()}
+    assert all("about 2 minutes" in found for found in claims.values()), claims
+    assert set().union(*claims.values()) <= {"about 2 minutes", "under half a minute"}, claims
+
+
 def _hook():
     path = DOCS / "hooks" / "cli_reference.py"
     spec = importlib.util.spec_from_file_location("cli_reference", path)
