@@ -22,7 +22,7 @@ Everything runs offline on the CPU; a GPU is used when present."""
 EPILOG = """\
 examples:
   multihead explain "The animal didn't cross the street because it was too tired" --focus it
-  multihead train forecast --quick --out runs/forecast
+  multihead train forecast --quick --out forecast-run
   multihead bench kernels --quick
 
 'multihead COMMAND --help' lists a command's options and their defaults."""
