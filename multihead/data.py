@@ -184,7 +184,7 @@ def find(name: str) -> Path:
             have = "is incomplete"
         raise FileNotFoundError(
             f"the {name} data set is not downloaded yet: {where} {have}. Run once: "
-            f"multihead data download {name}   (or pass --data with a folder of your own). "
+            f"multihead data download {name} (or pass --data with a folder of your own). "
             f"Received: missing {', '.join(absent)}"
         )
     return where

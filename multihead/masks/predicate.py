@@ -148,6 +148,8 @@ def _check_function(
 
 
 def _check_arity(fn: MaskMod) -> None:
+    if torch.compiler.is_compiling():  # dynamo cannot trace inspect; the probe's call remains
+        return
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (some builtins): the call tells

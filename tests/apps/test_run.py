@@ -97,12 +97,17 @@ def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
 
 def test_ctrl_c_after_the_model_is_saved_leaves_the_previous_run(previous):
     """SIGINT once this run's model/ is written (the moment that left one run's model beside
-    another's metrics.json): exit 130, one line on stderr, DIR byte for byte the previous run,
-    and the temporary folder gone."""
+    another's metrics.json): exit 130, one line on stderr after the one naming the run
+    --overwrite would have replaced, DIR byte for byte the previous run, and the temporary
+    folder gone."""
     before = _snapshot(previous)
     code, err = _signal_after_the_model_is_saved(previous, signal.SIGINT)
     assert code == 130, err
-    assert err.splitlines() == ["multihead train: interrupted"], err
+    assert err.splitlines() == [
+        f"--out {previous} holds a previous run (attention.png, confusion.png, metrics.json, "
+        "model, training_curve.png); --overwrite replaces it whole when this run ends",
+        "multihead train: interrupted",
+    ], err
     assert _snapshot(previous) == before
     assert sorted(p.name for p in previous.parent.iterdir()) == [previous.name]
 
