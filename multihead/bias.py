@@ -15,6 +15,12 @@ Modifiers add with ``+`` to each other and to tensors::
 
     bias = multihead.bias.alibi(8) + multihead.bias.relative_buckets(table) + extra_tensor
 
+Two modifiers are not additive and join a sum the same way: ``softcap(cap)`` caps the scaled
+scores with ``cap * tanh(score / cap)`` before the additive terms and the mask (Gemma 2), and
+``sinks(logits)`` adds one learned logit per head to every row's softmax denominator without a
+value (gpt-oss's attention sinks). A sum holds at most one of each; ``split`` hands a backend the
+additive part, the cap and the sink logits apart.
+
 Alignment follows ``masks.causal()``: bottom-right by default (query i sits at position
 i + S - L), so decoding with a cache sees the same distances as the full sequence.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,7 +37,17 @@ from torch import Tensor
 from . import _geometry as G
 from . import _validation as V
 
-__all__ = ["ScoreModifier", "alibi", "alibi_slopes", "as_modifier", "relative_buckets"]
+__all__ = [
+    "ScoreModifier",
+    "Terms",
+    "alibi",
+    "alibi_slopes",
+    "as_modifier",
+    "relative_buckets",
+    "sinks",
+    "softcap",
+    "split",
+]
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -290,6 +307,12 @@ class _Sum(ScoreModifier):
             )
         self.batch_size = batches.pop() if batches else None
         self.computed = any(p.computed for p in flat)
+        for kind in (_Softcap, _Sinks):
+            if sum(isinstance(p, kind) for p in flat) > 1:
+                raise ValueError(
+                    f"a sum of score modifiers holds at most one {kind.label}; combine them into "
+                    f"one. Received: {' + '.join(map(repr, flat))}"
+                )
 
     def check(self, batch, heads, length_q, length_k):
         for p in self.parts:
@@ -569,3 +592,142 @@ def relative_buckets(
         align: "bottom_right" (default) or "top_left"; they agree when L = S.
     """
     return _RelativeBuckets(table, bidirectional, max_distance, align)
+
+
+class _NotAdditive(ScoreModifier):
+    """A modifier that is not a term added to the scores (a cap, sink logits): it joins a sum
+    with ``+`` so that ``bias=`` takes everything at once, and ``split`` hands it to backends
+    apart from the additive terms."""
+
+    label = "modifier"
+
+    def _not_additive(self) -> TypeError:
+        return TypeError(
+            f"{self!r} is not an additive term: it has no values of its own to lower. Pass it "
+            "to attention(..., bias=...), which applies it, or use "
+            "multihead.bias.split(bias).additive for the additive part of a sum. "
+            f"Received: {self!r}"
+        )
+
+    def block(self, length_q, length_k, q0, q1, k0, k1, *, batch=None, device=None, dtype=None):
+        raise self._not_additive()
+
+    def score_mod(self, length_q, length_k, *, device=None):
+        raise self._not_additive()
+
+    def heads(self, index):
+        return self
+
+
+class _Softcap(_NotAdditive):
+    label = "softcap"
+
+    def __init__(self, cap: float) -> None:
+        ok = isinstance(cap, (int, float)) and not isinstance(cap, bool)
+        if not ok or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(
+                "softcap takes a finite positive number: scores become cap * tanh(score / cap). "
+                f"Received: cap={cap!r}"
+            )
+        self.cap = float(cap)
+
+    def tensors(self):
+        return ()
+
+    @property
+    def structure_key(self):
+        return ("softcap", self.cap)
+
+    def __repr__(self):
+        return f"softcap({self.cap:g})"
+
+
+def softcap(cap: float) -> ScoreModifier:
+    """Logit soft-capping (Gemma 2, section 2; Grok-1): each scaled score ``s = q . k * scale``
+    becomes ``cap * tanh(s / cap)``, bounded by ``cap`` in magnitude, before any additive term
+    and before the mask.
+
+    Combines with additive terms by ``+``; the result is::
+
+        scores = cap * tanh(q @ k.T * scale / cap) + additive terms, then the mask
+
+    Gradients flow through the cap (``1 - tanh(s / cap) ** 2``).
+
+    Args:
+        cap: a finite positive number (Gemma 2 uses 50.0 on attention logits).
+
+    Raises:
+        ValueError: ``cap`` is not a finite positive number.
+    """
+    return _Softcap(cap)
+
+
+class _Sinks(_NotAdditive):
+    label = "sinks"
+
+    def __init__(self, logits: Tensor) -> None:
+        if not isinstance(logits, Tensor) or logits.dim() != 1 or not logits.is_floating_point():
+            got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(
+                f"sinks takes a 1-D float tensor of one logit per query head, (H,). Received: {got}"
+            )
+        self.logits = logits
+        self.num_heads = logits.shape[0]
+
+    def tensors(self):
+        return (self.logits,)
+
+    def heads(self, index):
+        return _Sinks(self.logits[index.to(self.logits.device)])
+
+    def check(self, batch, heads, length_q, length_k):
+        if self.num_heads != heads:
+            raise ValueError(
+                f"sinks need one logit per query head: H={heads}, so {heads} logits. "
+                f"Received: {self.num_heads} logits"
+            )
+        if not bool(torch.isfinite(self.logits).all()):
+            raise ValueError("sink logits must be finite. Received: inf or NaN logits")
+
+    def __repr__(self):
+        return f"sinks({self.num_heads} heads)"
+
+
+def sinks(logits: Tensor) -> ScoreModifier:
+    """Attention sinks (gpt-oss; Xiao et al. 2024): one learned logit per head that takes part
+    in every row's softmax denominator but has no value, so a row may give part of its weight
+    to nothing. For row i of head h::
+
+        weights[i, j] = exp(s[i, j]) / (exp(sinks[h]) + sum over visible j' of exp(s[i, j']))
+        out[i] = sum over j of weights[i, j] * v[j]            # the weights sum to less than 1
+
+    A row that sees no key still outputs exactly 0. Gradients reach ``logits``.
+
+    Args:
+        logits: (H,) float tensor, one logit per query head (an ``nn.Parameter`` to learn it).
+
+    Raises:
+        ValueError: ``logits`` is not a 1-D float tensor, or (when used) has a length other
+            than H or holds inf/NaN.
+    """
+    return _Sinks(logits)
+
+
+class Terms(NamedTuple):
+    """A ``bias=`` argument taken apart for backends: the additive terms (a modifier or None),
+    the soft cap (or None) and the sink logits (H,) (or None)."""
+
+    additive: ScoreModifier | None
+    softcap: float | None
+    sinks: Tensor | None
+
+
+def split(bias: ScoreModifier | None) -> Terms:
+    """``bias`` as its additive part, its soft cap and its sink logits (each None if absent)."""
+    parts = bias.parts if isinstance(bias, _Sum) else ((bias,) if bias is not None else ())
+    additive = [p for p in parts if not isinstance(p, _NotAdditive)]
+    cap = next((p.cap for p in parts if isinstance(p, _Softcap)), None)
+    logits = next((p.logits for p in parts if isinstance(p, _Sinks)), None)
+    if not additive:
+        return Terms(None, cap, logits)
+    return Terms(additive[0] if len(additive) == 1 else _Sum(tuple(additive)), cap, logits)

@@ -205,6 +205,13 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_hf(args: argparse.Namespace) -> int:
+    from .bench.hf import run_hf_bench
+
+    run_hf_bench(repeats=args.repeats or 3, quick=args.quick, out_dir=args.out)
+    return 0
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from .bench.serve import run_serve_bench
 
@@ -447,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _command(
         commands,
         "bench",
-        "benchmarks: kernels, embed, decode, serve, train, context-parallel",
+        "benchmarks: kernels, embed, decode, hf, serve, train, context-parallel",
         "Measure speed against the usual alternatives, in one process on the same inputs. "
         "Each benchmark prints a table and writes results.json (and a PNG where it has one).",
     )
@@ -507,6 +514,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", metavar="DIR", help="trained GPT-2/Llama folder: quality rows of bf16/int8"
     )
     decode.add_argument("--text", metavar="FILE", help="held-out UTF-8 text for --model")
+    hf = add_bench(
+        "hf",
+        "transformers models on attn_implementation='multihead' against sdpa, eager (with and "
+        "without output_attentions) and flex_attention: Llama-like L=4096, a sliding window "
+        "of 256 at L=8192, Gemma-2 soft-capping at L=2048, capture's memory at L=6144",
+        _bench_hf,
+    )
+    hf.add_argument("--quick", action="store_true", help="1/16 of the lengths: a smoke test")
     serve_bench = add_bench(
         "serve",
         "load-test multihead serve against a FastAPI + sentence-transformers server",
@@ -604,7 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--model",
         metavar="PATH",
-        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        help="model folder: BERT family, GPT-2 or Llama, or any architecture transformers "
+        "loads with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
     )
     explain.add_argument(
         "--layer",
@@ -717,7 +733,8 @@ def build_parser() -> argparse.ArgumentParser:
     onnx.add_argument(
         "--model",
         metavar="PATH",
-        help="model folder: BERT family, GPT-2 or Llama (config.json) (default: all-MiniLM-L6-v2)",
+        help="model folder: BERT family, GPT-2 or Llama, or any architecture transformers "
+        "loads with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
     )
     onnx.add_argument(
         "--out",

@@ -91,7 +91,11 @@ def attention(
             ``relative_buckets``, sums of them and tensors) that the fast backends compute
             per tile, never as an L x S tensor. Must be finite: blocking is the mask's job.
             It is added in float32 beside float32/bf16/fp16 inputs (float64 beside float64)
-            on every backend, never rounded to a half-precision input dtype.
+            on every backend, never rounded to a half-precision input dtype. Two
+            non-additive modifiers join the sum: ``bias.softcap(cap)`` caps the scaled scores
+            (``cap * tanh(s / cap)``, before the additive terms and the mask) and
+            ``bias.sinks(logits)`` puts one logit per head in every row's softmax
+            denominator; backends without them are not chosen.
         scale: multiplies the scores; default 1 / sqrt(D).
         dropout_p: dropout on the weights, in [0, 1), drawn from torch's global generator.
         backend: "auto" (fastest backend that honours the call), "tiled", "half" (bf16/fp16
@@ -216,6 +220,7 @@ def select_heads(call: Call, heads: list[int]) -> Call:
         value=call.value[:, kv],
         mask=mask,
         bias=bias,
+        sinks=None if call.sinks is None else call.sinks[index],
     )
 
 

@@ -27,17 +27,23 @@ def naive_attention(
     keep: Tensor | None = None,
     bias: Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(D) + bias) V written out, in the dtype of the inputs.
 
     ``keep`` (bool, broadcastable to (B, H, L, S)) hides keys; rows with no visible key give 0.
-    GQA: key/value head h // (H / H_kv) serves query head h.
+    GQA: key/value head h // (H / H_kv) serves query head h. ``softcap``: the scaled scores
+    become softcap * tanh(s / softcap) before the bias (Gemma 2). ``sinks`` (H,): one more
+    term exp(sinks[h]) in every row's denominator, with no value (gpt-oss).
     """
     h, h_kv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(h // h_kv, dim=1)
     v = v.repeat_interleave(h // h_kv, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = torch.einsum("bhld,bhsd->bhls", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias
     if keep is None:
@@ -45,9 +51,14 @@ def naive_attention(
     keep = keep.expand(s.shape)
     s = torch.where(keep, s, torch.full_like(s, -torch.inf))
     row_max = s.amax(dim=-1, keepdim=True)
+    sink = None if sinks is None else sinks.to(s.dtype)[None, :, None, None]
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.where(keep, torch.exp(s - row_max), torch.zeros_like(s))
     total = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        total = total + torch.exp(sink - row_max)
     w = torch.where(total > 0, e / torch.where(total > 0, total, torch.ones_like(total)), 0.0)
     return torch.einsum("bhls,bhsd->bhld", w, v), w
 

@@ -372,3 +372,110 @@ def test_modifier_errors():
         mh.attention(
             q.float(), k.float(), v.float(), bias=mb.relative_buckets(table, max_distance=8)
         )
+
+
+# ------------------------------------------------------------------------------------------
+# Soft-capping (Gemma 2) and attention sinks (gpt-oss): non-additive modifiers, against the
+# naive formula written out in float64 (tests/helpers.py: naive_attention).
+
+CAPPED_BACKENDS = ["reference", "tiled"]
+
+
+def _capped_modifier(name: str, h: int, grad: bool = False):
+    g = torch.Generator().manual_seed(11)
+    logits = (2.0 * torch.randn(h, dtype=torch.float64, generator=g)).requires_grad_(grad)
+    extra = mb.alibi(slopes=torch.rand(h, dtype=torch.float64, generator=g))
+    return {
+        "softcap": (mb.softcap(1.5), 1.5, None, None),
+        "sinks": (mb.sinks(logits), None, logits, None),
+        "softcap+sinks+alibi": (mb.softcap(0.75) + mb.sinks(logits) + extra, 0.75, logits, extra),
+    }[name]
+
+
+CAPPED = ["softcap", "sinks", "softcap+sinks+alibi"]
+
+
+@pytest.mark.parametrize(
+    "kind", ["none", "causal", "window_both", "lengths", "documents", "causal&lengths"]
+)
+@pytest.mark.parametrize("name", CAPPED)
+@pytest.mark.parametrize("backend", CAPPED_BACKENDS)
+def test_softcap_and_sinks_equal_the_formula(backend, name, kind):
+    b, h, h_kv, length_q, length_k = 2, 4, 2, 23, 29
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, 5, seed=5)
+    q = 3 * q  # scores of several units, so the cap bends them
+    modifier, cap, logits, extra = _capped_modifier(name, h)
+    case = make_case(kind, b, h, length_q, length_k, seed=5)
+    dense = None if extra is None else extra.to_dense(length_q, length_k, dtype=torch.float64)
+    want, want_w = naive_attention(q, k, v, case.keep, bias=dense, softcap=cap, sinks=logits)
+    got, w = mh.attention_with_weights(q, k, v, case.mask, bias=modifier, backend=backend)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(w, want_w, rtol=0, atol=1e-12)
+    plain = mh.attention(q, k, v, case.mask, bias=modifier, backend=backend)
+    torch.testing.assert_close(plain, want, rtol=0, atol=1e-12)
+    if logits is not None:  # a sink takes part of every visible row's weight
+        rows = case.keep.expand(b, h, length_q, length_k).any(-1)
+        assert bool((w.sum(-1)[rows] < 1).all()) and bool((w.sum(-1)[~rows] == 0).all())
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "lengths"])
+@pytest.mark.parametrize("name", CAPPED)
+@pytest.mark.parametrize("backend", CAPPED_BACKENDS)
+def test_gradcheck_softcap_and_sinks(backend, name, kind):
+    b, h, length_q, length_k = 2, 2, 4, 6
+    q, k, v = qkv(b, h, 1, length_q, length_k, 3, seed=6, requires_grad=True)
+    mask = make_case(kind, b, h, length_q, length_k, seed=6).mask
+    _, cap, logits, extra = _capped_modifier(name, h, grad=True)
+
+    def f(q, k, v, *sink):
+        modifier = mb.softcap(cap) if cap is not None else None
+        if sink:
+            modifier = mb.sinks(sink[0]) + modifier
+        modifier = modifier + extra
+        return mh.attention(q, k, v, mask, bias=modifier, backend=backend)
+
+    inputs = (q, k, v) if logits is None else (q, k, v, logits)
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_selected_heads_keep_their_sinks():
+    q, k, v = qkv(1, 4, 2, 7, 9, 3, seed=8)
+    modifier = mb.sinks(torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64))
+    full = mh.attention_with_weights(q, k, v, masks.causal(), bias=modifier)
+    part = mh.attention_with_weights(q, k, v, masks.causal(), bias=modifier, heads=[3, 1])
+    torch.testing.assert_close(part.weights, full.weights[:, [3, 1]], rtol=0, atol=1e-12)
+
+
+def test_backends_without_softcap_or_sinks_refuse_them():
+    q, k, v = qkv(1, 2, 2, 5, 5, 4, dtype=torch.float32)
+    for modifier, what in ((mb.softcap(5.0), "soft-capping"), (mb.sinks(torch.zeros(2)), "sinks")):
+        with pytest.raises(ValueError, match=rf"backend 'sdpa' cannot run this call: .* {what}"):
+            mh.attention(q, k, v, masks.causal(), bias=modifier, backend="sdpa")
+        chosen = mh.explain_backend(q, k, v, masks.causal(), bias=modifier)
+        assert chosen.backend in CAPPED_BACKENDS + ["fused"]
+        assert what in chosen.reasons["sdpa"]
+
+
+def test_softcap_and_sinks_errors():
+    for cap in (0, -1.0, math.inf, math.nan, "5", True):
+        with pytest.raises(ValueError, match=r"softcap takes a finite positive number"):
+            mb.softcap(cap)
+    with pytest.raises(ValueError, match=r"sinks takes a 1-D float tensor"):
+        mb.sinks(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"sinks takes a 1-D float tensor"):
+        mb.sinks(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"holds at most one softcap"):
+        mb.softcap(1.0) + mb.alibi(2) + mb.softcap(2.0)
+    with pytest.raises(ValueError, match=r"holds at most one sinks"):
+        mb.sinks(torch.zeros(2)) + mb.sinks(torch.ones(2))
+    with pytest.raises(TypeError, match=r"softcap\(3\) is not an additive term"):
+        mb.softcap(3.0).to_dense(2, 2)
+    q, k, v = qkv(1, 4, 4, 3, 3, 2)
+    with pytest.raises(ValueError, match=r"sinks need one logit per query head: H=4"):
+        mh.attention(q, k, v, bias=mb.sinks(torch.zeros(2, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"sink logits must be finite"):
+        mh.attention(q, k, v, bias=mb.sinks(torch.tensor([0.0, 1.0, math.inf, 0.0])))
+    parts = mb.split(mb.alibi(4) + mb.softcap(2.0) + mb.sinks(torch.ones(4)))
+    assert parts.softcap == 2.0 and parts.sinks.tolist() == [1.0] * 4
+    assert repr(parts.additive).startswith("alibi(4 heads")
+    assert mb.split(None) == (None, None, None)

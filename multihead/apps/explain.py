@@ -1,8 +1,10 @@
 """``multihead explain``: what every head of a real model looks at, for one text and one word.
 
-The model folder's ``config.json`` picks the model: BERT-family encoders (the default model),
-or the GPT-2 and Llama decoders, whose heads are causal (a token attends only to itself and
-earlier tokens).
+The model folder's ``config.json`` picks the model: the library's own families (BERT-family
+encoders, the default model; the GPT-2 and Llama decoders, whose heads are causal: a token
+attends only to itself and earlier tokens), or any other architecture transformers can load
+from the folder with its ``tokenizer.json`` (a decoder, an encoder, or the encoder of an
+encoder-decoder), run on ``attn_implementation="multihead"`` with ``multihead.hf.capture``.
 
 Runs the text through the model with weights on, prints each head's most attended token from the
 focus word and the attention rollout, and writes the figures and the HTML head view.
@@ -26,8 +28,10 @@ __all__ = ["SUPPORTED", "Explained", "find_focus", "pick_head", "run"]
 
 SUPPORTED = (
     "language models: BERT-family encoders (config.json model_type 'bert'), GPT-2 and Llama "
-    "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them)"
+    "decoders (model_type 'gpt2' or 'llama', or multihead.save folders of them), and any "
+    "other architecture transformers loads, with its tokenizer (the hf extra)"
 )
+_OWN = (None, "bert", "gpt2", "llama")
 _STAGES = ("loading the model and running the text", "reading the heads", "drawing the figures")
 _SAVED_LANGUAGE_MODELS = ("multihead.models.gpt2.GPT2", "multihead.models.llama.Llama")
 
@@ -76,9 +80,9 @@ def _attend(
         checkpoint.model_folder(model_path)
     found = kinds.folder_kind(model_path)
     kind = None if found is None else found.kind
-    if kind not in (None, "bert", "gpt2", "llama") and not (
-        kind == kinds.SAVED and found.saved_class in _SAVED_LANGUAGE_MODELS
-    ):
+    if found is not None and kind not in (*_OWN, kinds.SAVED):
+        return _attend_transformers(text, found.folder)
+    if kind == kinds.SAVED and found.saved_class not in _SAVED_LANGUAGE_MODELS:
         raise kinds.wrong_kind(found, "multihead explain", SUPPORTED)
     model = models.load(model_path)
     if kind in (None, "bert"):
@@ -99,19 +103,78 @@ def _attend(
     return model, list(encoding.tokens), special, weights, True
 
 
+@dataclass(frozen=True)
+class _Foreign:
+    """A transformers model's folder and tokenizer: what the report reads of a model."""
+
+    path: Path
+    tokenizer: Any
+
+
+def _attend_transformers(
+    text: str, folder: Path
+) -> tuple[_Foreign, list[str], list[bool], Tensor, bool]:
+    """Run ``text`` through the model transformers loads from ``folder``, on the multihead
+    attention implementation, capturing every head of every self-attention layer (an
+    encoder-decoder's encoder). The heads are causal when no weight lies above the diagonal
+    (multihead gives hidden keys exactly 0)."""
+    import torch
+
+    from .._extras import require
+
+    transformers = require("transformers", "hf", "multihead explain on this architecture")
+    from tokenizers import Tokenizer
+
+    from ..hf import capture
+
+    vocabulary = folder / "tokenizer.json"
+    if not vocabulary.is_file():
+        raise FileNotFoundError(
+            f"explain needs the model's tokenizer.json, which is missing from {folder}. "
+            "Received: a folder without tokenizer.json"
+        )
+    tokenizer = Tokenizer.from_file(str(vocabulary))
+    try:
+        model = transformers.AutoModel.from_pretrained(folder, attn_implementation="multihead")
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(
+            f"transformers could not load a model from {folder} for multihead explain, which "
+            f"supports {SUPPORTED}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+    model.eval()
+    encoding = tokenizer.encode(text)
+    ids = torch.tensor([encoding.ids])
+    encoder = model.get_encoder() if model.config.is_encoder_decoder else model
+    with capture(model) as cap, torch.inference_mode():
+        encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+    weights = torch.stack([cap.weights[layer][0] for layer in range(cap.num_layers)]).float()
+    causal = bool((weights.triu(1) == 0).all()) and ids.shape[1] > 1
+    special = [bool(s) for s in encoding.special_tokens_mask]
+    return _Foreign(folder, tokenizer), list(encoding.tokens), special, weights, causal
+
+
+def _decodes(tokenizer: Any) -> bool:
+    """Whether tokens are shown through the tokenizer's decoder: byte-level and sentencepiece
+    pieces ("Ġgood", "▁good") read better decoded; WordPiece's ("##ing") are shown as they
+    are."""
+    decoder = getattr(tokenizer, "decoder", None)
+    return decoder is not None and type(decoder).__name__ != "WordPiece"
+
+
 def _focus(
-    tokenizer: Any, tokens: list[str], special: list[bool], word: str | None, causal: bool
+    tokenizer: Any, tokens: list[str], special: list[bool], word: str | None
 ) -> tuple[int, int]:
     """``find_focus`` with the word split by the model's tokenizer: (position of its first
-    piece, number of pieces). Byte-level tokenizers (GPT-2, Llama) mark a word inside a
-    sentence by its leading space, so that form is tried first for them."""
+    piece, number of pieces). Byte-level and sentencepiece tokenizers (GPT-2, Llama, RoBERTa)
+    mark a word inside a sentence by its leading space, so that form is tried first for
+    them."""
     if word is None:
         return find_focus(tokens, special, None, None), 1
 
     def pieces(form: str) -> list[str]:
         return tokenizer.encode(form, add_special_tokens=False).tokens
 
-    if causal:
+    if _decodes(tokenizer):
         with contextlib.suppress(ValueError):
             split = pieces(" " + word)
             return find_focus(tokens, special, word, split), len(split)
@@ -119,15 +182,15 @@ def _focus(
     return find_focus(tokens, special, word, split), len(split)
 
 
-def _labels(tokenizer: Any, tokens: list[str], causal: bool) -> list[str]:
+def _labels(tokenizer: Any, tokens: list[str]) -> list[str]:
     """What to print and draw for each token. A byte-level BPE (GPT-2, Llama) spells a leading
     space and every non-ASCII byte in stand-in characters ("Ġgood"); its decoder gives the text
     back (" good"), shown without the space ("␣" for a token of spaces alone). A piece that is
-    only part of a character keeps its raw form. Encoder tokens ("##ing") are shown as they
+    only part of a character keeps its raw form. WordPiece tokens ("##ing") are shown as they
     are."""
-    decoder = getattr(tokenizer, "decoder", None)
-    if not causal or decoder is None:
+    if not _decodes(tokenizer):
         return tokens
+    decoder = tokenizer.decoder
     labels = []
     for token in tokens:
         text = decoder.decode([token])
@@ -258,8 +321,8 @@ def _report(text, model, tokens, special, weights, causal, focus, layer, head, f
     from ..viz import head_heatmap, heatmap_grid, surface
     from ..viz.html import save_head_view
 
-    position, count = _focus(model.tokenizer, tokens, special, focus, causal)
-    tokens = _labels(model.tokenizer, tokens, causal)
+    position, count = _focus(model.tokenizer, tokens, special, focus)
+    tokens = _labels(model.tokenizer, tokens)
     split = ""
     if count > 1:  # the heads follow one token: say which piece of the word that is
         pieces = " ".join(f"'{t}'" for t in tokens[position : position + count])

@@ -32,6 +32,8 @@ class Call:
     scale: float
     dropout_p: float
     return_weights: bool
+    softcap: float | None = None  # scores -> cap * tanh(scores / cap) before bias and mask
+    sinks: Tensor | None = None  # [H]: one logit per head in every row's softmax denominator
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -48,7 +50,8 @@ class Call:
     @property
     def needs_grad(self) -> bool:
         tensors = (self.query, self.key, self.value, *self.bias_tensors)
-        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        sinks = self.sinks is not None and self.sinks.requires_grad
+        return torch.is_grad_enabled() and (sinks or any(t.requires_grad for t in tensors))
 
     @property
     def bias_tensors(self) -> tuple[Tensor, ...]:
@@ -92,6 +95,7 @@ def prepare(
         )
     if mask is not None:
         mask.check(b, h, length_q, length_k)
+    terms = _bias.split(modifier)
     if modifier is not None:
         modifier.check(b, h, length_q, length_k)
         for t in modifier.tensors():
@@ -105,19 +109,24 @@ def prepare(
         key=key,
         value=value,
         mask=mask,
-        bias=modifier,
+        bias=terms.additive,
         scale=V.check_scale(scale, d),
         dropout_p=V.check_dropout(dropout_p),
         return_weights=V.check_bool("return_weights", return_weights),
+        softcap=terms.softcap,
+        sinks=terms.sinks,
     )
 
 
 def plain_causal(call: Call) -> bool:
-    """True when torch's ``is_causal`` expresses the mask exactly (and there is no bias)."""
+    """True when torch's ``is_causal`` expresses the mask exactly (and there is no bias, cap or
+    sink)."""
     _, _, _, length_q, length_k, _ = call.shape
     return (
         call.mask is not None
         and call.bias is None
+        and call.softcap is None
+        and call.sinks is None
         and call.mask.torch_is_causal(length_q, length_k)
     )
 

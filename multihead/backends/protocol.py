@@ -50,6 +50,8 @@ class Capabilities:
         weights: returns the softmax weights when the call asks for them.
         dropout: applies dropout on the weights.
         backward: its output is differentiable.
+        softcap: applies ``bias.softcap`` (tanh capping of the scores).
+        sinks: applies ``bias.sinks`` (sink logits in the softmax denominator).
     """
 
     label: str = "this backend"
@@ -58,6 +60,8 @@ class Capabilities:
     weights: bool = False
     dropout: bool = False
     backward: bool = True
+    softcap: bool = False
+    sinks: bool = False
 
     def unsupported(self, call: Call) -> str | None:
         """Why ``call`` is outside these capabilities, or None."""
@@ -74,6 +78,10 @@ class Capabilities:
             return f"{self.label} has no dropout"
         if call.needs_grad and not self.backward:
             return f"{self.label} has no backward; call under torch.no_grad()"
+        if call.softcap is not None and not self.softcap:
+            return f"{self.label} has no soft-capping"
+        if call.sinks is not None and not self.sinks:
+            return f"{self.label} has no attention sinks"
         return None
 
 

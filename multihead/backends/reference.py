@@ -36,6 +36,8 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     k, v = repeat_kv(k, h // k.shape[1]), repeat_kv(v, h // v.shape[1])
 
     scores = (q @ k.transpose(-2, -1)) * call.scale  # [B, H, L, S]
+    if call.softcap is not None:
+        scores = call.softcap * torch.tanh(scores / call.softcap)
     if call.bias is not None:
         scores = scores + call.dense_bias(stat_dtype(work))
     if keep is not None:
@@ -43,7 +45,12 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         # a row with no visible key would be softmax(all -inf) = NaN: give it finite scores,
         # then zero its weights below
         scores = torch.where(keep.any(dim=-1, keepdim=True), scores, 0.0)
-    weights = torch.softmax(scores, dim=-1)
+    if call.sinks is None:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # one more logit per row, with no value: it only enlarges the denominator
+        b, _, length_q, _ = scores.shape
+        sink = call.sinks.to(scores.dtype)[None, :, None, None].expand(b, h, length_q, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     if keep is not None:
         weights = torch.where(keep, weights, 0.0)
 
@@ -57,5 +64,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
 BACKEND = Backend(
     run=run,
     rank=rank,
-    capabilities=Capabilities(label="the reference backend", weights=True, dropout=True),
+    capabilities=Capabilities(
+        label="the reference backend", weights=True, dropout=True, softcap=True, sinks=True
+    ),
 )

@@ -72,6 +72,7 @@ class _Ctx:
         _, _, _, self.length_q, self.length_k, _ = call.shape
         self.scale, self.dropout_p, self.seed = call.scale, call.dropout_p, seed
         self.bias = call.bias
+        self.softcap = call.softcap
         self.device = call.query.device
         self.stat = stat_dtype(call.query.dtype)
         # a bias that learns needs each chunk's score gradient, which only the eager kernel
@@ -90,8 +91,21 @@ class _Ctx:
         self.stacks = call.bias is None
 
     def use_flash(self, q: Tensor, v: Tensor) -> bool:
-        # torch's CPU flash kernel: no dropout, and one head dim for queries and values
-        return q.device.type == "cpu" and self.dropout_p == 0.0 and q.shape[-1] == v.shape[-1]
+        # torch's CPU flash kernel: no dropout, no cap, one head dim for queries and values
+        return (
+            q.device.type == "cpu"
+            and self.dropout_p == 0.0
+            and self.softcap is None
+            and q.shape[-1] == v.shape[-1]
+        )
+
+    def capped(self, raw: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(scores after the soft cap, tanh(raw / cap) or None without a cap): the second is
+        what the backward pass needs for the cap's derivative 1 - tanh^2."""
+        if self.softcap is None:
+            return raw, None
+        t = torch.tanh(raw / self.softcap)
+        return self.softcap * t, t
 
     def keep_draw(self, shape, index: int, device) -> Tensor:
         """Dropout's keep pattern for chunk ``index``, identical in forward and backward."""
@@ -235,7 +249,7 @@ def _chunk_forward(
         return _FLASH(q, k, v, attn_mask=add, scale=ctx.scale)
     f = ctx.stat
     # scores in float32 for half inputs: a half matmul overflows for finite inputs
-    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale  # [b, H, rows, cols]
+    s, _ = ctx.capped((q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale)  # [b, H, rows, cols]
     if add is not None:
         s = s + add
     lse = torch.logsumexp(s, dim=-1)
@@ -268,7 +282,7 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern, f
             )
         return (*grads, None)
     f = ctx.stat
-    s = (q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale
+    s, tanh = ctx.capped((q.to(f) @ k.to(f).transpose(-2, -1)) * ctx.scale)
     if add is not None:
         s = s + add
     p = torch.exp(s - lse[..., None].to(f))
@@ -280,7 +294,7 @@ def _chunk_backward(ctx: _Ctx, g, q, k, v, out, lse, add, index: int, pattern, f
         pd, dp = p * z, dp * z
     row = (g32 * out.to(f)).sum(dim=-1, keepdim=True)
     d_scores = p * (dp - row)  # gradient of the scores after scaling: the bias's gradient
-    ds = d_scores * ctx.scale
+    ds = d_scores * ctx.scale if tanh is None else d_scores * (1.0 - tanh * tanh) * ctx.scale
     dq = ds @ k.to(f)
     dk = ds.transpose(-2, -1) @ q.to(f)
     dv = pd.transpose(-2, -1) @ g32
@@ -393,21 +407,45 @@ def _bias_backward(ctx: _Ctx, item, chunk, ds: Tensor, tensors, d_bias: list) ->
             d_bias[i] += grad
 
 
+def _sink(sinks: Tensor | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """A row's sink logit joined to its finished softmax: the denominator grows from
+    exp(lse) to exp(lse) + exp(sink), so the output shrinks by exp(lse - lse') (in place) and
+    the log-sum-exp becomes lse' (rows that see nothing keep -inf and output 0)."""
+    if sinks is None:
+        return out, lse
+    total = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[None, :, None])
+    out.mul_(torch.exp(lse - total)[..., None].to(out.dtype))
+    return out, torch.where(torch.isfinite(lse), total, lse)
+
+
+def _sink_grad(sinks: Tensor, g: Tensor, out: Tensor, lse: Tensor) -> Tensor:
+    """Gradient of the sink logits: the sink's weight exp(sink - lse) times -sum(dO * O), the
+    same row term every score's gradient subtracts, summed over batch and rows."""
+    delta = (g.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, H, L]
+    weight = torch.exp(sinks.detach().to(lse.dtype)[None, :, None] - lse)
+    weight = torch.where(torch.isfinite(lse), weight, 0.0)
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, items, ctx, *bias_tensors):
-        out, lse = _forward(ctx, q, k, v, items)
-        fctx.save_for_backward(q, k, v, out, lse)
+    def forward(fctx, q, k, v, items, ctx, sinks, *bias_tensors):
+        out, lse = _sink(sinks, *_forward(ctx, q, k, v, items))
+        fctx.save_for_backward(q, k, v, out, lse, sinks)
         fctx.items, fctx.ctx, fctx.bias_tensors = items, ctx, bias_tensors
         return out
 
     @staticmethod
     def backward(fctx, g):
-        q, k, v, out, lse = fctx.saved_tensors
+        q, k, v, out, lse, sinks = fctx.saved_tensors
+        g = g.contiguous()
         dq, dk, dv, d_bias = _backward(
-            fctx.ctx, g.contiguous(), q, k, v, out, lse, fctx.items, fctx.bias_tensors
+            fctx.ctx, g, q, k, v, out, lse, fctx.items, fctx.bias_tensors
         )
-        return dq, dk, dv, None, None, *d_bias
+        d_sinks = None
+        if sinks is not None and fctx.needs_input_grad[5]:
+            d_sinks = _sink_grad(sinks, g, out, lse)
+        return dq, dk, dv, None, None, d_sinks, *d_bias
 
 
 def _unit_last(t: Tensor) -> Tensor:
@@ -447,9 +485,9 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
         # the weights are nearly one-hot (dq 60x the naive formula's error at scale 10), and
         # the gradients of a row's chunks were added up in half
         wide = [t.to(ctx.stat) for t in (q, k, v)]
-        out = _TiledAttention.apply(*wide, items, ctx, *call.bias_tensors).to(q.dtype)
-        return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
-    out, _ = _forward(ctx, q, k, v, items)
+        out = _TiledAttention.apply(*wide, items, ctx, call.sinks, *call.bias_tensors)
+        return out.to(q.dtype), (_one_pass(call, output=False)[1] if call.return_weights else None)
+    out, _ = _sink(call.sinks, *_forward(ctx, q, k, v, items))
     return out, (_one_pass(call, output=False)[1] if call.return_weights else None)
 
 
@@ -461,6 +499,11 @@ def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
         raise ValueError(
             "forward_with_lse computes no dropout (its draws would differ per shard). "
             f"Received: dropout_p={call.dropout_p}"
+        )
+    if call.sinks is not None:
+        raise ValueError(
+            "forward_with_lse gives one shard's partial softmax; sink logits belong to the "
+            "whole row and join once all shards have merged. Received: sinks"
         )
     q, k, v, ctx, items = _prepare(call)
     with torch.no_grad():
@@ -526,16 +569,18 @@ def _one_pass(call: Call, *, output: bool) -> tuple[Tensor | None, Tensor]:
             rel = slice(r0 - item.q0, r1 - item.q0)
             qt = q[item.batch, :, r0:r1].to(stat)
             if len(item.chunks) == 1:
-                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad)
+                s = _scores(qt, keys[0], adds[0], item.chunks[0], rel, grad, ctx.softcap)
             else:  # chunks may leave gaps (key blocks no row sees): those stay -inf
                 s = torch.full(
                     (*qt.shape[:-1], hi - lo), float("-inf"), dtype=stat, device=q.device
                 )
                 for chunk, kt, bias in zip(item.chunks, keys, adds):
                     s[..., chunk.start - lo : chunk.stop - lo] = _scores(
-                        qt, kt, bias, chunk, rel, grad
+                        qt, kt, bias, chunk, rel, grad, ctx.softcap
                     )
-            if grad:
+            if call.sinks is not None:
+                p = _sink_softmax(s, call.sinks.to(stat), grad)
+            elif grad:
                 p = torch.softmax(s, dim=-1)
                 if masked:  # rows that see nothing: softmax of -inf only is NaN; they get 0
                     p = torch.where(torch.isnan(p), 0.0, p)
@@ -558,9 +603,21 @@ def _zero_of(t: Tensor) -> Tensor:
     return t[(slice(0, 1),) * t.dim()].sum() * 0
 
 
-def _scores(qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool) -> Tensor:
-    """Scaled scores of a block of rows against one chunk, bias added, hidden entries -inf."""
+def _sink_softmax(s: Tensor, sinks: Tensor, grad: bool) -> Tensor:
+    """Softmax of whole rows of scores with each head's sink logit in the denominator. A row
+    with every score -inf gets weights 0 (its denominator is the sink's alone)."""
+    total = torch.logaddexp(torch.logsumexp(s, dim=-1, keepdim=True), sinks[None, :, None, None])
+    return torch.exp(s - total) if grad else s.sub_(total).exp_()
+
+
+def _scores(
+    qt: Tensor, kt: Tensor, bias, chunk: Chunk, rel: slice, grad: bool, cap: float | None
+) -> Tensor:
+    """Scaled scores of a block of rows against one chunk, capped, bias added, hidden entries
+    -inf."""
     s = qt @ kt
+    if cap is not None:
+        s = cap * torch.tanh(s / cap) if grad else s.div_(cap).tanh_().mul_(cap)
     if bias is not None:
         bias = bias if bias.shape[2] == 1 else bias[:, :, rel]
         s = s + bias if grad else s.add_(bias)
@@ -578,5 +635,7 @@ def weights(call: Call) -> Tensor:
 BACKEND = Backend(
     run=run,
     rank=rank,
-    capabilities=Capabilities(label="the tiled backend", weights=True, dropout=True),
+    capabilities=Capabilities(
+        label="the tiled backend", weights=True, dropout=True, softcap=True, sinks=True
+    ),
 )

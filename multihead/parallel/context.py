@@ -360,6 +360,11 @@ def context_attention(
         0.0,
         False,
     )
+    if whole.sinks is not None:
+        raise ValueError(
+            "context_attention has no attention sinks: a sink joins a row's softmax once, "
+            "after every shard has merged. Received: bias with sinks"
+        )
     q0, q1 = ring.query_cuts[rank : rank + 2]
     size = (ring.query_cuts[-1], ring.key_cuts[-1])
     visible = tuple(

@@ -48,7 +48,6 @@ EXPLAINS = r"supports language models: BERT-family encoders .* GPT-2 and Llama d
         ("export", "mistral", MISTRAL, EXPORTS, "model_type='mistral'"),
         ("export", "saved", SAVED, EXPORTS, "model.class='multihead.apps.sentiment"),
         ("explain", "saved", SAVED, EXPLAINS, "model.class='multihead.apps.sentiment"),
-        ("explain", "t5", T5, EXPLAINS, "model_type='t5'"),
     ],
 )
 def test_wrong_kind_is_named_with_what_the_command_supports(

@@ -1,0 +1,425 @@
+"""transformers models on ``attn_implementation="multihead"`` against the implementations
+transformers ships, on the same random weights, in one process.
+
+Three model shapes at long inputs, each forward timed whole (projections, MLPs and all) with
+every contender interleaved over the repeats; medians are reported with the ratio to the
+implementation a user would otherwise pick:
+
+* Llama-like (hidden 256, 4 heads, 2 layers, L=4096): ``"sdpa"`` and ``"eager"``, with and
+  without ``output_attentions`` (which only eager gives in transformers);
+* Mistral-like with a sliding window of 256 (L=8192): ``"sdpa"`` receives the window as a dense
+  (B, 1, L, S) mask and computes every score;
+* Gemma-2-like with soft-capping (L=2048): transformers has no sdpa path for it, so ``"eager"``;
+
+plus ``"flex_attention"`` where it runs on this machine, and ``capture`` of 2 heads of one
+layer of the Llama-like model at L=6144, whose peak memory growth is compared with the size
+of the captured tensor. Every contender's logits are checked against the baseline's. The
+report prints the CPU model and the matmul peaks and read bandwidth measured in the same run,
+and writes hf.json and hf.png.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _validation as V
+from .._progress import stages
+
+__all__ = ["WORKLOADS", "HfWorkload", "peak_growth", "run_hf_bench"]
+
+VOCAB = 1000
+
+
+@dataclass(frozen=True)
+class HfWorkload:
+    """One model shape and its contenders.
+
+    ``contenders`` are attention implementations, with ``+weights`` for a forward that asks
+    for ``output_attentions``; ``goals`` are (contender, reference, ">=" for a least speedup
+    over the reference or "<=" for a most time relative to it, the figure).
+    """
+
+    name: str
+    what: str  # the model, for the title (the length is added)
+    family: str  # "llama", "mistral" or "gemma2"
+    length: int
+    baseline: str
+    contenders: tuple[str, ...]
+    goals: tuple[tuple[str, str, str, float], ...] = ()  # (contender, reference, op, figure)
+    extra: dict[str, Any] = field(default_factory=dict)  # config settings
+
+    @property
+    def title(self) -> str:
+        window = self.extra.get("sliding_window")
+        what = self.what.replace("window 256", f"window {window}") if window else self.what
+        return f"{what}, L={self.length}"
+
+
+WORKLOADS = (
+    HfWorkload(
+        "llama",
+        "Llama-like, causal",
+        "llama",
+        4096,
+        "sdpa",
+        (
+            "sdpa",
+            "eager",
+            "eager+weights",
+            "multihead",
+            "multihead+weights",
+            "flex_attention",
+        ),
+        (
+            ("multihead", "sdpa", ">=", 1.0),
+            ("multihead+weights", "eager+weights", ">=", 3.0),
+            ("multihead+weights", "multihead", "<=", 1.3),
+        ),
+    ),
+    HfWorkload(
+        "mistral-window",
+        "Mistral-like, window 256",
+        "mistral",
+        8192,
+        "sdpa",
+        ("sdpa", "multihead", "flex_attention"),
+        (("multihead", "sdpa", ">=", 5.0),),
+        {"sliding_window": 256},
+    ),
+    HfWorkload(
+        "gemma2-softcap",
+        "Gemma-2-like, softcap 50",
+        "gemma2",
+        2048,
+        "eager",
+        ("eager", "multihead", "flex_attention"),
+        (("multihead", "eager", ">=", 3.0),),
+        {"attn_logit_softcapping": 50.0, "sliding_window": 4096},
+    ),
+)
+CAPTURE_LENGTH = 6144
+
+
+def _config(family: str, length: int, extra: dict[str, Any]):
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=length,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(**common, **extra)
+    if family == "mistral":
+        return tf.MistralConfig(**common, **extra)
+    return tf.Gemma2Config(**common, head_dim=64, query_pre_attn_scalar=64, **extra)
+
+
+def _build(workload: HfWorkload):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = _config(workload.family, workload.length, workload.extra)
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation=workload.baseline).eval()
+
+
+class _Contender:
+    """One implementation on a copy of the workload's model (the same weights; switching one
+    model between implementations makes the next forward a cold one), ``run()`` the timed
+    forward."""
+
+    def __init__(self, model, ids: torch.Tensor, name: str) -> None:
+        impl, _, weights = name.partition("+")
+        self.model, self.ids, self.weights = copy.deepcopy(model), ids, bool(weights)
+        self.model.set_attn_implementation(impl)
+
+    def run(self) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(self.ids, use_cache=False, output_attentions=self.weights)
+        return out.logits
+
+
+def _time(workload: HfWorkload, repeats: int, say: Callable[[str], None]) -> dict:
+    import multihead.hf  # noqa: F401  registers "multihead"
+
+    model = _build(workload)
+    ids = torch.randint(0, VOCAB, (1, workload.length), generator=torch.Generator().manual_seed(1))
+    runs: dict[str, _Contender] = {}
+    logits, skipped = {}, {}
+    for name in workload.contenders:  # warm-up: compiles, measured kernel choices, the logits
+        try:
+            run = runs[name] = _Contender(model, ids, name)
+            logits[name] = run.run()
+        except Exception as err:  # an implementation this machine or model cannot run
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    names = [n for n in workload.contenders if n in logits]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            runs[name].run()
+            times[name].append(time.perf_counter() - start)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    base = logits[workload.baseline]
+    scale = float(base.abs().max())
+    rows = {
+        n: {
+            "median_s": med[n],
+            "times_s": times[n],
+            "speedup_vs_" + workload.baseline: med[workload.baseline] / med[n],
+            "max_logit_diff_vs_baseline": float((logits[n] - base).abs().max()) / scale,
+        }
+        for n in names
+    }
+    goals = [_goal(med, *g) for g in workload.goals]
+    say(f"\n{workload.title} (baseline {workload.baseline}):")
+    for n, row in rows.items():
+        say(
+            f"  {n:20} {row['median_s'] * 1e3:9.1f} ms  "
+            f"{row['speedup_vs_' + workload.baseline]:6.2f}x {workload.baseline}   "
+            f"logits within {row['max_logit_diff_vs_baseline']:.1e} of it"
+        )
+    for n, why in skipped.items():
+        say(f"  {n:20} did not run: {why}")
+    for g in goals:
+        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+    return {
+        "name": workload.name,
+        "title": workload.title,
+        "baseline": workload.baseline,
+        "length": workload.length,
+        "contenders": rows,
+        "skipped": skipped,
+        "goals": goals,
+    }
+
+
+def _goal(med: dict[str, float], mine: str, rival: str, op: str, figure: float) -> dict:
+    """A ratio goal: ">=" is a speedup (rival's time over mine), "<=" a cost (mine over
+    rival's)."""
+    if mine not in med or rival not in med:
+        return {"text": f"{mine} vs {rival}", "figure": float("nan"), "met": False}
+    if op == ">=":
+        ratio = med[rival] / med[mine]
+        text = f"{mine} >= {figure}x faster than {rival}"
+        return {"text": text, "figure": ratio, "met": ratio >= figure}
+    ratio = med[mine] / med[rival]
+    return {
+        "text": f"{mine} <= {figure}x the time of {rival}",
+        "figure": ratio,
+        "met": ratio <= figure,
+    }
+
+
+def _rss() -> int | None:
+    """This process's resident memory in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_growth(fn: Callable[[], object], interval: float = 0.001) -> tuple[int | None, object]:
+    """(the largest growth of resident memory while ``fn`` runs, sampled every ``interval``
+    seconds on a thread; None where it cannot be read, ``fn``'s result)."""
+    start = _rss()
+    if start is None:
+        return None, fn()
+    peak = [start]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            now = _rss() or 0
+            peak[0] = max(peak[0], now)
+            time.sleep(interval)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    try:
+        result = fn()
+    finally:
+        done.set()
+        watcher.join()
+    peak[0] = max(peak[0], _rss() or 0)
+    return peak[0] - start, result
+
+
+def _capture(length: int, say: Callable[[str], None]) -> dict:
+    """Peak memory growth of capturing 2 heads of layer 1 against the captured tensor's size,
+    beside multihead's and eager's output_attentions (every head of every layer)."""
+    from ..hf import capture
+
+    workload = replace(WORKLOADS[0], length=length)
+    model = _build(workload)
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(2))
+    captured = 1 * 2 * length * length * 4  # (B, 2, L, S) float32
+
+    def grab() -> object:
+        with capture(model, layers=[1], heads=[0, 2]) as cap, torch.inference_mode():
+            model(ids, use_cache=False)
+        return cap.weights[1]
+
+    def everything() -> object:
+        with torch.inference_mode():
+            return model(ids, use_cache=False, output_attentions=True).attentions
+
+    def plain() -> object:
+        with torch.inference_mode():
+            return model(ids, use_cache=False).logits
+
+    model.set_attn_implementation("multihead")
+    plain()  # warm-up: kernel choice, page faults of the model's own buffers
+    rows = {}
+    for name, impl, fn in (
+        ("multihead, no weights", "multihead", plain),
+        ("capture 2 heads of layer 1", "sdpa", grab),
+        ("multihead output_attentions", "multihead", everything),
+        ("eager output_attentions", "eager", everything),
+    ):
+        model.set_attn_implementation(impl)
+        growth, result = peak_growth(fn)
+        del result
+        rows[name] = growth
+    met = rows["capture 2 heads of layer 1"] is not None and (
+        rows["capture 2 heads of layer 1"] <= 1.5 * captured
+    )
+    say(f"\ncapture at L={length} (captured tensor {captured / 2**20:.0f} MiB):")
+    for name, growth in rows.items():
+        text = "n/a" if growth is None else f"{growth / 2**20:8.0f} MiB = {growth / captured:.2f}x"
+        say(f"  {name:32} peak memory growth {text}")
+    grown = rows["capture 2 heads of layer 1"]
+    figure = "n/a" if grown is None else f"{grown / captured:.2f}x"
+    verdict = "met" if met else "MISSED"
+    say(f"  goal capture growth <= 1.5x the captured tensor: {figure} -> {verdict}")
+    return {"length": length, "captured_bytes": captured, "peak_growth_bytes": rows, "met": met}
+
+
+def run_hf_bench(
+    *,
+    repeats: int = 3,
+    quick: bool = False,
+    out_dir: Path | str = "bench-results",
+    say: Callable[[str], None] = print,
+) -> dict:
+    """Run every workload (``quick``: at 1/16 of the lengths, a smoke test), print the table
+    with the machine, and write hf.json and hf.png into ``out_dir``."""
+    from .decode import memory_bandwidth
+    from .doctor import _cpuinfo
+    from .suite import matmul_peak
+
+    out = V.check_out_dir("--out", out_dir)
+    V.check_positive_int("repeats", repeats)
+    workloads = list(WORKLOADS)
+    capture_length = CAPTURE_LENGTH
+    if quick:
+        workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]
+        capture_length //= 16
+    cpu = _cpuinfo()[0]
+    peaks = {
+        str(d).removeprefix("torch."): matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)
+    }
+    bandwidth = memory_bandwidth()
+    say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    say(
+        f"matmul peak fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} "
+        f"GFLOP/s; measured read bandwidth {bandwidth:.1f} GB/s; {repeats} interleaved repeats"
+    )
+    results = []
+    steps = [w.name for w in workloads] + ["capture"]
+    with (
+        warnings.catch_warnings(),
+        stages("bench hf", steps, unit="workload", say=say) as (
+            bar,
+            tell,
+        ),
+    ):
+        warnings.simplefilter("ignore")  # transformers' notes on flex compilation, configs
+        for w in workloads:
+            bar.begin(w.name)
+            results.append(_time(w, repeats, tell))
+        bar.begin("capture")
+        memory = _capture(capture_length, tell)
+    report = {
+        "command": "multihead bench hf"
+        + (" --quick" if quick else "")
+        + (f" --repeats {repeats}" if repeats != 3 else ""),
+        "smoke_test": quick,
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "matmul_peak_gflops": peaks,
+        "bandwidth_gb_s": bandwidth,
+        "workloads": results,
+        "capture": memory,
+    }
+    out.mkdir(exist_ok=True)
+    (out / "hf.json").write_text(json.dumps(report, indent=2))
+    chart = _chart(report, out / "hf.png")
+    say(f"\nwrote {out / 'hf.json'}" + (f" and {chart}" if chart else ""))
+    return report
+
+
+def _shrunk(extra: dict[str, Any]) -> dict[str, Any]:
+    """A workload's settings for --quick: windows shrink with the lengths."""
+    window = extra.get("sliding_window")
+    return extra if window is None else {**extra, "sliding_window": window // 16}
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def _chart(report: dict, path: Path) -> Path | None:
+    """Speedup of every contender over its workload's baseline; None without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    workloads = report["workloads"]
+    names = sorted({n for w in workloads for n in w["contenders"]})
+    fig = Figure(figsize=(10, 5), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        xs, ys = [], []
+        for j, w in enumerate(workloads):
+            row = w["contenders"].get(name)
+            if row is not None:
+                xs.append(j + (i - (len(names) - 1) / 2) * width)
+                ys.append(row["speedup_vs_" + w["baseline"]])
+        ax.bar(xs, ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels([f"{w['title']}\n(vs {w['baseline']})" for w in workloads], fontsize=8)
+    ax.set_ylabel("speedup over the baseline (log scale)")
+    title = f"multihead bench hf: whole forwards, medians, {report['threads']} threads"
+    if report["smoke_test"]:
+        title += "\n--quick smoke test: not for comparison"
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,181 @@
+"""The attention function registered with transformers' ``AttentionInterface``.
+
+transformers calls it as every attention module calls its implementation: queries
+(B, H, L, D) and keys/values (B, H_kv, S, D) after the projections and rotary embeddings, the
+mask its mask interface made (here: the multihead ``Mask`` of ``make_mask``), and keywords
+for what the architecture adds. It returns transformers' layout, the output (B, L, H, D_v) and
+the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention`` or
+``attention_with_weights``: every keyword a model passes becomes multihead's own vocabulary,
+and one it cannot honour is refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import bias as mb
+from ..functional import attention, attention_with_weights
+from ..masks import Mask, dense
+from . import capture as _capture
+
+__all__ = ["attention_forward"]
+
+# keywords transformers' modules pass that do not change the result here: the mask already
+# holds the sliding window, causality and packing (flash-attention's varlen arguments describe
+# the same packing); the rest is bookkeeping of the surrounding model
+_IGNORED = frozenset(
+    {
+        "sliding_window",
+        "is_causal",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+        "position_ids",
+        "seq_idx",
+        "deterministic",
+        "use_cache",
+        "cache_position",
+        "past_key_values",
+        "past_key_value",
+        "position_embeddings",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "num_items_in_batch",
+        "layer_idx",
+        "token_type_ids",
+        "use_top_left_mask",
+    }
+)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Mask | Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    s_aux: Tensor | None = None,
+    position_bias: Tensor | None = None,
+    output_attentions: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention interface on multihead's kernels.
+
+    Args:
+        module: the calling attention module (its layer is found for ``capture``).
+        query: (B, H, L, D).
+        key: (B, H_kv, S, D); grouped-query attention needs no repeated keys.
+        value: (B, H_kv, S, D_v).
+        attention_mask: what ``make_mask`` returned (a multihead ``Mask`` or None), or a
+            tensor a caller prepared: bool (True = may attend) or float (0 where visible,
+            the dtype's minimum or -inf where hidden, anything else added to the scores).
+        dropout: dropout on the weights (transformers passes 0.0 outside training).
+        scaling: multiplies the scores; None is 1 / sqrt(D).
+        softcap: Gemma 2's logit cap, applied in the kernel (``multihead.bias.softcap``).
+        s_aux: gpt-oss's sink logits (H,) (``multihead.bias.sinks``).
+        position_bias: an additive (B|1, H, L, S) tensor (T5 and its relatives).
+        output_attentions: return the weights of every head.
+
+    Returns:
+        (output (B, L, H, D_v) contiguous, weights (B, H, L, S) or None). The weights come
+        from the same kernel call as the output; they are returned when
+        ``output_attentions`` asks for them or transformers is collecting attentions.
+
+    Raises:
+        ValueError: a keyword that would change the result and that multihead cannot apply
+            (named in the message), and every error ``multihead.attention`` raises.
+    """
+    _check_keywords(kwargs)
+    mask, extra = _as_mask(attention_mask)
+    bias = _bias(position_bias, extra, softcap, s_aux)
+    common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
+    heads = _capture.heads_for(module)
+    if _wants_weights(output_attentions):
+        out, weights = attention_with_weights(query, key, value, mask, **common)
+        if heads is not None:
+            _capture.record(module, weights if heads == "all" else weights[:, heads])
+    elif heads is not None:
+        chosen = None if heads == "all" else heads
+        out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
+        _capture.record(module, weights)
+        weights = None
+    else:
+        out, weights = attention(query, key, value, mask, **common), None
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _check_keywords(kwargs: dict[str, Any]) -> None:
+    for name, value in kwargs.items():
+        if value is None or name in _IGNORED:
+            continue
+        raise ValueError(
+            f"the multihead attention implementation cannot apply the keyword {name!r} that "
+            "this model passes to its attention function; rather than compute a different "
+            "result it stops here. Load the model with attn_implementation='eager' or 'sdpa'. "
+            f"Received: {name}={_short(value)}"
+        )
+
+
+def _short(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"tensor of shape {tuple(value.shape)}"
+    return repr(value)[:80]
+
+
+def _as_mask(attention_mask: object) -> tuple[Mask | None, Tensor | None]:
+    """(mask, additive part) from what transformers handed over."""
+    if attention_mask is None or isinstance(attention_mask, Mask):
+        return attention_mask, None
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(
+            "attention_mask must be what multihead.hf's mask function made (a multihead Mask or "
+            "None) or a 4-D tensor. Received: attention_mask of type "
+            f"{type(attention_mask).__name__}"
+        )
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            "a tensor attention_mask must be 4-D (B or 1, 1 or H, L, S), as transformers "
+            f"prepares it. Received: attention_mask.shape={tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype == torch.bool:
+        return dense(attention_mask), None
+    # transformers' float masks: 0 visible, the dtype's minimum (or -inf) hidden
+    hidden = attention_mask <= torch.finfo(attention_mask.dtype).min / 2
+    extra = torch.where(hidden, torch.zeros((), dtype=attention_mask.dtype), attention_mask)
+    keep = dense(~hidden) if bool(hidden.any()) else None
+    return keep, (extra if bool(extra.any()) else None)
+
+
+def _bias(
+    position_bias: Tensor | None, extra: Tensor | None, softcap: float | None, sinks: Tensor | None
+) -> mb.ScoreModifier | None:
+    terms: list[mb.ScoreModifier | Tensor] = [t for t in (position_bias, extra) if t is not None]
+    if softcap is not None:
+        terms.append(mb.softcap(float(softcap)))
+    if sinks is not None:
+        terms.append(mb.sinks(sinks))
+    total: mb.ScoreModifier | None = None
+    for t in terms:
+        total = mb.as_modifier(t) if total is None else total + t
+    return total
+
+
+def _wants_weights(output_attentions: bool | None) -> bool:
+    """Whether the caller reads the weights: asked for by keyword, or transformers is
+    collecting attentions (``output_attentions`` in the config or the model's call)."""
+    if output_attentions:
+        return True
+    from transformers.utils import output_capturing
+
+    collected = output_capturing._active_collector.get()
+    return bool(collected) and any("attentions" in key for key in collected)

@@ -1,0 +1,44 @@
+"""`multihead bench hf` end to end at 1/16 of its lengths (the real run is minutes long)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from multihead import cli
+from multihead.bench.hf import WORKLOADS, peak_growth
+
+
+def test_hf_bench_runs_and_reports(tmp_path, capsys):
+    args = ["bench", "hf", "--quick", "--repeats", "1", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    report = json.loads((tmp_path / "hf.json").read_text())
+    assert report["cpu"] and report["matmul_peak_gflops"]["float32"] > 0
+    assert report["bandwidth_gb_s"] > 0 and report["smoke_test"]
+    assert [w["name"] for w in report["workloads"]] == [w.name for w in WORKLOADS]
+    for workload, spec in zip(report["workloads"], WORKLOADS):
+        rows = workload["contenders"]
+        # every contender that ran computed the same model: logits within fp32 rounding
+        assert "multihead" in rows and spec.baseline in rows
+        for name, row in rows.items():
+            assert row["max_logit_diff_vs_baseline"] < 1e-4, name
+            base = rows[spec.baseline]["median_s"]
+            assert abs(row["speedup_vs_" + spec.baseline] - base / row["median_s"]) < 1e-9
+        assert set(rows) | set(workload["skipped"]) == set(spec.contenders)
+        assert len(workload["goals"]) == len(spec.goals)
+    growth = report["capture"]["peak_growth_bytes"]
+    assert set(growth) >= {"capture 2 heads of layer 1", "eager output_attentions"}
+    assert (tmp_path / "hf.png").stat().st_size > 5_000
+    printed = capsys.readouterr().out
+    assert "goal multihead >= 5.0x faster than sdpa" in printed and "CPU:" in printed
+
+
+def test_peak_growth_sees_an_allocation():
+    def allocate():
+        x = torch.ones(16 * 2**20)  # 64 MiB, touched
+        return float(x.sum())
+
+    growth, result = peak_growth(allocate)
+    assert result == 16 * 2**20
+    assert growth is None or growth >= 60 * 2**20
