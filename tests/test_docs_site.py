@@ -73,8 +73,10 @@ def test_every_link_of_the_navigation_opens_its_page(site, page):
 def test_search_works_from_disk(site, page):
     page.goto((site / "guides" / "masks.html").as_uri())
     page.click("label.md-search__icon, .md-search__input")
-    page.fill("input.md-search__input", "sliding_window")
-    page.wait_for_selector(".md-search-result__item", timeout=20_000)
+    # typed key by key, as a reader does: the theme searches on keyup (and once more when its
+    # index is ready), not on the input event alone that fill() sends
+    page.locator("input.md-search__input").press_sequentially("sliding_window")
+    page.wait_for_selector(".md-search-result__item", timeout=60_000)
     first = page.locator(".md-search-result__item a").first
     href = first.get_attribute("href")
     assert href is not None and ".html" in href
