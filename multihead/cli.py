@@ -31,7 +31,7 @@ Everything runs offline on the CPU; a GPU is used when present."""
 EPILOG = """\
 examples:
   multihead explain "The animal didn't cross the street because it was too tired" --focus it
-  multihead train forecast --quick --out runs/forecast
+  multihead train forecast --quick --out forecast-run
   multihead bench kernels --quick
 
 'multihead COMMAND --help' lists a command's options and their defaults."""
@@ -76,9 +76,7 @@ BENCHMARKS: dict[str, Job | Group] = {
     ),
     "hf": Job(
         "multihead.bench.hf:run_hf_bench",
-        "transformers models on attn_implementation='multihead' against sdpa, eager (with and "
-        "without output_attentions) and flex_attention; a sliding window, soft-capping, "
-        "capture's memory",
+        "transformers models on attn_implementation='multihead' against sdpa, eager and flex",
     ),
     "serve": Job(
         "multihead.bench.serve:command",
@@ -108,6 +106,11 @@ COMMANDS: dict[str, Job | Group] = {
     "generate": Job(
         "multihead.apps.generate:run",
         "continue a prompt with a GPT-2/Llama model folder, printing the text as it is produced",
+    ),
+    "data": Group(
+        "download the data sets the train applications read into the user's cache",
+        {"download": Job("multihead.data:download_command", "fetch one, its digests checked")},
+        dest="action",
     ),
     "train": Group(
         "train an example application with its baselines (TASK --help: its options); runs "

@@ -537,7 +537,8 @@ def load(folder: str | Path) -> Any:
         ValueError: config.json is not UTF-8 JSON, nests too deeply, or has an unknown format
             version or class, or a field of the wrong type (named, with its file); the
             weights file is empty, corrupt or outside the folder; or the weights do not match
-            the architecture (missing, unexpected, mis-shaped or integer tensors, named).
+            the architecture (missing, unexpected, mis-shaped or integer tensors, named), or
+            mix floating-point dtypes among tensors built in one (the odd one named).
     """
     from . import hf_folders
 
@@ -570,7 +571,9 @@ def load(folder: str | Path) -> Any:
     codec = _codec_for(obj, "model")
     module = codec.module(obj)
     own = module.state_dict()
-    state = hf_folders.match(own, stored.read(), _file_names(codec, obj, own), weights=stored)
+    names = _file_names(codec, obj, own)
+    state = hf_folders.match(own, stored.read(), names, weights=stored)
+    _check_dtypes(own, state, names, stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
     module.eval()
@@ -635,6 +638,33 @@ def _reads_whole_folder(spec: Any) -> bool:
         return _lookup(spec.get("class"), "model").whole
     except ValueError:
         return False
+
+
+def _check_dtypes(
+    own: dict[str, Tensor], state: dict[str, Tensor], names: dict[str, str], stored: Any
+) -> None:
+    """The saved dtypes are the built model's cast as a whole: every floating-point tensor
+    built in one dtype was saved in one dtype (a model cast to bfloat16 whole, or packed bf16
+    weights beside float32 ones, as built). Each parameter takes the dtype it was saved in, so
+    a mix within one would load and then fail in the first matmul."""
+    groups: dict[torch.dtype, dict[torch.dtype, list[str]]] = {}
+    for key, t in state.items():
+        if t.is_floating_point() and own[key].is_floating_point():
+            groups.setdefault(own[key].dtype, {}).setdefault(t.dtype, []).append(names[key])
+    for saved in groups.values():
+        if len(saved) < 2:
+            continue
+        usual = max(saved, key=lambda d: len(saved[d]))
+        odd = sorted((name, d) for d, found in saved.items() if d != usual for name in found)
+        name, dtype = odd[0]
+        more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+        raise ValueError(
+            f"the weights in {stored.file(name)} in {stored.folder} mix floating-point dtypes: "
+            f"{len(saved[usual])} tensors are {usual} but {name} is {dtype}{more}, where the "
+            "model holds one dtype; it would fail in its first matmul. Save the model again "
+            "with multihead.save, or convert those tensors of the file to "
+            f"{usual}. Received: {name}.dtype={dtype}"
+        )
 
 
 def _match_dtypes(module: nn.Module, state: dict[str, Tensor]) -> None:

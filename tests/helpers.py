@@ -6,11 +6,14 @@ definitions in docs/design.md ("The mask contract") with numpy index arithmetic.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import Tensor
 
@@ -379,3 +382,87 @@ def walk_parsers(parser, name: str = "multihead"):
         if isinstance(action, argparse._SubParsersAction):
             for sub, child in action.choices.items():
                 yield from walk_parsers(child, f"{name} {sub}")
+
+
+# ---------------------------------------------------------------------------------------------
+# data sets: a file server on 127.0.0.1 and the VADER ground truth for the tests that train on it
+
+
+@contextlib.contextmanager
+def serve_files(files: dict[str, bytes], *, cut: dict[str, int] | None = None):
+    """An HTTP server on 127.0.0.1 answering ``GET /NAME`` with ``files[NAME]`` (404 for any
+    other name); for a name in ``cut`` it announces the whole length but closes the
+    connection after ``cut[NAME]`` bytes. Yields (base URL, the paths asked for)."""
+    import http.server
+    import threading
+
+    asked: list[str] = []
+    cut = cut or {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            name = self.path.lstrip("/")
+            asked.append(name)
+            if name not in files:
+                self.send_error(404)
+                return
+            body = files[name]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: cut.get(name, len(body))])
+            self.close_connection = True
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def shared_vader() -> Path | None:
+    """``../shared/data/vader-sentiment`` beside the checkout or a folder above it (CI and
+    the main checkout have it), else None."""
+    for parent in Path(__file__).resolve().parents[1].parents:
+        found = parent / "shared" / "data" / "vader-sentiment"
+        if found.is_dir():
+            return found
+    return None
+
+
+def vader_folder() -> Path:
+    """The VADER ground truth for the tests that train on it: the cache's copy; else the
+    cache filled by ``multihead data download vader --from`` a server on 127.0.0.1 serving
+    ``../shared/data/vader-sentiment`` (a local mirror); else by the same command from the
+    public source. Skipped only when neither the mirror nor the network is there."""
+    import io
+
+    from multihead import data
+    from multihead.cli import main
+
+    if not data.missing("vader"):
+        return data.folder("vader")
+    mirror = shared_vader()
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        if mirror is None:
+            code = main(["data", "download", "vader"])
+        else:
+            files = {f.name: (mirror / f.name).read_bytes() for f in data.DATASETS["vader"].files}
+            with serve_files(files) as (url, _):
+                code = main(["data", "download", "vader", "--from", url])
+    if code != 0 and mirror is None:
+        pytest.skip(
+            "the VADER ground truth is not in the cache, there is no ../shared/data beside "
+            "the checkout and the public source did not answer; run "
+            f"`multihead data download vader` once. ({said.getvalue().strip()})"
+        )
+    assert code == 0, said.getvalue()
+    return data.folder("vader")

@@ -151,6 +151,43 @@ def test_dtype_and_wrappers(tmp_path):
     _same_state(mha, back)
 
 
+def test_a_file_mixing_dtypes_is_refused_at_load_with_the_tensor_named(tmp_path):
+    """One float16 tensor among float32 ones loaded, then failed in forward with torch's raw
+    "self and mat2 must have the same dtype"."""
+    mh.save(mh.MultiHeadAttention(8, 2), tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["k_proj.weight"] = state["k_proj.weight"].half()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(
+        ValueError,
+        match=r"the weights in model\.safetensors in .* mix floating-point dtypes: 7 tensors "
+        r"are torch\.float32 but k_proj\.weight is torch\.float16, .*convert those tensors of "
+        r"the file to torch\.float32\. Received: k_proj\.weight\.dtype=torch\.float16$",
+    ):
+        mh.load(tmp_path)
+
+
+class _HalfTable(nn.Module):
+    """A bfloat16 table built beside a float32 projection, as packed weights are."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(n, 4).bfloat16())
+        self.proj = nn.Linear(4, 2)
+
+
+def test_tensors_built_in_different_dtypes_are_not_a_mix(tmp_path):
+    """Only a tensor saved in another dtype than the others built with it is refused: a bf16
+    tensor built beside float32 ones loads as saved, and so does a model cast whole."""
+    io.register(_HalfTable)
+    mh.save(_HalfTable(3), tmp_path / "built")
+    back = mh.load(tmp_path / "built")
+    assert (back.table.dtype, back.proj.weight.dtype) == (torch.bfloat16, torch.float32)
+    mh.save(_HalfTable(3).half(), tmp_path / "cast")
+    back = mh.load(tmp_path / "cast")
+    assert {p.dtype for p in back.parameters()} == {torch.float16}
+
+
 def test_bert_folder_opens_in_transformers_and_round_trips(tmp_path, pretrained):
     """Hugging Face's BertModel, loading our folder by itself, computes the same hidden states
     as our model (1e-5: the fp32 agreement the BERT parity tests measure, at most 7.8e-6)."""

@@ -92,6 +92,8 @@ def run(name: str, options: Options) -> dict[str, Any]:
 
     info = setup()
     try:
+        if info.main:
+            _say_replaced(options.out)
         options.resolve_precision(info, say=_stderr if info.main else None)
         if not info.main:
             return module.run(options, info, None)
@@ -114,6 +116,15 @@ def train(name: str, options: Options) -> None:
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def _say_replaced(out: Path) -> None:
+    """Before any work: the previous run in ``out`` that this one replaces (``--overwrite``)."""
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries:
+        more = " ..." if len(entries) > 6 else ""
+        _stderr(f"--out {out} holds a previous run ({', '.join(entries[:6])}{more}); "
+                "--overwrite replaces it whole when this run ends")  # fmt: skip
 
 
 def check_out(options: Options) -> Path:

@@ -36,11 +36,16 @@ class Options:
         metavar="DIR",
     )
     overwrite: bool = option(False, "replace a previous run in DIR when this one ends")
-    quick: bool = option(False, "a small version (under a minute on 2 cores)")
+    quick: bool = option(
+        False,
+        "a small version, for a first look and the tests: under half a minute (forecast, "
+        "crossmodal) to about 2 minutes (sentiment, lm) on 2 CPU cores",
+    )
     data: Path | None = option(
         None,
-        "sentiment: a folder of *_GroundTruth.txt files or one such file "
-        "(default ../shared/data/vader-sentiment)",
+        "sentiment: a folder of *_GroundTruth.txt files or one such file; lm: any UTF-8 text "
+        "file or folder (default: the VADER ground truth in the cache, which 'multihead data "
+        "download vader' fetches)",
         metavar="PATH",
     )
     seed: int = option(0, "seed for data, init and order")

@@ -208,20 +208,25 @@ def _decodes(tokenizer: Any) -> bool:
     return decoder is not None and type(decoder).__name__ != "WordPiece"
 
 
-def _focus(tokenizer: Any, tokens: list[str], special: list[bool], word: str | None) -> int:
-    """``find_focus`` with the word split by the model's tokenizer. Byte-level and
-    sentencepiece tokenizers (GPT-2, Llama, RoBERTa) mark a word inside a sentence by its
-    leading space, so that form is tried first for them."""
+def _focus(
+    tokenizer: Any, tokens: list[str], special: list[bool], word: str | None
+) -> tuple[int, int]:
+    """``find_focus`` with the word split by the model's tokenizer: (position of its first
+    piece, number of pieces). Byte-level and sentencepiece tokenizers (GPT-2, Llama, RoBERTa)
+    mark a word inside a sentence by its leading space, so that form is tried first for
+    them."""
     if word is None:
-        return find_focus(tokens, special, None, None)
+        return find_focus(tokens, special, None, None), 1
 
     def pieces(form: str) -> list[str]:
         return tokenizer.encode(form, add_special_tokens=False).tokens
 
     if _decodes(tokenizer):
         with contextlib.suppress(ValueError):
-            return find_focus(tokens, special, word, pieces(" " + word))
-    return find_focus(tokens, special, word, pieces(word))
+            split = pieces(" " + word)
+            return find_focus(tokens, special, word, split), len(split)
+    split = pieces(word)
+    return find_focus(tokens, special, word, split), len(split)
 
 
 def _labels(tokenizer: Any, tokens: list[str]) -> list[str]:
@@ -304,6 +309,11 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
     if focus is not None:
         V.check_utf8_text("--focus", focus)
     folder = V.check_out_dir("--out", options.out)
+    earlier = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if earlier:  # said before any work: the files of the same name are written over
+        say(f"--out {folder} exists, holding {', '.join(earlier[:6])}"
+            f"{' ...' if len(earlier) > 6 else ''}: this run writes its figures and "
+            "attention.html over those of the same name")  # fmt: skip
     for name, value in (("--layer", layer), ("--head", head)):  # before the model loads
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 0
@@ -325,12 +335,13 @@ def _say_findings(
     real: list[int],
     flow: Tensor,
     say: Callable[[str], None],
+    split: str = "",
 ) -> None:
-    """The printed part: tokens, focus, every head's top token, the strongest head per word
-    and the rollout."""
+    """The printed part: tokens, focus (``split``: how the focus word was split), every head's
+    top token, the strongest head per word and the rollout."""
     heads = weights.shape[1]
     say(f"tokens: {' '.join(tokens)}")
-    say(f"focus: '{tokens[position]}' (position {position})\n")
+    say(f"focus: '{tokens[position]}' (position {position}){split}\n")
     _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
     # for every key: the strongest weight any head puts on it from the focus, and that head
     best, where = weights[:, :, position].flatten(0, 1).max(0)
@@ -351,8 +362,12 @@ def _report(text, model, tokens, special, weights, causal, focus, layer, head, f
     from ..viz import head_heatmap, heatmap_grid, surface
     from ..viz.html import save_head_view
 
-    position = _focus(model.tokenizer, tokens, special, focus)
+    position, count = _focus(model.tokenizer, tokens, special, focus)
     tokens = _labels(model.tokenizer, tokens)
+    split = ""
+    if count > 1:  # the heads follow one token: say which piece of the word that is
+        pieces = " ".join(f"'{t}'" for t in tokens[position : position + count])
+        split = f", the first of the {count} pieces {pieces} that --focus {focus} is split into"
     stats = head_stats(weights, special)
     flow = rollout(weights)
     layers, heads = weights.shape[:2]
@@ -366,7 +381,7 @@ def _report(text, model, tokens, special, weights, causal, focus, layer, head, f
 
     kind = ", causal: each token sees only earlier ones" if causal else ""
     say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
-    _say_findings(weights, tokens, position, real, flow, say)
+    _say_findings(weights, tokens, position, real, flow, say, split)
 
     progress.begin(_STAGES[2])
     folder.mkdir(exist_ok=True)

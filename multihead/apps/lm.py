@@ -1,7 +1,8 @@
 """``multihead train lm``: a small decoder (GPT-2 or Llama shape, built from this library's
 modules) and its own byte-level BPE tokenizer, trained from scratch and offline on text files.
 
-Data (``--data``, default ``../shared/data/vader-sentiment``): a UTF-8 file or a folder. A
+Data (``--data``, default: the VADER ground truth ``multihead data download vader`` puts in
+the cache): a UTF-8 file or a folder. A
 file named ``*_GroundTruth.txt`` is read as VADER ground truth (``id<TAB>rating<TAB>text``:
 the text field, HTML entities decoded); any other file gives one text per non-empty line. A
 folder gives its ``*_GroundTruth.txt`` files when it has some, else all its ``*.txt`` files
@@ -38,12 +39,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .. import data as datasets
 from .._flags import option, positive_int
 from .common import Options, figure, finish, save_figure, seed_everything
 from .loop import Dist, FitResult, fit
 
 __all__ = [
-    "DEFAULT_DATA",
     "END",
     "FULL",
     "HELD_OUT",
@@ -65,7 +66,6 @@ __all__ = [
 ]
 
 SUMMARY = "a small GPT-2 or Llama decoder and its own tokenizer, trained on --data text"
-DEFAULT_DATA = Path("../shared/data/vader-sentiment")
 VADER_SUFFIX = "_GroundTruth.txt"
 END = "<|endoftext|>"  # id 0: opens and closes every text; prompts begin with it too
 HELD_OUT = 0.1  # share of the texts held out for perplexity
@@ -155,7 +155,7 @@ def read_texts(path: str | Path | None) -> list[str]:
     """
     from .sentiment import read_corpora
 
-    source = DEFAULT_DATA if path is None else Path(path)
+    source = datasets.find("vader") if path is None else Path(path)
     if not source.exists():
         raise FileNotFoundError(
             f"text not found at '{source}'; pass --data with a UTF-8 file or a folder of them. "
@@ -532,7 +532,7 @@ def _finish(options, info, started, out, model, recipe, data, train_rows, held_r
         ),
         "evaluation_precision": "fp32",
         "data": {
-            "path": str(DEFAULT_DATA if options.data is None else options.data),
+            "path": str(datasets.folder("vader") if options.data is None else options.data),
             "texts": data["texts"],
             "duplicates_dropped": data["duplicates"],
             "train_texts": len(data["train"]),

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .. import data as datasets
 from .. import masks
 from ..io import register, save
 from ..modules import MultiHeadAttention
@@ -46,7 +47,6 @@ from .common import Options, figure, finish, need, save_figure, seed_everything,
 from .loop import Dist, FitResult, autocast, fit
 
 __all__ = [
-    "DEFAULT_DATA",
     "PAPER_VADER",
     "STRETCHES",
     "SUMMARY",
@@ -64,9 +64,6 @@ __all__ = [
 ]
 
 SUMMARY = "fine-tune all-MiniLM-L6-v2 to rate the VADER ground truth, beside VADER and TF-IDF"
-
-# relative to the working directory, as seen from a checkout of the repository
-DEFAULT_DATA = Path("../shared/data/vader-sentiment")
 SUFFIX = "_GroundTruth.txt"
 # Hutto & Gilbert (2014), Table 3: VADER's Pearson r and three-class F1 per corpus
 PAPER_VADER = {
@@ -133,8 +130,9 @@ def _unescape(text: str) -> str:
 
 
 def read_corpora(path: str | Path | None) -> list[Corpus]:
-    """Read a folder of ``*_GroundTruth.txt`` files (one domain each) or a single such file."""
-    folder = DEFAULT_DATA if path is None else Path(path)
+    """Read a folder of ``*_GroundTruth.txt`` files (one domain each) or a single such file;
+    None: the VADER ground truth in the cache (``multihead data download vader``)."""
+    folder = datasets.find("vader") if path is None else Path(path)
     if not folder.exists():
         raise FileNotFoundError(
             f"sentiment data not found at '{folder}'; pass --data with the folder of VADER "

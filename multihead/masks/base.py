@@ -282,26 +282,76 @@ class Mask:
             natural = self._natural_size()
         except ValueError as err:  # combined masks whose tensors disagree on L or S
             return f"{text}\n  (not drawn: {err})"
-        least = self._least_size()
-        length_q = natural[0] if natural[0] is not None else max(_DRAW_L, least[0])
-        length_k = natural[1] if natural[1] is not None else max(_DRAW_S, least[1], length_q)
-        rows, cols = min(length_q, _DRAW_MAX_L), min(length_k, _DRAW_MAX_S)
+        length_q, length_k = _picture_size(natural, self._least_size())
+        # the whole mask, each character standing for a step_q x step_k block when it is larger
+        # than the picture: a corner of a large mask is often all visible and shows nothing
+        step_q, step_k = -(-length_q // _DRAW_MAX_L), -(-length_k // _DRAW_MAX_S)
         chosen = " (any; chosen for the picture)"
         size = f"L={length_q}{chosen if natural[0] is None else ''}, S={length_k}"
         size += chosen if natural[1] is None else ""
         if natural == (None, None):
             size = f"e.g. L={length_q}, S={length_k}"
-        if (rows, cols) != (length_q, length_k):
-            size += f"; top-left corner, the first {rows} queries and {cols} keys"
-        picture = self.to_string(length_q, length_k, rows=rows, cols=cols)
-        text += f"\n  {size} (# = may attend, batch 0, head 0):\n  "
-        return text + picture.replace("\n", "\n  ")
+        legend = "# = may attend"
+        if (step_q, step_k) != (1, 1):
+            size += f"; one character per {step_q} queries x {step_k} keys"
+            legend = "# = all may attend, + = some, . = none"
+        head = "head 0" if (self.num_heads or 1) == 1 else f"head 0 of {self.num_heads}"
+        batches = self.batch_size or 1
+        if batches == 1:
+            picture = _picture(self, length_q, length_k, 0, step_q, step_k)
+            text += f"\n  {size} ({legend}, batch 0, {head}):\n  "
+            return text + picture.replace("\n", "\n  ")
+        shown = min(batches, _DRAW_BATCHES)
+        which = "" if shown == batches else f", the first {shown} of {batches} batch entries"
+        text += f"\n  {size} ({legend}, {head}{which}):"
+        for b in range(shown):
+            picture = _picture(self, length_q, length_k, b, step_q, step_k)
+            text += f"\n  batch {b}:\n  " + picture.replace("\n", "\n  ")
+        return text
 
 
-# the picture in repr(mask): a mask whose tensors fix no size is drawn at 4 x 6; a larger one
-# is drawn as its top-left corner of at most 24 queries x 48 keys
+def _picture_size(
+    natural: tuple[int | None, int | None], least: tuple[int, int]
+) -> tuple[int, int]:
+    """The (L, S) repr draws: the sizes the mask's tensors fix; a free L is S (a square
+    picture: the diagonal of bottom-right masks then starts in the corner) when S is longer than
+    the small example, else the small example's."""
+    if natural[0] is not None:
+        length_q = natural[0]
+        return length_q, natural[1] if natural[1] is not None else max(_DRAW_S, least[1], length_q)
+    length_k = natural[1] if natural[1] is not None else max(_DRAW_S, least[1])
+    if length_k > _DRAW_S:
+        length_q = max(least[0], min(length_k, _DRAW_SQUARE))
+    else:
+        length_q = max(_DRAW_L, least[0])
+    return length_q, length_k if natural[1] is not None else max(length_k, length_q)
+
+
+def _picture(mask: Mask, length_q: int, length_k: int, batch: int, step_q: int, step_k: int) -> str:
+    """Batch entry ``batch``, head 0, one character per ``step_q`` x ``step_k`` block: ``#``
+    every pair visible, ``.`` none, ``+`` some (one block of queries lowered at a time)."""
+    lines = []
+    pad = -length_k % step_k
+    for q0 in range(0, length_q, step_q):
+        q1 = min(q0 + step_q, length_q)
+        keep = mask.block(length_q, length_k, q0, q1, 0, length_k, batch=batch)
+        keep = keep[0, 0].expand(q1 - q0, length_k).cpu()
+        grid = (q1 - q0, (length_k + pad) // step_k, step_k)
+        some = torch.nn.functional.pad(keep, (0, pad), value=False).view(grid).any(2).any(0)
+        every = torch.nn.functional.pad(keep, (0, pad), value=True).view(grid).all(2).all(0)
+        lines.append(
+            "".join("#" if e else "+" if s else "." for s, e in zip(some.tolist(), every.tolist()))
+        )
+    return "\n".join(lines)
+
+
+# the picture in repr(mask): a mask whose tensors fix no size is drawn at 4 x 6, one whose
+# tensors fix S > 6 and leave L free at L = S (at most 256); a larger one than 16 x 48
+# characters is drawn whole, scaled down; at most 2 batch entries are drawn
 _DRAW_L, _DRAW_S = 4, 6
-_DRAW_MAX_L, _DRAW_MAX_S = 24, 48
+_DRAW_MAX_L, _DRAW_MAX_S = 16, 48
+_DRAW_SQUARE = 256
+_DRAW_BATCHES = 2
 
 # a summary answers per cell of _CELL queries x _CELL keys: finer than any backend tile, coarse
 # enough that L = S = 32k is 4M cells per batch entry

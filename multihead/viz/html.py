@@ -22,10 +22,12 @@ MAX_TOKENS = 256  # layers x H x L x L numbers are embedded; beyond this the pag
 MIN_WEIGHT = 0.01  # lines below this weight are not drawn (listed weights are all exact)
 _DIGITS = 5  # weights are embedded rounded to 1e-5
 
-# 12 distinguishable colours (Tableau-like), cycled for more heads
+# 12 colours far apart from each other and from the white page (Trubetskoy's list of distinct
+# colours, its palest left out: CIELAB distance at least 29 between any two), cycled for more
+# heads
 _COLOURS = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-    "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#ad494a",
+    "#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4",
+    "#f032e6", "#9a6324", "#000075", "#808000", "#469990", "#800000",
 ]  # fmt: skip
 
 
@@ -109,7 +111,8 @@ script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
 </div>
 <p class="hint">Hover over a token on the left to see where it looks; click to pin it.
 Line opacity and width follow the weight; lines under <span id="min-weight"></span> are not
-drawn.</p>
+drawn. Each head's lines end in a column of its own beside the keys, at squares in its colour
+filled as strongly as the weight.</p>
 <div id="main">
   <svg id="view" role="img" aria-label="attention lines"></svg>
   <div id="side">
@@ -150,7 +153,7 @@ _SCRIPT = """
 const data = JSON.parse(document.getElementById("data").textContent);
 const state = { layer: 0, heads: new Set(), query: data.focus, pinned: data.focus !== null };
 for (let h = 0; h < data.heads; h++) state.heads.add(h);
-const ROW = 22, LEFT = 150, GAP = 260, TOP = 10;
+const ROW = 22, LEFT = 150, GAP = 260, TOP = 10, LANE = 8, MARK = 6;
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;",
   ">": "&gt;", "\\"": "&quot;"}[c]));
 
@@ -200,27 +203,40 @@ function setup() {
   });
 }
 
+// Each head's lines end in a lane of its own beside the keys, at a square outlined in the head's
+// colour: lines of many heads to one key would otherwise end on one spot and blend into one.
 function lines() {
-  const out = [], W = data.weights[state.layer];
+  const out = [], marks = [], W = data.weights[state.layer];
   const queries = state.query === null ? data.tokens.map((_, i) => i) : [state.query];
-  const x1 = LEFT + 6, x2 = LEFT + GAP - 6;
-  for (const h of [...state.heads].sort((a, b) => a - b)) {
+  const heads = [...state.heads].sort((a, b) => a - b);
+  const x1 = LEFT + 6;
+  heads.forEach((h, lane) => {
+    const x2 = LEFT + GAP - 6 - MARK - (heads.length - 1 - lane) * LANE;
+    const marked = new Set();
     for (const q of queries) {
       const row = W[h][q];
       for (let k = 0; k < row.length; k++) {
         const w = row[k];
         if (w < data.minWeight) continue;
         const op = state.query === null ? w * 0.5 : Math.min(1, 0.15 + w);
+        const y2 = TOP + ROW * k + ROW / 2;
         out.push(`<line class="attn" x1="${x1}" y1="${TOP + ROW * q + ROW / 2}" x2="${x2}" ` +
-          `y2="${TOP + ROW * k + ROW / 2}" stroke="${data.colours[h]}" ` +
+          `y2="${y2}" stroke="${data.colours[h]}" ` +
           `stroke-opacity="${op.toFixed(3)}" stroke-width="${(1 + 5 * w).toFixed(2)}" ` +
           `data-head="${h}" data-query="${q}" data-key="${k}" data-weight="${w}">` +
           `<title>head ${h}: ${esc(data.tokens[q])} -> ${esc(data.tokens[k])} ` +
           `${(100 * w).toFixed(1)}%</title></line>`);
+        if (marked.has(k)) continue;
+        marked.add(k);
+        // outlined in the head's colour, filled as strongly as the (first) line's weight
+        marks.push(`<rect class="mark" x="${x2 + 0.5}" y="${y2 - MARK / 2 + 0.5}" ` +
+          `width="${MARK - 1}" height="${MARK - 1}" stroke="${data.colours[h]}" ` +
+          `fill="${data.colours[h]}" fill-opacity="${op.toFixed(3)}" data-head="${h}" ` +
+          `data-key="${k}"><title>head ${h}</title></rect>`);
       }
     }
-  }
-  return out.join("");
+  });
+  return out.join("") + marks.join("");
 }
 
 function tokens() {

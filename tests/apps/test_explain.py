@@ -93,6 +93,41 @@ def test_focus_on_a_word_split_into_pieces(tmp_path):
     assert explain.find_focus(["[CLS]", "an", "animal", "[SEP]"], [1, 0, 0, 1], "x", ["an"]) == 1
 
 
+def test_the_focus_line_names_the_piece_followed_when_the_word_is_split(tmp_path):
+    """--focus Tokenization followed the piece 'token' and said only "focus: 'token'"."""
+    lines = []
+    explain.run(
+        Options(text="Tokenization matters", focus="Tokenization", out=tmp_path), say=lines.append
+    )
+    assert (
+        "focus: 'token' (position 1), the first of the 2 pieces 'token' '##ization' that "
+        "--focus Tokenization is split into"
+    ) in [line.strip() for line in lines]
+    lines.clear()
+    explain.run(
+        Options(text="Tokenization matters", focus="matters", out=tmp_path), say=lines.append
+    )
+    assert "focus: 'matters' (position 3)" in [line.strip() for line in lines]  # a whole word
+
+
+def test_an_existing_out_folder_is_reported_before_the_run(tmp_path):
+    """explain wrote over an earlier run's files in --out without a word."""
+    (tmp_path / "notes.txt").write_text("mine")
+    lines = []
+    explain.run(Options(text="cats chase mice", out=tmp_path), say=lines.append)
+    assert lines[0] == (
+        f"--out {tmp_path} exists, holding notes.txt: this run writes its figures and "
+        "attention.html over those of the same name"
+    )
+    lines.clear()
+    explain.run(Options(text="cats chase mice", out=tmp_path), say=lines.append)
+    assert lines[0].startswith(f"--out {tmp_path} exists, holding attention.html, head.png, ")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    lines.clear()
+    explain.run(Options(text="cats chase mice", out=tmp_path / "new"), say=lines.append)
+    assert not any(line.startswith("--out") for line in lines)
+
+
 def _strongest_head(weights, focus, keys, layers, heads):
     """The (layer, head) with the largest weight from ``focus`` onto one of ``keys``, by plain
     loops over every allowed layer, head and key (independent of ``explain.pick_head``)."""

@@ -9,7 +9,6 @@ import itertools
 import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +18,13 @@ import multihead as mh
 from multihead.apps import Options, lm
 from multihead.cli import main
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "vader-sentiment"
-
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_quick("lm", tmp_path_factory, "--data", str(DATA))
+def trained(tmp_path_factory, vader):
+    return train_quick("lm", tmp_path_factory, "--data", str(vader))
 
 
-def test_the_run_writes_a_folder_the_loaders_open(trained):
+def test_the_run_writes_a_folder_the_loaders_open(trained, vader):
     out, printed = trained
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.json",
                  "loss_curve.png", "samples.txt", "held_out.txt"):  # fmt: skip
@@ -46,7 +43,7 @@ def test_the_run_writes_a_folder_the_loaders_open(trained):
     assert metrics["parameters"] == sum(p.numel() for p in model.parameters())
     # the held-out texts, one per line: exactly the split's held-out share, none trained on
     held = (out / "held_out.txt").read_text(encoding="utf-8").splitlines()
-    want = lm._data(Options(out=out, quick=True, data=DATA), lm.QUICK)["held"]
+    want = lm._data(Options(out=out, quick=True, data=vader), lm.QUICK)["held"]
     assert held == want and len(held) == metrics["data"]["held_out_texts"]
 
 

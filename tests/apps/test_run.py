@@ -50,14 +50,19 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys):
     assert "--out must be a folder, but" in capsys.readouterr().err
 
 
-def test_overwrite_replaces_the_run_whole(previous, tmp_path):
+def test_overwrite_replaces_the_run_whole(previous, tmp_path, capsys):
     """A stray file of the previous run does not survive: the new run replaces DIR whole, its
     metrics record DIR (not the temporary folder it was written in), and no temporary is left
-    beside it."""
+    beside it. The run being replaced is said first (before, nothing said it)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / "stray.txt").write_text("from an older run")
+    (out / "model").mkdir()
     assert main([*QUICK, "--out", str(out), "--overwrite"]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"--out {out} holds a previous run (model, stray.txt); --overwrite replaces it whole "
+        "when this run ends"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     assert not (out / "stray.txt").exists()
     metrics = json.loads((out / "metrics.json").read_text())
@@ -92,12 +97,17 @@ def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
 
 def test_ctrl_c_after_the_model_is_saved_leaves_the_previous_run(previous):
     """SIGINT once this run's model/ is written (the moment that left one run's model beside
-    another's metrics.json): exit 130, one line on stderr, DIR byte for byte the previous run,
-    and the temporary folder gone."""
+    another's metrics.json): exit 130, one line on stderr after the one naming the run
+    --overwrite would have replaced, DIR byte for byte the previous run, and the temporary
+    folder gone."""
     before = _snapshot(previous)
     code, err = _signal_after_the_model_is_saved(previous, signal.SIGINT)
     assert code == 130, err
-    assert err.splitlines() == ["multihead train: interrupted"], err
+    assert err.splitlines() == [
+        f"--out {previous} holds a previous run (attention.png, confusion.png, metrics.json, "
+        "model, training_curve.png); --overwrite replaces it whole when this run ends",
+        "multihead train: interrupted",
+    ], err
     assert _snapshot(previous) == before
     assert sorted(p.name for p in previous.parent.iterdir()) == [previous.name]
 

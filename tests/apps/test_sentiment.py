@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,18 +17,16 @@ import multihead as mh
 from multihead.apps import sentiment
 from multihead.cli import main
 
-DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "vader-sentiment"
+
+@pytest.fixture(scope="module")
+def corpora(vader):
+    return {c.domain: c for c in sentiment.read_corpora(vader)}
 
 
 @pytest.fixture(scope="module")
-def corpora():
-    return {c.domain: c for c in sentiment.read_corpora(DATA)}
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The quick run's folder and what it printed."""
-    return train_quick("sentiment", tmp_path_factory, "--data", str(DATA))
+def trained(tmp_path_factory, vader):
+    """The quick run's folder and what it printed (the default --data: the cache's VADER)."""
+    return train_quick("sentiment", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -18,19 +18,6 @@ from keras_cases import TOL
 import multihead.keras as mk
 from multihead import masks
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _data() -> Path:
-    """../shared/data/vader-sentiment beside the repository (CI and the main checkout), or
-    higher up for a git worktree."""
-    for parent in ROOT.parents:
-        if (parent / "shared/data/vader-sentiment").is_dir():
-            return parent / "shared/data/vader-sentiment"
-    return ROOT.parent / "shared/data/vader-sentiment"  # missing: open() names the path
-
-
-DATA = _data()
 MAX_LEN = 32
 
 
@@ -74,11 +61,11 @@ def _words(text: str) -> list[str]:
     return re.findall(r"[a-z']+", text.lower())
 
 
-def _tweets(per_class: int) -> tuple[list[str], np.ndarray]:
+def _tweets(folder: Path, per_class: int) -> tuple[list[str], np.ndarray]:
     """The first ``per_class`` clearly positive (mean rating >= 1) and clearly negative
-    (<= -1) tweets, shuffled with a fixed seed; labels 1 = positive."""
+    (<= -1) tweets of the VADER ``folder``, shuffled with a fixed seed; labels 1 = positive."""
     rows = []
-    path = DATA / "tweets_GroundTruth.txt"
+    path = folder / "tweets_GroundTruth.txt"
     with path.open(encoding="utf-8") as f:  # id<TAB>mean rating<TAB>text, CRLF line ends
         for line in f:
             _, rating, text = line.rstrip("\r\n").split("\t", 2)
@@ -100,9 +87,9 @@ def _ids(texts: list[str], vocab: dict[str, int]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def trained(keras, tmp_path_factory):
+def trained(keras, tmp_path_factory, vader):
     """A classifier fitted on 320 tweets (80 held out), saved to a .keras file."""
-    texts, labels = _tweets(per_class=200)
+    texts, labels = _tweets(vader, per_class=200)
     train = 320
     counts = collections.Counter(w for t in texts[:train] for w in _words(t))
     vocab = {w: i + 2 for i, (w, _) in enumerate(counts.most_common())}

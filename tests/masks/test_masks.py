@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from helpers import COMBOS, MASK_KINDS, make_case
@@ -104,15 +105,51 @@ def test_repr_draws_a_picture():
 
 
 def _drawn(mask) -> tuple[str, torch.Tensor]:
-    """The header line of repr(mask) with its size, and the picture as a bool tensor."""
-    lines = repr(mask).splitlines()
-    picture = [line.strip() for line in lines[2:]]
-    return lines[1], torch.tensor([[c == "#" for c in row] for row in picture])
+    """The header line of repr(mask) with its size, and batch entry 0's picture as a bool
+    tensor (True for "#")."""
+    return _header(mask), _pictures(mask)[0][0]
+
+
+def _header(mask) -> str:
+    return repr(mask).splitlines()[1]
+
+
+def _pictures(mask) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each drawn batch entry's picture as (every pair visible "#", some pair visible "#"
+    or "+") bool tensors."""
+    groups, rows = [], []
+    for line in repr(mask).splitlines()[2:]:
+        line = line.strip()
+        if line.startswith("batch "):
+            if rows:
+                groups.append(rows)
+            rows = []
+        else:
+            rows.append(line)
+    groups.append(rows)
+    return [
+        (torch.tensor([[c == "#" for c in r] for r in g]),
+         torch.tensor([[c in "#+" for c in r] for r in g]))
+        for g in groups
+    ]  # fmt: skip
 
 
 def _expected(mask, length_q, length_k, rows, cols):
     keep = mask.to_dense(length_q, length_k)[0, 0].expand(length_q, length_k)
     return keep[:rows, :cols]
+
+
+def _scaled(keep: torch.Tensor, step_q: int, step_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every, some) over blocks of step_q x step_k of an (L, S) bool tensor, written as loops."""
+    length_q, length_k = keep.shape
+    rows, cols = -(-length_q // step_q), -(-length_k // step_k)
+    every = torch.zeros(rows, cols, dtype=torch.bool)
+    some = torch.zeros(rows, cols, dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            block = keep[r * step_q : (r + 1) * step_q, c * step_k : (c + 1) * step_k]
+            every[r, c], some[r, c] = bool(block.all()), bool(block.any())
+    return every, some
 
 
 # the masks the new user's tour printed (each raised RuntimeError): their tensors fix L or S
@@ -126,7 +163,7 @@ SIZED = {
         4,
         3,
     ),
-    "lengths_longer_than_the_example": (masks.lengths(torch.tensor([9, 3])), 4, 9),
+    "lengths_longer_than_the_example": (masks.lengths(torch.tensor([9, 3])), 9, 9),
     "query_lens": (masks.lengths(torch.tensor([2, 3]), torch.tensor([5, 1])), 5, 6),
     "documents": (masks.documents(torch.tensor([[0, 0, 1]])), 3, 3),
 }
@@ -141,17 +178,39 @@ def test_repr_draws_masks_at_the_size_their_tensors_fix(name):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("length_q,length_k", [(3, 7), (30, 70)], ids=["small", "corner"])
+@pytest.mark.parametrize("length_q,length_k", [(3, 7), (30, 70)], ids=["small", "scaled"])
 def test_repr_works_for_every_kind_and_shape(kind, length_q, length_k):
     mask = make_case(kind, 2, 2, length_q, length_k).mask
-    header, picture = _drawn(mask)
+    header = _header(mask)
     size = re.search(r"L=(\d+).*S=(\d+)", header)
     drawn_q, drawn_k = int(size.group(1)), int(size.group(2))
-    rows, cols = min(drawn_q, 24), min(drawn_k, 48)
-    assert picture.shape == (rows, cols)
-    assert torch.equal(picture, _expected(mask, drawn_q, drawn_k, rows, cols))
-    if (rows, cols) != (drawn_q, drawn_k):
-        assert f"top-left corner, the first {rows} queries and {cols} keys" in header
+    step_q, step_k = -(-drawn_q // 16), -(-drawn_k // 48)
+    keep = mask.to_dense(drawn_q, drawn_k).expand(-1, -1, drawn_q, drawn_k)
+    pictures = _pictures(mask)
+    assert len(pictures) == min(mask.batch_size or 1, 2)
+    for b, (every, some) in enumerate(pictures):
+        want_every, want_some = _scaled(keep[b if keep.shape[0] > 1 else 0, 0], step_q, step_k)
+        assert torch.equal(every, want_every) and torch.equal(some, want_some), b
+    if (step_q, step_k) != (1, 1):
+        assert f"one character per {step_q} queries x {step_k} keys" in header
+
+
+def test_print_shows_the_structure_of_a_large_mask():
+    """getting-started's mask printed a 4 x 48 corner that was all "#" before: it is drawn
+    whole now, scaled, for each batch entry, so the causal edge and the shorter second
+    sequence show."""
+    mask = masks.causal() & masks.lengths(torch.tensor([120, 75]))
+    header = _header(mask)
+    assert header.startswith("  e.g. L=120, S=120; one character per 8 queries x 3 keys (# = all")
+    i, j = np.arange(120)[:, None], np.arange(120)[None]
+    for b, length in enumerate((120, 75)):
+        truth = torch.from_numpy((j <= i) & (j < length))  # bottom-right with L = S: j <= i
+        every, some = _pictures(mask)[b]
+        assert (torch.equal(every, _scaled(truth, 8, 3)[0])
+                and torch.equal(some, _scaled(truth, 8, 3)[1])), b  # fmt: skip
+        assert every.any() and not some.all()  # "#" and "." both there: the structure shows
+    _, some = _pictures(mask)[1]
+    assert not some[:, 25:].any()  # no key at or past 75 seen in batch entry 1
 
 
 def test_repr_of_masks_that_disagree_on_a_size_says_so():

@@ -217,18 +217,93 @@ def test_predicate_repr_draws_its_picture():
 def test_predicate_rejects_bad_functions_and_sizes():
     with pytest.raises(TypeError, match=r"takes a function fn\(b, h, q, k\).*Received: .*int"):
         masks.predicate(3)
-    with pytest.raises(TypeError, match=r"must return a bool tensor.*Received: dtype torch.int64"):
-        masks.predicate(lambda b, h, q, k: k - q).to_dense(4, 4)
-    with pytest.raises(TypeError, match=r"must return a bool tensor.*Received: bool"):
-        masks.predicate(lambda b, h, q, k: True).to_dense(4, 4)
-    with pytest.raises(
-        ValueError, match=r"broadcasts to \(1, 1, 4, 5\).*Received: shape \(4, 5, 1, 1\)"
-    ):
-        masks.predicate(lambda b, h, q, k: (k <= q).transpose(0, 2).transpose(1, 3)).to_dense(4, 5)
+    q, k, v = qkv(3, 2, 2, 6, 6, 4, 4)
     with pytest.raises(ValueError, match=r"batch_size must be .*Received: batch_size=0"):
         masks.predicate(_prefix_lm, batch_size=0)
-    q, k, v = qkv(3, 2, 2, 6, 6, 4, 4)
     with pytest.raises(ValueError, match=r"built for a batch size of 2 .*Received: B=3"):
         mh.attention(q, k, v, masks.predicate(_same_document, batch_size=2))
     with pytest.raises(ValueError, match=r"built for a head count of 3 .*Received: H=2"):
         mh.attention(q, k, v, masks.predicate(_per_head, num_heads=3))
+
+
+def _two_args(q, k):
+    return k <= q
+
+
+def test_the_function_is_checked_when_the_mask_is_made():
+    """Each of these was accepted, then failed inside the first backend with a raw TypeError
+    or "Boolean value of Tensor with more than one value is ambiguous"."""
+    with pytest.raises(
+        TypeError,
+        match=r"takes a function of four index tensors, fn\(b, h, q, k\) -> bool tensor .*"
+        r"Received: _two_args\(q, k\)$",
+    ):
+        masks.predicate(_two_args)
+    with pytest.raises(
+        TypeError,
+        match=r"combines its conditions with & \| ~ \(elementwise\), not with Python's and / or "
+        r"/ not.*\(k <= q\) & \(k > q - 4\).*Received: <lambda> raised 'Boolean value of Tensor",
+    ):
+        masks.predicate(lambda b, h, q, k: (k <= q) and (k > q - 4))
+    with pytest.raises(TypeError, match=r"must return a bool tensor.*Received: dtype torch.int64"):
+        masks.predicate(lambda b, h, q, k: k - q)
+    with pytest.raises(TypeError, match=r"must return a bool tensor.*Received: bool"):
+        masks.predicate(lambda b, h, q, k: True)
+    with pytest.raises(
+        ValueError,
+        match=r"combine its index tensors elementwise .* \(1, 1, 1, 7\), each dimension of its "
+        r"result must be 1 or that index's size\. Received: shape \(5, 7, 1, 1\)",
+    ):
+        masks.predicate(lambda b, h, q, k: (k <= q).transpose(0, 2).transpose(1, 3))
+
+
+# block answers drawn per (batch entry, head): 16 x 16 blocks, each visible or not
+_TABLE = torch.rand(2, 2, 3, 5, generator=torch.Generator().manual_seed(0)) < 0.5
+_TABLE[..., 0] = True  # every query sees its first block of keys
+
+
+def _blocks(b, h, q, k):
+    return _TABLE[b, h, q // 16, k // 16]
+
+
+def _blocks_truth(length_q, length_k):
+    i, j = np.arange(length_q)[:, None], np.arange(length_k)[None]
+    return torch.from_numpy(_TABLE.numpy()[:, :, i // 16, j // 16])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_predicate_of_b_and_h_is_never_silently_wrong(backend):
+    """Before, a predicate that depends on the batch entry and the head, made without
+    batch_size= and num_heads=, was evaluated for b = 0 and h = 0 alone: every backend was off
+    by 0.89 against the rule. It is refused now; with both sizes every backend is exact."""
+    q, k, v = qkv(2, 2, 2, 45, 72, 8, 8)
+    want, _ = naive_attention(q, k, v, _blocks_truth(45, 72))
+    try:
+        mask = masks.predicate(_blocks)
+    except ValueError:
+        mask = None  # refused: the other way of never being silently wrong
+    if mask is not None:
+        got = mh.attention(q, k, v, mask, backend=backend)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    exact = masks.predicate(_blocks, batch_size=2, num_heads=2)
+    torch.testing.assert_close(
+        mh.attention(q, k, v, exact, backend=backend), want, rtol=0, atol=1e-12
+    )
+    assert torch.equal(exact.to_dense(45, 72), _blocks_truth(45, 72))
+
+
+def test_a_predicate_of_b_or_h_names_the_sizes_it_needs():
+    with pytest.raises(
+        ValueError,
+        match=r"_blocks depends on b and h \(its result varies along those axes\), so the mask "
+        r"must be told B and H, or backends would evaluate it for b = 0 and h = 0 alone: pass "
+        r"predicate\(fn, batch_size=B, num_heads=H\) with the inputs' sizes\. "
+        r"Received: batch_size=None, num_heads=None",
+    ):
+        masks.predicate(_blocks)
+    with pytest.raises(ValueError, match=r"_per_head depends on h .*Received: num_heads=None$"):
+        masks.predicate(_per_head)
+    with pytest.raises(ValueError, match=r"_same_document depends on b .*batch_size=B\)"):
+        masks.predicate(_same_document)
+    with pytest.raises(ValueError, match=r"_blocks depends on h .*Received: num_heads=None$"):
+        masks.predicate(_blocks, batch_size=2)
