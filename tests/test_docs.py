@@ -121,9 +121,12 @@ def test_one_claim_for_how_long_train_quick_takes():
     on a loaded 2-core machine (the runs are in the CHANGELOG)."""
     from multihead.cli import build_parser
 
-    train = dict(walk_parsers(build_parser()))["multihead train"]
-    quick = next(a for a in train._actions if "--quick" in a.option_strings)
-    sources = {"multihead train --help": quick.help}
+    parsers = dict(walk_parsers(build_parser()))
+    sources = {}
+    for task in ("sentiment", "forecast", "crossmodal", "lm"):
+        train = parsers[f"multihead train {task}"]
+        quick = next(a for a in train._actions if "--quick" in a.option_strings)
+        sources[f"multihead train {task} --help"] = quick.help
     for name in ("guides/training.md", "guides/decoding.md"):
         paragraphs = (DOCS / name).read_text(encoding="utf-8").split("\n\n")
         sources[name] = " ".join(p.replace("\n", " ") for p in paragraphs if "--quick" in p)
