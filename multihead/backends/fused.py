@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import _extension, _measure
-from ._call import Call, exporting, stat_dtype
+from ._call import Call, exporting, sink_grad, stat_dtype
 from ._nonfinite import NonFiniteInput, checks_inputs
 from ._plan import Item, plan, query_tile
 from .protocol import LAST, Backend, Capabilities, Rank
@@ -180,9 +180,11 @@ def _attention_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
+    sinks: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, False
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, False
     )
     return out, lse, bad
 
@@ -199,9 +201,11 @@ def _weights_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
+    sinks: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     out, lse, w, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, True
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, True
     )
     return out, lse, w, bad
 
@@ -221,14 +225,19 @@ def _backward_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
     bias_grad: bool,
     table_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbias, dtable = build().backward(
-        grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale,
+        grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, softcap,
         bias_grad, table_grad,
     )  # fmt: skip
     return dq, dk, dv, dbias, dtable
+
+
+# The fake kernels promise what the real ones return: every result is a new contiguous tensor,
+# whatever the strides of the inputs (permuted, sliced or expanded q, k and v included).
 
 
 def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -239,52 +248,49 @@ def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
 
 
 @_attention_op.register_fake
-def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks):
     return _out_shapes(q, k, v)
 
 
 @_weights_op.register_fake
-def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks):
     out, lse, bad = _out_shapes(q, k, v)
     return out, lse, q.new_empty(*q.shape[:3], k.shape[2]), bad
 
 
 @_backward_op.register_fake
-def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, bg, tg):
+def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, cap, bg, tg):
     stat = stat_dtype(q.dtype)
     b, h, length_q, _ = q.shape
-    dbias = q.new_empty(b, h, length_q, k.shape[2], dtype=stat) if bg else q.new_empty(0)
-    dtable = q.new_empty(b, h, table.shape[-1], dtype=stat) if tg else q.new_empty(0)
-    return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        dbias.to(stat),
-        dtable.to(stat),
-    )
+    dbias = q.new_empty((b, h, length_q, k.shape[2]) if bg else (0,), dtype=stat)
+    dtable = q.new_empty((b, h, table.shape[-1]) if tg else (0,), dtype=stat)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dtable
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, items, chunks, keep, bias, table, table_shift, scale = inputs
+    q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks = inputs
     out, lse, bad = output
-    ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table)
-    ctx.table_shift, ctx.scale = table_shift, scale
+    ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table, sinks)
+    ctx.table_shift, ctx.scale, ctx.softcap = table_shift, scale, softcap
     ctx.mark_non_differentiable(lse, bad)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_bad):
-    q, k, v, out, lse, items, chunks, keep, bias, table = ctx.saved_tensors
+    q, k, v, out, lse, items, chunks, keep, bias, table, sinks = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[6] and bias.numel() > 0
     table_grad = ctx.needs_input_grad[7] and table.numel() > 0
     dq, dk, dv, dbias, dtable = _backward_op(
         grad_out, q, k, v, out, lse, items, chunks, keep, bias, table, ctx.table_shift,
-        ctx.scale, bias_grad, table_grad,
+        ctx.scale, ctx.softcap, bias_grad, table_grad,
     )  # fmt: skip
     d_bias = dbias.to(bias.dtype) if bias_grad else None
     d_table = None
     if table_grad:  # [B, H, n] -> the table's (H or 1, n)
         d_table = dtable.sum(0).sum_to_size(table.shape).to(table.dtype)
-    return dq, dk, dv, None, None, None, d_bias, d_table, None, None
+    d_sinks = None
+    if ctx.needs_input_grad[11] and sinks.numel() > 0:
+        d_sinks = sink_grad(sinks, grad_out, out, lse)
+    return dq, dk, dv, None, None, None, d_bias, d_table, None, None, None, d_sinks
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -400,7 +406,12 @@ def _terms(call: Call) -> tuple[Tensor, Tensor, int]:
 def _args(call: Call) -> tuple:
     items, chunks, keep = _plan_tensors(call)
     bias, table, shift = _terms(call)
-    return (call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale)
+    softcap = 0.0 if call.softcap is None else float(call.softcap)
+    sinks = call.query.new_empty(0) if call.sinks is None else call.sinks
+    return (
+        call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale,
+        softcap, sinks,
+    )  # fmt: skip
 
 
 def unsupported(call: Call) -> str | None:
@@ -435,7 +446,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
 
 def forward_with_lse(call: Call) -> tuple[Tensor, Tensor]:
     """(out [B, H, L, D_v], log-sum-exp [B, H, L]) without autograd; rows that see no key
-    have out 0 and lse -inf."""
+    have out 0 and lse -inf. With sink logits the log-sum-exp includes them."""
     with torch.no_grad():
         out, lse, _ = _attention_op(*_args(call))
         return out, lse
@@ -479,6 +490,8 @@ BACKEND = Backend(
         weights=True,
         # dropout runs on tiled
         dropout=False,
+        softcap=True,
+        sinks=True,
     ),
     unsupported=_unsupported,
     measured=_measured,

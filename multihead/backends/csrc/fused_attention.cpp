@@ -21,6 +21,12 @@
 
 #include <algorithm>
 #include <atomic>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -288,56 +294,91 @@ bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   return tail != T(0);
 }
 
-// Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
+// Row reductions, exp and tanh over whole vectors: without -ffast-math (which would break -inf)
 // compilers vectorize neither a float sum nor a max, so the lanes are spelled out.
 
 struct IntVec {
   typedef int32_t type __attribute__((vector_size(kVecBytes)));
 };
 
+using VF = Vec<float>::type;
+using VI = IntVec::type;
+constexpr int kLanes = kVecBytes / sizeof(float);
+
+inline VF load(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(VF));
+  return v;
+}
+inline void store(float* p, VF v) { std::memcpy(p, &v, sizeof(VF)); }
+// the first `count` lanes from p, the rest `fill` (row tails run through the same vector code)
+inline VF load_part(const float* p, int64_t count, float fill) {
+  VF v = VF{} + fill;
+  std::memcpy(&v, p, count * sizeof(float));
+  return v;
+}
+
 // exp_nonpositive for a vector of floats: the same steps, lane by lane
-inline Vec<float>::type exp_vec(Vec<float>::type x) {
-  using V = Vec<float>::type;
-  using I = IntVec::type;
-  const V floor_x = V{} - 87.0f;
-  const I dead = !(x > floor_x);
+inline VF exp_vec(VF x) {
+  const VF floor_x = VF{} - 87.0f;
+  const VI dead = !(x > floor_x);
   x = dead ? floor_x : x;
-  const V t = x * 1.44269504088896341f + kRound;
-  const V n = t - kRound;
-  V r = x - n * 0.693359375f;
+  const VF t = x * 1.44269504088896341f + kRound;
+  const VF n = t - kRound;
+  VF r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  const V z = r * r;
-  V p = V{} + 1.9875691500e-4f;
+  const VF z = r * r;
+  VF p = VF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * z + r + 1.0f;
-  I bits;
+  VI bits;
   std::memcpy(&bits, &t, sizeof(bits));
   bits = (bits + 127) << 23;
-  V two_n;
+  VF two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return dead ? V{} : p * two_n;
+  return dead ? VF{} : p * two_n;
 }
 
-template <typename T>
-T row_max(const T* x, int64_t n, T init) {
-  int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    using V = Vec<float>::type;
-    constexpr int lanes = kVecBytes / sizeof(float);
-    V best = V{} + init;
-    for (; j + lanes <= n; j += lanes) {
-      V v;
-      std::memcpy(&v, x + j, sizeof(V));
-      best = v > best ? v : best;
-    }
-    for (int l = 0; l < lanes; ++l) init = std::max(init, best[l]);
-  }
-  for (; j < n; ++j) init = std::max(init, x[j]);
+// tanh for a vector of floats (Cephes' tanhf, under 2 ulp): x + x^3 P(x^2) for |x| < 0.625,
+// else (1 - e) / (1 + e) with e = exp(-2|x|), which has no cancellation there; the sign is put
+// back by its bit. NaN stays NaN.
+inline VF tanh_vec(VF x) {
+  VI bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const VI sign = bits & static_cast<int32_t>(0x80000000u);
+  const VI abs_bits = bits & 0x7fffffff;
+  VF a;
+  std::memcpy(&a, &abs_bits, sizeof(a));
+  const VF e = exp_vec(-2.0f * a);
+  const VF large = (1.0f - e) / (1.0f + e);
+  const VF z = a * a;
+  VF p = VF{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const VF small = a + a * z * p;
+  VF r = a < 0.625f ? small : large;
+  r = a == a ? r : a;
+  VI r_bits;
+  std::memcpy(&r_bits, &r, sizeof(r_bits));
+  r_bits |= sign;
+  std::memcpy(&r, &r_bits, sizeof(r));
+  return r;
+}
+
+inline float hmax(VF v, float init) {
+  for (int l = 0; l < kLanes; ++l) init = std::max(init, v[l]);
   return init;
+}
+inline float hsum(VF v) {
+  float total = 0;
+  for (int l = 0; l < kLanes; ++l) total += v[l];
+  return total;
 }
 
 // x[j] = exp(x[j] - shift) in place; returns the sum
@@ -346,17 +387,13 @@ T exp_shifted(T* x, int64_t n, T shift) {
   int64_t j = 0;
   T total = 0;
   if constexpr (std::is_same_v<T, float>) {
-    using V = Vec<float>::type;
-    constexpr int lanes = kVecBytes / sizeof(float);
-    V sum = {};
-    for (; j + lanes <= n; j += lanes) {
-      V v;
-      std::memcpy(&v, x + j, sizeof(V));
-      v = exp_vec(v - shift);
-      std::memcpy(x + j, &v, sizeof(V));
+    VF sum = {};
+    for (; j + kLanes <= n; j += kLanes) {
+      const VF v = exp_vec(load(x + j) - shift);
+      store(x + j, v);
       sum += v;
     }
-    for (int l = 0; l < lanes; ++l) total += sum[l];
+    total = hsum(sum);
   }
   for (; j < n; ++j) {
     x[j] = exp_nonpositive(x[j] - shift);
@@ -365,6 +402,11 @@ T exp_shifted(T* x, int64_t n, T shift) {
   return total;
 }
 
+// x[j] *= factor
+template <typename T>
+void scale_row(T* x, int64_t n, T factor) {
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor;
+}
 
 // ---------------------------------------------------------------------------------------
 // The work list (see fused.py: _flatten).
@@ -423,16 +465,23 @@ std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads, 
   return tasks;
 }
 
-// The additive terms: a dense tensor with broadcast strides and/or a table over the distance
-// j - i (a relative modifier such as ALiBi or T5 buckets, never materialized as L x S).
+// What turns a block's raw scores into the softmax's input, row by row: the soft cap
+// (cap * tanh(s / cap), before everything else), the additive terms (a dense tensor with
+// broadcast strides and/or a table over the distance j - i: a relative modifier such as
+// ALiBi or T5 buckets, never materialized as L x S), then the keep bits. The sink logits
+// join each row's finished softmax (finish_rows).
 template <typename T>
-struct Bias {
+struct Terms {
+  T cap = 0, inv_cap = 0;  // soft cap; 0: none
   const T* dense = nullptr;
   int64_t sb = 0, sh = 0, sl = 0, ss = 0;
   const T* table = nullptr;
   int64_t th = 0, tlen = 0, shift = 0;  // value(h, i, j) = table[h * th + j - i - shift]
+  const T* sinks = nullptr;  // [H] or null
 
-  Bias(const at::Tensor& d, const at::Tensor& t, int64_t table_shift) {
+  Terms(const at::Tensor& d, const at::Tensor& t, int64_t table_shift, double softcap,
+        const at::Tensor& s) {
+    if (softcap > 0) cap = static_cast<T>(softcap), inv_cap = static_cast<T>(1.0 / softcap);
     if (d.defined() && d.numel() > 0) {
       dense = d.data_ptr<T>();
       sb = d.stride(0), sh = d.stride(1), sl = d.stride(2), ss = d.stride(3);
@@ -443,8 +492,8 @@ struct Bias {
       tlen = t.size(1);
       shift = table_shift;
     }
+    if (s.defined() && s.numel() > 0) sinks = s.data_ptr<T>();
   }
-  bool any() const { return dense != nullptr || table != nullptr; }
 };
 
 // Per key block of one task: where the keep bits start, or null when every key is visible.
@@ -468,26 +517,79 @@ inline bool keep_block(const Plan& plan, const int64_t* ch, int64_t b_rel, int64
   return any;
 }
 
-// Scaled scores of a block in place: bias added, then -inf where hidden.
-template <typename T>
-void finish_scores(T* s, int64_t rows, int64_t cols, const Bias<T>& bias, int64_t b, int64_t h,
-                   int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
-  for (int64_t i = 0; i < rows; ++i) {
-    T* row = s + i * cols;
-    if (bias.dense != nullptr) {
-      const T* br = bias.dense + b * bias.sb + h * bias.sh + (i0 + i) * bias.sl + j0 * bias.ss;
-      for (int64_t j = 0; j < cols; ++j) row[j] += br[j * bias.ss];
+// One row of raw scores (query row i, keys j0 .. j0 + n) finished in place: capped, the
+// additive terms added, -inf where hidden, in one pass over the row. Returns the larger of
+// `best` and the row's maximum. With `th`, tanh(s / cap) is kept there (the backward pass's
+// cap derivative 1 - tanh^2).
+inline float finish_row(float* row, int64_t n, const Terms<float>& terms, int64_t b, int64_t h,
+                        int64_t i, int64_t j0, const uint8_t* keep, float* th, float best) {
+  const float* dense =
+      terms.dense == nullptr
+          ? nullptr
+          : terms.dense + b * terms.sb + h * terms.sh + i * terms.sl + j0 * terms.ss;
+  const float* table = terms.table == nullptr
+                           ? nullptr
+                           : terms.table + h * terms.th + (j0 - i - terms.shift);
+  const float inf = std::numeric_limits<float>::infinity();
+  VF top = VF{} - inf;
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j);
+    const bool whole = count == kLanes;
+    VF x = whole ? load(row + j) : load_part(row + j, count, 0.0f);
+    if (terms.cap > 0) {
+      const VF t = tanh_vec(x * terms.inv_cap);
+      if (th != nullptr) std::memcpy(th + j, &t, count * sizeof(float));
+      x = terms.cap * t;
     }
-    if (bias.table != nullptr) {
-      // entry j of this row reads the table at (j0 + j) - (i0 + i) - shift: a contiguous run
-      const T* tr = bias.table + h * bias.th + (j0 - (i0 + i) - bias.shift);
-      for (int64_t j = 0; j < cols; ++j) row[j] += tr[j];
+    if (dense != nullptr) {
+      if (terms.ss == 1) {
+        x += whole ? load(dense + j) : load_part(dense + j, count, 0.0f);
+      } else {
+        float part[kLanes] = {};
+        for (int64_t l = 0; l < count; ++l) part[l] = dense[(j + l) * terms.ss];
+        x += load(part);
+      }
     }
+    if (table != nullptr) x += whole ? load(table + j) : load_part(table + j, count, 0.0f);
     if (keep != nullptr) {
-      const uint8_t* kr = keep + i * keep_rs;
-      for (int64_t j = 0; j < cols; ++j) row[j] = kr[j] ? row[j] : neg_inf<T>();
+      typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+      Bytes bits = {};
+      std::memcpy(&bits, keep + j, count);
+      const VI seen = __builtin_convertvector(bits, VI) != 0;
+      x = seen ? x : VF{} - inf;
     }
+    if (!whole) {
+      std::memcpy(row + j, &x, count * sizeof(float));
+      float pad[kLanes];
+      store(pad, x);
+      for (int64_t l = 0; l < count; ++l) best = std::max(best, pad[l]);
+      break;
+    }
+    store(row + j, x);
+    top = x > top ? x : top;
   }
+  return hmax(top, best);
+}
+
+// float64 (gradcheck): the same steps, plainly
+inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int64_t b,
+                         int64_t h, int64_t i, int64_t j0, const uint8_t* keep, double* th,
+                         double best) {
+  for (int64_t j = 0; j < n; ++j) {
+    double x = row[j];
+    if (terms.cap > 0) {
+      const double t = std::tanh(x * terms.inv_cap);
+      if (th != nullptr) th[j] = t;
+      x = terms.cap * t;
+    }
+    if (terms.dense != nullptr)
+      x += terms.dense[b * terms.sb + h * terms.sh + i * terms.sl + (j0 + j) * terms.ss];
+    if (terms.table != nullptr) x += terms.table[h * terms.th + (j0 + j) - i - terms.shift];
+    if (keep != nullptr && !keep[j]) x = neg_inf<double>();
+    row[j] = x;
+    best = std::max(best, x);
+  }
+  return best;
 }
 
 // [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
@@ -557,20 +659,37 @@ struct Inputs {
 };
 
 // ---------------------------------------------------------------------------------------
-// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` defined ([B, H, L, S], zeros where
-// the plan reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in
-// the weights while the row's statistics are gathered, then normalized in place.
+// Forward: out [B, H, L, Dv], lse [B, H, L] and, when asked, the weights [B, H, L, S].
+
+// The scores of a block of m query rows against keys [kb, kb + n): C = Q K^T (row stride ldc)
+template <typename T>
+void block_scores(const Inputs<T>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                  const T* qt, T* c, int64_t ldc) {
+  if (in.kt != nullptr)  // the queries arrive scaled (see forward)
+    block_gemm(m, n, in.D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
+  else
+    gemm_nt<T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc);
+}
+
+// acc [m, Dv] += P V over keys [kb, kb + n), P row stride ldp
+template <typename T>
+void block_values(const Inputs<T>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                  const T* p, int64_t ldp, T* acc) {
+  const T* vr = in.vrow(task.b, task.h, kb);
+  if (in.kt != nullptr)
+    block_gemm(m, in.Dv, n, p, ldp, vr, in.vsr, true, acc, in.Dv);
+  else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
+    gemm<T>(m, in.Dv, n, T(1), p, ldp, 1, vr, in.vsr, true, acc, in.Dv);
+}
 
 // One task's online softmax over its key blocks numbered [first, last) (counted across its
-// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
-// the scaled scores are parked there (weights rows of this task, row stride S).
+// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum.
 template <typename T>
-void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Task& task,
-            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, T* wbase,
-            uint8_t* bad) {
+void attend(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, const Task& task,
+            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
-  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv;
   std::fill(acc, acc + m * Dv, T(0));
   std::fill(mx, mx + m, neg_inf<T>());
   std::fill(sum, sum + m, T(0));
@@ -587,24 +706,15 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Ta
       const uint8_t* keep;
       int64_t keep_rs = 0;
       if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
-                      &keep_rs)) {
-        if (wbase != nullptr)  // nothing visible: weights 0 once normalized
-          for (int64_t i = 0; i < m; ++i)
-            std::fill(wbase + i * S + kb, wbase + i * S + kb + n, neg_inf<T>());
+                      &keep_rs))
         continue;
-      }
-      const T* kr = in.krow(task.b, task.h, kb);
-      const T* vr = in.vrow(task.b, task.h, kb);
-      *bad |= any_nonfinite(kr, n, D, in.ksr) || any_nonfinite(vr, n, Dv, in.vsr);
-      if (in.kt != nullptr)  // the queries arrive scaled (see forward)
-        block_gemm(m, n, D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, scores, n);
-      else
-        gemm_nt<T>(m, n, D, T(1), qt, in.qsr, kr, in.ksr, scores, n);
-      finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
+      *bad |= any_nonfinite(in.krow(task.b, task.h, kb), n, D, in.ksr) ||
+              any_nonfinite(in.vrow(task.b, task.h, kb), n, Dv, in.vsr);
+      block_scores(in, task, m, kb, n, qt, scores, n);
       for (int64_t i = 0; i < m; ++i) {
         T* row = scores + i * n;
-        if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
-        const T best = row_max(row, n, mx[i]);
+        const T best = finish_row(row, n, terms, task.b, task.h, task.r0 + i, kb,
+                                  keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, mx[i]);
         if (best == neg_inf<T>()) {  // nothing visible in this row yet
           std::fill(row, row + n, T(0));
           continue;
@@ -612,15 +722,9 @@ void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Ta
         const T alpha = exp_nonpositive(mx[i] - best);
         sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
         mx[i] = best;
-        if (alpha != T(1)) {
-          T* a = acc + i * Dv;
-          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-        }
+        if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
       }
-      if (in.kt != nullptr)
-        block_gemm(m, Dv, n, scores, n, vr, in.vsr, true, acc, Dv);
-      else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
-        gemm<T>(m, Dv, n, T(1), scores, n, 1, vr, in.vsr, true, acc, Dv);
+      block_values(in, task, m, kb, n, scores, n, acc);
     }
   }
 }
@@ -636,35 +740,183 @@ int64_t key_blocks(const Plan& plan, const Task& task) {
 }
 
 // Normalized output and log-sum-exp of a task's rows; rows that saw nothing get 0 and -inf.
+// A head's sink logit joins the denominator here: lse' = log(exp(lse) + exp(sink)), and the
+// output shrinks by exp(lse - lse'). `norm` (optional) receives each row's factor from the
+// unnormalized sums exp(s - mx) to the weights exp(s - lse').
 template <typename T>
-void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* mx, const T* sum,
-                 T* out, T* lse) {
+void finish_rows(const Inputs<T>& in, const Terms<T>& terms, const Task& task, const T* acc,
+                 const T* mx, const T* sum, T* out, T* lse, T* norm) {
   const int64_t Dv = in.Dv;
   for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
     const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
     T* o = out + row * Dv;
+    T factor = 0, l = neg_inf<T>();
+    if (sum[i] > T(0)) {
+      factor = T(1) / sum[i];
+      l = mx[i] + std::log(sum[i]);
+      if (terms.sinks != nullptr) {
+        const T sink = terms.sinks[task.h], top = std::max(l, sink);
+        const T joined = top + std::log(std::exp(l - top) + std::exp(sink - top));
+        factor *= std::exp(l - joined);
+        l = joined;
+      }
+    }
     const T* a = acc + i * Dv;
-    const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
-    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
-    lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
+    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * factor;
+    lse[row] = l;
+    if (norm != nullptr) norm[i] = factor;
   }
 }
 
-// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` ([B, H, L, S], zeros where the plan
-// reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in the
-// weights while the rows' statistics are gathered, then normalized in place.
-//
+// Finished weights stored in the caller's dtype: dst[j] = src[j] * factor. float32 rows go
+// out with non-temporal stores where aligned: the weights are written once and not read
+// back, so their cache lines need not be read first (half the memory traffic).
+template <typename T, typename W>
+void put_weights(W* dst, const T* src, int64_t n, T factor) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<W, float>) {
+    for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0; ++j)
+      dst[j] = src[j] * factor;
+    for (; j + 16 <= n; j += 16)
+      _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), _mm512_set1_ps(factor)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = static_cast<W>(src[j] * factor);
+}
+
+// dst[0 .. n) = 0, non-temporal like put_weights
+template <typename W>
+void zero_weights(W* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<W, float>) {
+    for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0; ++j) dst[j] = 0;
+    for (; j + 16 <= n; j += 16) _mm512_stream_ps(dst + j, _mm512_setzero_ps());
+  }
+#endif
+  std::fill(dst + j, dst + n, W(0));
+}
+
+// non-temporal stores are weakly ordered: fenced before a task's rows count as written
+inline void fence_stores() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
+// One task with its weights, each written once. The rows' scores over the item's key span
+// [lo, hi) are kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated
+// once from each row's final maximum, multiplied by V from there, and stored normalized into
+// the weights; the rest of each weights row is written 0 in the same pass.
+template <typename T, typename W>
+void attend_weights(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms,
+                    const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
+                    W* weights, uint8_t* bad) {
+  const int64_t* it = plan.items + 6 * task.item;
+  const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  const int64_t lo = plan.chunks[6 * it[4]], hi = plan.chunks[6 * (it[5] - 1) + 1];
+  const int64_t width = hi - lo;
+  std::fill(acc, acc + m * Dv, T(0));
+  std::fill(mx, mx + m, neg_inf<T>());
+  const T* qt = in.qrow(task.b, task.h, task.r0);
+  *bad |= any_nonfinite(qt, m, D, in.qsr);
+  auto hide = [&](int64_t k0, int64_t k1) {  // keys no row of the task sees: weight 0
+    for (int64_t i = 0; i < m; ++i)
+      std::fill(scratch + i * width + k0 - lo, scratch + i * width + k1 - lo, neg_inf<T>());
+  };
+  std::vector<std::pair<int64_t, int64_t>> seen;  // the key blocks read, for the V products
+  int64_t done = lo;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
+      const int64_t n = next_block(kb, ch[1]) - kb;
+      if (kb > done) hide(done, kb);
+      done = kb + n;
+      const uint8_t* keep;
+      int64_t keep_rs = 0;
+      if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
+                      &keep_rs)) {
+        hide(kb, kb + n);
+        continue;
+      }
+      *bad |= any_nonfinite(in.krow(task.b, task.h, kb), n, D, in.ksr) ||
+              any_nonfinite(in.vrow(task.b, task.h, kb), n, Dv, in.vsr);
+      seen.emplace_back(kb, n);
+      T* block = scratch + (kb - lo);
+      block_scores(in, task, m, kb, n, qt, block, width);
+      for (int64_t i = 0; i < m; ++i)
+        mx[i] = finish_row(block + i * width, n, terms, task.b, task.h, task.r0 + i, kb,
+                           keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, mx[i]);
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = scratch + i * width;
+    if (mx[i] == neg_inf<T>()) {
+      std::fill(row, row + width, T(0));
+      sum[i] = 0;
+    } else {
+      sum[i] = exp_shifted(row, width, mx[i]);
+    }
+  }
+  for (const auto& [kb, n] : seen)
+    block_values(in, task, m, kb, n, scratch + (kb - lo), width, acc);
+  finish_rows(in, terms, task, acc, mx, sum, out, lse, norm);
+  for (int64_t i = 0; i < m; ++i) {
+    W* w = weights + ((task.b * in.H + task.h) * in.L + task.r0 + i) * S;
+    zero_weights(w, lo);
+    put_weights(w + lo, scratch + i * width, width, norm[i]);
+    zero_weights(w + hi, S - hi);
+  }
+  fence_stores();
+}
+
+// Query rows per weights task: the forward's, halved (down to kMinRows / 4) until the rows'
+// scores over the widest item's key span fit kScratchBytes.
+constexpr int64_t kScratchBytes = int64_t(1) << 20;
+
+int64_t weight_rows(const Plan& plan, int64_t rows, int64_t elem) {
+  int64_t span = 1;
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    if (it[5] > it[4])
+      span = std::max(span, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
+  }
+  while (rows > kMinRows / 4 && rows * span * elem > kScratchBytes) rows /= 2;
+  return rows;
+}
+
+// Weights rows that no item reaches (rows a mask hides from every key) are 0.
+template <typename W>
+void zero_unreached_rows(const Plan& plan, int64_t B, int64_t H, int64_t L, int64_t S,
+                         W* weights) {
+  std::vector<uint8_t> reached(B * L, 0);
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? B : it[1];
+    for (int64_t b = b0; b < b1; ++b)
+      std::fill(reached.begin() + b * L + it[2], reached.begin() + b * L + it[3], 1);
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u)
+      for (int64_t i = 0; i < L; ++i)
+        if (!reached[(u / H) * L + i]) zero_weights(weights + (u * L + i) * S, S);
+    fence_stores();
+  });
+}
+
 // Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
-
-template <typename T>
-bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T* out, T* lse,
-                  T* weights) {
+template <typename T, typename W>
+bool forward_impl(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
+                  W* weights) {
   const int64_t threads = at::get_num_threads();
-  const std::vector<Task> tasks =
-      forward_tasks(plan, in.B, in.H, task_rows(plan, in.B, in.H, threads));
+  int64_t rows = task_rows(plan, in.B, in.H, threads);
+  if (weights != nullptr) rows = weight_rows(plan, rows, sizeof(T));
+  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H, rows);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t Dv = in.Dv, S = in.S;
+  const int64_t Dv = in.Dv;
   int64_t parts = 1;
   if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
     int64_t most = 0;
@@ -682,9 +934,9 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
       for (int64_t u = lo; u < hi; ++u) {
         const Task& task = tasks[u / parts];
         const int64_t part = u % parts, blocks = key_blocks(plan, task);
-        attend(in, plan, bias, task, blocks * part / parts, blocks * (part + 1) / parts,
+        attend(in, plan, terms, task, blocks * part / parts, blocks * (part + 1) / parts,
                scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
-               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr), &bad[u]);
+               sums.data() + u * kDecodeRows, &bad[u]);
       }
     });
     for (int64_t t = 0; t < n_tasks; ++t) {  // merge the parts, always in part order
@@ -702,37 +954,36 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
           for (int64_t d = 0; d < Dv; ++d) acc[i * Dv + d] += a[d] * w;
         }
       }
-      finish_rows(in, tasks[t], acc.data(), mx.data(), sum.data(), out, lse);
+      finish_rows(in, terms, tasks[t], acc.data(), mx.data(), sum.data(), out, lse,
+                  static_cast<T*>(nullptr));
     }
     return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
+  if (weights != nullptr) zero_unreached_rows(plan, in.B, in.H, in.L, in.S, weights);
+  int64_t widest = 0;  // the widest key span of an item: the weights path's scratch rows
+  if (weights != nullptr)
+    for (const Task& task : tasks) {
+      const int64_t* it = plan.items + 6 * task.item;
+      widest = std::max(widest, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
+    }
   // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
   // lengths, causal rows); each task writes only its own rows, so which thread runs it does
   // not change a bit of the result
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
+    std::vector<T> scores(weights == nullptr ? kRows * kKeys : rows * widest), acc(kRows * Dv),
+        mx(kRows), sum(kRows), norm(kRows);
     for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
-      const int64_t m = task.r1 - task.r0;
-      T* wbase = weights == nullptr ? nullptr
-                                    : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
-      attend(in, plan, bias, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
-             acc.data(), mx.data(), sum.data(), wbase, &bad[t]);
-      finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
-      if (wbase == nullptr) continue;
-      const int64_t* it = plan.items + 6 * task.item;
-      for (int64_t c = it[4]; c < it[5]; ++c) {  // the parked scores become weights
-        const int64_t* ch = plan.chunks + 6 * c;
-        for (int64_t i = 0; i < m; ++i) {
-          const T l = lse[(task.b * in.H + task.h) * in.L + task.r0 + i];
-          T* w = wbase + i * S;
-          if (l == neg_inf<T>())
-            std::fill(w + ch[0], w + ch[1], T(0));
-          else
-            exp_shifted(w + ch[0], ch[1] - ch[0], l);
-        }
+      if (weights != nullptr) {
+        attend_weights(in, plan, terms, task, scores.data(), acc.data(), mx.data(), sum.data(),
+                       norm.data(), out, lse, weights, &bad[t]);
+        continue;
       }
+      attend(in, plan, terms, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+             acc.data(), mx.data(), sum.data(), &bad[t]);
+      finish_rows(in, terms, task, acc.data(), mx.data(), sum.data(), out, lse,
+                  static_cast<T*>(nullptr));
     }
   });
   return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
@@ -744,17 +995,18 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
 // memory and the summation order is fixed.
 
 template <typename T>
-void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+void backward_impl(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, T scale,
                    const T* grad, const T* lse_dead_inf, const T* delta, T* dq, T* dk, T* dv,
                    T* dbias, T* dtable) {
   const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
   const int64_t groups = H / Hkv;
+  const bool capped = terms.cap > 0;
   at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     // dK and dV are gathered transposed (dK^T [D, S], dV^T [Dv, S]): their block products
     // Q^T dS and dO^T P then read P and dS row-major, as the block GEMM wants, and only the
     // small Q and dO blocks (once per query block) and the finished heads get transposed
     std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D),
-        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S);
+        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S), th(capped ? kKeys : 0);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / Hkv, hk = t % Hkv;
       std::fill(dk_t.begin(), dk_t.end(), T(0));
@@ -785,22 +1037,27 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                 // the queries arrive scaled (see backward): scores = Q K^T, dP = dO V^T
                 block_gemm(m, n, D, qt, in.qsr, in.ktcol(b, h, kb), kKeys, false, p_buf.data(),
                            n);
-                finish_scores(p_buf.data(), m, n, bias, b, h, r0, kb, keep, keep_rs);
                 block_gemm(m, n, Dv, gt, Dv, in.vtcol(b, h, kb), kKeys, false, ds_buf.data(), n);
                 for (int64_t i = 0; i < m; ++i) {
                   T* pr = p_buf.data() + i * n;
                   T* dr = ds_buf.data() + i * n;
                   const T l = lse_dead_inf[row0 + i], dl = delta[row0 + i];
+                  finish_row(pr, n, terms, b, h, r0 + i, kb,
+                             keep == nullptr ? nullptr : keep + i * keep_rs,
+                             capped ? th.data() : nullptr, neg_inf<T>());
                   exp_shifted(pr, n, l);
+                  // the gradient of the scores after the cap: the additive terms' gradient
                   for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dl);
                   if (dbias != nullptr) {
                     std::copy(dr, dr + n, dbias + (row0 + i) * S + kb);
                   }
                   if (dtable != nullptr) {
                     // entry j sits on distance index (kb + j) - (r0 + i) - shift
-                    T* tr = dtable + (b * H + h) * bias.tlen + (kb - (r0 + i) - bias.shift);
+                    T* tr = dtable + (b * H + h) * terms.tlen + (kb - (r0 + i) - terms.shift);
                     for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
                   }
+                  if (capped)  // through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2
+                    for (int64_t j = 0; j < n; ++j) dr[j] *= T(1) - th[j] * th[j];
                 }
                 // dV^T += dO^T P, dK^T += (scale Q)^T dS, dQ += dS K (scaled once, below)
                 block_gemm(Dv, n, m, g_t.data(), m, p_buf.data(), n, true, dv_t.data() + kb, S);
@@ -820,8 +1077,9 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
 }
 
 // ---------------------------------------------------------------------------------------
-// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with a unit last stride;
-// bias: empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n].
+// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with any strides; bias:
+// empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n]; softcap:
+// 0 for none; sinks: empty or [H]. Every result is a new contiguous tensor.
 
 at::ScalarType compute_type(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -834,11 +1092,49 @@ at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
   return x.stride(-1) == 1 && x.stride(-2) >= x.size(-1) ? x : x.contiguous();
 }
 
+// A new tensor for a large result written once (the weights): on Linux its memory is mapped
+// on its own and marked for transparent huge pages, so the first touch faults it in 2 MiB at
+// a time instead of 4 KiB (at 134 MB, tens of thousands of page faults cost more than
+// computing the weights). Elsewhere, and for small results, at::empty.
+at::Tensor empty_written_once(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  int64_t bytes = c10::elementSize(options.dtype().toScalarType());
+  for (const int64_t s : sizes) bytes *= s;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr int64_t huge = int64_t(1) << 21;
+  if (bytes >= 4 * huge) {
+    // one huge page more than needed, so the tensor can start on a huge-page boundary
+    const size_t length = static_cast<size_t>((bytes + huge - 1) / huge * huge + huge);
+    void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (base != MAP_FAILED) {
+      const uintptr_t at = reinterpret_cast<uintptr_t>(base);
+      const uintptr_t start = (at + huge - 1) & ~uintptr_t(huge - 1);
+      madvise(reinterpret_cast<void*>(start), length - (start - at), MADV_HUGEPAGE);
+      return at::from_blob(
+          reinterpret_cast<void*>(start), sizes,
+          [base, length](void*) { munmap(base, length); }, options);
+    }
+  }
+#endif
+  return at::empty(sizes, options);
+}
+
+template <typename T>
+Terms<T> make_terms(const at::Tensor& bias, const at::Tensor& table, int64_t table_shift,
+                    double softcap, const at::Tensor& sinks, at::ScalarType ct,
+                    std::vector<at::Tensor>& keep_alive) {
+  keep_alive.push_back(bias.defined() ? bias.to(ct) : bias);
+  keep_alive.push_back(table.defined() ? table.to(ct).contiguous() : table);
+  keep_alive.push_back(sinks.defined() ? sinks.to(ct).contiguous() : sinks);
+  const size_t n = keep_alive.size();
+  return Terms<T>(keep_alive[n - 3], keep_alive[n - 2], table_shift, softcap, keep_alive[n - 1]);
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& items, const at::Tensor& chunks,
                                 const at::Tensor& keep, const at::Tensor& bias,
                                 const at::Tensor& table, int64_t table_shift, double scale,
-                                bool with_weights) {
+                                double softcap, const at::Tensor& sinks, bool with_weights) {
   const at::ScalarType ct = compute_type(q);
   // the scale is applied to the queries once (L x D products) instead of to every score
   at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
@@ -846,20 +1142,31 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(ct));
-  at::Tensor weights = with_weights ? at::zeros({B, H, L, S}, q.options().dtype(ct))
-                                    : at::Tensor();
+  // every entry is written once by the kernel: no zeros first
+  at::Tensor weights = with_weights ? empty_written_once({B, H, L, S}, q.options()) : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
   bool bad = false;
+  std::vector<at::Tensor> alive;
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
-    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
-                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
-    bad = forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, L > kDecodeRows, false), plan,
-                                 terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                                 with_weights ? weights.data_ptr<scalar_t>() : nullptr);
+    const Terms<scalar_t> terms =
+        make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
+    const Inputs<scalar_t> in(qc, kc, vc, L > kDecodeRows, false);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    scalar_t* l = lse.data_ptr<scalar_t>();
+    if (!with_weights) {
+      bad = forward_impl<scalar_t, scalar_t>(in, plan, terms, o, l, nullptr);
+    } else if (weights.scalar_type() == ct) {
+      bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<scalar_t>());
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      if (weights.scalar_type() == at::kBFloat16)
+        bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<at::BFloat16>());
+      else
+        bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<at::Half>());
+    }
   });
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
-  if (with_weights) result.push_back(weights.to(q.scalar_type()));
+  if (with_weights) result.push_back(weights);
   result.push_back(at::scalar_tensor(bad, q.options().dtype(at::kBool)));
   return result;
 }
@@ -869,8 +1176,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
                                  const at::Tensor& lse, const at::Tensor& items,
                                  const at::Tensor& chunks, const at::Tensor& keep,
                                  const at::Tensor& bias, const at::Tensor& table,
-                                 int64_t table_shift, double scale, bool bias_grad,
-                                 bool table_grad) {
+                                 int64_t table_shift, double scale, double softcap,
+                                 bool bias_grad, bool table_grad) {
   const at::ScalarType ct = compute_type(q);
   at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   at::Tensor g = grad.to(ct).contiguous();
@@ -888,9 +1195,10 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
                                  : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
+  std::vector<at::Tensor> alive;
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_backward", [&] {
-    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
-                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    const Terms<scalar_t> terms =
+        make_terms<scalar_t>(bias, table, table_shift, softcap, at::Tensor(), ct, alive);
     backward_impl<scalar_t>(
         Inputs<scalar_t>(qc, kc, vc, true, true), plan, terms, static_cast<scalar_t>(scale),
         g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
