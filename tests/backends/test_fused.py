@@ -322,6 +322,63 @@ def test_exported_program_calls_the_op():
     torch.testing.assert_close(program.module()(q, k, v), Attend()(q, k, v), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "kind,scale",
+    [("none", None), ("causal", 10.0), ("window_both", None), ("lengths_per_query", None),
+     ("documents", 10.0), ("dense", None)],
+)  # fmt: skip
+def test_bf16_block_products_keep_the_2x_rule(kind, scale):
+    """bf16 inputs run their block products on the bf16 microkernel where it is faster
+    (``half_products``: keys and values packed in pairs, float statistics, the weights rounded
+    to bf16 for the product with V) and widened to float elsewhere; either way outputs,
+    weights and gradients keep FlashAttention's 2x rule. An odd head dim (a zero column), more
+    than one key block and chunks starting at odd offsets (windows, documents, lengths)."""
+    b, h, h_kv, length_q, length_k, d = 2, 2, 1, 75, 1100, 15
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(b, h, length_q, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(b, h_kv, length_k, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    case = make_case(kind, b, h, length_q, length_k, seed=17)
+    grad_out = torch.randn(b, h, length_q, d, generator=g)
+
+    def run(q, k, v):
+        return mh.attention(q, k, v, case.mask, scale=scale, backend="fused")
+
+    for name, error, bound in twice_naive_errors(run, q, k, v, case.keep, grad_out, scale):
+        assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g}"
+    w = mh.attention_with_weights(q, k, v, case.mask, scale=scale, backend="fused").weights
+    rounded = [t.double() for t in (q, k, v)]
+    ref = naive_attention(*rounded, case.keep, scale=scale)[1]
+    naive = naive_attention(q, k, v, case.keep, scale=scale)[1]
+    bound = 2 * (naive.double() - ref).abs().max() + torch.finfo(torch.bfloat16).eps * ref.max()
+    assert w.dtype == torch.bfloat16 and (w.double() - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
+    """Beyond decoding, keys and values are checked once per block of 512 keys when they are
+    packed, and a task reading part of a flagged block checks its own rows: NaN in padding
+    that no query sees (past the lengths, inside a block that is read) stays out of every
+    result without the careful path; NaN in a visible value makes exactly its rows NaN."""
+    from multihead.backends import _nonfinite
+
+    b, h, length_q, length_k, d = 2, 2, 40, 700, 16
+    q, k, v = (t.to(dtype) for t in qkv(b, h, 1, length_q, length_k, d, seed=2))
+    lens = torch.tensor([600, 650])
+    mask = masks.lengths(lens)
+    want = mh.attention(q, k, v, mask, backend="fused")
+    k_pad, v_pad = k.clone(), v.clone()
+    k_pad[0, 0, 620], v_pad[1, 0, 699] = torch.nan, torch.inf
+    careful = []
+    real = _nonfinite._rows_seeing
+    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: careful.append(1) or real(*a))
+    got = mh.attention(q, k_pad, v_pad, mask, backend="fused")
+    assert torch.equal(got, want) and careful == []
+    v_bad = v.clone()
+    v_bad[1, 0, 10] = torch.nan  # every row of batch entry 1 sees key 10
+    got = mh.attention(q, k, v_bad, mask, backend="fused")
+    assert torch.isnan(got[1]).all() and torch.equal(got[0], want[0]) and careful == [1]
+
+
 @pytest.fixture
 def unbuilt(monkeypatch, tmp_path):
     """A process that has not tried to build the kernel, with an empty build cache."""

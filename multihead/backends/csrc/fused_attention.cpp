@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -256,6 +257,18 @@ inline void block_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
   gemm<float>(m, n, k, 1.0f, a, lda, 1, b, ldb, accumulate, c, ldc);
 }
 
+// The half-precision block products: C[m, n] (+)= A B with A [m, k] bf16 row-major and B given
+// in VNNI form ([k / 2, n, 2]: pairs along k interleaved, row-pair stride 2 * ldb), k even;
+// products exact in float32 and accumulated there.
+inline void block_gemm_vnni(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda,
+                            const at::BFloat16* b, int64_t ldb, bool accumulate, float* c,
+                            int64_t ldc) {
+#ifdef MULTIHEAD_BRGEMM
+  if (m > 0 && n > 0 && k > 0)
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, true);
+#endif
+}
+
 // dst [cols, rows] (row stride ldd) = src [rows, cols] (row stride ld) transposed, in tiles
 // that stay in L1 on both sides
 template <typename T>
@@ -292,6 +305,21 @@ bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   }
   for (int l = 0; l < lanes; ++l) tail += acc[l];
   return tail != T(0);
+}
+
+// The same for half-precision storage (queries per task, and the exact range of a flagged block)
+template <typename E>
+bool any_nonfinite_half(const E* x, int64_t rows, int64_t cols, int64_t ld) {
+  float acc = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) acc += static_cast<float>(x[i * ld + j]) * 0.0f;
+  return acc != 0.0f;
+}
+inline bool any_nonfinite(const at::BFloat16* x, int64_t rows, int64_t cols, int64_t ld) {
+  return any_nonfinite_half(x, rows, cols, ld);
+}
+inline bool any_nonfinite(const at::Half* x, int64_t rows, int64_t cols, int64_t ld) {
+  return any_nonfinite_half(x, rows, cols, ld);
 }
 
 // Row reductions, exp and tanh over whole vectors: without -ffast-math (which would break -inf)
@@ -402,6 +430,21 @@ T exp_shifted(T* x, int64_t n, T shift) {
   return total;
 }
 
+// dst[j] = bf16(src[j]), rounded to nearest even (finite inputs)
+inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
+  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
+  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Bits bits;
+    std::memcpy(&bits, src + j, sizeof(bits));
+    bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    const Half16 narrow = __builtin_convertvector(bits, Half16);
+    std::memcpy(dst + j, &narrow, sizeof(narrow));
+  }
+  for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+
 // x[j] *= factor
 template <typename T>
 void scale_row(T* x, int64_t n, T factor) {
@@ -472,6 +515,7 @@ std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads, 
 // join each row's finished softmax (finish_rows).
 template <typename T>
 struct Terms {
+  T scale = 1;  // the scores' scale where the queries did not take it (half-precision products)
   T cap = 0, inv_cap = 0;  // soft cap; 0: none
   const T* dense = nullptr;
   int64_t sb = 0, sh = 0, sl = 0, ss = 0;
@@ -535,7 +579,7 @@ inline float finish_row(float* row, int64_t n, const Terms<float>& terms, int64_
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j);
     const bool whole = count == kLanes;
-    VF x = whole ? load(row + j) : load_part(row + j, count, 0.0f);
+    VF x = (whole ? load(row + j) : load_part(row + j, count, 0.0f)) * terms.scale;
     if (terms.cap > 0) {
       const VF t = tanh_vec(x * terms.inv_cap);
       if (th != nullptr) std::memcpy(th + j, &t, count * sizeof(float));
@@ -576,7 +620,7 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
                          int64_t h, int64_t i, int64_t j0, const uint8_t* keep, double* th,
                          double best) {
   for (int64_t j = 0; j < n; ++j) {
-    double x = row[j];
+    double x = row[j] * terms.scale;
     if (terms.cap > 0) {
       const double t = std::tanh(x * terms.inv_cap);
       if (th != nullptr) th[j] = t;
@@ -618,74 +662,204 @@ at::Tensor blocked_transpose(const at::Tensor& x) {
   return out;
 }
 
-// Keys and values are also kept transposed block by block (one copy per call): the score
-// GEMMs read them as row-major B operands along the keys. Key blocks never cross a multiple
-// of kKeys (see next_block), so each lies inside one transposed block.
-template <typename T>
-struct Inputs {
-  at::Tensor kt_, vt_;
-  const T *q, *k, *v, *kt, *vt;
-  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
-  int64_t B, H, Hkv, L, S, D, Dv, blocks;
+// Keys for the half-precision block products: [B, H_kv, blocks, D2 / 2, kKeys, 2] with D2 the
+// head dim rounded up to even: each block of kKeys keys as the columns of K^T, pairs of
+// consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded.
+template <typename E>
+at::Tensor pack_keys(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
+  at::Tensor out = at::empty({B, H, n, pairs, kKeys, 2}, x.options());
+  const E* src = x.data_ptr<E>();
+  E* dst = out.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      E* block = dst + u * pairs * kKeys * 2;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
+        const bool real = j0 + j < S;
+        for (int64_t p = 0; p < 2 * pairs; ++p)
+          block[(p / 2) * kKeys * 2 + j * 2 + p % 2] = real && p < d ? row[p] : E(0);
+      }
+    }
+  });
+  return out;
+}
 
-  // with_kt false: no transposed keys (decoding reads each key row once; a transposed copy
-  // of the whole cache would cost more than the attention itself)
-  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_kt,
-         bool with_vt)
-      : kt_(with_kt ? blocked_transpose<T>(k_) : at::Tensor()),
-        vt_(with_vt ? blocked_transpose<T>(v_) : at::Tensor()),
-        q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
-        kt(with_kt ? kt_.data_ptr<T>() : nullptr), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
+// Values for the half-precision block products: [B, H_kv, blocks, kKeys / 2, Dv, 2], pairs of
+// consecutive keys interleaved (VNNI), zero-padded. Non-finite values become 0 here: a row
+// that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
+// read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN.
+template <typename E>
+at::Tensor pack_values(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys;
+  at::Tensor out = at::empty({B, H, n, kKeys / 2, d, 2}, x.options());
+  const E* src = x.data_ptr<E>();
+  E* dst = out.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      E* block = dst + u * kKeys * d;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
+        E* pair = block + (j / 2) * d * 2 + j % 2;
+        for (int64_t c = 0; c < d; ++c) {
+          const float value = j0 + j < S ? static_cast<float>(row[c]) : 0.0f;
+          pair[c * 2] = std::isfinite(value) ? E(value) : E(0);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Per (batch entry, key/value head, block of kKeys keys): whether the block holds NaN or +-inf
+// anywhere. A task reading part of a flagged block checks its exact rows (keys past a mask's
+// lengths may hold anything); unflagged blocks need no check of their own.
+template <typename E>
+std::vector<uint8_t> block_flags(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys;
+  std::vector<uint8_t> flags(B * H * n, 0);
+  const E* src = x.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      flags[u] = any_nonfinite(src + b * sb + h * sh + j0 * sr, std::min(kKeys, S - j0), d, sr);
+    }
+  });
+  return flags;
+}
+
+// q, k and v as the kernel reads them. T is the arithmetic type (float, double); E the
+// storage of q, k and v: T itself (queries scaled beforehand; keys, and for the backward pass
+// values, transposed block by block: the score GEMMs read them as row-major B operands along
+// the keys, and rows S apart would alias in L1 when S is a multiple of 1024), or bf16 with
+// float arithmetic (the half-precision block products: keys and values packed for the bf16
+// microkernel, the scale applied to the float scores). Key blocks never cross a multiple of
+// kKeys (see next_block), so each lies inside one packed block.
+template <typename T, typename E = T>
+struct Inputs {
+  static constexpr bool kHalf = !std::is_same_v<T, E>;
+  at::Tensor kt_, vt_;
+  std::vector<uint8_t> kflags, vflags;  // see block_flags; empty: every block is checked
+  const E *q, *k, *v, *kt, *vt;
+  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
+  int64_t B, H, Hkv, L, S, D, Dv, D2, blocks;
+
+  // blocked false: no packed keys (decoding reads each key row once, checking it as it reads;
+  // a packed copy of the whole cache would cost more than the attention itself). backward:
+  // values transposed too, no flags (the forward pass has checked)
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool blocked,
+         bool backward)
+      : q(q_.data_ptr<E>()), k(k_.data_ptr<E>()), v(v_.data_ptr<E>()), kt(nullptr), vt(nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
         ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
         vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
         B(q_.size(0)), H(q_.size(1)), Hkv(k_.size(1)), L(q_.size(2)), S(k_.size(2)),
-        D(q_.size(3)), Dv(v_.size(3)), blocks(with_kt ? kt_.size(2) : 0) {}
+        D(q_.size(3)), Dv(v_.size(3)), D2((q_.size(3) + 1) / 2 * 2),
+        blocks((k_.size(2) + kKeys - 1) / kKeys) {
+    if (!blocked) return;
+    if constexpr (kHalf) {
+      kt_ = pack_keys<E>(k_), vt_ = pack_values<E>(v_);
+    } else {
+      kt_ = blocked_transpose<T>(k_);
+      if (backward) vt_ = blocked_transpose<T>(v_);
+    }
+    kt = kt_.data_ptr<E>();
+    if (vt_.defined()) vt = vt_.data_ptr<E>();
+    if (!backward) kflags = block_flags<E>(k_), vflags = block_flags<E>(v_);
+  }
 
-  const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
-  const T* krow(int64_t b, int64_t h, int64_t j) const {
+  const E* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
+  const E* krow(int64_t b, int64_t h, int64_t j) const {
     return k + b * ksb + (h / (H / Hkv)) * ksh + j * ksr;
   }
-  const T* vrow(int64_t b, int64_t h, int64_t j) const {
+  const E* vrow(int64_t b, int64_t h, int64_t j) const {
     return v + b * vsb + (h / (H / Hkv)) * vsh + j * vsr;
   }
-  // column j of the transposed keys / values: row stride kKeys
-  const T* ktcol(int64_t b, int64_t h, int64_t j) const {
-    return kt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * D * kKeys + j % kKeys;
+  int64_t block_of(int64_t b, int64_t h, int64_t j) const {
+    return (b * Hkv + h / (H / Hkv)) * blocks + j / kKeys;
   }
-  const T* vtcol(int64_t b, int64_t h, int64_t j) const {
-    return vt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * Dv * kKeys + j % kKeys;
+  // column j of the transposed or packed keys (row stride kKeys, or kKeys pairs)
+  const E* ktcol(int64_t b, int64_t h, int64_t j) const {
+    if constexpr (kHalf) return kt + block_of(b, h, j) * D2 * kKeys + (j % kKeys) * 2;
+    return kt + block_of(b, h, j) * D * kKeys + j % kKeys;
+  }
+  // column j of the transposed values (backward)
+  const E* vtcol(int64_t b, int64_t h, int64_t j) const {
+    return vt + block_of(b, h, j) * Dv * kKeys + j % kKeys;
+  }
+  // packed value rows j, j + 1 (j even within its block; half-precision products)
+  const E* vpair(int64_t b, int64_t h, int64_t j) const {
+    return vt + block_of(b, h, j) * kKeys * Dv + (j % kKeys) / 2 * Dv * 2;
+  }
+  bool flagged(int64_t b, int64_t h, int64_t j) const {
+    return kflags.empty() || kflags[block_of(b, h, j)] || vflags[block_of(b, h, j)];
   }
 };
+
+// Whether keys [kb, kb + n) or their values hold NaN or +-inf (the NaN rule's signal)
+template <typename T, typename E>
+bool block_nonfinite(const Inputs<T, E>& in, const Task& task, int64_t kb, int64_t n) {
+  if (!in.flagged(task.b, task.h, kb)) return false;
+  return any_nonfinite(in.krow(task.b, task.h, kb), n, in.D, in.ksr) ||
+         any_nonfinite(in.vrow(task.b, task.h, kb), n, in.Dv, in.vsr);
+}
 
 // ---------------------------------------------------------------------------------------
 // Forward: out [B, H, L, Dv], lse [B, H, L] and, when asked, the weights [B, H, L, S].
 
 // The scores of a block of m query rows against keys [kb, kb + n): C = Q K^T (row stride ldc)
-template <typename T>
-void block_scores(const Inputs<T>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
-                  const T* qt, T* c, int64_t ldc) {
-  if (in.kt != nullptr)  // the queries arrive scaled (see forward)
+template <typename T, typename E>
+void block_scores(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                  const E* qt, T* c, int64_t ldc) {
+  if constexpr (Inputs<T, E>::kHalf) {
+    block_gemm_vnni(m, n, in.D2, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
+  } else if (in.kt != nullptr) {  // the queries arrive scaled (see forward)
     block_gemm(m, n, in.D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
-  else
+  } else {
     gemm_nt<T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc);
+  }
 }
 
-// acc [m, Dv] += P V over keys [kb, kb + n), P row stride ldp
-template <typename T>
-void block_values(const Inputs<T>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+// acc [m, Dv] += P V over keys [kb, kb + n), P row stride ldp. Half-precision products round
+// P to bf16 (as the naive formula in bf16 rounds its weights) into a buffer whose pairs of
+// columns line up with the packed values: a key block starting at an odd offset gets a
+// leading column of 0.
+template <typename T, typename E>
+void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
                   const T* p, int64_t ldp, T* acc) {
-  const T* vr = in.vrow(task.b, task.h, kb);
-  if (in.kt != nullptr)
-    block_gemm(m, in.Dv, n, p, ldp, vr, in.vsr, true, acc, in.Dv);
-  else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
-    gemm<T>(m, in.Dv, n, T(1), p, ldp, 1, vr, in.vsr, true, acc, in.Dv);
+  if constexpr (Inputs<T, E>::kHalf) {
+    thread_local std::vector<E> rounded;
+    const int64_t lead = (kb % kKeys) % 2, width = (lead + n + 1) / 2 * 2;
+    rounded.resize(m * width);
+    for (int64_t i = 0; i < m; ++i) {
+      E* r = rounded.data() + i * width;
+      r[0] = E(0);
+      r[width - 1] = E(0);
+      to_bf16(r + lead, p + i * ldp, n);
+    }
+    block_gemm_vnni(m, in.Dv, width, rounded.data(), width, in.vpair(task.b, task.h, kb - lead),
+                    in.Dv, true, acc, in.Dv);
+  } else {
+    const T* vr = in.vrow(task.b, task.h, kb);
+    if (in.kt != nullptr)
+      block_gemm(m, in.Dv, n, p, ldp, vr, in.vsr, true, acc, in.Dv);
+    else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
+      gemm<T>(m, in.Dv, n, T(1), p, ldp, 1, vr, in.vsr, true, acc, in.Dv);
+  }
 }
 
 // One task's online softmax over its key blocks numbered [first, last) (counted across its
 // chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum.
-template <typename T>
-void attend(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, const Task& task,
+template <typename T, typename E>
+void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, const Task& task,
             int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
@@ -693,7 +867,7 @@ void attend(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, const 
   std::fill(acc, acc + m * Dv, T(0));
   std::fill(mx, mx + m, neg_inf<T>());
   std::fill(sum, sum + m, T(0));
-  const T* qt = in.qrow(task.b, task.h, task.r0);
+  const E* qt = in.qrow(task.b, task.h, task.r0);
   *bad |= any_nonfinite(qt, m, D, in.qsr);
   int64_t index = 0;
   for (int64_t c = it[4]; c < it[5]; ++c) {
@@ -708,8 +882,7 @@ void attend(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, const 
       if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
                       &keep_rs))
         continue;
-      *bad |= any_nonfinite(in.krow(task.b, task.h, kb), n, D, in.ksr) ||
-              any_nonfinite(in.vrow(task.b, task.h, kb), n, Dv, in.vsr);
+      *bad |= block_nonfinite(in, task, kb, n);
       block_scores(in, task, m, kb, n, qt, scores, n);
       for (int64_t i = 0; i < m; ++i) {
         T* row = scores + i * n;
@@ -743,8 +916,8 @@ int64_t key_blocks(const Plan& plan, const Task& task) {
 // A head's sink logit joins the denominator here: lse' = log(exp(lse) + exp(sink)), and the
 // output shrinks by exp(lse - lse'). `norm` (optional) receives each row's factor from the
 // unnormalized sums exp(s - mx) to the weights exp(s - lse').
-template <typename T>
-void finish_rows(const Inputs<T>& in, const Terms<T>& terms, const Task& task, const T* acc,
+template <typename T, typename E>
+void finish_rows(const Inputs<T, E>& in, const Terms<T>& terms, const Task& task, const T* acc,
                  const T* mx, const T* sum, T* out, T* lse, T* norm) {
   const int64_t Dv = in.Dv;
   for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
@@ -809,8 +982,8 @@ inline void fence_stores() {
 // [lo, hi) are kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated
 // once from each row's final maximum, multiplied by V from there, and stored normalized into
 // the weights; the rest of each weights row is written 0 in the same pass.
-template <typename T, typename W>
-void attend_weights(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms,
+template <typename T, typename E, typename W>
+void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
                     const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
                     W* weights, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
@@ -820,7 +993,7 @@ void attend_weights(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms
   const int64_t width = hi - lo;
   std::fill(acc, acc + m * Dv, T(0));
   std::fill(mx, mx + m, neg_inf<T>());
-  const T* qt = in.qrow(task.b, task.h, task.r0);
+  const E* qt = in.qrow(task.b, task.h, task.r0);
   *bad |= any_nonfinite(qt, m, D, in.qsr);
   auto hide = [&](int64_t k0, int64_t k1) {  // keys no row of the task sees: weight 0
     for (int64_t i = 0; i < m; ++i)
@@ -841,8 +1014,7 @@ void attend_weights(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms
         hide(kb, kb + n);
         continue;
       }
-      *bad |= any_nonfinite(in.krow(task.b, task.h, kb), n, D, in.ksr) ||
-              any_nonfinite(in.vrow(task.b, task.h, kb), n, Dv, in.vsr);
+      *bad |= block_nonfinite(in, task, kb, n);
       seen.emplace_back(kb, n);
       T* block = scratch + (kb - lo);
       block_scores(in, task, m, kb, n, qt, block, width);
@@ -908,8 +1080,8 @@ void zero_unreached_rows(const Plan& plan, int64_t B, int64_t H, int64_t L, int6
 
 // Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
-template <typename T, typename W>
-bool forward_impl(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
+template <typename T, typename E, typename W>
+bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
                   W* weights) {
   const int64_t threads = at::get_num_threads();
   int64_t rows = task_rows(plan, in.B, in.H, threads);
@@ -1130,14 +1302,34 @@ Terms<T> make_terms(const at::Tensor& bias, const at::Tensor& table, int64_t tab
   return Terms<T>(keep_alive[n - 3], keep_alive[n - 2], table_shift, softcap, keep_alive[n - 1]);
 }
 
+bool half_products();
+
+// forward_impl with the weights (if asked) in the inputs' dtype
+template <typename T, typename E>
+bool forward_into(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out,
+                  T* lse, at::Tensor& weights) {
+  if (!weights.defined()) return forward_impl<T, E, T>(in, plan, terms, out, lse, nullptr);
+  switch (weights.scalar_type()) {
+    case at::kBFloat16:
+      if constexpr (std::is_same_v<T, float>)
+        return forward_impl(in, plan, terms, out, lse, weights.data_ptr<at::BFloat16>());
+      break;
+    case at::kHalf:
+      if constexpr (std::is_same_v<T, float>)
+        return forward_impl(in, plan, terms, out, lse, weights.data_ptr<at::Half>());
+      break;
+    default:
+      break;
+  }
+  return forward_impl(in, plan, terms, out, lse, weights.data_ptr<T>());
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& items, const at::Tensor& chunks,
                                 const at::Tensor& keep, const at::Tensor& bias,
                                 const at::Tensor& table, int64_t table_shift, double scale,
                                 double softcap, const at::Tensor& sinks, bool with_weights) {
   const at::ScalarType ct = compute_type(q);
-  // the scale is applied to the queries once (L x D products) instead of to every score
-  at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
   at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
@@ -1147,23 +1339,28 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   const Plan plan = make_plan(items, chunks, keep);
   bool bad = false;
   std::vector<at::Tensor> alive;
-  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
-    const Terms<scalar_t> terms =
-        make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
-    const Inputs<scalar_t> in(qc, kc, vc, L > kDecodeRows, false);
-    scalar_t* o = out.data_ptr<scalar_t>();
-    scalar_t* l = lse.data_ptr<scalar_t>();
-    if (!with_weights) {
-      bad = forward_impl<scalar_t, scalar_t>(in, plan, terms, o, l, nullptr);
-    } else if (weights.scalar_type() == ct) {
-      bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<scalar_t>());
-    } else if constexpr (std::is_same_v<scalar_t, float>) {
-      if (weights.scalar_type() == at::kBFloat16)
-        bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<at::BFloat16>());
-      else
-        bad = forward_impl(in, plan, terms, o, l, weights.data_ptr<at::Half>());
-    }
-  });
+  const bool blocked = L > kDecodeRows;
+  if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
+    // bf16 block products with float statistics: the queries keep their values (the scale
+    // goes to the float scores), an odd head dim gets a zero column
+    at::Tensor qh = unit_last(q, at::kBFloat16);
+    if (q.size(3) % 2 != 0) qh = at::constant_pad_nd(qh, {0, 1});
+    const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);
+    Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
+    terms.scale = static_cast<float>(scale);
+    const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
+    bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights);
+  } else {
+    // the scale is applied to the queries once (L x D products) instead of to every score
+    at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+    AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
+      const Terms<scalar_t> terms =
+          make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
+      const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
+      bad = forward_into(in, plan, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                         weights);
+    });
+  }
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
   if (with_weights) result.push_back(weights);
@@ -1213,6 +1410,76 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   return result;
 }
 
+// The block products' own peak: GFLOP/s of the block GEMMs on the forward's block shapes
+// (scores [kRows, kKeys] = Q [kRows, d] K^T, then acc [kRows, d] += P V), operands in cache,
+// on every thread at once for `seconds`, in float32 or with bf16 operands. What the kernel's
+// time is best compared with: on some CPUs torch's own float32 matmul runs well below it.
+template <typename E>
+double block_rate(int64_t d, double seconds) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> rates(threads, 0.0);
+  const int64_t d2 = (d + 1) / 2 * 2;
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      std::vector<E> q(kRows * d2, E(0.5f)), kt(d2 * kKeys, E(0.25f)), p(kRows * kKeys),
+          v(kKeys * d2, E(0.125f));
+      std::vector<float> s(kRows * kKeys), acc(kRows * d2, 0.0f);
+      const auto start = std::chrono::steady_clock::now();
+      double done = 0, elapsed = 0;
+      while (elapsed < seconds) {
+        if constexpr (std::is_same_v<E, float>) {
+          block_gemm(kRows, kKeys, d2, q.data(), d2, kt.data(), kKeys, false, s.data(), kKeys);
+          block_gemm(kRows, d2, kKeys, s.data(), kKeys, v.data(), d2, true, acc.data(), d2);
+        } else {
+          block_gemm_vnni(kRows, kKeys, d2, q.data(), d2, kt.data(), kKeys, false, s.data(),
+                          kKeys);
+          to_bf16(p.data(), s.data(), kRows * kKeys);
+          block_gemm_vnni(kRows, d2, kKeys, p.data(), kKeys, v.data(), d2, true, acc.data(), d2);
+        }
+        done += 4.0 * kRows * kKeys * d2;
+        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+      rates[t] = done / elapsed;
+    }
+  });
+  double total = 0;
+  for (const double r : rates) total += r;
+  return total / 1e9;
+}
+
+double block_peak(int64_t d, double seconds, bool bf16) {
+#ifdef MULTIHEAD_BRGEMM
+  if (bf16) return block_rate<at::BFloat16>(d, seconds);
+#else
+  if (bf16) return 0.0;
+#endif
+  return block_rate<float>(d, seconds);
+}
+
+// Whether bf16 inputs run their block products in bf16: where the bf16 microkernel is at least
+// 1.25x the float one on this machine (CPUs with AVX512-BF16 or AMX), measured once per process
+// (a few milliseconds). Elsewhere bf16 inputs are widened to float once per call, which keeps
+// the 2x error rule as well and runs at the float speed.
+bool half_products() {
+#ifdef MULTIHEAD_BRGEMM
+  static const bool faster = [] {
+#if defined(__x86_64__)
+    if (!at::native::cpublas::could_pack(at::kBFloat16) && !__builtin_cpu_supports("avx512bf16"))
+      return false;
+#endif
+    double wide = 0, half = 0;
+    for (int round = 0; round < 3; ++round) {  // best of 3 against a busy machine
+      wide = std::max(wide, block_rate<float>(64, 0.004));
+      half = std::max(half, block_rate<at::BFloat16>(64, 0.004));
+    }
+    return half >= 1.25 * wide;
+  }();
+  return faster;
+#else
+  return false;
+#endif
+}
+
 // How many of torch's intra-op threads one parallel loop of the kernel reaches, over `tasks`
 // tasks (a check of the build: without OpenMP, at::parallel_for runs on the calling thread).
 int64_t parallel_threads(int64_t tasks) {
@@ -1227,6 +1494,8 @@ int64_t parallel_threads(int64_t tasks) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_peak", &block_peak, "GFLOP/s of the block products (float32 or bf16), all threads");
+  m.def("half_products", &half_products, "whether bf16 inputs use bf16 block products here");
   m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
