@@ -338,7 +338,7 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _traced_plan(call)
     b, _, _, length_q, length_k, _ = call.shape
-    args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)
+    args = (call.mask, b, length_q, length_k, _query_tile(call), call.query.device)
     if not torch.compiler.is_exporting():
         return _planned(*args)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -346,6 +346,21 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
         return _planned(*args)
+
+
+def _query_tile(call: Call) -> int:
+    """Query rows per tile of the kernel's plan: tiled's choice, except on a band of finite
+    width (a sliding window), where a tile as tall as the band reads twice the keys it sees
+    and one a quarter as tall reads 1.25 times (its tasks gather the band's pieces into one
+    span of keys, see the kernel's ``attend``)."""
+    tile = query_tile(call)
+    if call.mask is None:
+        return tile
+    _, _, _, length_q, length_k, _ = call.shape
+    lo, hi = call.mask.visible_distances(length_q, length_k) or (None, None)
+    if lo is None or hi is None:
+        return tile
+    return max(32, min(tile, (hi - lo) // 4))
 
 
 def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:

@@ -636,6 +636,34 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
   return best;
 }
 
+// A new tensor for a large buffer (the weights, the output, packed keys and values): on Linux
+// its memory is mapped on its own and marked for transparent huge pages, so the first touch
+// faults it in 2 MiB at a time instead of 4 KiB (allocations this large come fresh from the
+// system at every call, and at 134 MB of weights tens of thousands of page faults cost more
+// than computing them). Elsewhere, and for small buffers, at::empty.
+at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  int64_t bytes = c10::elementSize(options.dtype().toScalarType());
+  for (const int64_t s : sizes) bytes *= s;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr int64_t huge = int64_t(1) << 21;
+  if (bytes >= 4 * huge) {
+    // one huge page more than needed, so the tensor can start on a huge-page boundary
+    const size_t length = static_cast<size_t>((bytes + huge - 1) / huge * huge + huge);
+    void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                      -1, 0);
+    if (base != MAP_FAILED) {
+      const uintptr_t at = reinterpret_cast<uintptr_t>(base);
+      const uintptr_t start = (at + huge - 1) & ~uintptr_t(huge - 1);
+      madvise(reinterpret_cast<void*>(start), length - (start - at), MADV_HUGEPAGE);
+      return at::from_blob(
+          reinterpret_cast<void*>(start), sizes,
+          [base, length](void*) { munmap(base, length); }, options);
+    }
+  }
+#endif
+  return at::empty(sizes, options);
+}
+
 // [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
 // on its own (zero-padded), so a GEMM walking a block's columns reads rows kKeys apart. Rows S
 // apart alias in L1 when S is a multiple of 1024 (measured 12x slower at S = 2048). One task
@@ -644,7 +672,7 @@ template <typename T>
 at::Tensor blocked_transpose(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
-  at::Tensor out = at::empty({B, H, n, d, kKeys}, x.options());
+  at::Tensor out = empty_large({B, H, n, d, kKeys}, x.options());
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
@@ -669,7 +697,7 @@ template <typename E>
 at::Tensor pack_keys(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
-  at::Tensor out = at::empty({B, H, n, pairs, kKeys, 2}, x.options());
+  at::Tensor out = empty_large({B, H, n, pairs, kKeys, 2}, x.options());
   const E* src = x.data_ptr<E>();
   E* dst = out.data_ptr<E>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
@@ -696,7 +724,7 @@ template <typename E>
 at::Tensor pack_values(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
-  at::Tensor out = at::empty({B, H, n, kKeys / 2, d, 2}, x.options());
+  at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
   const E* src = x.data_ptr<E>();
   E* dst = out.data_ptr<E>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
@@ -821,7 +849,7 @@ void block_scores(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t k
                   const E* qt, T* c, int64_t ldc) {
   if constexpr (Inputs<T, E>::kHalf) {
     block_gemm_vnni(m, n, in.D2, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
-  } else if (in.kt != nullptr) {  // the queries arrive scaled (see forward)
+  } else if (in.kt != nullptr) {
     block_gemm(m, n, in.D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
   } else {
     gemm_nt<T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc);
@@ -857,7 +885,10 @@ void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t k
 }
 
 // One task's online softmax over its key blocks numbered [first, last) (counted across its
-// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum.
+// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. Consecutive
+// key blocks, across chunks, gather into one span of up to kKeys keys (scores row stride
+// kKeys) before the softmax update and the product with V: a band's small chunks (a
+// triangle, a full run, a triangle) cost one update and one V product per task, not three.
 template <typename T, typename E>
 void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, const Task& task,
             int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, uint8_t* bad) {
@@ -869,37 +900,52 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
   std::fill(sum, sum + m, T(0));
   const E* qt = in.qrow(task.b, task.h, task.r0);
   *bad |= any_nonfinite(qt, m, D, in.qsr);
+  T top[kRows];  // each row's maximum over the running maximum and the span
+  int64_t span0 = 0, width = 0;  // the span: keys [span0, span0 + width)
+  auto flush = [&] {
+    if (width == 0) return;
+    for (int64_t i = 0; i < m; ++i) {
+      T* row = scores + i * kKeys;
+      if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
+        std::fill(row, row + width, T(0));
+        continue;
+      }
+      const T alpha = exp_nonpositive(mx[i] - top[i]);
+      sum[i] = sum[i] * alpha + exp_shifted(row, width, top[i]);
+      mx[i] = top[i];
+      if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+    }
+    block_values(in, task, m, span0, width, scores, kKeys, acc);
+    width = 0;
+  };
   int64_t index = 0;
-  for (int64_t c = it[4]; c < it[5]; ++c) {
+  for (int64_t c = it[4]; c < it[5] && index < last; ++c) {
     const int64_t* ch = plan.chunks + 6 * c;
-    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
-      const int64_t block = index++;
-      if (block < first) continue;
-      if (block >= last) return;
+    for (int64_t kb = ch[0]; kb < ch[1] && index < last; kb = next_block(kb, ch[1])) {
+      if (index++ < first) continue;
       const int64_t n = next_block(kb, ch[1]) - kb;
       const uint8_t* keep;
       int64_t keep_rs = 0;
       if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
-                      &keep_rs))
+                      &keep_rs)) {
+        flush();  // keys no row sees are never read
         continue;
-      *bad |= block_nonfinite(in, task, kb, n);
-      block_scores(in, task, m, kb, n, qt, scores, n);
-      for (int64_t i = 0; i < m; ++i) {
-        T* row = scores + i * n;
-        const T best = finish_row(row, n, terms, task.b, task.h, task.r0 + i, kb,
-                                  keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, mx[i]);
-        if (best == neg_inf<T>()) {  // nothing visible in this row yet
-          std::fill(row, row + n, T(0));
-          continue;
-        }
-        const T alpha = exp_nonpositive(mx[i] - best);
-        sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
-        mx[i] = best;
-        if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
       }
-      block_values(in, task, m, kb, n, scores, n, acc);
+      if (width > 0 && (kb != span0 + width || width + n > kKeys)) flush();
+      if (width == 0) {
+        span0 = kb;
+        std::copy(mx, mx + m, top);
+      }
+      *bad |= block_nonfinite(in, task, kb, n);
+      T* part = scores + width;
+      block_scores(in, task, m, kb, n, qt, part, kKeys);
+      for (int64_t i = 0; i < m; ++i)
+        top[i] = finish_row(part + i * kKeys, n, terms, task.b, task.h, task.r0 + i, kb,
+                            keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, top[i]);
+      width += n;
     }
   }
+  flush();
 }
 
 int64_t key_blocks(const Plan& plan, const Task& task) {
@@ -1059,7 +1105,8 @@ int64_t weight_rows(const Plan& plan, int64_t rows, int64_t elem) {
   return rows;
 }
 
-// Weights rows that no item reaches (rows a mask hides from every key) are 0.
+// Rows [B, H, L, width] that no item reaches (rows a mask hides from every key) are 0: the
+// output, the weights and dq start unfilled.
 template <typename W>
 void zero_unreached_rows(const Plan& plan, int64_t B, int64_t H, int64_t L, int64_t S,
                          W* weights) {
@@ -1097,6 +1144,7 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
   }
   parts = std::max<int64_t>(parts, 1);
   std::vector<uint8_t> bad(n_tasks * parts, 0);  // per unit of work: no shared writes
+  zero_unreached_rows(plan, in.B, in.H, in.L, Dv, out);
   if (parts > 1) {
     const int64_t stride = kDecodeRows * Dv;
     std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
@@ -1264,33 +1312,6 @@ at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
   return x.stride(-1) == 1 && x.stride(-2) >= x.size(-1) ? x : x.contiguous();
 }
 
-// A new tensor for a large result written once (the weights): on Linux its memory is mapped
-// on its own and marked for transparent huge pages, so the first touch faults it in 2 MiB at
-// a time instead of 4 KiB (at 134 MB, tens of thousands of page faults cost more than
-// computing the weights). Elsewhere, and for small results, at::empty.
-at::Tensor empty_written_once(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  int64_t bytes = c10::elementSize(options.dtype().toScalarType());
-  for (const int64_t s : sizes) bytes *= s;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr int64_t huge = int64_t(1) << 21;
-  if (bytes >= 4 * huge) {
-    // one huge page more than needed, so the tensor can start on a huge-page boundary
-    const size_t length = static_cast<size_t>((bytes + huge - 1) / huge * huge + huge);
-    void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                      -1, 0);
-    if (base != MAP_FAILED) {
-      const uintptr_t at = reinterpret_cast<uintptr_t>(base);
-      const uintptr_t start = (at + huge - 1) & ~uintptr_t(huge - 1);
-      madvise(reinterpret_cast<void*>(start), length - (start - at), MADV_HUGEPAGE);
-      return at::from_blob(
-          reinterpret_cast<void*>(start), sizes,
-          [base, length](void*) { munmap(base, length); }, options);
-    }
-  }
-#endif
-  return at::empty(sizes, options);
-}
-
 template <typename T>
 Terms<T> make_terms(const at::Tensor& bias, const at::Tensor& table, int64_t table_shift,
                     double softcap, const at::Tensor& sinks, at::ScalarType ct,
@@ -1331,18 +1352,18 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
                                 double softcap, const at::Tensor& sinks, bool with_weights) {
   const at::ScalarType ct = compute_type(q);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
-  at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
+  // every entry of out and weights is written once by the kernel: no zeros first
+  at::Tensor out = empty_large({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(ct));
-  // every entry is written once by the kernel: no zeros first
-  at::Tensor weights = with_weights ? empty_written_once({B, H, L, S}, q.options()) : at::Tensor();
+  at::Tensor weights = with_weights ? empty_large({B, H, L, S}, q.options()) : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
   bool bad = false;
   std::vector<at::Tensor> alive;
   const bool blocked = L > kDecodeRows;
   if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
-    // bf16 block products with float statistics: the queries keep their values (the scale
-    // goes to the float scores), an odd head dim gets a zero column
+    // bf16 block products with float statistics, the scale on the float scores; an odd head
+    // dim gets a zero column
     at::Tensor qh = unit_last(q, at::kBFloat16);
     if (q.size(3) % 2 != 0) qh = at::constant_pad_nd(qh, {0, 1});
     const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);
@@ -1351,11 +1372,12 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
     bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights);
   } else {
-    // the scale is applied to the queries once (L x D products) instead of to every score
-    at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+    // the scale goes to the scores as they are finished (no scaled copy of the queries)
+    at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
     AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
-      const Terms<scalar_t> terms =
+      Terms<scalar_t> terms =
           make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
+      terms.scale = static_cast<scalar_t>(scale);
       const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
       bad = forward_into(in, plan, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
                          weights);
@@ -1384,16 +1406,17 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   lse_c = at::where(at::isfinite(lse_c), lse_c, at::full({}, INFINITY, lse_c.options()))
               .contiguous();
   at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
-  at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
-  // every (batch entry, key/value head) writes its whole dK and dV: no zeros needed
-  at::Tensor dk = at::empty({B, k.size(1), S, D}, q.options().dtype(ct));
-  at::Tensor dv = at::empty({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  // every (batch entry, key/value head) writes its whole dK and dV, every reached row its dQ
+  at::Tensor dq = empty_large({B, H, L, D}, q.options().dtype(ct));
+  at::Tensor dk = empty_large({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = empty_large({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
   at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
   at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
                                  : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
   std::vector<at::Tensor> alive;
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_backward", [&] {
+    zero_unreached_rows(plan, B, H, L, D, dq.data_ptr<scalar_t>());
     const Terms<scalar_t> terms =
         make_terms<scalar_t>(bias, table, table_shift, softcap, at::Tensor(), ct, alive);
     backward_impl<scalar_t>(
