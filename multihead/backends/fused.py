@@ -31,6 +31,7 @@ import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from torch import Tensor
 
 from . import _extension, _measure
 from ._call import Call, exporting, sink_grad, stat_dtype
-from ._nonfinite import NonFiniteInput, checks_inputs
+from ._nonfinite import NonFiniteInput, checks_inputs, run_guarded
 from ._plan import Item, plan, query_tile
 from .protocol import LAST, Backend, Capabilities, Rank
 
@@ -480,14 +481,18 @@ def measured_faster(call: Call, rival: Callable[[Call], object]) -> bool:
 
     Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
     dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
-    times (forward only, or forward and backward when the call needs gradients), and the best
-    times are compared; the kernel leads where it was at least 10% faster. Nothing is measured
-    while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the kernel is not
-    built.
+    times (forward only, or forward and backward when the call needs gradients; the rival
+    inside the NaN rule's guard, whose pass over the inputs the kernel does not need), and
+    the best times are compared; the kernel leads where it was at least 10% faster. Nothing
+    is measured while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the
+    kernel is not built.
     """
     if _measure.switched_off("MULTIHEAD_FUSED_AUTO") or unsupported(call) is not None:
         return False
-    return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
+    # the rival as a call runs it, inside the NaN rule's guard: the kernel checks its inputs
+    # as it reads them, a rival that does not pays the guard's pass over q, k and v (at
+    # decoding, a second read of the whole cache)
+    return _measure.faster(_MEASURED, call, run, partial(run_guarded, rival), clock=_best_time)
 
 
 def _measured(call: Call, rival: Callable[[Call], object]) -> bool:

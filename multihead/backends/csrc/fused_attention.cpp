@@ -192,14 +192,96 @@ int64_t gemm_rows(int64_t i, int64_t m, int64_t n, int64_t k, T alpha, const T* 
   return i;
 }
 
+// C[m, n] += A B for a few rows of A (decoding's product with V): each row of C in registers
+// (up to 8 vectors, so n up to 8 vectors' width), B's rows read once, in place
+template <typename T, int cols>
+void gemm_few(int64_t m, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+              int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  for (int64_t i = 0; i < m; ++i) {
+    V even[cols] = {}, odd[cols] = {};  // two sets: consecutive keys do not wait on each other
+    const T* ai = a + i * lda;
+    int64_t p = 0;
+    for (; p + 2 <= k; p += 2) {
+      const T a0 = ai[p], a1 = ai[p + 1];
+#pragma GCC unroll 8
+      for (int u = 0; u < cols; ++u) {
+        V b0, b1;
+        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
+        std::memcpy(&b1, b + (p + 1) * ldb + u * lanes, sizeof(V));
+        even[u] += a0 * b0;
+        odd[u] += a1 * b1;
+      }
+    }
+    if (p < k) {
+      const T a0 = ai[p];
+      for (int u = 0; u < cols; ++u) {
+        V b0;
+        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
+        even[u] += a0 * b0;
+      }
+    }
+    for (int u = 0; u < cols; ++u) {
+      V old;
+      std::memcpy(&old, c + i * ldc + u * lanes, sizeof(V));
+      old += even[u] + odd[u];
+      std::memcpy(c + i * ldc + u * lanes, &old, sizeof(V));
+    }
+  }
+}
+
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
           const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  constexpr int64_t lanes = kVecBytes / sizeof(T);
+  if (m <= kBlockRows && accumulate && alpha == T(1) && acs == 1 && n % lanes == 0) {
+    switch (n / lanes) {  // decoding's V products: the usual head dims, whole vectors
+      case 1: return gemm_few<T, 1>(m, k, a, ars, b, ldb, c, ldc);
+      case 2: return gemm_few<T, 2>(m, k, a, ars, b, ldb, c, ldc);
+      case 4: return gemm_few<T, 4>(m, k, a, ars, b, ldb, c, ldc);
+      case 8: return gemm_few<T, 8>(m, k, a, ars, b, ldb, c, ldc);
+      default: break;
+    }
+  }
   int64_t i = gemm_rows<T, kBlockRows>(0, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   i = gemm_rows<T, 4>(i, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   if (i < m)
     gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc,
                  ldc);
+}
+
+// The sum of a vector's lanes by halving: each step adds the upper half of the lanes left onto
+// the lower (a shuffle and an add), log2(lanes) steps deep. Summing the lanes one by one is a
+// chain of dependent adds, which bounded decoding's score loop by its latency.
+template <typename V>
+inline auto tree_sum(V x) {
+  constexpr int lanes = sizeof(V) / sizeof(x[0]);
+  if constexpr (lanes == 16)
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (lanes >= 8) {
+    if constexpr (lanes == 16)
+      x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    else
+      x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  }
+  if constexpr (lanes >= 4) {
+    if constexpr (lanes == 16)
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    else if constexpr (lanes == 8)
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1);
+    else
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
+  }
+  if constexpr (lanes == 16)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  else if constexpr (lanes == 8)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0);
+  else if constexpr (lanes == 4)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0);
+  else
+    x += __builtin_shufflevector(x, x, 1, 0);
+  return x[0];
 }
 
 // C[m, n] = alpha * A B^T for few rows of A (decoding): B's rows are read once each, in
@@ -221,8 +303,7 @@ void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, 
         std::memcpy(&y, bj + p, sizeof(V));
         acc += x * y;
       }
-      T total = 0;
-      for (int l = 0; l < lanes; ++l) total += acc[l];
+      T total = tree_sum(acc);
       for (; p < k; ++p) total += ai[p] * bj[p];
       c[i * ldc + j] = alpha * total;
     }
@@ -286,24 +367,32 @@ void transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, T* dst, int
 
 // True when any of rows x cols entries (row stride ld) is NaN or infinite: x * 0 is 0 exactly
 // for finite x and NaN otherwise. Run on blocks the kernel has just read, so the NaN rule needs
-// no separate pass over q, k and v (at decode that pass would double the bytes read).
+// no separate pass over q, k and v (at decode that pass would double the bytes read). Four
+// accumulators: one would chain every add of the block behind the one before.
 template <typename T>
 bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   using V = typename Vec<T>::type;
   constexpr int lanes = kVecBytes / sizeof(T);
-  V acc = {};
+  V acc[4] = {};
   T tail = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const T* r = x + i * ld;
     int64_t j = 0;
+    for (; j + 4 * lanes <= cols; j += 4 * lanes)
+      for (int u = 0; u < 4; ++u) {
+        V v;
+        std::memcpy(&v, r + j + u * lanes, sizeof(V));
+        acc[u] += v * T(0);
+      }
     for (; j + lanes <= cols; j += lanes) {
       V v;
       std::memcpy(&v, r + j, sizeof(V));
-      acc += v * T(0);
+      acc[0] += v * T(0);
     }
     for (; j < cols; ++j) tail += r[j] * T(0);
   }
-  for (int l = 0; l < lanes; ++l) tail += acc[l];
+  const V all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (int l = 0; l < lanes; ++l) tail += all[l];
   return tail != T(0);
 }
 
