@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -725,29 +726,89 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
   return best;
 }
 
-// A new tensor for a large buffer (the weights, the output, packed keys and values): on Linux
-// its memory is mapped on its own and marked for transparent huge pages, so the first touch
-// faults it in 2 MiB at a time instead of 4 KiB (allocations this large come fresh from the
-// system at every call, and at 134 MB of weights tens of thousands of page faults cost more
-// than computing them). Elsewhere, and for small buffers, at::empty.
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// Large buffers (the weights, the output, packed keys and values, gradients) live in mappings
+// of their own, marked for transparent huge pages, so a first touch faults in 2 MiB instead
+// of 4 KiB: allocations this large come fresh from the system at every call otherwise, and
+// at 134 MB of weights tens of thousands of page faults cost more than computing them. A
+// freed mapping waits in a small pool (at most kPoolEntries, kPoolBytes in all) for the next
+// buffer of about its size, which then skips the system's zeroing of new pages too: calls of
+// one shape, as a model's layers make them, reuse each other's memory.
+class LargeBuffers {
+ public:
+  static constexpr size_t kHuge = size_t(1) << 21;
+  static constexpr size_t kPoolBytes = size_t(1) << 30;
+  static constexpr size_t kPoolEntries = 8;
+
+  // a huge-page-aligned mapping of at least `bytes` (its length in *length), or null
+  void* take(size_t bytes, size_t* length) {
+    const size_t need = (bytes + kHuge - 1) / kHuge * kHuge;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (it->second >= need && it->second <= 2 * need &&
+            (best == free_.end() || it->second < best->second))
+          best = it;
+      if (best != free_.end()) {
+        void* p = best->first;
+        *length = best->second;
+        held_ -= best->second;
+        free_.erase(best);
+        return p;
+      }
+    }
+    // one huge page more than needed, then the unaligned ends unmapped
+    void* raw = mmap(nullptr, need + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t start = (at + kHuge - 1) & ~uintptr_t(kHuge - 1);
+    if (start > at) munmap(raw, start - at);
+    if (start + need < at + need + kHuge)
+      munmap(reinterpret_cast<void*>(start + need), at + need + kHuge - (start + need));
+    madvise(reinterpret_cast<void*>(start), need, MADV_HUGEPAGE);
+    *length = need;
+    return reinterpret_cast<void*>(start);
+  }
+
+  void give(void* p, size_t length) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (free_.size() < kPoolEntries && held_ + length <= kPoolBytes) {
+        free_.emplace_back(p, length);
+        held_ += length;
+        return;
+      }
+    }
+    munmap(p, length);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<void*, size_t>> free_;
+  size_t held_ = 0;
+};
+
+// never destroyed: tensors freed while the process exits still return their buffers
+LargeBuffers& large_buffers() {
+  static LargeBuffers* pool = new LargeBuffers();
+  return *pool;
+}
+#endif
+
+// A new tensor for a large buffer (see LargeBuffers); elsewhere, and for small buffers,
+// at::empty. Its contents are undefined: every caller writes each entry.
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
   int64_t bytes = c10::elementSize(options.dtype().toScalarType());
   for (const int64_t s : sizes) bytes *= s;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr int64_t huge = int64_t(1) << 21;
-  if (bytes >= 4 * huge) {
-    // one huge page more than needed, so the tensor can start on a huge-page boundary
-    const size_t length = static_cast<size_t>((bytes + huge - 1) / huge * huge + huge);
-    void* base = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                      -1, 0);
-    if (base != MAP_FAILED) {
-      const uintptr_t at = reinterpret_cast<uintptr_t>(base);
-      const uintptr_t start = (at + huge - 1) & ~uintptr_t(huge - 1);
-      madvise(reinterpret_cast<void*>(start), length - (start - at), MADV_HUGEPAGE);
+  if (bytes >= int64_t(4 * LargeBuffers::kHuge)) {
+    size_t length = 0;
+    void* p = large_buffers().take(static_cast<size_t>(bytes), &length);
+    if (p != nullptr)
       return at::from_blob(
-          reinterpret_cast<void*>(start), sizes,
-          [base, length](void*) { munmap(base, length); }, options);
-    }
+          p, sizes, [p, length](void*) { large_buffers().give(p, length); }, options);
   }
 #endif
   return at::empty(sizes, options);
