@@ -185,8 +185,9 @@ def _attention_op(
     sinks: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, False
-    )
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, False,
+        torch.empty(0, dtype=torch.long),
+    )  # fmt: skip
     return out, lse, bad
 
 
@@ -204,9 +205,12 @@ def _weights_op(
     scale: float,
     softcap: float,
     sinks: Tensor,
+    heads: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """As ``fused_attention``, with the weights of the query heads ``heads`` (int64, in that
+    order; empty for every head): (out, lse, weights [B, len(heads) or H, L, S], bad)."""
     out, lse, w, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, True
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, True, heads
     )
     return out, lse, w, bad
 
@@ -254,9 +258,11 @@ def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, si
 
 
 @_weights_op.register_fake
-def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks):
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, heads):
     out, lse, bad = _out_shapes(q, k, v)
-    return out, lse, q.new_empty(*q.shape[:3], k.shape[2]), bad
+    b, h, length_q, _ = q.shape
+    chosen = heads.shape[0] if heads.numel() else h
+    return out, lse, q.new_empty(b, chosen, length_q, k.shape[2]), bad
 
 
 @_backward_op.register_fake
@@ -452,7 +458,8 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
     weights = None
     if call.return_weights:
-        out, _, weights, bad = _weights_op(*_args(call))
+        heads = torch.tensor(call.heads or [], dtype=torch.long)
+        out, _, weights, bad = _weights_op(*_args(call), heads)
     else:
         out, _, bad = _attention_op(*_args(call))
     if not (exporting() or torch.compiler.is_compiling()) and bool(bad):
@@ -512,6 +519,7 @@ BACKEND = Backend(
         dropout=False,
         softcap=True,
         sinks=True,
+        heads=True,
     ),
     unsupported=_unsupported,
     measured=_measured,

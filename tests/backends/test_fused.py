@@ -208,7 +208,9 @@ def test_ops_pass_torch_library_opcheck_in_every_layout(layout):
     with_grad = (*leaves[:3], *args[3:11], leaves[3])
     torch.library.opcheck(torch.ops.multihead.fused_attention.default, with_grad)
     plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    torch.library.opcheck(torch.ops.multihead.fused_attention_weights.default, plain)
+    for heads in ([], [3, 1]):
+        chosen = torch.tensor(heads, dtype=torch.long)
+        torch.library.opcheck(torch.ops.multihead.fused_attention_weights.default, (*plain, chosen))
     out, lse, _ = torch.ops.multihead.fused_attention(*plain)
     grad = torch.randn(out.shape).transpose(2, 3).contiguous().transpose(2, 3)  # strided too
     q, k, v, items, chunks, keep, bias, table, shift, scale, softcap, _ = plain
@@ -377,6 +379,36 @@ def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
     v_bad[1, 0, 10] = torch.nan  # every row of batch entry 1 sees key 10
     got = mh.attention(q, k, v_bad, mask, backend="fused")
     assert torch.isnan(got[1]).all() and torch.equal(got[0], want[0]) and careful == [1]
+
+
+def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
+    """attention_with_weights(heads=) on the kernel: one call gives every head's output and
+    the weights of the chosen heads alone, in their order; they equal the full call's within
+    1e-6 with a mask and a bias that differ per head and sink logits. A non-finite value
+    makes the chosen heads' rows NaN as it does the full call's."""
+    b, h, h_kv, length_q, length_k = 2, 8, 2, 70, 90
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, 16, dtype=torch.float32, seed=12)
+    g = torch.Generator().manual_seed(12)
+    per_head = torch.rand(b, h, length_q, length_k, generator=g) < 0.7
+    mask = masks.causal() & masks.dense(per_head)
+    modifier = mb.alibi(h) + mb.sinks(torch.randn(h, generator=g))
+    full = mh.attention_with_weights(q, k, v, mask, bias=modifier, backend="fused")
+    calls = []
+    real = fused._weights_op
+    monkeypatch.setattr(fused, "_weights_op", lambda *a: calls.append(a[-1].tolist()) or real(*a))
+    part = mh.attention_with_weights(q, k, v, mask, bias=modifier, heads=[6, 1], backend="fused")
+    assert calls == [[6, 1]] and part.weights.shape == (b, 2, length_q, length_k)
+    assert (part.weights - full.weights[:, [6, 1]]).abs().max() <= 1e-6
+    assert (part.output - full.output).abs().max() <= 1e-6
+    v_bad = v.clone()
+    v_bad[1, 1, 5] = torch.nan  # key/value head 1 serves query heads 4-7
+    full = mh.attention_with_weights(q, k, v_bad, mask, bias=modifier, backend="fused")
+    part = mh.attention_with_weights(
+        q, k, v_bad, mask, bias=modifier, heads=[6, 1], backend="fused"
+    )
+    want = full.weights[:, [6, 1]]
+    assert torch.equal(torch.isnan(part.weights), torch.isnan(want))
+    assert torch.isnan(want[1, 0]).any() and not torch.isnan(want[:, 1]).any()
 
 
 @pytest.fixture

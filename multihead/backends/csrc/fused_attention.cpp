@@ -1174,6 +1174,20 @@ inline void fence_stores() {
 #endif
 }
 
+// The weights asked for: [B, heads, L, S] for the query heads chosen (all of them, or a list:
+// heads that no one looks at cost no weights), slot[h] the place of query head h among them
+// or -1.
+template <typename W>
+struct Weights {
+  W* data = nullptr;
+  int64_t heads = 0;
+  std::vector<int64_t> slot;
+
+  W* row(int64_t b, int64_t h, int64_t L, int64_t S, int64_t i) const {
+    return data + ((b * heads + slot[h]) * L + i) * S;
+  }
+};
+
 // One task with its weights, each written once. The rows' scores over the item's key span
 // [lo, hi) are kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated
 // once from each row's final maximum, multiplied by V from there, and stored normalized into
@@ -1181,7 +1195,7 @@ inline void fence_stores() {
 template <typename T, typename E, typename W>
 void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
                     const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
-                    W* weights, uint8_t* bad) {
+                    const Weights<W>& weights, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
   const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
@@ -1232,7 +1246,7 @@ void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& te
     block_values(in, task, m, kb, n, scratch + (kb - lo), width, acc);
   finish_rows(in, terms, task, acc, mx, sum, out, lse, norm);
   for (int64_t i = 0; i < m; ++i) {
-    W* w = weights + ((task.b * in.H + task.h) * in.L + task.r0 + i) * S;
+    W* w = weights.row(task.b, task.h, in.L, S, task.r0 + i);
     zero_weights(w, lo);
     put_weights(w + lo, scratch + i * width, width, norm[i]);
     zero_weights(w + hi, S - hi);
@@ -1279,7 +1293,7 @@ void zero_unreached_rows(const Plan& plan, int64_t B, int64_t H, int64_t L, int6
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
 template <typename T, typename E, typename W>
 bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
-                  W* weights) {
+                  const Weights<W>* weights) {
   const int64_t threads = at::get_num_threads();
   int64_t rows = task_rows(plan, in.B, in.H, threads);
   if (weights != nullptr) rows = weight_rows(plan, rows, sizeof(T));
@@ -1329,8 +1343,9 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
     }
     return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
-  if (weights != nullptr) zero_unreached_rows(plan, in.B, in.H, in.L, in.S, weights);
-  int64_t widest = 0;  // the widest key span of an item: the weights path's scratch rows
+  if (weights != nullptr)
+    zero_unreached_rows(plan, in.B, weights->heads, in.L, in.S, weights->data);
+  int64_t widest = kKeys;  // the widest key span of an item: the weights path's scratch rows
   if (weights != nullptr)
     for (const Task& task : tasks) {
       const int64_t* it = plan.items + 6 * task.item;
@@ -1345,9 +1360,9 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
         mx(kRows), sum(kRows), norm(kRows);
     for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
-      if (weights != nullptr) {
+      if (weights != nullptr && weights->slot[task.h] >= 0) {
         attend_weights(in, plan, terms, task, scores.data(), acc.data(), mx.data(), sum.data(),
-                       norm.data(), out, lse, weights, &bad[t]);
+                       norm.data(), out, lse, *weights, &bad[t]);
         continue;
       }
       attend(in, plan, terms, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
@@ -1475,38 +1490,55 @@ Terms<T> make_terms(const at::Tensor& bias, const at::Tensor& table, int64_t tab
 
 bool half_products();
 
-// forward_impl with the weights (if asked) in the inputs' dtype
+// forward_impl with the weights (if asked) in the inputs' dtype, for the heads in `slot`
 template <typename T, typename E>
 bool forward_into(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out,
-                  T* lse, at::Tensor& weights) {
-  if (!weights.defined()) return forward_impl<T, E, T>(in, plan, terms, out, lse, nullptr);
-  switch (weights.scalar_type()) {
-    case at::kBFloat16:
-      if constexpr (std::is_same_v<T, float>)
-        return forward_impl(in, plan, terms, out, lse, weights.data_ptr<at::BFloat16>());
-      break;
-    case at::kHalf:
-      if constexpr (std::is_same_v<T, float>)
-        return forward_impl(in, plan, terms, out, lse, weights.data_ptr<at::Half>());
-      break;
-    default:
-      break;
+                  T* lse, at::Tensor& weights, const std::vector<int64_t>& slot) {
+  if (!weights.defined()) {
+    const Weights<T>* none = nullptr;
+    return forward_impl(in, plan, terms, out, lse, none);
   }
-  return forward_impl(in, plan, terms, out, lse, weights.data_ptr<T>());
+  auto run = [&](auto* data) {
+    using W = std::remove_pointer_t<decltype(data)>;
+    const Weights<W> w{data, weights.size(1), slot};
+    return forward_impl(in, plan, terms, out, lse, &w);
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    if (weights.scalar_type() == at::kBFloat16) return run(weights.data_ptr<at::BFloat16>());
+    if (weights.scalar_type() == at::kHalf) return run(weights.data_ptr<at::Half>());
+  }
+  return run(weights.data_ptr<T>());
 }
 
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& items, const at::Tensor& chunks,
                                 const at::Tensor& keep, const at::Tensor& bias,
                                 const at::Tensor& table, int64_t table_shift, double scale,
-                                double softcap, const at::Tensor& sinks, bool with_weights) {
+                                double softcap, const at::Tensor& sinks, bool with_weights,
+                                const at::Tensor& heads) {
   const at::ScalarType ct = compute_type(q);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
+  // the weights' heads: every query head, or those listed (in their order)
+  std::vector<int64_t> slot(H, -1);
+  int64_t chosen = H;
+  if (heads.defined() && heads.numel() > 0) {
+    TORCH_CHECK(heads.dtype() == at::kLong && heads.dim() == 1);
+    const at::Tensor listed = heads.contiguous();
+    chosen = listed.numel();
+    for (int64_t i = 0; i < chosen; ++i) {
+      const int64_t h = listed.data_ptr<int64_t>()[i];
+      TORCH_CHECK(h >= 0 && h < H && slot[h] < 0, "heads must be distinct indices in [0, H)");
+      slot[h] = i;
+    }
+  } else {
+    for (int64_t h = 0; h < H; ++h) slot[h] = h;
+  }
   // every entry of out and weights is written once by the kernel: no zeros first
   at::Tensor out = empty_large({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(ct));
-  at::Tensor weights = with_weights ? empty_large({B, H, L, S}, q.options()) : at::Tensor();
+  at::Tensor weights =
+      with_weights ? empty_large({B, chosen, L, S}, q.options()) : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
   bool bad = false;
   std::vector<at::Tensor> alive;
@@ -1520,7 +1552,8 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
     Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
     terms.scale = static_cast<float>(scale);
     const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
-    bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights);
+    bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights,
+                       slot);
   } else {
     // the scale goes to the scores as they are finished (no scaled copy of the queries)
     at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
@@ -1530,7 +1563,7 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
       terms.scale = static_cast<scalar_t>(scale);
       const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
       bad = forward_into(in, plan, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                         weights);
+                         weights, slot);
     });
   }
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
