@@ -52,7 +52,8 @@ class Workload:
     train: bool = False  # forward + backward
     weights: bool = False  # compare attention_with_weights against the plain call
     module: bool = False  # MultiHeadAttention against torch.nn.MultiheadAttention
-    bias: str = "none"  # none | alibi | t5: a score modifier, also timed without it
+    # none | alibi | t5 | softcap | sinks: a score modifier, also timed without it
+    bias: str = "none"
     target: str = ""
 
 
@@ -64,7 +65,14 @@ def _add(full: Workload, **quick: object) -> None:
 
 
 _add(
-    Workload("dense_fp32", "dense fp32", 4, 8, 2048, target=">= 0.95x SDPA, >= 85% of fp32 peak"),
+    Workload(
+        "dense_fp32",
+        "dense fp32",
+        4,
+        8,
+        2048,
+        target=">= 0.95x SDPA; fused >= 85% of the fp32 peak",
+    ),
     b=1,
     length=512,
 )
@@ -100,7 +108,7 @@ _add(
         8,
         16384,
         mask="window",
-        target=">= 20x SDPA with mask, >= 1.0x FlexAttention",
+        target=">= 20x SDPA with mask; fused >= 1.3x compiled FlexAttention",
     ),
     length=2048,
 )
@@ -125,7 +133,7 @@ _add(
         8,
         8192,
         mask="documents",
-        target=">= 4x SDPA with block-diagonal mask",
+        target=">= 4x SDPA with block-diagonal mask; fused >= 1.0x tiled",
     ),
     length=1024,
 )
@@ -150,7 +158,33 @@ _add(
         8,
         2048,
         weights=True,
-        target="<= 2.0x the time without weights",
+        target="fused <= 1.3x the time without weights; heads=[0] of 8 <= 0.3x all heads'",
+    ),
+    length=512,
+)
+_add(
+    Workload(
+        "weights_causal",
+        "attention_with_weights, causal fp32 (transformers bridge shape)",
+        1,
+        4,
+        4096,
+        mask="causal",
+        weights=True,
+        target="fused <= 1.3x the time without weights",
+    ),
+    length=512,
+)
+_add(
+    Workload(
+        "train_bf16",
+        "train step, dense bf16",
+        1,
+        8,
+        2048,
+        dtype="bfloat16",
+        train=True,
+        target=">= 1.5x SDPA bf16 where the bf16 peak is >= 2x fp32",
     ),
     length=512,
 )
@@ -164,7 +198,21 @@ for _kind, _title in (("alibi", "ALiBi"), ("t5", "T5 buckets")):
             8192,
             mask="causal",
             bias=_kind,
-            target="<= 1.2x the causal call without bias, >= 5x SDPA with the dense bias",
+            target="fused <= 1.05x the causal call without bias",
+        ),
+        length=1024,
+    )
+for _kind, _title in (("softcap", "soft-capping 50"), ("sinks", "attention sinks")):
+    _add(
+        Workload(
+            f"causal_{_kind}",
+            f"causal + {_title}, fp32",
+            1,
+            8,
+            8192,
+            mask="causal",
+            bias=_kind,
+            target="fused <= 1.05x the causal call without it",
         ),
         length=1024,
     )
@@ -270,6 +318,7 @@ def _contenders(
     out["multihead"] = step(lambda: attention(q, k, v, mask, bias=modifier))
     if modifier is not None:
         out["multihead, no bias"] = step(lambda: attention(q, k, v, mask))
+    if w.bias in _ADDITIVE:
         # the user's alternative: the bias as a dense tensor, hidden entries at -inf
         dense = modifier.to_dense(w.length, w.length).expand(1, w.h, w.length, w.length)
         if keep is not None:
@@ -277,6 +326,8 @@ def _contenders(
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
         notes["sdpa"] = "given the bias as a dense (1, H, L, S) float32 tensor, built beforehand"
         causal = False
+    elif modifier is not None:
+        notes["sdpa"] = f"has no {w.bias}: timed without it"
     if w.weights:
         out["multihead+weights"] = step(lambda: attention_with_weights(q, k, v, mask))
     _add_fused(out, notes, w, step, q, k, v, mask, modifier)
@@ -284,12 +335,16 @@ def _contenders(
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     elif "sdpa" not in out:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
-    if modifier is not None:
+    if w.bias in _ADDITIVE:
         notes["naive"] = "skipped: the SDPA row already times a dense bias"
+    elif modifier is not None:
+        notes["naive"] = f"skipped: the naive formula has no {w.bias}"
     else:
         _add_naive(out, notes, w, step, q, k, v, keep)
     if w.mask in ("window", "documents") and not (w.train or w.weights):
         _add_flex_backend(out, notes, quick, q, k, v, mask, modifier)
+    if w.mask == "documents":  # the fused kernel's goal is stated against tiled
+        out["multihead, tiled"] = step(lambda: attention(q, k, v, mask, backend="tiled"))
     _add_flex(out, notes, w, quick, q, k, v, mask_mod, modifier)
     return out, notes, entries
 
@@ -346,6 +401,9 @@ def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
         out["multihead, fused+weights"] = step(
             lambda: attention_with_weights(q, k, v, mask, backend="fused")
         )
+        out["multihead, fused+weights, heads=[0]"] = step(
+            lambda: attention_with_weights(q, k, v, mask, heads=[0], backend="fused")
+        )
 
 
 def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
@@ -375,11 +433,18 @@ def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
         out["multihead, tiled"] = lambda: attention(q, k, v, mask, bias=modifier, backend="tiled")
 
 
+_ADDITIVE = ("alibi", "t5")  # modifiers SDPA can be given as a dense tensor
+
+
 def _modifier(w: Workload, g: torch.Generator) -> ScoreModifier | None:
     if w.bias == "none":
         return None
     if w.bias == "alibi":
         return bias_mod.alibi(w.h)
+    if w.bias == "softcap":
+        return bias_mod.softcap(50.0)  # Gemma 2's attention cap
+    if w.bias == "sinks":
+        return bias_mod.sinks(torch.randn(w.h, generator=g))
     return bias_mod.relative_buckets(torch.randn(32, w.h, generator=g), bidirectional=False)
 
 
@@ -556,14 +621,32 @@ def _steps(only: list[str] | None) -> list[str]:
 
 
 def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
-    """The fp32 and bf16 matmul peaks (n x n) into ``report``, and which bf16 goal applies."""
+    """The fp32 and bf16 matmul peaks (n x n) into ``report``, and which bf16 goal applies;
+    with the fused kernel built, also its block products' own peak in both precisions (what
+    its time is best compared with: on some CPUs torch's fp32 matmul runs well below it)."""
+    from ..backends import fused
+    from .doctor import _cpuinfo
+
+    report.machine["cpu"] = _cpuinfo()[0]
     report.peak_gflops = {
         "float32": matmul_peak(torch.float32, n),
         "bfloat16": matmul_peak(torch.bfloat16, n),
     }
+    blocks = ""
+    if fused.build_error() is None:
+        kernel = fused.build()
+        for dtype in ("float32", "bfloat16"):
+            report.peak_gflops[f"{dtype} blocks"] = kernel.block_peak(64, 0.5, dtype == "bfloat16")
+        blocks = (
+            f"; the fused kernel's block products: fp32 "
+            f"{report.peak_gflops['float32 blocks']:.0f}, bf16 "
+            f"{report.peak_gflops['bfloat16 blocks']:.0f} GFLOP/s"
+            + ("" if kernel.half_products() else " (bf16 inputs widened to fp32 here)")
+        )
+    say(f"CPU: {report.machine['cpu']}; {report.machine['threads']} threads")
     say(
         f"matmul peak: fp32 {report.peak_gflops['float32']:.0f} GFLOP/s, "
-        f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s ({report.machine['threads']} threads)"
+        f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s{blocks}"
     )
     ratio = report.peak_gflops["bfloat16"] / report.peak_gflops["float32"]
     report.bf16_case = f"bf16 matmul peak {ratio:.2f}x fp32: " + (
@@ -586,6 +669,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
     times = _time(contenders, repeats)
     flops_per_entry = 4 * w.d * (3.5 if w.train else 1.0)
     peak = peaks.get(w.dtype, peaks["float32"])
+    block_peak = peaks.get(f"{w.dtype} blocks")
     base = "nn.MultiheadAttention" if w.module else "sdpa"
     base_median = statistics.median(times[base])
     rows = {}
@@ -598,6 +682,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
             "speedup_vs_" + base: base_median / med,
             "gflops": None if w.module else gflops,
             "fraction_of_peak": None if w.module else gflops / peak,
+            "fraction_of_block_peak": None if w.module or not block_peak else gflops / block_peak,
         }
     result = {
         **asdict(w),
@@ -622,6 +707,14 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         result["fused_weights_overhead"] = (
             rows["multihead, fused+weights"]["median_s"] / rows["multihead, fused"]["median_s"]
         )
+        result["fused_heads_ratio"] = (
+            rows["multihead, fused+weights, heads=[0]"]["median_s"]
+            / rows["multihead, fused+weights"]["median_s"]
+        )
+    for rival in ("flex", "multihead, tiled"):  # the fused kernel's goals against them
+        if "multihead, fused" in rows and rival in rows:
+            key = "fused_vs_" + rival.removeprefix("multihead, ")
+            result[key] = rows[rival]["median_s"] / rows["multihead, fused"]["median_s"]
     say(
         f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"
         f"{' fwd+bwd' if w.train else ''}  (target {w.target})"
@@ -632,8 +725,25 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
             if r["gflops"] is None
             else f"  {r['gflops']:7.1f} GFLOP/s  {r['fraction_of_peak']:5.0%} of peak"
         )
+        if r["fraction_of_block_peak"] is not None:
+            extra += f" ({r['fraction_of_block_peak']:.0%} of the block peak)"
         speedup = r["speedup_vs_" + base]
-        say(f"  {name:24s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
+        say(f"  {name:36s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
     for name, note in notes.items():
-        say(f"  {name:24s} {note}")
+        say(f"  {name:36s} {note}")
+    ratios = [f"{label} {result[key]:.2f}x" for key, label in _RATIOS if key in result]
+    if ratios:
+        say("  ratios: " + "; ".join(ratios))
     return result
+
+
+# the ratios the goals are stated in, as the report names them and as the table prints them
+_RATIOS = (
+    ("bias_overhead", "auto with the modifier / without"),
+    ("fused_bias_overhead", "fused with the modifier / without"),
+    ("weights_overhead", "auto with weights / without"),
+    ("fused_weights_overhead", "fused with weights / without"),
+    ("fused_heads_ratio", "fused heads=[0] / all heads' weights"),
+    ("fused_vs_flex", "fused speedup over compiled FlexAttention"),
+    ("fused_vs_tiled", "fused speedup over tiled"),
+)
