@@ -461,9 +461,36 @@ inline VF exp_vec(VF x) {
   return dead ? VF{} : p * two_n;
 }
 
+// 1 / d for d in [1, 2]: the hardware estimate refined by one Newton step (within an ulp or
+// two of the quotient; a division costs several times as much)
+inline VF reciprocal(VF d) {
+#if defined(__AVX512F__)
+  VF r;
+  const __m512 estimate = _mm512_rcp14_ps(reinterpret_cast<const __m512&>(d));
+  std::memcpy(&r, &estimate, sizeof(r));
+  return r * (2.0f - d * r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// Whether any lane of a comparison's result is set
+inline bool any_lane(VI mask) {
+#if defined(__AVX512F__)
+  const __m512i m = reinterpret_cast<const __m512i&>(mask);
+  return _mm512_test_epi32_mask(m, m) != 0;
+#else
+  int32_t folded = 0;
+  for (int l = 0; l < kLanes; ++l) folded |= mask[l];
+  return folded != 0;
+#endif
+}
+
 // tanh for a vector of floats (Cephes' tanhf, under 2 ulp): x + x^3 P(x^2) for |x| < 0.625,
-// else (1 - e) / (1 + e) with e = exp(-2|x|), which has no cancellation there; the sign is put
-// back by its bit. NaN stays NaN.
+// else 2 / (1 + e) - 1 with e = exp(-2|x|), which has no cancellation there; the sign is put
+// back by its bit. The exp is computed only for vectors with a lane past 0.625: a soft cap
+// sits well above most scores (Gemma's 50), so most vectors take the polynomial alone.
+// NaN stays NaN (it takes the polynomial).
 inline VF tanh_vec(VF x) {
   VI bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -471,17 +498,18 @@ inline VF tanh_vec(VF x) {
   const VI abs_bits = bits & 0x7fffffff;
   VF a;
   std::memcpy(&a, &abs_bits, sizeof(a));
-  const VF e = exp_vec(-2.0f * a);
-  const VF large = (1.0f - e) / (1.0f + e);
   const VF z = a * a;
   VF p = VF{} - 5.70498872745e-3f;
   p = p * z + 2.06390887954e-2f;
   p = p * z - 5.37397155531e-2f;
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
-  const VF small = a + a * z * p;
-  VF r = a < 0.625f ? small : large;
-  r = a == a ? r : a;
+  VF r = a + a * z * p;
+  const VI large = a >= 0.625f;
+  if (any_lane(large)) {
+    const VF e = exp_vec(-2.0f * a);
+    r = large ? 2.0f * reciprocal(1.0f + e) - 1.0f : r;
+  }
   VI r_bits;
   std::memcpy(&r_bits, &r, sizeof(r_bits));
   r_bits |= sign;
