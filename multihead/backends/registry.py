@@ -104,16 +104,16 @@ def explain(call: Call, *, skip: frozenset[str] = frozenset()) -> Choice:
     chosen, why_first = able[0], ranks[able[0]].why
     # a measurement is a data-dependent branch: never while a graph is traced
     if not exporting() and not torch.compiler.is_compiling():
-        rival = _registered[chosen]
+        # each measuring backend against the leader so far: the fastest leads, not the first
+        # that beat the rule's choice
         for name in able[1:]:
             measured = _registered[name].measured
-            if measured is not None and measured(call, rival.run):
+            if measured is not None and measured(call, _registered[chosen].run):
                 why_first = (
                     f"it measured faster than {chosen} on this machine for calls of this "
                     "shape class"
                 )
                 chosen = name
-                break
     reasons = {
         name: why_not[name] or f"supported, but {chosen} is expected to be faster: {why_first}"
         for name in order

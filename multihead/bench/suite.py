@@ -375,8 +375,10 @@ def _add_flex(out, notes, w: Workload, quick: bool, q, k, v, mask_mod, modifier)
         notes["flex"] = "skipped: FlexAttention has no CPU backward"
     elif w.weights:
         notes["flex"] = "skipped: FlexAttention returns no weights"
+    elif w.bias == "sinks":
+        notes["flex"] = "skipped: FlexAttention has no sink logits"
     else:
-        score_mod = None if modifier is None else modifier.score_mod(w.length, w.length)
+        score_mod = _score_mod(w, modifier)
         flex, compile_s, why = _compile_flex(q, k, v, mask_mod, w, score_mod)
         if flex is None:
             notes["flex"] = f"skipped: {why}"
@@ -434,6 +436,7 @@ def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
 
 
 _ADDITIVE = ("alibi", "t5")  # modifiers SDPA can be given as a dense tensor
+_SOFTCAP = 50.0  # Gemma 2's attention cap
 
 
 def _modifier(w: Workload, g: torch.Generator) -> ScoreModifier | None:
@@ -442,10 +445,20 @@ def _modifier(w: Workload, g: torch.Generator) -> ScoreModifier | None:
     if w.bias == "alibi":
         return bias_mod.alibi(w.h)
     if w.bias == "softcap":
-        return bias_mod.softcap(50.0)  # Gemma 2's attention cap
+        return bias_mod.softcap(_SOFTCAP)
     if w.bias == "sinks":
         return bias_mod.sinks(torch.randn(w.h, generator=g))
     return bias_mod.relative_buckets(torch.randn(32, w.h, generator=g), bidirectional=False)
+
+
+def _score_mod(w: Workload, modifier: ScoreModifier | None) -> Callable | None:
+    """The modifier as FlexAttention's score_mod (soft-capping written out, as its own
+    documentation does; additive terms lower themselves)."""
+    if modifier is None:
+        return None
+    if w.bias == "softcap":
+        return lambda score, b, h, q_idx, kv_idx: _SOFTCAP * torch.tanh(score / _SOFTCAP)
+    return modifier.score_mod(w.length, w.length)
 
 
 def _compile_flex(q, k, v, mask_mod, w: Workload, score_mod=None):
