@@ -3,10 +3,12 @@
 The kernel (``csrc/fused_attention.cpp``) walks a work list made from the mask's own tile
 answers (the planner in ``_plan.py``; cached per mask structure and shape), so it skips what
 the mask hides without knowing any mask kind. Per block of query rows it computes scores by
-GEMM, adds the bias (a dense tensor read through broadcast strides, or a relative modifier
-such as ALiBi or T5 buckets read from one row per head of values by distance: never an L x S
-tensor), applies the keep bits and runs an online softmax; the backward pass recomputes the
-probabilities from the saved log-sum-exp.
+GEMM, soft-caps them, adds the bias (a dense tensor read through broadcast strides, or a
+relative modifier such as ALiBi or T5 buckets read from one row per head of values by
+distance: never an L x S tensor), applies the keep bits and runs an online softmax, with the
+sink logits joining each row's denominator; the backward pass recomputes the probabilities
+from the saved log-sum-exp. The weights, when asked for, come from the same pass, each
+written once, for every head or for chosen ones.
 
 It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
 (``$MULTIHEAD_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/multihead/extensions``, else

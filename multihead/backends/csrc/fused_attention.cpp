@@ -3,11 +3,14 @@
 // The kernel only loops: Python hands it a work list built from the mask's own tile answers
 // (query tiles, each with its key chunks and, for partly visible chunks, a small keep block),
 // and it never knows which mask produced it. Per block of query rows it walks the key blocks
-// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, bias
-// and mask applied in place, exp and row sums in one vectorizable loop, output by a second
-// GEMM. Softmax statistics and accumulators are float32 (float64 for float64 inputs); half
-// inputs are widened once per call, since on CPUs without AMX the float32 GEMM is the faster
-// one and it keeps the 2x error rule with margin.
+// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, each
+// row finished in one vector pass (scale, soft cap, additive terms, keep bits, maximum), exp
+// and row sums in a second, output by another GEMM; sink logits join each row's denominator
+// at the end. Softmax statistics and accumulators are float32 (float64 for float64 inputs).
+// bf16 inputs run their block products in bf16 where this CPU's bf16 microkernel is faster
+// (half_products), else they are widened once per call; both keep the 2x error rule. With
+// weights, a task keeps its rows' scores over their key span in cache and writes every weight
+// once (attend_weights).
 //
 // Work is spread over torch's intra-op pool (at::parallel_for), so torch.set_num_threads
 // governs it. Every output row, and in the backward pass every key's gradient, is written by
@@ -254,8 +257,8 @@ void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int
 }
 
 // The sum of a vector's lanes by halving: each step adds the upper half of the lanes left onto
-// the lower (a shuffle and an add), log2(lanes) steps deep. Summing the lanes one by one is a
-// chain of dependent adds, which bounded decoding's score loop by its latency.
+// the lower (a shuffle and an add), log2(lanes) steps deep. Summing the lanes one by one would
+// be a chain of dependent adds per key, bounding decoding's score loop by its latency.
 template <typename V>
 inline auto tree_sum(V x) {
   constexpr int lanes = sizeof(V) / sizeof(x[0]);
@@ -944,8 +947,8 @@ std::vector<uint8_t> block_flags(const at::Tensor& x) {
 }
 
 // q, k and v as the kernel reads them. T is the arithmetic type (float, double); E the
-// storage of q, k and v: T itself (queries scaled beforehand; keys, and for the backward pass
-// values, transposed block by block: the score GEMMs read them as row-major B operands along
+// storage of q, k and v: T itself (keys, and for the backward pass values, transposed block
+// by block: the score GEMMs read them as row-major B operands along
 // the keys, and rows S apart would alias in L1 when S is a multiple of 1024), or bf16 with
 // float arithmetic (the half-precision block products: keys and values packed for the bf16
 // microkernel, the scale applied to the float scores). Key blocks never cross a multiple of
