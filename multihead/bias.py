@@ -669,8 +669,7 @@ class _Sinks(_NotAdditive):
         if not isinstance(logits, Tensor) or logits.dim() != 1 or not logits.is_floating_point():
             got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(
-                "sinks takes a 1-D float tensor of one logit per query head, (H,). "
-                f"Received: {got}"
+                f"sinks takes a 1-D float tensor of one logit per query head, (H,). Received: {got}"
             )
         self.logits = logits
         self.num_heads = logits.shape[0]
