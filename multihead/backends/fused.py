@@ -459,12 +459,18 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
     weights = None
-    if call.return_weights:
-        heads = torch.tensor(call.heads or [], dtype=torch.long)
+    traced = exporting() or torch.compiler.is_compiling()
+    heads = torch.tensor(call.heads or [], dtype=torch.long)
+    if not (traced or call.needs_grad):
+        # eager inference calls the kernel itself: the op's dispatch (there for graphs and
+        # autograd) costs more than a decoding step's attention leaves to spare
+        result = build().forward(*_args(call), call.return_weights, heads)
+        out, weights, bad = result[0], result[2] if call.return_weights else None, result[-1]
+    elif call.return_weights:
         out, _, weights, bad = _weights_op(*_args(call), heads)
     else:
         out, _, bad = _attention_op(*_args(call))
-    if not (exporting() or torch.compiler.is_compiling()) and bool(bad):
+    if not traced and bool(bad):
         raise NonFiniteInput
     return out, weights
 
