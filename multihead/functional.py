@@ -167,6 +167,12 @@ def attention_with_weights(
         return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
+    if dropout_p == 0.0:  # one pass where the backend computes chosen heads' weights alone
+        chosen = replace(call, return_weights=True, heads=tuple(index))
+        name = registry.select(replace(chosen, heads=None), backend)
+        if registry.BACKENDS[name].capabilities.heads:
+            out, weights = _guarded(registry.runner(chosen, name), chosen)
+            return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     out = _guarded(registry.runner(call, backend), call)[0]
     part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
     weights = _guarded(registry.runner(part, backend), part)[1]

@@ -232,6 +232,8 @@ def twice_naive_errors(
     scale: float | None = None,
     *,
     rounded_row_term: bool = False,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> list[tuple[str, float, float]]:
     """FlashAttention's accuracy rule for half-precision inputs: ``(name, error, bound)`` for
     the output and, with ``grad_out``, the gradients of q, k and v. The rule holds when every
@@ -259,15 +261,20 @@ def twice_naive_errors(
     |scale| * that * sum_j P_ij |k_j| and dk_j by |scale| * sum_i P_ij * that * |q_i|; the
     bound adds these. It is not small where weights are nearly one-hot (scale = 10), where
     the naive formula's own error is tiny: dq up to 60x the naive error was measured there.
+
+    ``softcap`` and ``sinks`` go to every formula (``naive_attention``, which computes the sink
+    logits in each formula's dtype); the cap's derivative is at most 1, so the magnitudes of
+    the gradient terms stay bounds with it.
     """
+    modifiers = {"softcap": softcap, "sinks": sinks}
     dtype = q.dtype
     h, h_kv = q.shape[1], k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     leaves = [t.detach().requires_grad_(grad_out is not None) for t in (q, k, v)]
     wide = [t.detach().double().requires_grad_(grad_out is not None) for t in (q, k, v)]
     low = [t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v)]
-    results = [run(*leaves), naive_attention(*wide, keep, scale=scale)[0]]
-    results.append(naive_attention(*low, keep, scale=scale)[0])
+    results = [run(*leaves), naive_attention(*wide, keep, scale=scale, **modifiers)[0]]
+    results.append(naive_attention(*low, keep, scale=scale, **modifiers)[0])
     got, ref, naive = ([r] for r in results)
     if grad_out is not None:
         grad_out = grad_out.to(dtype)  # rounded like the inputs, for ref too
@@ -275,7 +282,8 @@ def twice_naive_errors(
         ref += torch.autograd.grad(ref[0], wide, grad_out.double())
         naive += torch.autograd.grad(naive[0], low, grad_out)
     # magnitudes of the terms: the formulas with every operand replaced by its absolute value
-    weights = naive_attention(*(t.detach().double() for t in (q, k, v)), keep, scale=scale)[1]
+    wide_values = (t.detach().double() for t in (q, k, v))
+    weights = naive_attention(*wide_values, keep, scale=scale, **modifiers)[1]
     kd, vd = (t.detach().double().repeat_interleave(h // h_kv, dim=1).abs() for t in (k, v))
     terms = [weights @ vd]
     if grad_out is not None:

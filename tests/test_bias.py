@@ -378,7 +378,7 @@ def test_modifier_errors():
 # Soft-capping (Gemma 2) and attention sinks (gpt-oss): non-additive modifiers, against the
 # naive formula written out in float64 (tests/helpers.py: naive_attention).
 
-CAPPED_BACKENDS = ["reference", "tiled"]
+CAPPED_BACKENDS = ["reference", "tiled", "fused"]
 
 
 def _capped_modifier(name: str, h: int, grad: bool = False):

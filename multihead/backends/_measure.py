@@ -50,6 +50,9 @@ def shape_class(call: Call) -> Hashable:
         bias,
         call.return_weights,
         call.needs_grad,
+        call.softcap is not None,
+        call.sinks is not None,
+        call.heads is not None,
     )
 
 

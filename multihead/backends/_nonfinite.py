@@ -80,7 +80,8 @@ def run_guarded(
     if out is not None:
         out = torch.where(row_bad[..., None], nan.to(out.dtype), out)
     if weights is not None:
-        weights = torch.where(row_bad[..., None], nan.to(weights.dtype), weights)
+        rows = row_bad if call.heads is None else row_bad[:, list(call.heads)]
+        weights = torch.where(rows[..., None], nan.to(weights.dtype), weights)
     return out, weights
 
 

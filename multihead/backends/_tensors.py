@@ -16,6 +16,17 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def sink_grad(sinks: Tensor, grad: Tensor, out: Tensor, lse: Tensor) -> Tensor:
+    """Gradient of the sink logits (H,) from a finished call: each row gives its sink the weight
+    exp(sink - lse) (``lse`` with the sink joined) times -sum(dO * O), the same row term every
+    score's gradient subtracts, summed over batch and rows. Rows that see nothing (lse -inf)
+    give none."""
+    delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, H, L]
+    weight = torch.exp(sinks.detach().to(lse.dtype)[None, :, None] - lse)
+    weight = torch.where(torch.isfinite(lse), weight, 0.0)
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def repeat_kv(t: Tensor, groups: int) -> Tensor:
     """[B, H_kv, S, D] -> [B, H_kv * groups, S, D]; query head h reads kv head h // groups."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)

@@ -31,6 +31,9 @@ class Call:
     return_weights: bool
     softcap: float | None = None  # scores -> cap * tanh(scores / cap) before bias and mask
     sinks: Tensor | None = None  # [H]: one logit per head in every row's softmax denominator
+    # with return_weights: the weights of these query heads only, in this order
+    # ([B, len(heads), L, S]); only for backends whose capabilities say heads
+    heads: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:

@@ -3,10 +3,12 @@
 The kernel (``csrc/fused_attention.cpp``) walks a work list made from the mask's own tile
 answers (the planner in ``_plan.py``; cached per mask structure and shape), so it skips what
 the mask hides without knowing any mask kind. Per block of query rows it computes scores by
-GEMM, adds the bias (a dense tensor read through broadcast strides, or a relative modifier
-such as ALiBi or T5 buckets read from one row per head of values by distance: never an L x S
-tensor), applies the keep bits and runs an online softmax; the backward pass recomputes the
-probabilities from the saved log-sum-exp.
+GEMM, soft-caps them, adds the bias (a dense tensor read through broadcast strides, or a
+relative modifier such as ALiBi or T5 buckets read from one row per head of values by
+distance: never an L x S tensor), applies the keep bits and runs an online softmax, with the
+sink logits joining each row's denominator; the backward pass recomputes the probabilities
+from the saved log-sum-exp. The weights, when asked for, come from the same pass, each
+written once, for every head or for chosen ones.
 
 It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
 (``$MULTIHEAD_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/multihead/extensions``, else
@@ -33,15 +35,16 @@ import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from . import _extension, _measure
-from ._nonfinite import NonFiniteInput
+from ._nonfinite import NonFiniteInput, run_guarded
 from ._plan import Item, plan, query_tile
-from ._tensors import stat_dtype
+from ._tensors import sink_grad, stat_dtype
 from .call import Call, exporting
 from .protocol import LAST, Backend, Capabilities, Rank
 
@@ -194,10 +197,13 @@ def _attention_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
+    sinks: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     out, lse, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, False
-    )
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, False,
+        torch.empty(0, dtype=torch.long),
+    )  # fmt: skip
     return out, lse, bad
 
 
@@ -213,9 +219,14 @@ def _weights_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
+    sinks: Tensor,
+    heads: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """As ``fused_attention``, with the weights of the query heads ``heads`` (int64, in that
+    order; empty for every head): (out, lse, weights [B, len(heads) or H, L, S], bad)."""
     out, lse, w, bad = build().forward(
-        q, k, v, items, chunks, keep, bias, table, table_shift, scale, True
+        q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, True, heads
     )
     return out, lse, w, bad
 
@@ -235,14 +246,19 @@ def _backward_op(
     table: Tensor,
     table_shift: int,
     scale: float,
+    softcap: float,
     bias_grad: bool,
     table_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dbias, dtable = build().backward(
-        grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale,
+        grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, softcap,
         bias_grad, table_grad,
     )  # fmt: skip
     return dq, dk, dv, dbias, dtable
+
+
+# The fake kernels promise what the real ones return: every result is a new contiguous tensor,
+# whatever the strides of the inputs (permuted, sliced or expanded q, k and v included).
 
 
 def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -253,52 +269,51 @@ def _out_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
 
 
 @_attention_op.register_fake
-def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks):
     return _out_shapes(q, k, v)
 
 
 @_weights_op.register_fake
-def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale):
+def _(q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks, heads):
     out, lse, bad = _out_shapes(q, k, v)
-    return out, lse, q.new_empty(*q.shape[:3], k.shape[2]), bad
+    b, h, length_q, _ = q.shape
+    chosen = heads.shape[0] if heads.numel() else h
+    return out, lse, q.new_empty(b, chosen, length_q, k.shape[2]), bad
 
 
 @_backward_op.register_fake
-def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, bg, tg):
+def _(grad, q, k, v, out, lse, items, chunks, keep, bias, table, table_shift, scale, cap, bg, tg):
     stat = stat_dtype(q.dtype)
     b, h, length_q, _ = q.shape
-    dbias = q.new_empty(b, h, length_q, k.shape[2], dtype=stat) if bg else q.new_empty(0)
-    dtable = q.new_empty(b, h, table.shape[-1], dtype=stat) if tg else q.new_empty(0)
-    return (
-        torch.empty_like(q),
-        torch.empty_like(k),
-        torch.empty_like(v),
-        dbias.to(stat),
-        dtable.to(stat),
-    )
+    dbias = q.new_empty((b, h, length_q, k.shape[2]) if bg else (0,), dtype=stat)
+    dtable = q.new_empty((b, h, table.shape[-1]) if tg else (0,), dtype=stat)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, dtable
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, items, chunks, keep, bias, table, table_shift, scale = inputs
+    q, k, v, items, chunks, keep, bias, table, table_shift, scale, softcap, sinks = inputs
     out, lse, bad = output
-    ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table)
-    ctx.table_shift, ctx.scale = table_shift, scale
+    ctx.save_for_backward(q, k, v, out, lse, items, chunks, keep, bias, table, sinks)
+    ctx.table_shift, ctx.scale, ctx.softcap = table_shift, scale, softcap
     ctx.mark_non_differentiable(lse, bad)
 
 
 def _backward(ctx, grad_out, grad_lse, grad_bad):
-    q, k, v, out, lse, items, chunks, keep, bias, table = ctx.saved_tensors
+    q, k, v, out, lse, items, chunks, keep, bias, table, sinks = ctx.saved_tensors
     bias_grad = ctx.needs_input_grad[6] and bias.numel() > 0
     table_grad = ctx.needs_input_grad[7] and table.numel() > 0
     dq, dk, dv, dbias, dtable = _backward_op(
         grad_out, q, k, v, out, lse, items, chunks, keep, bias, table, ctx.table_shift,
-        ctx.scale, bias_grad, table_grad,
+        ctx.scale, ctx.softcap, bias_grad, table_grad,
     )  # fmt: skip
     d_bias = dbias.to(bias.dtype) if bias_grad else None
     d_table = None
     if table_grad:  # [B, H, n] -> the table's (H or 1, n)
         d_table = dtable.sum(0).sum_to_size(table.shape).to(table.dtype)
-    return dq, dk, dv, None, None, None, d_bias, d_table, None, None
+    d_sinks = None
+    if ctx.needs_input_grad[11] and sinks.numel() > 0:
+        d_sinks = sink_grad(sinks, grad_out, out, lse)
+    return dq, dk, dv, None, None, None, d_bias, d_table, None, None, None, d_sinks
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -346,7 +361,7 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
         return _traced_plan(call)
     b, _, _, length_q, length_k, _ = call.shape
-    args = (call.mask, b, length_q, length_k, query_tile(call), call.query.device)
+    args = (call.mask, b, length_q, length_k, _query_tile(call), call.query.device)
     if not torch.compiler.is_exporting():
         return _planned(*args)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -354,6 +369,21 @@ def _plan_tensors(call: Call) -> tuple[Tensor, Tensor, Tensor]:
 
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
         return _planned(*args)
+
+
+def _query_tile(call: Call) -> int:
+    """Query rows per tile of the kernel's plan: tiled's choice, except on a band of finite
+    width (a sliding window), where a tile as tall as the band reads twice the keys it sees
+    and one a quarter as tall reads 1.25 times (its tasks gather the band's pieces into one
+    span of keys, see the kernel's ``attend``)."""
+    tile = query_tile(call)
+    if call.mask is None:
+        return tile
+    _, _, _, length_q, length_k, _ = call.shape
+    lo, hi = call.mask.visible_distances(length_q, length_k) or (None, None)
+    if lo is None or hi is None:
+        return tile
+    return max(32, min(tile, (hi - lo) // 4))
 
 
 def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:
@@ -414,7 +444,12 @@ def _terms(call: Call) -> tuple[Tensor, Tensor, int]:
 def _args(call: Call) -> tuple:
     items, chunks, keep = _plan_tensors(call)
     bias, table, shift = _terms(call)
-    return (call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale)
+    softcap = 0.0 if call.softcap is None else float(call.softcap)
+    sinks = call.query.new_empty(0) if call.sinks is None else call.sinks
+    return (
+        call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale,
+        softcap, sinks,
+    )  # fmt: skip
 
 
 def rank(call: Call) -> Rank:
@@ -438,11 +473,18 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
     weights = None
-    if call.return_weights:
-        out, _, weights, bad = _weights_op(*_args(call))
+    traced = exporting() or torch.compiler.is_compiling()
+    heads = torch.tensor(call.heads or [], dtype=torch.long)
+    if not (traced or call.needs_grad):
+        # eager inference calls the kernel itself: the op's dispatch (there for graphs and
+        # autograd) costs more than a decoding step's attention leaves to spare
+        result = build().forward(*_args(call), call.return_weights, heads)
+        out, weights, bad = result[0], result[2] if call.return_weights else None, result[-1]
+    elif call.return_weights:
+        out, _, weights, bad = _weights_op(*_args(call), heads)
     else:
         out, _, bad = _attention_op(*_args(call))
-    if not (exporting() or torch.compiler.is_compiling()) and bool(bad):
+    if not traced and bool(bad):
         raise NonFiniteInput
     return out, weights
 
@@ -460,15 +502,21 @@ def measured_faster(call: Call, rival: Callable[[Call], object] | None) -> bool 
 
     Measured once per class (device, dtype, B * H and L, S in powers of two, GQA groups, head
     dims, mask and bias kind, weights, gradients): each side runs once to warm up, then three
-    times (forward only, or forward and backward when the call needs gradients), and the best
-    times are compared; the kernel leads where it was at least 10% faster. ``rival=None``:
-    only the answer already known, None when the class has not been measured. Nothing is
-    measured while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``) or the
+    times (forward only, or forward and backward when the call needs gradients; the rival
+    inside the NaN rule's guard, whose pass over the inputs the kernel does not need), and
+    the best times are compared; the kernel leads where it was at least 10% faster.
+    ``rival=None``: only the answer already known, None when the class has not been measured.
+    Nothing is measured while the automatic choice is turned off (``MULTIHEAD_FUSED_AUTO=0``)
+    or the
     kernel is not built.
     """
     if _measure.switched_off("MULTIHEAD_FUSED_AUTO") or BACKEND.why_not(call) is not None:
         return False
-    return _measure.faster(_MEASURED, call, run, rival, clock=_best_time)
+    # the rival as a call runs it, inside the NaN rule's guard: the kernel checks its inputs
+    # as it reads them, a rival that does not pays the guard's pass over q, k and v (at
+    # decoding, a second read of the whole cache)
+    guarded = None if rival is None else partial(run_guarded, rival)
+    return _measure.faster(_MEASURED, call, run, guarded, clock=_best_time)
 
 
 def _measured(call: Call, rival: Callable[[Call], object] | None) -> bool | None:
@@ -490,6 +538,9 @@ BACKEND = Backend(
         weights=True,
         # dropout runs on tiled
         dropout=False,
+        softcap=True,
+        sinks=True,
+        heads=True,
     ),
     unsupported=_unsupported,
     measured=_measured,

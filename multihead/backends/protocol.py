@@ -57,6 +57,9 @@ class Capabilities:
         dropout: applies dropout on the weights.
         softcap: applies ``bias.softcap`` (tanh capping of the scores).
         sinks: applies ``bias.sinks`` (sink logits in the softmax denominator).
+        heads: honours ``Call.heads`` (the weights of chosen query heads only, from the same
+            pass as every head's output); ``attention_with_weights(..., heads=)`` runs other
+            backends twice (the output, then those heads alone with their weights).
     """
 
     label: str = "this backend"
@@ -66,6 +69,7 @@ class Capabilities:
     dropout: bool = False
     softcap: bool = False
     sinks: bool = False
+    heads: bool = False
 
     def unsupported(self, call: Call) -> str | None:
         """Why ``call`` is outside these capabilities, or None."""
@@ -84,6 +88,8 @@ class Capabilities:
             return f"{self.label} has no soft-capping"
         if call.sinks is not None and not self.sinks:
             return f"{self.label} has no attention sinks"
+        if call.heads is not None and not self.heads:
+            return f"{self.label} computes the weights of every head or none"
         return None
 
 

@@ -137,12 +137,17 @@ def _choose(call: Call, skip: frozenset[str] = frozenset()) -> str:
         raise _none_able(call)
     if exporting() or torch.compiler.is_compiling():  # a measurement is a data-dependent branch
         return leader
-    rival = _registered[leader].run
+    # each self-timing backend against the leader so far: the fastest leads, not the first
+    # that beat the rules' choice
     for name in order[order.index(leader) + 1 :]:
         backend = _registered[name]
         measured = backend.measured
-        if measured is not None and backend.why_not(call) is None and measured(call, rival):
-            return name
+        if (
+            measured is not None
+            and backend.why_not(call) is None
+            and measured(call, _registered[leader].run)
+        ):
+            leader = name
     return leader
 
 
@@ -165,6 +170,7 @@ def _key(call: Call) -> Hashable | None:
         length_q == 0 or length_k == 0,
         call.softcap is not None,  # backends without a cap or sinks refuse those calls
         call.sinks is not None,
+        call.heads is not None,  # chosen heads' weights in one pass: backends that can
     )
     return (shape_class(call), traits, tuple(state() for state in _STATES))
 
@@ -230,24 +236,26 @@ def _measured_lead(
     from what is already known: the first of ``able`` leads unless a later one measured faster
     for this shape class."""
     leader = able[0]
+    why = ranks[leader].why
     notes: dict[str, str] = {}
     if exporting() or torch.compiler.is_compiling():
-        return leader, ranks[leader].why, notes
-    for name in able[1:]:
+        return leader, why, notes
+    for name in able[1:]:  # as _choose: each against the leader so far
         measured = _registered[name].measured
         if measured is None:
             continue
         known = measured(call, None)
         if known:
             why = f"it measured faster than {leader} on this machine for calls of this shape class"
-            return name, why, notes
+            leader = name
+            continue
         notes[name] = f"{ranks[name].why}; " + (
             f"calls of this shape class have not been timed yet (the first one times it "
             f"against {leader})"
             if known is None
             else f"it did not measure faster than {leader} for calls of this shape class"
         )
-    return leader, ranks[leader].why, notes
+    return leader, why, notes
 
 
 class Runner:

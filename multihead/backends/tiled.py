@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._plan import Chunk, Item, plan, query_tile
-from ._tensors import repeat_kv, stat_dtype
+from ._tensors import repeat_kv, sink_grad, stat_dtype
 from .call import Call, exporting, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
@@ -414,15 +414,6 @@ def _sink(sinks: Tensor | None, out: Tensor, lse: Tensor) -> tuple[Tensor, Tenso
     return out, torch.where(torch.isfinite(lse), total, lse)
 
 
-def _sink_grad(sinks: Tensor, g: Tensor, out: Tensor, lse: Tensor) -> Tensor:
-    """Gradient of the sink logits: the sink's weight exp(sink - lse) times -sum(dO * O), the
-    same row term every score's gradient subtracts, summed over batch and rows."""
-    delta = (g.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [B, H, L]
-    weight = torch.exp(sinks.detach().to(lse.dtype)[None, :, None] - lse)
-    weight = torch.where(torch.isfinite(lse), weight, 0.0)
-    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
-
-
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, items, ctx, sinks, *bias_tensors):
@@ -440,7 +431,7 @@ class _TiledAttention(torch.autograd.Function):
         )
         d_sinks = None
         if sinks is not None and fctx.needs_input_grad[5]:
-            d_sinks = _sink_grad(sinks, g, out, lse)
+            d_sinks = sink_grad(sinks, g, out, lse)
         return dq, dk, dv, None, None, d_sinks, *d_bias
 
 

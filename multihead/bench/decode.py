@@ -36,6 +36,7 @@ from .options import Timed
 __all__ = [
     "DecodeBenchOptions",
     "DecodeShape",
+    "attention_call",
     "linear_bytes",
     "memory_bandwidth",
     "quality",
@@ -74,6 +75,45 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best / 1e9
+
+
+def attention_call(
+    batch: int, heads: int, head_dim: int, *, cache: int = 1024, calls: int = 200
+) -> dict[str, float | str]:
+    """One decoding step's attention call, as a layer makes it: one new query per row over a
+    ``cache``-token cache (no mask), ``multihead.attention`` (auto's choice, the NaN rule
+    and all) against torch's SDPA on the same tensors. Best of 5 rounds of ``calls`` calls,
+    the two interleaved; microseconds per call."""
+    import torch.nn.functional as F
+
+    from ..functional import attention, explain_backend
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g)
+    k, v = (torch.randn(batch, heads, cache, head_dim, generator=g) for _ in range(2))
+    contenders = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v),
+        "multihead": lambda: attention(q, k, v),
+    }
+    best = dict.fromkeys(contenders, float("inf"))
+    with torch.inference_mode():
+        for fn in contenders.values():
+            for _ in range(10):  # warm-up (and auto's one measurement of this shape class)
+                fn()
+        for _ in range(5):
+            for name, fn in contenders.items():
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - start) / calls)
+        backend = explain_backend(q, k, v).backend
+    us = {name: t * 1e6 for name, t in best.items()}
+    return {
+        "sdpa_us": us["sdpa"],
+        "multihead_us": us["multihead"],
+        "above_sdpa_us": us["multihead"] - us["sdpa"],
+        "backend": backend,
+    }
 
 
 def _build(shape: DecodeShape, folder: Path):
@@ -201,6 +241,14 @@ def run_decode_bench(
         f"prompt {shape.prompt}, {shape.new_tokens} new tokens, {repeats} interleaved repeats; "
         f"KV cache {cache_bytes} bytes per token"
     )
+    head_dim = shape.embed_dim // shape.heads
+    calls = {f"B={b}": attention_call(b, shape.heads, head_dim) for b in batch_sizes}
+    for name, c in calls.items():
+        say(
+            f"attention call, {name}, one query over a 1,024-token cache ({shape.heads} heads, "
+            f"D={head_dim}): multihead ({c['backend']}) {c['multihead_us']:.0f} us, raw SDPA "
+            f"{c['sdpa_us']:.0f} us: {c['above_sdpa_us']:+.0f} us"
+        )
     g = torch.Generator().manual_seed(1)
     results = []
     steps = [f"B={b}" for b in batch_sizes]
@@ -232,6 +280,7 @@ def run_decode_bench(
         "matmul_peak_gflops": peaks,
         "weight_bytes": weight_bytes,
         "kv_cache_bytes_per_token": cache_bytes,
+        "attention_call": calls,
         "results": results,
     }
     if model is not None and text is not None:

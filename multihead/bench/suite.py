@@ -54,7 +54,8 @@ class Workload:
     train: bool = False  # forward + backward
     weights: bool = False  # compare attention_with_weights against the plain call
     module: bool = False  # MultiHeadAttention against torch.nn.MultiheadAttention
-    bias: str = "none"  # none | alibi | t5: a score modifier, also timed without it
+    # none | alibi | t5 | softcap | sinks: a score modifier, also timed without it
+    bias: str = "none"
     target: str = ""
 
 
@@ -66,7 +67,14 @@ def _add(full: Workload, **quick: object) -> None:
 
 
 _add(
-    Workload("dense_fp32", "dense fp32", 4, 8, 2048, target=">= 0.95x SDPA, >= 85% of fp32 peak"),
+    Workload(
+        "dense_fp32",
+        "dense fp32",
+        4,
+        8,
+        2048,
+        target=">= 0.95x SDPA; fused >= 85% of the fp32 peak",
+    ),
     b=1,
     length=512,
 )
@@ -102,7 +110,7 @@ _add(
         8,
         16384,
         mask="window",
-        target=">= 20x SDPA with mask, >= 1.0x FlexAttention",
+        target=">= 20x SDPA with mask; fused >= 1.3x compiled FlexAttention",
     ),
     length=2048,
 )
@@ -127,7 +135,7 @@ _add(
         8,
         8192,
         mask="documents",
-        target=">= 4x SDPA with block-diagonal mask",
+        target=">= 4x SDPA with block-diagonal mask; fused >= 1.0x tiled",
     ),
     length=1024,
 )
@@ -152,7 +160,33 @@ _add(
         8,
         2048,
         weights=True,
-        target="<= 2.0x the time without weights",
+        target="fused <= 1.3x the time without weights; heads=[0] of 8 <= 0.3x all heads'",
+    ),
+    length=512,
+)
+_add(
+    Workload(
+        "weights_causal",
+        "attention_with_weights, causal fp32 (transformers bridge shape)",
+        1,
+        4,
+        4096,
+        mask="causal",
+        weights=True,
+        target="fused <= 1.3x the time without weights",
+    ),
+    length=512,
+)
+_add(
+    Workload(
+        "train_bf16",
+        "train step, dense bf16",
+        1,
+        8,
+        2048,
+        dtype="bfloat16",
+        train=True,
+        target=">= 1.5x SDPA bf16 where the bf16 peak is >= 2x fp32",
     ),
     length=512,
 )
@@ -166,7 +200,21 @@ for _kind, _title in (("alibi", "ALiBi"), ("t5", "T5 buckets")):
             8192,
             mask="causal",
             bias=_kind,
-            target="<= 1.2x the causal call without bias, >= 5x SDPA with the dense bias",
+            target="fused <= 1.05x the causal call without bias",
+        ),
+        length=1024,
+    )
+for _kind, _title in (("softcap", "soft-capping 50"), ("sinks", "attention sinks")):
+    _add(
+        Workload(
+            f"causal_{_kind}",
+            f"causal + {_title}, fp32",
+            1,
+            8,
+            8192,
+            mask="causal",
+            bias=_kind,
+            target="fused <= 1.05x the causal call without it",
         ),
         length=1024,
     )
@@ -272,6 +320,7 @@ def _contenders(
     out["multihead"] = step(lambda: attention(q, k, v, mask, bias=modifier))
     if modifier is not None:
         out["multihead, no bias"] = step(lambda: attention(q, k, v, mask))
+    if w.bias in _ADDITIVE:
         # the user's alternative: the bias as a dense tensor, hidden entries at -inf
         dense = modifier.to_dense(w.length, w.length).expand(1, w.h, w.length, w.length)
         if keep is not None:
@@ -279,6 +328,8 @@ def _contenders(
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense))
         notes["sdpa"] = "given the bias as a dense (1, H, L, S) float32 tensor, built beforehand"
         causal = False
+    elif modifier is not None:
+        notes["sdpa"] = f"has no {w.bias}: timed without it"
     if w.weights:
         out["multihead+weights"] = step(lambda: attention_with_weights(q, k, v, mask))
     _add_fused(out, notes, w, step, q, k, v, mask, modifier)
@@ -286,12 +337,11 @@ def _contenders(
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     elif "sdpa" not in out:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
-    if modifier is not None:
-        notes["naive"] = "skipped: the SDPA row already times a dense bias"
-    else:
-        _add_naive(out, notes, w, step, q, k, v, keep)
+    _add_naive(out, notes, w, modifier, step, q, k, v, keep)
     if w.mask in ("window", "documents") and not (w.train or w.weights):
         _add_flex_backend(out, notes, quick, q, k, v, mask, modifier)
+    if w.mask == "documents":  # the fused kernel's goal is stated against tiled
+        out["multihead, tiled"] = step(lambda: attention(q, k, v, mask, backend="tiled"))
     _add_flex(out, notes, w, quick, q, k, v, mask_mod, modifier)
     return out, notes, entries
 
@@ -305,10 +355,15 @@ def _inputs(w: Workload, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
     return q, k, v
 
 
-def _add_naive(out, notes, w: Workload, step, q, k, v, keep) -> None:
-    """The tutorial formula, unless its (B, H, L, S) scores would not fit the budget."""
+def _add_naive(out, notes, w: Workload, modifier, step, q, k, v, keep) -> None:
+    """The tutorial formula, unless the workload has a modifier it lacks (or the SDPA row
+    already times the dense bias) or its (B, H, L, S) scores would not fit the budget."""
     score_bytes = w.b * w.h * w.length * w.length * 4
-    if score_bytes <= _NAIVE_BUDGET_BYTES:
+    if w.bias in _ADDITIVE:
+        notes["naive"] = "skipped: the SDPA row already times a dense bias"
+    elif modifier is not None:
+        notes["naive"] = f"skipped: the naive formula has no {w.bias}"
+    elif score_bytes <= _NAIVE_BUDGET_BYTES:
         out["naive"] = step(lambda: _naive(q, k, v, keep))
     else:
         notes["naive"] = f"skipped: its score tensor would need {score_bytes / 2**30:.0f} GiB"
@@ -322,8 +377,10 @@ def _add_flex(out, notes, w: Workload, quick: bool, q, k, v, mask_mod, modifier)
         notes["flex"] = "skipped: FlexAttention has no CPU backward"
     elif w.weights:
         notes["flex"] = "skipped: FlexAttention returns no weights"
+    elif w.bias == "sinks":
+        notes["flex"] = "skipped: FlexAttention has no sink logits"
     else:
-        score_mod = None if modifier is None else modifier.score_mod(w.length, w.length)
+        score_mod = _score_mod(w, modifier)
         flex, compile_s, why = _compile_flex(q, k, v, mask_mod, w, score_mod)
         if flex is None:
             notes["flex"] = f"skipped: {why}"
@@ -347,6 +404,9 @@ def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
     if w.weights:
         out["multihead, fused+weights"] = step(
             lambda: attention_with_weights(q, k, v, mask, backend="fused")
+        )
+        out["multihead, fused+weights, heads=[0]"] = step(
+            lambda: attention_with_weights(q, k, v, mask, heads=[0], backend="fused")
         )
 
 
@@ -377,12 +437,30 @@ def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
         out["multihead, tiled"] = lambda: attention(q, k, v, mask, bias=modifier, backend="tiled")
 
 
+_ADDITIVE = ("alibi", "t5")  # modifiers SDPA can be given as a dense tensor
+_SOFTCAP = 50.0  # Gemma 2's attention cap
+
+
 def _modifier(w: Workload, g: torch.Generator) -> ScoreModifier | None:
     if w.bias == "none":
         return None
     if w.bias == "alibi":
         return bias_mod.alibi(w.h)
+    if w.bias == "softcap":
+        return bias_mod.softcap(_SOFTCAP)
+    if w.bias == "sinks":
+        return bias_mod.sinks(torch.randn(w.h, generator=g))
     return bias_mod.relative_buckets(torch.randn(32, w.h, generator=g), bidirectional=False)
+
+
+def _score_mod(w: Workload, modifier: ScoreModifier | None) -> Callable | None:
+    """The modifier as FlexAttention's score_mod (soft-capping written out, as its own
+    documentation does; additive terms lower themselves)."""
+    if modifier is None:
+        return None
+    if w.bias == "softcap":
+        return lambda score, b, h, q_idx, kv_idx: _SOFTCAP * torch.tanh(score / _SOFTCAP)
+    return modifier.score_mod(w.length, w.length)
 
 
 def _compile_flex(q, k, v, mask_mod, w: Workload, score_mod=None):
@@ -565,14 +643,32 @@ def _steps(only: tuple[str, ...] | None) -> list[str]:
 
 
 def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
-    """The fp32 and bf16 matmul peaks (n x n) into ``report``, and which bf16 goal applies."""
+    """The fp32 and bf16 matmul peaks (n x n) into ``report``, and which bf16 goal applies;
+    with the fused kernel built, also its block products' own peak in both precisions (what
+    its time is best compared with: on some CPUs torch's fp32 matmul runs well below it)."""
+    from .._machine import cpu_info
+    from ..backends import fused
+
+    report.machine["cpu"] = cpu_info()[0]
     report.peak_gflops = {
         "float32": matmul_peak(torch.float32, n),
         "bfloat16": matmul_peak(torch.bfloat16, n),
     }
+    blocks = ""
+    if fused.build_error() is None:
+        kernel = fused.build()
+        for dtype in ("float32", "bfloat16"):
+            report.peak_gflops[f"{dtype} blocks"] = kernel.block_peak(64, 0.5, dtype == "bfloat16")
+        blocks = (
+            f"; the fused kernel's block products: fp32 "
+            f"{report.peak_gflops['float32 blocks']:.0f}, bf16 "
+            f"{report.peak_gflops['bfloat16 blocks']:.0f} GFLOP/s"
+            + ("" if kernel.half_products() else " (bf16 inputs widened to fp32 here)")
+        )
+    say(f"CPU: {report.machine['cpu']}; {report.machine['threads']} threads")
     say(
         f"matmul peak: fp32 {report.peak_gflops['float32']:.0f} GFLOP/s, "
-        f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s ({report.machine['threads']} threads)"
+        f"bf16 {report.peak_gflops['bfloat16']:.0f} GFLOP/s{blocks}"
     )
     ratio = report.peak_gflops["bfloat16"] / report.peak_gflops["float32"]
     report.bf16_case = f"bf16 matmul peak {ratio:.2f}x fp32: " + (
@@ -591,13 +687,22 @@ def _memory_line(m: dict) -> str:
 
 
 def _overheads(w: Workload, rows: dict) -> dict[str, float]:
-    """What a bias or the weights cost: the time with them over the time without, for
-    multihead and for the fused kernel."""
+    """What a bias or the weights cost (the time with them over the time without, for
+    multihead and for the fused kernel), what one head's weights cost against every head's,
+    and the fused kernel's speedup over FlexAttention and tiled (the rival's time over its)."""
+    fused = "multihead, fused"
     ratios = {
         "bias_overhead": ("multihead", "multihead, no bias", w.bias != "none"),
         "weights_overhead": ("multihead+weights", "multihead", w.weights),
-        "fused_bias_overhead": ("multihead, fused", "multihead, fused, no bias", w.bias != "none"),
-        "fused_weights_overhead": ("multihead, fused+weights", "multihead, fused", w.weights),
+        "fused_bias_overhead": (fused, "multihead, fused, no bias", w.bias != "none"),
+        "fused_weights_overhead": ("multihead, fused+weights", fused, w.weights),
+        "fused_heads_ratio": (
+            "multihead, fused+weights, heads=[0]",
+            "multihead, fused+weights",
+            w.weights,
+        ),
+        "fused_vs_flex": ("flex", fused, True),
+        "fused_vs_tiled": ("multihead, tiled", fused, True),
     }
     return {
         name: rows[slow]["median_s"] / rows[fast]["median_s"]
@@ -611,6 +716,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
     times = _time(contenders, repeats)
     flops_per_entry = 4 * w.d * (3.5 if w.train else 1.0)
     peak = peaks.get(w.dtype, peaks["float32"])
+    block_peak = peaks.get(f"{w.dtype} blocks")
     base = "nn.MultiheadAttention" if w.module else "sdpa"
     base_median = statistics.median(times[base])
     rows = {}
@@ -623,6 +729,7 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
             "speedup_vs_" + base: base_median / med,
             "gflops": None if w.module else gflops,
             "fraction_of_peak": None if w.module else gflops / peak,
+            "fraction_of_block_peak": None if w.module or not block_peak else gflops / block_peak,
         }
     result = {
         **asdict(w),
@@ -632,6 +739,13 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         "notes": notes,
     }
     result.update(_overheads(w, rows))
+    _say_workload(w, result, base, say)
+    return result
+
+
+def _say_workload(w: Workload, result: dict, base: str, say) -> None:
+    """The printed table of one workload: every contender, the notes, the goal ratios."""
+    rows, notes = result["contenders"], result["notes"]
     say(
         f"\n{w.title}: B={w.b} H={w.h} L=S={w.length} D={w.d} {w.dtype}"
         f"{' fwd+bwd' if w.train else ''}  (target {w.target})"
@@ -642,8 +756,24 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
             if r["gflops"] is None
             else f"  {r['gflops']:7.1f} GFLOP/s  {r['fraction_of_peak']:5.0%} of peak"
         )
+        if r["fraction_of_block_peak"] is not None:
+            extra += f" ({r['fraction_of_block_peak']:.0%} of the block peak)"
         speedup = r["speedup_vs_" + base]
-        say(f"  {name:24s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
+        say(f"  {name:36s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
     for name, note in notes.items():
-        say(f"  {name:24s} {note}")
-    return result
+        say(f"  {name:36s} {note}")
+    ratios = [f"{label} {result[key]:.2f}x" for key, label in _RATIOS if key in result]
+    if ratios:
+        say("  ratios: " + "; ".join(ratios))
+
+
+# the ratios the goals are stated in, as the report names them and as the table prints them
+_RATIOS = (
+    ("bias_overhead", "auto with the modifier / without"),
+    ("fused_bias_overhead", "fused with the modifier / without"),
+    ("weights_overhead", "auto with weights / without"),
+    ("fused_weights_overhead", "fused with weights / without"),
+    ("fused_heads_ratio", "fused heads=[0] / all heads' weights"),
+    ("fused_vs_flex", "fused speedup over compiled FlexAttention"),
+    ("fused_vs_tiled", "fused speedup over tiled"),
+)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_case, naive_attention, qkv
+from helpers import make_case, naive_attention, qkv, twice_naive_errors
 
 import multihead as mh
 from multihead import bias as mb
@@ -174,16 +174,126 @@ def test_half_inputs_keep_their_dtype_and_lse_is_float32():
     torch.testing.assert_close(lse, ref, rtol=0, atol=1e-5)
 
 
-def test_ops_pass_torch_library_opcheck():
-    """Schema, fake kernel and autograd registration agree with the real kernel."""
-    q, k, v = qkv(2, 4, 2, 6, 9, 5, dtype=torch.float32, requires_grad=True)
-    call = prepare(q, k, v, masks.causal(), mb.alibi(4), None, 0.0, False)
+def _in_layout(layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (2, 4, 6, 5), k and v (2, 2 or 4, 9, 5) in float32, as views of the given layout."""
+    g = torch.Generator().manual_seed(4)
+    if layout == "contiguous":
+        return qkv(2, 4, 2, 6, 9, 5, dtype=torch.float32)
+    if layout == "permuted":  # a packed projection's (B, L, 3, H, D) split into heads
+        q = torch.randn(2, 6, 3, 4, 5, generator=g).permute(2, 0, 3, 1, 4)[0]
+        _, k, v = torch.randn(2, 9, 3, 4, 5, generator=g).permute(2, 0, 3, 1, 4)
+        return q, k, v
+    if layout == "sliced":  # every other head, part of the rows and of a wider last dim
+        q = torch.randn(2, 8, 7, 9, generator=g)[:, ::2, 1:, :5]
+        k, v = (torch.randn(2, 2, 11, 8, generator=g)[:, :, 2:, 3:] for _ in range(2))
+        return q, k, v
+    # expanded: one key and value row broadcast over S, one batch entry over B
+    q = torch.randn(1, 4, 6, 5, generator=g).expand(2, -1, -1, -1)
+    k, v = (torch.randn(2, 2, 1, 5, generator=g).expand(-1, -1, 9, -1) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "sliced", "expanded"])
+def test_ops_pass_torch_library_opcheck_in_every_layout(layout):
+    """Schema, fake kernels and autograd registration agree with the real kernels, whatever
+    the inputs' strides: every result is a new contiguous tensor (the backward's fake kernel
+    once promised dq, dk and dv in the strides of q, k and v, which a compiled training step
+    on permuted q, k, v views rejected)."""
+    q, k, v = _in_layout(layout)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    modifier = mb.alibi(4) + mb.softcap(3.0) + mb.sinks(sinks)
+    call = prepare(q, k, v, masks.causal(), modifier, None, 0.0, False)
     args = fused._args(call)
-    torch.library.opcheck(torch.ops.multihead.fused_attention.default, args)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    with_grad = (*leaves[:3], *args[3:11], leaves[3])
+    torch.library.opcheck(torch.ops.multihead.fused_attention.default, with_grad)
+    plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    for heads in ([], [3, 1]):
+        chosen = torch.tensor(heads, dtype=torch.long)
+        torch.library.opcheck(torch.ops.multihead.fused_attention_weights.default, (*plain, chosen))
+    out, lse, _ = torch.ops.multihead.fused_attention(*plain)
+    grad = torch.randn(out.shape).transpose(2, 3).contiguous().transpose(2, 3)  # strided too
+    q, k, v, items, chunks, keep, bias, table, shift, scale, softcap, _ = plain
+    backward = (grad, q, k, v, out, lse, items, chunks, keep, bias, table, shift, scale, softcap)
     torch.library.opcheck(
-        torch.ops.multihead.fused_attention_weights.default,
-        tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+        torch.ops.multihead.fused_attention_backward.default, (*backward, False, True)
     )
+
+
+class _PackedAttention(torch.nn.Module):
+    """The usual packed-projection layout: q, k, v are permuted views of one projection."""
+
+    def __init__(self, e: int = 32, h: int = 4) -> None:
+        super().__init__()
+        self.h = h
+        self.qkv, self.out = torch.nn.Linear(e, 3 * e), torch.nn.Linear(e, e)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        y = mh.attention(q, k, v, masks.causal(), bias=mb.softcap(4.0), backend="fused")
+        return self.out(y.transpose(1, 2).reshape(b, n, e))
+
+
+def test_compiled_training_step_on_permuted_views_equals_eager():
+    """torch.compile(fullgraph=True) of a training step with backend="fused" on permuted q, k,
+    v views: outputs and gradients equal eager's. Run on AOTAutograd's graphs with every
+    custom op's fake kernel checked against the real one (the cross-reference backend): the
+    check Inductor's generated code makes, without building C++."""
+    torch.manual_seed(0)
+    module = _PackedAttention()
+    x = torch.randn(2, 7, 32)
+    eager = module(x)
+    want = torch.autograd.grad(eager.square().sum(), list(module.parameters()))
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager_decomp_partition_crossref")
+    got_out = compiled(x)
+    got = torch.autograd.grad(got_out.square().sum(), list(module.parameters()))
+    torch._dynamo.reset()
+    torch.testing.assert_close(got_out, eager, rtol=0, atol=1e-6)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "window_both", "documents&causal"])
+def test_softcap_and_sinks_in_float32_and_bfloat16(kind):
+    """The cap's tanh runs as vector code in float32: outputs and weights within 1e-5 of the
+    float64 formula (with an ALiBi term beside the cap and the sinks), and FlashAttention's
+    2x rule in bf16 for outputs, weights and gradients."""
+    b, h, h_kv, length_q, length_k, d = 2, 4, 2, 37, 45, 16
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, d, seed=9)
+    q = 3 * q  # scores of several units: the cap bends them
+    case = make_case(kind, b, h, length_q, length_k, seed=9)
+    g = torch.Generator().manual_seed(9)
+    logits = 2 * torch.randn(h, generator=g, dtype=torch.float64)
+    slopes = torch.rand(h, generator=g, dtype=torch.float64)
+    alibi = mb.alibi(slopes=slopes).to_dense(length_q, length_k, dtype=torch.float64)
+    want, want_w = naive_attention(q, k, v, case.keep, bias=alibi, softcap=2.0, sinks=logits)
+    modifier = mb.softcap(2.0) + mb.sinks(logits.float()) + mb.alibi(slopes=slopes.float())
+    lo = [t.float() for t in (q, k, v)]
+    out, w = mh.attention_with_weights(*lo, case.mask, bias=modifier, backend="fused")
+    plain = mh.attention(*lo, case.mask, bias=modifier, backend="fused")
+    for got, ref in ((out, want), (w, want_w), (plain, want)):
+        assert (got.double() - ref).abs().max() <= 1e-5
+
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+    capped = mb.softcap(2.0) + mb.sinks(logits.float())
+    grad_out = torch.randn(b, h, length_q, d, generator=g)
+
+    def run(q, k, v):
+        return mh.attention(q, k, v, case.mask, bias=capped, backend="fused")
+
+    rule = twice_naive_errors(run, *half, case.keep, grad_out, softcap=2.0, sinks=logits.float())
+    for name, error, bound in rule:
+        assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g}"
+    w_half = mh.attention_with_weights(*half, case.mask, bias=capped, backend="fused").weights
+    assert w_half.dtype == torch.bfloat16
+    rounded = [t.double() for t in half]
+    ref_w = naive_attention(*rounded, case.keep, softcap=2.0, sinks=logits.float())[1]
+    naive_w = naive_attention(*half, case.keep, softcap=2.0, sinks=logits.float())[1]
+    floor = torch.finfo(torch.bfloat16).eps * ref_w.abs().max()
+    bound = 2 * (naive_w.double() - ref_w).abs().max() + floor
+    assert (w_half.double() - ref_w).abs().max() <= bound
 
 
 @pytest.mark.parametrize("mask", [None, masks.causal()], ids=["none", "causal"])
@@ -212,6 +322,93 @@ def test_exported_program_calls_the_op():
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
     assert "multihead.fused_attention.default" in targets
     torch.testing.assert_close(program.module()(q, k, v), Attend()(q, k, v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kind,scale",
+    [("none", None), ("causal", 10.0), ("window_both", None), ("lengths_per_query", None),
+     ("documents", 10.0), ("dense", None)],
+)  # fmt: skip
+def test_bf16_block_products_keep_the_2x_rule(kind, scale):
+    """bf16 inputs run their block products on the bf16 microkernel where it is faster
+    (``half_products``: keys and values packed in pairs, float statistics, the weights rounded
+    to bf16 for the product with V) and widened to float elsewhere; either way outputs,
+    weights and gradients keep FlashAttention's 2x rule. An odd head dim (a zero column), more
+    than one key block and chunks starting at odd offsets (windows, documents, lengths)."""
+    b, h, h_kv, length_q, length_k, d = 2, 2, 1, 75, 1100, 15
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(b, h, length_q, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(b, h_kv, length_k, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    case = make_case(kind, b, h, length_q, length_k, seed=17)
+    grad_out = torch.randn(b, h, length_q, d, generator=g)
+
+    def run(q, k, v):
+        return mh.attention(q, k, v, case.mask, scale=scale, backend="fused")
+
+    for name, error, bound in twice_naive_errors(run, q, k, v, case.keep, grad_out, scale):
+        assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g}"
+    w = mh.attention_with_weights(q, k, v, case.mask, scale=scale, backend="fused").weights
+    rounded = [t.double() for t in (q, k, v)]
+    ref = naive_attention(*rounded, case.keep, scale=scale)[1]
+    naive = naive_attention(q, k, v, case.keep, scale=scale)[1]
+    bound = 2 * (naive.double() - ref).abs().max() + torch.finfo(torch.bfloat16).eps * ref.max()
+    assert w.dtype == torch.bfloat16 and (w.double() - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
+    """Beyond decoding, keys and values are checked once per block of 512 keys when they are
+    packed, and a task reading part of a flagged block checks its own rows: NaN in padding
+    that no query sees (past the lengths, inside a block that is read) stays out of every
+    result without the careful path; NaN in a visible value makes exactly its rows NaN."""
+    from multihead.backends import _nonfinite
+
+    b, h, length_q, length_k, d = 2, 2, 40, 700, 16
+    q, k, v = (t.to(dtype) for t in qkv(b, h, 1, length_q, length_k, d, seed=2))
+    lens = torch.tensor([600, 650])
+    mask = masks.lengths(lens)
+    want = mh.attention(q, k, v, mask, backend="fused")
+    k_pad, v_pad = k.clone(), v.clone()
+    k_pad[0, 0, 620], v_pad[1, 0, 699] = torch.nan, torch.inf
+    careful = []
+    real = _nonfinite._rows_seeing
+    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: careful.append(1) or real(*a))
+    got = mh.attention(q, k_pad, v_pad, mask, backend="fused")
+    assert torch.equal(got, want) and careful == []
+    v_bad = v.clone()
+    v_bad[1, 0, 10] = torch.nan  # every row of batch entry 1 sees key 10
+    got = mh.attention(q, k, v_bad, mask, backend="fused")
+    assert torch.isnan(got[1]).all() and torch.equal(got[0], want[0]) and careful == [1]
+
+
+def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
+    """attention_with_weights(heads=) on the kernel: one call gives every head's output and
+    the weights of the chosen heads alone, in their order; they equal the full call's within
+    1e-6 with a mask and a bias that differ per head and sink logits. A non-finite value
+    makes the chosen heads' rows NaN as it does the full call's."""
+    b, h, h_kv, length_q, length_k = 2, 8, 2, 70, 90
+    q, k, v = qkv(b, h, h_kv, length_q, length_k, 16, dtype=torch.float32, seed=12)
+    g = torch.Generator().manual_seed(12)
+    per_head = torch.rand(b, h, length_q, length_k, generator=g) < 0.7
+    mask = masks.causal() & masks.dense(per_head)
+    modifier = mb.alibi(h) + mb.sinks(torch.randn(h, generator=g))
+    full = mh.attention_with_weights(q, k, v, mask, bias=modifier, backend="fused")
+    calls = []
+    real = fused._args
+    monkeypatch.setattr(fused, "_args", lambda call: calls.append(call.heads) or real(call))
+    part = mh.attention_with_weights(q, k, v, mask, bias=modifier, heads=[6, 1], backend="fused")
+    assert calls == [(6, 1)] and part.weights.shape == (b, 2, length_q, length_k)
+    assert (part.weights - full.weights[:, [6, 1]]).abs().max() <= 1e-6
+    assert (part.output - full.output).abs().max() <= 1e-6
+    v_bad = v.clone()
+    v_bad[1, 1, 5] = torch.nan  # key/value head 1 serves query heads 4-7
+    full = mh.attention_with_weights(q, k, v_bad, mask, bias=modifier, backend="fused")
+    part = mh.attention_with_weights(
+        q, k, v_bad, mask, bias=modifier, heads=[6, 1], backend="fused"
+    )
+    want = full.weights[:, [6, 1]]
+    assert torch.equal(torch.isnan(part.weights), torch.isnan(want))
+    assert torch.isnan(want[1, 0]).any() and not torch.isnan(want[:, 1]).any()
 
 
 @pytest.fixture

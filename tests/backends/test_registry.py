@@ -257,6 +257,25 @@ def test_the_half_kernel_is_named_when_it_runs(monkeypatch):
     assert len(calls) == 1
 
 
+def test_the_fastest_measured_backend_leads(monkeypatch):
+    """Each backend that times itself runs against the leader so far: in bf16 the half
+    kernel beat SDPA and the fused kernel, measured against the half kernel, led only then
+    (before, the first backend that beat the rule's choice led, however fast the next)."""
+    from multihead.backends import fused
+
+    rivals = []
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    monkeypatch.setattr(fused, "built", lambda: True)  # only chosen here, never run
+    monkeypatch.setattr(half, "measured_faster", lambda call, rival: True)
+    monkeypatch.setattr(fused, "measured_faster", lambda call, rival: rivals.append(rival) or True)
+    q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.bfloat16)
+    assert _auto(q, k, v) == "fused" and rivals == [half.BACKEND.run]
+    # explain_backend runs nothing: it reads what the measurements found, in the same order
+    choice = mh.explain_backend(q, k, v)
+    assert choice.backend == "fused" and rivals[1:] == [None]
+    assert "measured faster than half" in choice.reasons["half"]
+
+
 def test_no_backend_imports_the_registry():
     """The registry knows the backends; a backend never reaches back (flex once imported it to
     pick its own successor after a failed compile). Context parallelism prepares its call

@@ -14,6 +14,10 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys):
     assert report["shape"]["layers"] == 2 and report["bandwidth_gb_s"] > 0
     assert [r["batch"] for r in report["results"]] == [1, 8]
     assert report["cpu"] and report["matmul_peak_gflops"]["float32"] > 0
+    for name in ("B=1", "B=8"):  # one layer's attention call over a 1,024-token cache
+        call = report["attention_call"][name]
+        assert call["sdpa_us"] > 0 and call["multihead_us"] > 0
+        assert call["above_sdpa_us"] == call["multihead_us"] - call["sdpa_us"]
     fp32, hf = "multihead fp32", "transformers generate (dynamic cache)"
     for row in report["results"]:
         assert set(row["tokens_per_s"]) >= {fp32, "multihead bf16 weights",

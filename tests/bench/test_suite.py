@@ -27,6 +27,9 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
             assert w["notes"]["naive"].startswith("skipped")
         elif not w["module"]:
             expected |= {"naive"}
+        if w["mask"] == "documents":  # the fused kernel's goal is against tiled
+            expected.add("multihead, tiled")
+            assert w["fused_vs_tiled"] > 0
         if not w["module"]:
             assert w["notes"]["flex"].startswith("skipped in --quick")
         if w["weights"]:
@@ -38,8 +41,8 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
                 expected.add("multihead, fused, no bias")
                 assert w["fused_bias_overhead"] > 0
             if w["weights"]:
-                expected.add("multihead, fused+weights")
-                assert w["fused_weights_overhead"] > 0
+                expected |= {"multihead, fused+weights", "multihead, fused+weights, heads=[0]"}
+                assert w["fused_weights_overhead"] > 0 and w["fused_heads_ratio"] > 0
         assert set(w["contenders"]) == expected, w["name"]
         for name, row in w["contenders"].items():
             assert row["median_s"] > 0 and len(row["times_s"]) == 1, (w["name"], name)
@@ -57,7 +60,8 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     captured = capsys.readouterr()
     out = captured.out
-    assert "matmul peak" in out and "x vs sdpa" in out
+    assert "matmul peak" in out and "x vs sdpa" in out and "CPU: " in out
+    assert report["machine"]["cpu"] and report["peak_gflops"]["float32 blocks"] > 0
     assert report["bf16_case"] in out and report["bf16_case"].startswith("bf16 matmul peak")
     # a smoke test, said before the numbers, in the report and at the end with the time taken
     assert out.startswith(SMOKE_TEST + ".\n") and "not for comparison" in SMOKE_TEST

@@ -3,11 +3,14 @@
 // The kernel only loops: Python hands it a work list built from the mask's own tile answers
 // (query tiles, each with its key chunks and, for partly visible chunks, a small keep block),
 // and it never knows which mask produced it. Per block of query rows it walks the key blocks
-// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, bias
-// and mask applied in place, exp and row sums in one vectorizable loop, output by a second
-// GEMM. Softmax statistics and accumulators are float32 (float64 for float64 inputs); half
-// inputs are widened once per call, since on CPUs without AMX the float32 GEMM is the faster
-// one and it keeps the 2x error rule with margin.
+// of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, each
+// row finished in one vector pass (scale, soft cap, additive terms, keep bits, maximum), exp
+// and row sums in a second, output by another GEMM; sink logits join each row's denominator
+// at the end. Softmax statistics and accumulators are float32 (float64 for float64 inputs).
+// bf16 inputs run their block products in bf16 where this CPU's bf16 microkernel is faster
+// (half_products), else they are widened once per call; both keep the 2x error rule. With
+// weights, a task keeps its rows' scores over their key span in cache and writes every weight
+// once (attend_weights).
 //
 // Work is spread over torch's intra-op pool (at::parallel_for), so torch.set_num_threads
 // governs it. Every output row, and in the backward pass every key's gradient, is written by
@@ -21,10 +24,19 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <ctime>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -185,14 +197,96 @@ int64_t gemm_rows(int64_t i, int64_t m, int64_t n, int64_t k, T alpha, const T* 
   return i;
 }
 
+// C[m, n] += A B for a few rows of A (decoding's product with V): each row of C in registers
+// (up to 8 vectors, so n up to 8 vectors' width), B's rows read once, in place
+template <typename T, int cols>
+void gemm_few(int64_t m, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+              int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int lanes = kVecBytes / sizeof(T);
+  for (int64_t i = 0; i < m; ++i) {
+    V even[cols] = {}, odd[cols] = {};  // two sets: consecutive keys do not wait on each other
+    const T* ai = a + i * lda;
+    int64_t p = 0;
+    for (; p + 2 <= k; p += 2) {
+      const T a0 = ai[p], a1 = ai[p + 1];
+#pragma GCC unroll 8
+      for (int u = 0; u < cols; ++u) {
+        V b0, b1;
+        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
+        std::memcpy(&b1, b + (p + 1) * ldb + u * lanes, sizeof(V));
+        even[u] += a0 * b0;
+        odd[u] += a1 * b1;
+      }
+    }
+    if (p < k) {
+      const T a0 = ai[p];
+      for (int u = 0; u < cols; ++u) {
+        V b0;
+        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
+        even[u] += a0 * b0;
+      }
+    }
+    for (int u = 0; u < cols; ++u) {
+      V old;
+      std::memcpy(&old, c + i * ldc + u * lanes, sizeof(V));
+      old += even[u] + odd[u];
+      std::memcpy(c + i * ldc + u * lanes, &old, sizeof(V));
+    }
+  }
+}
+
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
           const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  constexpr int64_t lanes = kVecBytes / sizeof(T);
+  if (m <= kBlockRows && accumulate && alpha == T(1) && acs == 1 && n % lanes == 0) {
+    switch (n / lanes) {  // decoding's V products: the usual head dims, whole vectors
+      case 1: return gemm_few<T, 1>(m, k, a, ars, b, ldb, c, ldc);
+      case 2: return gemm_few<T, 2>(m, k, a, ars, b, ldb, c, ldc);
+      case 4: return gemm_few<T, 4>(m, k, a, ars, b, ldb, c, ldc);
+      case 8: return gemm_few<T, 8>(m, k, a, ars, b, ldb, c, ldc);
+      default: break;
+    }
+  }
   int64_t i = gemm_rows<T, kBlockRows>(0, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   i = gemm_rows<T, 4>(i, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   if (i < m)
     gemm_edge<T>(m - i, n, k, alpha, a + i * ars, ars, acs, b, ldb, accumulate, c + i * ldc,
                  ldc);
+}
+
+// The sum of a vector's lanes by halving: each step adds the upper half of the lanes left onto
+// the lower (a shuffle and an add), log2(lanes) steps deep. Summing the lanes one by one would
+// be a chain of dependent adds per key, bounding decoding's score loop by its latency.
+template <typename V>
+inline auto tree_sum(V x) {
+  constexpr int lanes = sizeof(V) / sizeof(x[0]);
+  if constexpr (lanes == 16)
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (lanes >= 8) {
+    if constexpr (lanes == 16)
+      x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    else
+      x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+  }
+  if constexpr (lanes >= 4) {
+    if constexpr (lanes == 16)
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    else if constexpr (lanes == 8)
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 2, 3, 0, 1);
+    else
+      x += __builtin_shufflevector(x, x, 2, 3, 0, 1);
+  }
+  if constexpr (lanes == 16)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  else if constexpr (lanes == 8)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0, 1, 0, 1, 0);
+  else if constexpr (lanes == 4)
+    x += __builtin_shufflevector(x, x, 1, 0, 1, 0);
+  else
+    x += __builtin_shufflevector(x, x, 1, 0);
+  return x[0];
 }
 
 // C[m, n] = alpha * A B^T for few rows of A (decoding): B's rows are read once each, in
@@ -214,8 +308,7 @@ void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, 
         std::memcpy(&y, bj + p, sizeof(V));
         acc += x * y;
       }
-      T total = 0;
-      for (int l = 0; l < lanes; ++l) total += acc[l];
+      T total = tree_sum(acc);
       for (; p < k; ++p) total += ai[p] * bj[p];
       c[i * ldc + j] = alpha * total;
     }
@@ -250,6 +343,18 @@ inline void block_gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t 
   gemm<float>(m, n, k, 1.0f, a, lda, 1, b, ldb, accumulate, c, ldc);
 }
 
+// The half-precision block products: C[m, n] (+)= A B with A [m, k] bf16 row-major and B given
+// in VNNI form ([k / 2, n, 2]: pairs along k interleaved, row-pair stride 2 * ldb), k even;
+// products exact in float32 and accumulated there.
+inline void block_gemm_vnni(int64_t m, int64_t n, int64_t k, const at::BFloat16* a, int64_t lda,
+                            const at::BFloat16* b, int64_t ldb, bool accumulate, float* c,
+                            int64_t ldc) {
+#ifdef MULTIHEAD_BRGEMM
+  if (m > 0 && n > 0 && k > 0)
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, true);
+#endif
+}
+
 // dst [cols, rows] (row stride ldd) = src [rows, cols] (row stride ld) transposed, in tiles
 // that stay in L1 on both sides
 template <typename T>
@@ -267,77 +372,163 @@ void transpose(const T* src, int64_t rows, int64_t cols, int64_t ld, T* dst, int
 
 // True when any of rows x cols entries (row stride ld) is NaN or infinite: x * 0 is 0 exactly
 // for finite x and NaN otherwise. Run on blocks the kernel has just read, so the NaN rule needs
-// no separate pass over q, k and v (at decode that pass would double the bytes read).
+// no separate pass over q, k and v (at decode that pass would double the bytes read). Four
+// accumulators: one would chain every add of the block behind the one before.
 template <typename T>
 bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   using V = typename Vec<T>::type;
   constexpr int lanes = kVecBytes / sizeof(T);
-  V acc = {};
+  V acc[4] = {};
   T tail = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const T* r = x + i * ld;
     int64_t j = 0;
+    for (; j + 4 * lanes <= cols; j += 4 * lanes)
+      for (int u = 0; u < 4; ++u) {
+        V v;
+        std::memcpy(&v, r + j + u * lanes, sizeof(V));
+        acc[u] += v * T(0);
+      }
     for (; j + lanes <= cols; j += lanes) {
       V v;
       std::memcpy(&v, r + j, sizeof(V));
-      acc += v * T(0);
+      acc[0] += v * T(0);
     }
     for (; j < cols; ++j) tail += r[j] * T(0);
   }
-  for (int l = 0; l < lanes; ++l) tail += acc[l];
+  const V all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (int l = 0; l < lanes; ++l) tail += all[l];
   return tail != T(0);
 }
 
-// Row reductions and exp over whole vectors: without -ffast-math (which would break -inf)
+// The same for half-precision storage (queries per task, and the exact range of a flagged block)
+template <typename E>
+bool any_nonfinite_half(const E* x, int64_t rows, int64_t cols, int64_t ld) {
+  float acc = 0;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) acc += static_cast<float>(x[i * ld + j]) * 0.0f;
+  return acc != 0.0f;
+}
+inline bool any_nonfinite(const at::BFloat16* x, int64_t rows, int64_t cols, int64_t ld) {
+  return any_nonfinite_half(x, rows, cols, ld);
+}
+inline bool any_nonfinite(const at::Half* x, int64_t rows, int64_t cols, int64_t ld) {
+  return any_nonfinite_half(x, rows, cols, ld);
+}
+
+// Row reductions, exp and tanh over whole vectors: without -ffast-math (which would break -inf)
 // compilers vectorize neither a float sum nor a max, so the lanes are spelled out.
 
 struct IntVec {
   typedef int32_t type __attribute__((vector_size(kVecBytes)));
 };
 
+using VF = Vec<float>::type;
+using VI = IntVec::type;
+constexpr int kLanes = kVecBytes / sizeof(float);
+
+inline VF load(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(VF));
+  return v;
+}
+inline void store(float* p, VF v) { std::memcpy(p, &v, sizeof(VF)); }
+// the first `count` lanes from p, the rest `fill` (row tails run through the same vector code)
+inline VF load_part(const float* p, int64_t count, float fill) {
+  VF v = VF{} + fill;
+  std::memcpy(&v, p, count * sizeof(float));
+  return v;
+}
+
 // exp_nonpositive for a vector of floats: the same steps, lane by lane
-inline Vec<float>::type exp_vec(Vec<float>::type x) {
-  using V = Vec<float>::type;
-  using I = IntVec::type;
-  const V floor_x = V{} - 87.0f;
-  const I dead = !(x > floor_x);
+inline VF exp_vec(VF x) {
+  const VF floor_x = VF{} - 87.0f;
+  const VI dead = !(x > floor_x);
   x = dead ? floor_x : x;
-  const V t = x * 1.44269504088896341f + kRound;
-  const V n = t - kRound;
-  V r = x - n * 0.693359375f;
+  const VF t = x * 1.44269504088896341f + kRound;
+  const VF n = t - kRound;
+  VF r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  const V z = r * r;
-  V p = V{} + 1.9875691500e-4f;
+  const VF z = r * r;
+  VF p = VF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * z + r + 1.0f;
-  I bits;
+  VI bits;
   std::memcpy(&bits, &t, sizeof(bits));
   bits = (bits + 127) << 23;
-  V two_n;
+  VF two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
-  return dead ? V{} : p * two_n;
+  return dead ? VF{} : p * two_n;
 }
 
-template <typename T>
-T row_max(const T* x, int64_t n, T init) {
-  int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    using V = Vec<float>::type;
-    constexpr int lanes = kVecBytes / sizeof(float);
-    V best = V{} + init;
-    for (; j + lanes <= n; j += lanes) {
-      V v;
-      std::memcpy(&v, x + j, sizeof(V));
-      best = v > best ? v : best;
-    }
-    for (int l = 0; l < lanes; ++l) init = std::max(init, best[l]);
+// 1 / d for d in [1, 2]: the hardware estimate refined by one Newton step (within an ulp or
+// two of the quotient; a division costs several times as much)
+inline VF reciprocal(VF d) {
+#if defined(__AVX512F__)
+  VF r;
+  const __m512 estimate = _mm512_rcp14_ps(reinterpret_cast<const __m512&>(d));
+  std::memcpy(&r, &estimate, sizeof(r));
+  return r * (2.0f - d * r);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// Whether any lane of a comparison's result is set
+inline bool any_lane(VI mask) {
+#if defined(__AVX512F__)
+  const __m512i m = reinterpret_cast<const __m512i&>(mask);
+  return _mm512_test_epi32_mask(m, m) != 0;
+#else
+  int32_t folded = 0;
+  for (int l = 0; l < kLanes; ++l) folded |= mask[l];
+  return folded != 0;
+#endif
+}
+
+// tanh for a vector of floats (Cephes' tanhf, under 2 ulp): x + x^3 P(x^2) for |x| < 0.625,
+// else 2 / (1 + e) - 1 with e = exp(-2|x|), which has no cancellation there; the sign is put
+// back by its bit. The exp is computed only for vectors with a lane past 0.625: a soft cap
+// sits well above most scores (Gemma's 50), so most vectors take the polynomial alone.
+// NaN stays NaN (it takes the polynomial).
+inline VF tanh_vec(VF x) {
+  VI bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const VI sign = bits & static_cast<int32_t>(0x80000000u);
+  const VI abs_bits = bits & 0x7fffffff;
+  VF a;
+  std::memcpy(&a, &abs_bits, sizeof(a));
+  const VF z = a * a;
+  VF p = VF{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  VF r = a + a * z * p;
+  const VI large = a >= 0.625f;
+  if (any_lane(large)) {
+    const VF e = exp_vec(-2.0f * a);
+    r = large ? 2.0f * reciprocal(1.0f + e) - 1.0f : r;
   }
-  for (; j < n; ++j) init = std::max(init, x[j]);
+  VI r_bits;
+  std::memcpy(&r_bits, &r, sizeof(r_bits));
+  r_bits |= sign;
+  std::memcpy(&r, &r_bits, sizeof(r));
+  return r;
+}
+
+inline float hmax(VF v, float init) {
+  for (int l = 0; l < kLanes; ++l) init = std::max(init, v[l]);
   return init;
+}
+inline float hsum(VF v) {
+  float total = 0;
+  for (int l = 0; l < kLanes; ++l) total += v[l];
+  return total;
 }
 
 // x[j] = exp(x[j] - shift) in place; returns the sum
@@ -346,17 +537,13 @@ T exp_shifted(T* x, int64_t n, T shift) {
   int64_t j = 0;
   T total = 0;
   if constexpr (std::is_same_v<T, float>) {
-    using V = Vec<float>::type;
-    constexpr int lanes = kVecBytes / sizeof(float);
-    V sum = {};
-    for (; j + lanes <= n; j += lanes) {
-      V v;
-      std::memcpy(&v, x + j, sizeof(V));
-      v = exp_vec(v - shift);
-      std::memcpy(x + j, &v, sizeof(V));
+    VF sum = {};
+    for (; j + kLanes <= n; j += kLanes) {
+      const VF v = exp_vec(load(x + j) - shift);
+      store(x + j, v);
       sum += v;
     }
-    for (int l = 0; l < lanes; ++l) total += sum[l];
+    total = hsum(sum);
   }
   for (; j < n; ++j) {
     x[j] = exp_nonpositive(x[j] - shift);
@@ -365,6 +552,26 @@ T exp_shifted(T* x, int64_t n, T shift) {
   return total;
 }
 
+// dst[j] = bf16(src[j]), rounded to nearest even (finite inputs)
+inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
+  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
+  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Bits bits;
+    std::memcpy(&bits, src + j, sizeof(bits));
+    bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    const Half16 narrow = __builtin_convertvector(bits, Half16);
+    std::memcpy(dst + j, &narrow, sizeof(narrow));
+  }
+  for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+
+// x[j] *= factor
+template <typename T>
+void scale_row(T* x, int64_t n, T factor) {
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor;
+}
 
 // ---------------------------------------------------------------------------------------
 // The work list (see fused.py: _flatten).
@@ -423,16 +630,24 @@ std::vector<Task> forward_tasks(const Plan& plan, int64_t batch, int64_t heads, 
   return tasks;
 }
 
-// The additive terms: a dense tensor with broadcast strides and/or a table over the distance
-// j - i (a relative modifier such as ALiBi or T5 buckets, never materialized as L x S).
+// What turns a block's raw scores into the softmax's input, row by row: the soft cap
+// (cap * tanh(s / cap), before everything else), the additive terms (a dense tensor with
+// broadcast strides and/or a table over the distance j - i: a relative modifier such as
+// ALiBi or T5 buckets, never materialized as L x S), then the keep bits. The sink logits
+// join each row's finished softmax (finish_rows).
 template <typename T>
-struct Bias {
+struct Terms {
+  T scale = 1;  // the scores' scale where the queries did not take it (half-precision products)
+  T cap = 0, inv_cap = 0;  // soft cap; 0: none
   const T* dense = nullptr;
   int64_t sb = 0, sh = 0, sl = 0, ss = 0;
   const T* table = nullptr;
   int64_t th = 0, tlen = 0, shift = 0;  // value(h, i, j) = table[h * th + j - i - shift]
+  const T* sinks = nullptr;  // [H] or null
 
-  Bias(const at::Tensor& d, const at::Tensor& t, int64_t table_shift) {
+  Terms(const at::Tensor& d, const at::Tensor& t, int64_t table_shift, double softcap,
+        const at::Tensor& s) {
+    if (softcap > 0) cap = static_cast<T>(softcap), inv_cap = static_cast<T>(1.0 / softcap);
     if (d.defined() && d.numel() > 0) {
       dense = d.data_ptr<T>();
       sb = d.stride(0), sh = d.stride(1), sl = d.stride(2), ss = d.stride(3);
@@ -443,8 +658,8 @@ struct Bias {
       tlen = t.size(1);
       shift = table_shift;
     }
+    if (s.defined() && s.numel() > 0) sinks = s.data_ptr<T>();
   }
-  bool any() const { return dense != nullptr || table != nullptr; }
 };
 
 // Per key block of one task: where the keep bits start, or null when every key is visible.
@@ -468,26 +683,167 @@ inline bool keep_block(const Plan& plan, const int64_t* ch, int64_t b_rel, int64
   return any;
 }
 
-// Scaled scores of a block in place: bias added, then -inf where hidden.
-template <typename T>
-void finish_scores(T* s, int64_t rows, int64_t cols, const Bias<T>& bias, int64_t b, int64_t h,
-                   int64_t i0, int64_t j0, const uint8_t* keep, int64_t keep_rs) {
-  for (int64_t i = 0; i < rows; ++i) {
-    T* row = s + i * cols;
-    if (bias.dense != nullptr) {
-      const T* br = bias.dense + b * bias.sb + h * bias.sh + (i0 + i) * bias.sl + j0 * bias.ss;
-      for (int64_t j = 0; j < cols; ++j) row[j] += br[j * bias.ss];
+// One row of raw scores (query row i, keys j0 .. j0 + n) finished in place: capped, the
+// additive terms added, -inf where hidden, in one pass over the row. Returns the larger of
+// `best` and the row's maximum. With `th`, tanh(s / cap) is kept there (the backward pass's
+// cap derivative 1 - tanh^2).
+inline float finish_row(float* row, int64_t n, const Terms<float>& terms, int64_t b, int64_t h,
+                        int64_t i, int64_t j0, const uint8_t* keep, float* th, float best) {
+  const float* dense =
+      terms.dense == nullptr
+          ? nullptr
+          : terms.dense + b * terms.sb + h * terms.sh + i * terms.sl + j0 * terms.ss;
+  const float* table = terms.table == nullptr
+                           ? nullptr
+                           : terms.table + h * terms.th + (j0 - i - terms.shift);
+  const float inf = std::numeric_limits<float>::infinity();
+  VF top = VF{} - inf;
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j);
+    const bool whole = count == kLanes;
+    VF x = (whole ? load(row + j) : load_part(row + j, count, 0.0f)) * terms.scale;
+    if (terms.cap > 0) {
+      const VF t = tanh_vec(x * terms.inv_cap);
+      if (th != nullptr) std::memcpy(th + j, &t, count * sizeof(float));
+      x = terms.cap * t;
     }
-    if (bias.table != nullptr) {
-      // entry j of this row reads the table at (j0 + j) - (i0 + i) - shift: a contiguous run
-      const T* tr = bias.table + h * bias.th + (j0 - (i0 + i) - bias.shift);
-      for (int64_t j = 0; j < cols; ++j) row[j] += tr[j];
+    if (dense != nullptr) {
+      if (terms.ss == 1) {
+        x += whole ? load(dense + j) : load_part(dense + j, count, 0.0f);
+      } else {
+        float part[kLanes] = {};
+        for (int64_t l = 0; l < count; ++l) part[l] = dense[(j + l) * terms.ss];
+        x += load(part);
+      }
     }
+    if (table != nullptr) x += whole ? load(table + j) : load_part(table + j, count, 0.0f);
     if (keep != nullptr) {
-      const uint8_t* kr = keep + i * keep_rs;
-      for (int64_t j = 0; j < cols; ++j) row[j] = kr[j] ? row[j] : neg_inf<T>();
+      typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+      Bytes bits = {};
+      std::memcpy(&bits, keep + j, count);
+      const VI seen = __builtin_convertvector(bits, VI) != 0;
+      x = seen ? x : VF{} - inf;
     }
+    if (!whole) {
+      std::memcpy(row + j, &x, count * sizeof(float));
+      float pad[kLanes];
+      store(pad, x);
+      for (int64_t l = 0; l < count; ++l) best = std::max(best, pad[l]);
+      break;
+    }
+    store(row + j, x);
+    top = x > top ? x : top;
   }
+  return hmax(top, best);
+}
+
+// float64 (gradcheck): the same steps, plainly
+inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int64_t b,
+                         int64_t h, int64_t i, int64_t j0, const uint8_t* keep, double* th,
+                         double best) {
+  for (int64_t j = 0; j < n; ++j) {
+    double x = row[j] * terms.scale;
+    if (terms.cap > 0) {
+      const double t = std::tanh(x * terms.inv_cap);
+      if (th != nullptr) th[j] = t;
+      x = terms.cap * t;
+    }
+    if (terms.dense != nullptr)
+      x += terms.dense[b * terms.sb + h * terms.sh + i * terms.sl + (j0 + j) * terms.ss];
+    if (terms.table != nullptr) x += terms.table[h * terms.th + (j0 + j) - i - terms.shift];
+    if (keep != nullptr && !keep[j]) x = neg_inf<double>();
+    row[j] = x;
+    best = std::max(best, x);
+  }
+  return best;
+}
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// Large buffers (the weights, the output, packed keys and values, gradients) live in mappings
+// of their own, marked for transparent huge pages, so a first touch faults in 2 MiB instead
+// of 4 KiB: allocations this large come fresh from the system at every call otherwise, and
+// at 134 MB of weights tens of thousands of page faults cost more than computing them. A
+// freed mapping waits in a small pool (at most kPoolEntries, kPoolBytes in all) for the next
+// buffer of about its size, which then skips the system's zeroing of new pages too: calls of
+// one shape, as a model's layers make them, reuse each other's memory.
+class LargeBuffers {
+ public:
+  static constexpr size_t kHuge = size_t(1) << 21;
+  static constexpr size_t kPoolBytes = size_t(1) << 30;
+  static constexpr size_t kPoolEntries = 8;
+
+  // a huge-page-aligned mapping of at least `bytes` (its length in *length), or null
+  void* take(size_t bytes, size_t* length) {
+    const size_t need = (bytes + kHuge - 1) / kHuge * kHuge;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto best = free_.end();
+      for (auto it = free_.begin(); it != free_.end(); ++it)
+        if (it->second >= need && it->second <= 2 * need &&
+            (best == free_.end() || it->second < best->second))
+          best = it;
+      if (best != free_.end()) {
+        void* p = best->first;
+        *length = best->second;
+        held_ -= best->second;
+        free_.erase(best);
+        return p;
+      }
+    }
+    // one huge page more than needed, then the unaligned ends unmapped
+    void* raw = mmap(nullptr, need + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t start = (at + kHuge - 1) & ~uintptr_t(kHuge - 1);
+    if (start > at) munmap(raw, start - at);
+    if (start + need < at + need + kHuge)
+      munmap(reinterpret_cast<void*>(start + need), at + need + kHuge - (start + need));
+    madvise(reinterpret_cast<void*>(start), need, MADV_HUGEPAGE);
+    *length = need;
+    return reinterpret_cast<void*>(start);
+  }
+
+  void give(void* p, size_t length) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (free_.size() < kPoolEntries && held_ + length <= kPoolBytes) {
+        free_.emplace_back(p, length);
+        held_ += length;
+        return;
+      }
+    }
+    munmap(p, length);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::pair<void*, size_t>> free_;
+  size_t held_ = 0;
+};
+
+// never destroyed: tensors freed while the process exits still return their buffers
+LargeBuffers& large_buffers() {
+  static LargeBuffers* pool = new LargeBuffers();
+  return *pool;
+}
+#endif
+
+// A new tensor for a large buffer (see LargeBuffers); elsewhere, and for small buffers,
+// at::empty. Its contents are undefined: every caller writes each entry.
+at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  int64_t bytes = c10::elementSize(options.dtype().toScalarType());
+  for (const int64_t s : sizes) bytes *= s;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes >= int64_t(4 * LargeBuffers::kHuge)) {
+    size_t length = 0;
+    void* p = large_buffers().take(static_cast<size_t>(bytes), &length);
+    if (p != nullptr)
+      return at::from_blob(
+          p, sizes, [p, length](void*) { large_buffers().give(p, length); }, options);
+  }
+#endif
+  return at::empty(sizes, options);
 }
 
 // [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
@@ -498,7 +854,7 @@ template <typename T>
 at::Tensor blocked_transpose(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
-  at::Tensor out = at::empty({B, H, n, d, kKeys}, x.options());
+  at::Tensor out = empty_large({B, H, n, d, kKeys}, x.options());
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
@@ -516,113 +872,262 @@ at::Tensor blocked_transpose(const at::Tensor& x) {
   return out;
 }
 
-// Keys and values are also kept transposed block by block (one copy per call): the score
-// GEMMs read them as row-major B operands along the keys. Key blocks never cross a multiple
-// of kKeys (see next_block), so each lies inside one transposed block.
-template <typename T>
-struct Inputs {
-  at::Tensor kt_, vt_;
-  const T *q, *k, *v, *kt, *vt;
-  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
-  int64_t B, H, Hkv, L, S, D, Dv, blocks;
+// Keys for the half-precision block products: [B, H_kv, blocks, D2 / 2, kKeys, 2] with D2 the
+// head dim rounded up to even: each block of kKeys keys as the columns of K^T, pairs of
+// consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded.
+template <typename E>
+at::Tensor pack_keys(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
+  at::Tensor out = empty_large({B, H, n, pairs, kKeys, 2}, x.options());
+  const E* src = x.data_ptr<E>();
+  E* dst = out.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      E* block = dst + u * pairs * kKeys * 2;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
+        const bool real = j0 + j < S;
+        for (int64_t p = 0; p < 2 * pairs; ++p)
+          block[(p / 2) * kKeys * 2 + j * 2 + p % 2] = real && p < d ? row[p] : E(0);
+      }
+    }
+  });
+  return out;
+}
 
-  // with_kt false: no transposed keys (decoding reads each key row once; a transposed copy
-  // of the whole cache would cost more than the attention itself)
-  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool with_kt,
-         bool with_vt)
-      : kt_(with_kt ? blocked_transpose<T>(k_) : at::Tensor()),
-        vt_(with_vt ? blocked_transpose<T>(v_) : at::Tensor()),
-        q(q_.data_ptr<T>()), k(k_.data_ptr<T>()), v(v_.data_ptr<T>()),
-        kt(with_kt ? kt_.data_ptr<T>() : nullptr), vt(with_vt ? vt_.data_ptr<T>() : nullptr),
+// Values for the half-precision block products: [B, H_kv, blocks, kKeys / 2, Dv, 2], pairs of
+// consecutive keys interleaved (VNNI), zero-padded. Non-finite values become 0 here: a row
+// that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
+// read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN.
+template <typename E>
+at::Tensor pack_values(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys;
+  at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
+  const E* src = x.data_ptr<E>();
+  E* dst = out.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      E* block = dst + u * kKeys * d;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
+        E* pair = block + (j / 2) * d * 2 + j % 2;
+        for (int64_t c = 0; c < d; ++c) {
+          const float value = j0 + j < S ? static_cast<float>(row[c]) : 0.0f;
+          pair[c * 2] = std::isfinite(value) ? E(value) : E(0);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Per (batch entry, key/value head, block of kKeys keys): whether the block holds NaN or +-inf
+// anywhere. A task reading part of a flagged block checks its exact rows (keys past a mask's
+// lengths may hold anything); unflagged blocks need no check of their own.
+template <typename E>
+std::vector<uint8_t> block_flags(const at::Tensor& x) {
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  const int64_t n = (S + kKeys - 1) / kKeys;
+  std::vector<uint8_t> flags(B * H * n, 0);
+  const E* src = x.data_ptr<E>();
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      flags[u] = any_nonfinite(src + b * sb + h * sh + j0 * sr, std::min(kKeys, S - j0), d, sr);
+    }
+  });
+  return flags;
+}
+
+// q, k and v as the kernel reads them. T is the arithmetic type (float, double); E the
+// storage of q, k and v: T itself (keys, and for the backward pass values, transposed block
+// by block: the score GEMMs read them as row-major B operands along
+// the keys, and rows S apart would alias in L1 when S is a multiple of 1024), or bf16 with
+// float arithmetic (the half-precision block products: keys and values packed for the bf16
+// microkernel, the scale applied to the float scores). Key blocks never cross a multiple of
+// kKeys (see next_block), so each lies inside one packed block.
+template <typename T, typename E = T>
+struct Inputs {
+  static constexpr bool kHalf = !std::is_same_v<T, E>;
+  at::Tensor kt_, vt_;
+  std::vector<uint8_t> kflags, vflags;  // see block_flags; empty: every block is checked
+  const E *q, *k, *v, *kt, *vt;
+  int64_t qsb, qsh, qsr, ksb, ksh, ksr, vsb, vsh, vsr;
+  int64_t B, H, Hkv, L, S, D, Dv, D2, blocks;
+
+  // blocked false: no packed keys (decoding reads each key row once, checking it as it reads;
+  // a packed copy of the whole cache would cost more than the attention itself). backward:
+  // values transposed too, no flags (the forward pass has checked)
+  Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool blocked,
+         bool backward)
+      : q(q_.data_ptr<E>()), k(k_.data_ptr<E>()), v(v_.data_ptr<E>()), kt(nullptr), vt(nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
         ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
         vsb(v_.stride(0)), vsh(v_.stride(1)), vsr(v_.stride(2)),
         B(q_.size(0)), H(q_.size(1)), Hkv(k_.size(1)), L(q_.size(2)), S(k_.size(2)),
-        D(q_.size(3)), Dv(v_.size(3)), blocks(with_kt ? kt_.size(2) : 0) {}
+        D(q_.size(3)), Dv(v_.size(3)), D2((q_.size(3) + 1) / 2 * 2),
+        blocks((k_.size(2) + kKeys - 1) / kKeys) {
+    if (!blocked) return;
+    if constexpr (kHalf) {
+      kt_ = pack_keys<E>(k_), vt_ = pack_values<E>(v_);
+    } else {
+      kt_ = blocked_transpose<T>(k_);
+      if (backward) vt_ = blocked_transpose<T>(v_);
+    }
+    kt = kt_.data_ptr<E>();
+    if (vt_.defined()) vt = vt_.data_ptr<E>();
+    if (!backward) kflags = block_flags<E>(k_), vflags = block_flags<E>(v_);
+  }
 
-  const T* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
-  const T* krow(int64_t b, int64_t h, int64_t j) const {
+  const E* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
+  const E* krow(int64_t b, int64_t h, int64_t j) const {
     return k + b * ksb + (h / (H / Hkv)) * ksh + j * ksr;
   }
-  const T* vrow(int64_t b, int64_t h, int64_t j) const {
+  const E* vrow(int64_t b, int64_t h, int64_t j) const {
     return v + b * vsb + (h / (H / Hkv)) * vsh + j * vsr;
   }
-  // column j of the transposed keys / values: row stride kKeys
-  const T* ktcol(int64_t b, int64_t h, int64_t j) const {
-    return kt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * D * kKeys + j % kKeys;
+  int64_t block_of(int64_t b, int64_t h, int64_t j) const {
+    return (b * Hkv + h / (H / Hkv)) * blocks + j / kKeys;
   }
-  const T* vtcol(int64_t b, int64_t h, int64_t j) const {
-    return vt + ((b * Hkv + h / (H / Hkv)) * blocks + j / kKeys) * Dv * kKeys + j % kKeys;
+  // column j of the transposed or packed keys (row stride kKeys, or kKeys pairs)
+  const E* ktcol(int64_t b, int64_t h, int64_t j) const {
+    if constexpr (kHalf) return kt + block_of(b, h, j) * D2 * kKeys + (j % kKeys) * 2;
+    return kt + block_of(b, h, j) * D * kKeys + j % kKeys;
+  }
+  // column j of the transposed values (backward)
+  const E* vtcol(int64_t b, int64_t h, int64_t j) const {
+    return vt + block_of(b, h, j) * Dv * kKeys + j % kKeys;
+  }
+  // packed value rows j, j + 1 (j even within its block; half-precision products)
+  const E* vpair(int64_t b, int64_t h, int64_t j) const {
+    return vt + block_of(b, h, j) * kKeys * Dv + (j % kKeys) / 2 * Dv * 2;
+  }
+  bool flagged(int64_t b, int64_t h, int64_t j) const {
+    return kflags.empty() || kflags[block_of(b, h, j)] || vflags[block_of(b, h, j)];
   }
 };
 
+// Whether keys [kb, kb + n) or their values hold NaN or +-inf (the NaN rule's signal)
+template <typename T, typename E>
+bool block_nonfinite(const Inputs<T, E>& in, const Task& task, int64_t kb, int64_t n) {
+  if (!in.flagged(task.b, task.h, kb)) return false;
+  return any_nonfinite(in.krow(task.b, task.h, kb), n, in.D, in.ksr) ||
+         any_nonfinite(in.vrow(task.b, task.h, kb), n, in.Dv, in.vsr);
+}
+
 // ---------------------------------------------------------------------------------------
-// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` defined ([B, H, L, S], zeros where
-// the plan reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in
-// the weights while the row's statistics are gathered, then normalized in place.
+// Forward: out [B, H, L, Dv], lse [B, H, L] and, when asked, the weights [B, H, L, S].
+
+// The scores of a block of m query rows against keys [kb, kb + n): C = Q K^T (row stride ldc)
+template <typename T, typename E>
+void block_scores(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                  const E* qt, T* c, int64_t ldc) {
+  if constexpr (Inputs<T, E>::kHalf) {
+    block_gemm_vnni(m, n, in.D2, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
+  } else if (in.kt != nullptr) {
+    block_gemm(m, n, in.D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
+  } else {
+    gemm_nt<T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc);
+  }
+}
+
+// acc [m, Dv] += P V over keys [kb, kb + n), P row stride ldp. Half-precision products round
+// P to bf16 (as the naive formula in bf16 rounds its weights) into a buffer whose pairs of
+// columns line up with the packed values: a key block starting at an odd offset gets a
+// leading column of 0.
+template <typename T, typename E>
+void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                  const T* p, int64_t ldp, T* acc) {
+  if constexpr (Inputs<T, E>::kHalf) {
+    thread_local std::vector<E> rounded;
+    const int64_t lead = (kb % kKeys) % 2, width = (lead + n + 1) / 2 * 2;
+    rounded.resize(m * width);
+    for (int64_t i = 0; i < m; ++i) {
+      E* r = rounded.data() + i * width;
+      r[0] = E(0);
+      r[width - 1] = E(0);
+      to_bf16(r + lead, p + i * ldp, n);
+    }
+    block_gemm_vnni(m, in.Dv, width, rounded.data(), width, in.vpair(task.b, task.h, kb - lead),
+                    in.Dv, true, acc, in.Dv);
+  } else {
+    const T* vr = in.vrow(task.b, task.h, kb);
+    if (in.kt != nullptr)
+      block_gemm(m, in.Dv, n, p, ldp, vr, in.vsr, true, acc, in.Dv);
+    else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
+      gemm<T>(m, in.Dv, n, T(1), p, ldp, 1, vr, in.vsr, true, acc, in.Dv);
+  }
+}
 
 // One task's online softmax over its key blocks numbered [first, last) (counted across its
-// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. With wbase,
-// the scaled scores are parked there (weights rows of this task, row stride S).
-template <typename T>
-void attend(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, const Task& task,
-            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, T* wbase,
-            uint8_t* bad) {
+// chunks): acc [m, Dv] unnormalized, mx and sum the running row maximum and sum. Consecutive
+// key blocks, across chunks, gather into one span of up to kKeys keys (scores row stride
+// kKeys) before the softmax update and the product with V: a band's small chunks (a
+// triangle, a full run, a triangle) cost one update and one V product per task, not three.
+template <typename T, typename E>
+void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, const Task& task,
+            int64_t first, int64_t last, T* scores, T* acc, T* mx, T* sum, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
-  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv;
   std::fill(acc, acc + m * Dv, T(0));
   std::fill(mx, mx + m, neg_inf<T>());
   std::fill(sum, sum + m, T(0));
-  const T* qt = in.qrow(task.b, task.h, task.r0);
+  const E* qt = in.qrow(task.b, task.h, task.r0);
   *bad |= any_nonfinite(qt, m, D, in.qsr);
+  T top[kRows];  // each row's maximum over the running maximum and the span
+  int64_t span0 = 0, width = 0;  // the span: keys [span0, span0 + width)
+  auto flush = [&] {
+    if (width == 0) return;
+    for (int64_t i = 0; i < m; ++i) {
+      T* row = scores + i * kKeys;
+      if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
+        std::fill(row, row + width, T(0));
+        continue;
+      }
+      const T alpha = exp_nonpositive(mx[i] - top[i]);
+      sum[i] = sum[i] * alpha + exp_shifted(row, width, top[i]);
+      mx[i] = top[i];
+      if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+    }
+    block_values(in, task, m, span0, width, scores, kKeys, acc);
+    width = 0;
+  };
   int64_t index = 0;
-  for (int64_t c = it[4]; c < it[5]; ++c) {
+  for (int64_t c = it[4]; c < it[5] && index < last; ++c) {
     const int64_t* ch = plan.chunks + 6 * c;
-    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
-      const int64_t block = index++;
-      if (block < first) continue;
-      if (block >= last) return;
+    for (int64_t kb = ch[0]; kb < ch[1] && index < last; kb = next_block(kb, ch[1])) {
+      if (index++ < first) continue;
       const int64_t n = next_block(kb, ch[1]) - kb;
       const uint8_t* keep;
       int64_t keep_rs = 0;
       if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
                       &keep_rs)) {
-        if (wbase != nullptr)  // nothing visible: weights 0 once normalized
-          for (int64_t i = 0; i < m; ++i)
-            std::fill(wbase + i * S + kb, wbase + i * S + kb + n, neg_inf<T>());
+        flush();  // keys no row sees are never read
         continue;
       }
-      const T* kr = in.krow(task.b, task.h, kb);
-      const T* vr = in.vrow(task.b, task.h, kb);
-      *bad |= any_nonfinite(kr, n, D, in.ksr) || any_nonfinite(vr, n, Dv, in.vsr);
-      if (in.kt != nullptr)  // the queries arrive scaled (see forward)
-        block_gemm(m, n, D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, scores, n);
-      else
-        gemm_nt<T>(m, n, D, T(1), qt, in.qsr, kr, in.ksr, scores, n);
-      finish_scores(scores, m, n, bias, task.b, task.h, task.r0, kb, keep, keep_rs);
-      for (int64_t i = 0; i < m; ++i) {
-        T* row = scores + i * n;
-        if (wbase != nullptr) std::copy(row, row + n, wbase + i * S + kb);
-        const T best = row_max(row, n, mx[i]);
-        if (best == neg_inf<T>()) {  // nothing visible in this row yet
-          std::fill(row, row + n, T(0));
-          continue;
-        }
-        const T alpha = exp_nonpositive(mx[i] - best);
-        sum[i] = sum[i] * alpha + exp_shifted(row, n, best);
-        mx[i] = best;
-        if (alpha != T(1)) {
-          T* a = acc + i * Dv;
-          for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-        }
+      if (width > 0 && (kb != span0 + width || width + n > kKeys)) flush();
+      if (width == 0) {
+        span0 = kb;
+        std::copy(mx, mx + m, top);
       }
-      if (in.kt != nullptr)
-        block_gemm(m, Dv, n, scores, n, vr, in.vsr, true, acc, Dv);
-      else  // decoding: bound by reading V; a JIT kernel per cache length would cost more
-        gemm<T>(m, Dv, n, T(1), scores, n, 1, vr, in.vsr, true, acc, Dv);
+      *bad |= block_nonfinite(in, task, kb, n);
+      T* part = scores + width;
+      block_scores(in, task, m, kb, n, qt, part, kKeys);
+      for (int64_t i = 0; i < m; ++i)
+        top[i] = finish_row(part + i * kKeys, n, terms, task.b, task.h, task.r0 + i, kb,
+                            keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, top[i]);
+      width += n;
     }
   }
+  flush();
 }
 
 int64_t key_blocks(const Plan& plan, const Task& task) {
@@ -636,35 +1141,197 @@ int64_t key_blocks(const Plan& plan, const Task& task) {
 }
 
 // Normalized output and log-sum-exp of a task's rows; rows that saw nothing get 0 and -inf.
-template <typename T>
-void finish_rows(const Inputs<T>& in, const Task& task, const T* acc, const T* mx, const T* sum,
-                 T* out, T* lse) {
+// A head's sink logit joins the denominator here: lse' = log(exp(lse) + exp(sink)), and the
+// output shrinks by exp(lse - lse'). `norm` (optional) receives each row's factor from the
+// unnormalized sums exp(s - mx) to the weights exp(s - lse').
+template <typename T, typename E>
+void finish_rows(const Inputs<T, E>& in, const Terms<T>& terms, const Task& task, const T* acc,
+                 const T* mx, const T* sum, T* out, T* lse, T* norm) {
   const int64_t Dv = in.Dv;
   for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
     const int64_t row = (task.b * in.H + task.h) * in.L + task.r0 + i;
     T* o = out + row * Dv;
+    T factor = 0, l = neg_inf<T>();
+    if (sum[i] > T(0)) {
+      factor = T(1) / sum[i];
+      l = mx[i] + std::log(sum[i]);
+      if (terms.sinks != nullptr) {
+        const T sink = terms.sinks[task.h], top = std::max(l, sink);
+        const T joined = top + std::log(std::exp(l - top) + std::exp(sink - top));
+        factor *= std::exp(l - joined);
+        l = joined;
+      }
+    }
     const T* a = acc + i * Dv;
-    const T inv = sum[i] > T(0) ? T(1) / sum[i] : T(0);
-    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
-    lse[row] = sum[i] > T(0) ? mx[i] + std::log(sum[i]) : neg_inf<T>();
+    for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * factor;
+    lse[row] = l;
+    if (norm != nullptr) norm[i] = factor;
   }
 }
 
-// Forward: out [B, H, L, Dv], lse [B, H, L]; with `weights` ([B, H, L, S], zeros where the plan
-// reaches nowhere), the normalized weights exp(s - lse) as well: scores are parked in the
-// weights while the rows' statistics are gathered, then normalized in place.
-//
+// Finished weights stored in the caller's dtype: dst[j] = src[j] * factor. float32 rows go
+// out with non-temporal stores where aligned: the weights are written once and not read
+// back, so their cache lines need not be read first (half the memory traffic).
+template <typename T, typename W>
+void put_weights(W* dst, const T* src, int64_t n, T factor) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<W, float>) {
+    for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0; ++j)
+      dst[j] = src[j] * factor;
+    for (; j + 16 <= n; j += 16)
+      _mm512_stream_ps(dst + j, _mm512_mul_ps(_mm512_loadu_ps(src + j), _mm512_set1_ps(factor)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = static_cast<W>(src[j] * factor);
+}
+
+// dst[0 .. n) = 0, non-temporal like put_weights
+template <typename W>
+void zero_weights(W* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<W, float>) {
+    for (; j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0; ++j) dst[j] = 0;
+    for (; j + 16 <= n; j += 16) _mm512_stream_ps(dst + j, _mm512_setzero_ps());
+  }
+#endif
+  std::fill(dst + j, dst + n, W(0));
+}
+
+// non-temporal stores are weakly ordered: fenced before a task's rows count as written
+inline void fence_stores() {
+#if defined(__AVX__)
+  _mm_sfence();
+#endif
+}
+
+// The weights asked for: [B, heads, L, S] for the query heads chosen (all of them, or a list:
+// heads that no one looks at cost no weights), slot[h] the place of query head h among them
+// or -1.
+template <typename W>
+struct Weights {
+  W* data = nullptr;
+  int64_t heads = 0;
+  std::vector<int64_t> slot;
+
+  W* row(int64_t b, int64_t h, int64_t L, int64_t S, int64_t i) const {
+    return data + ((b * heads + slot[h]) * L + i) * S;
+  }
+};
+
+// One task with its weights, each written once. The rows' scores over the item's key span
+// [lo, hi) are kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated
+// once from each row's final maximum, multiplied by V from there, and stored normalized into
+// the weights; the rest of each weights row is written 0 in the same pass.
+template <typename T, typename E, typename W>
+void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
+                    const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
+                    const Weights<W>& weights, uint8_t* bad) {
+  const int64_t* it = plan.items + 6 * task.item;
+  const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  const int64_t lo = plan.chunks[6 * it[4]], hi = plan.chunks[6 * (it[5] - 1) + 1];
+  const int64_t width = hi - lo;
+  std::fill(acc, acc + m * Dv, T(0));
+  std::fill(mx, mx + m, neg_inf<T>());
+  const E* qt = in.qrow(task.b, task.h, task.r0);
+  *bad |= any_nonfinite(qt, m, D, in.qsr);
+  auto hide = [&](int64_t k0, int64_t k1) {  // keys no row of the task sees: weight 0
+    for (int64_t i = 0; i < m; ++i)
+      std::fill(scratch + i * width + k0 - lo, scratch + i * width + k1 - lo, neg_inf<T>());
+  };
+  std::vector<std::pair<int64_t, int64_t>> seen;  // the key blocks read, for the V products
+  int64_t done = lo;
+  for (int64_t c = it[4]; c < it[5]; ++c) {
+    const int64_t* ch = plan.chunks + 6 * c;
+    for (int64_t kb = ch[0]; kb < ch[1]; kb = next_block(kb, ch[1])) {
+      const int64_t n = next_block(kb, ch[1]) - kb;
+      if (kb > done) hide(done, kb);
+      done = kb + n;
+      const uint8_t* keep;
+      int64_t keep_rs = 0;
+      if (!keep_block(plan, ch, b_rel, task.h, task.r0 - it[2], m, kb - ch[0], n, &keep,
+                      &keep_rs)) {
+        hide(kb, kb + n);
+        continue;
+      }
+      *bad |= block_nonfinite(in, task, kb, n);
+      seen.emplace_back(kb, n);
+      T* block = scratch + (kb - lo);
+      block_scores(in, task, m, kb, n, qt, block, width);
+      for (int64_t i = 0; i < m; ++i)
+        mx[i] = finish_row(block + i * width, n, terms, task.b, task.h, task.r0 + i, kb,
+                           keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, mx[i]);
+    }
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    T* row = scratch + i * width;
+    if (mx[i] == neg_inf<T>()) {
+      std::fill(row, row + width, T(0));
+      sum[i] = 0;
+    } else {
+      sum[i] = exp_shifted(row, width, mx[i]);
+    }
+  }
+  for (const auto& [kb, n] : seen)
+    block_values(in, task, m, kb, n, scratch + (kb - lo), width, acc);
+  finish_rows(in, terms, task, acc, mx, sum, out, lse, norm);
+  for (int64_t i = 0; i < m; ++i) {
+    W* w = weights.row(task.b, task.h, in.L, S, task.r0 + i);
+    zero_weights(w, lo);
+    put_weights(w + lo, scratch + i * width, width, norm[i]);
+    zero_weights(w + hi, S - hi);
+  }
+  fence_stores();
+}
+
+// Query rows per weights task: the forward's, halved (down to kMinRows / 4) until the rows'
+// scores over the widest item's key span fit kScratchBytes.
+constexpr int64_t kScratchBytes = int64_t(1) << 20;
+
+int64_t weight_rows(const Plan& plan, int64_t rows, int64_t elem) {
+  int64_t span = 1;
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    if (it[5] > it[4])
+      span = std::max(span, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
+  }
+  while (rows > kMinRows / 4 && rows * span * elem > kScratchBytes) rows /= 2;
+  return rows;
+}
+
+// Rows [B, H, L, width] that no item reaches (rows a mask hides from every key) are 0: the
+// output, the weights and dq start unfilled.
+template <typename W>
+void zero_unreached_rows(const Plan& plan, int64_t B, int64_t H, int64_t L, int64_t S,
+                         W* weights) {
+  std::vector<uint8_t> reached(B * L, 0);
+  for (int64_t n = 0; n < plan.n_items; ++n) {
+    const int64_t* it = plan.items + 6 * n;
+    const int64_t b0 = it[0] < 0 ? 0 : it[0], b1 = it[0] < 0 ? B : it[1];
+    for (int64_t b = b0; b < b1; ++b)
+      std::fill(reached.begin() + b * L + it[2], reached.begin() + b * L + it[3], 1);
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u)
+      for (int64_t i = 0; i < L; ++i)
+        if (!reached[(u / H) * L + i]) zero_weights(weights + (u * L + i) * S, S);
+    fence_stores();
+  });
+}
+
 // Decoding (L <= kDecodeRows) with fewer tasks than threads splits each task's key blocks into
 // parts run in parallel; the parts merge through their (max, sum) in a fixed order.
-
-template <typename T>
-bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T* out, T* lse,
-                  T* weights) {
+template <typename T, typename E, typename W>
+bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
+                  const Weights<W>* weights) {
   const int64_t threads = at::get_num_threads();
-  const std::vector<Task> tasks =
-      forward_tasks(plan, in.B, in.H, task_rows(plan, in.B, in.H, threads));
+  int64_t rows = task_rows(plan, in.B, in.H, threads);
+  if (weights != nullptr) rows = weight_rows(plan, rows, sizeof(T));
+  const std::vector<Task> tasks = forward_tasks(plan, in.B, in.H, rows);
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  const int64_t Dv = in.Dv, S = in.S;
+  const int64_t Dv = in.Dv;
   int64_t parts = 1;
   if (weights == nullptr && in.L <= kDecodeRows && n_tasks > 0 && n_tasks < 2 * threads) {
     int64_t most = 0;
@@ -673,6 +1340,7 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
   }
   parts = std::max<int64_t>(parts, 1);
   std::vector<uint8_t> bad(n_tasks * parts, 0);  // per unit of work: no shared writes
+  zero_unreached_rows(plan, in.B, in.H, in.L, Dv, out);
   if (parts > 1) {
     const int64_t stride = kDecodeRows * Dv;
     std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
@@ -682,9 +1350,9 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
       for (int64_t u = lo; u < hi; ++u) {
         const Task& task = tasks[u / parts];
         const int64_t part = u % parts, blocks = key_blocks(plan, task);
-        attend(in, plan, bias, task, blocks * part / parts, blocks * (part + 1) / parts,
+        attend(in, plan, terms, task, blocks * part / parts, blocks * (part + 1) / parts,
                scores.data(), accs.data() + u * stride, mxs.data() + u * kDecodeRows,
-               sums.data() + u * kDecodeRows, static_cast<T*>(nullptr), &bad[u]);
+               sums.data() + u * kDecodeRows, &bad[u]);
       }
     });
     for (int64_t t = 0; t < n_tasks; ++t) {  // merge the parts, always in part order
@@ -702,37 +1370,37 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
           for (int64_t d = 0; d < Dv; ++d) acc[i * Dv + d] += a[d] * w;
         }
       }
-      finish_rows(in, tasks[t], acc.data(), mx.data(), sum.data(), out, lse);
+      finish_rows(in, terms, tasks[t], acc.data(), mx.data(), sum.data(), out, lse,
+                  static_cast<T*>(nullptr));
     }
     return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
   }
+  if (weights != nullptr)
+    zero_unreached_rows(plan, in.B, weights->heads, in.L, in.S, weights->data);
+  int64_t widest = kKeys;  // the widest key span of an item: the weights path's scratch rows
+  if (weights != nullptr)
+    for (const Task& task : tasks) {
+      const int64_t* it = plan.items + 6 * task.item;
+      widest = std::max(widest, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
+    }
   // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
   // lengths, causal rows); each task writes only its own rows, so which thread runs it does
   // not change a bit of the result
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<T> scores(kRows * kKeys), acc(kRows * Dv), mx(kRows), sum(kRows);
+    std::vector<T> scores(weights == nullptr ? kRows * kKeys : rows * widest), acc(kRows * Dv),
+        mx(kRows), sum(kRows), norm(kRows);
     for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
-      const int64_t m = task.r1 - task.r0;
-      T* wbase = weights == nullptr ? nullptr
-                                    : weights + ((task.b * in.H + task.h) * in.L + task.r0) * S;
-      attend(in, plan, bias, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
-             acc.data(), mx.data(), sum.data(), wbase, &bad[t]);
-      finish_rows(in, task, acc.data(), mx.data(), sum.data(), out, lse);
-      if (wbase == nullptr) continue;
-      const int64_t* it = plan.items + 6 * task.item;
-      for (int64_t c = it[4]; c < it[5]; ++c) {  // the parked scores become weights
-        const int64_t* ch = plan.chunks + 6 * c;
-        for (int64_t i = 0; i < m; ++i) {
-          const T l = lse[(task.b * in.H + task.h) * in.L + task.r0 + i];
-          T* w = wbase + i * S;
-          if (l == neg_inf<T>())
-            std::fill(w + ch[0], w + ch[1], T(0));
-          else
-            exp_shifted(w + ch[0], ch[1] - ch[0], l);
-        }
+      if (weights != nullptr && weights->slot[task.h] >= 0) {
+        attend_weights(in, plan, terms, task, scores.data(), acc.data(), mx.data(), sum.data(),
+                       norm.data(), out, lse, *weights, &bad[t]);
+        continue;
       }
+      attend(in, plan, terms, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+             acc.data(), mx.data(), sum.data(), &bad[t]);
+      finish_rows(in, terms, task, acc.data(), mx.data(), sum.data(), out, lse,
+                  static_cast<T*>(nullptr));
     }
   });
   return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
@@ -744,17 +1412,18 @@ bool forward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T*
 // memory and the summation order is fixed.
 
 template <typename T>
-void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T scale,
+void backward_impl(const Inputs<T>& in, const Plan& plan, const Terms<T>& terms, T scale,
                    const T* grad, const T* lse_dead_inf, const T* delta, T* dq, T* dk, T* dv,
                    T* dbias, T* dtable) {
   const int64_t D = in.D, Dv = in.Dv, S = in.S, L = in.L, H = in.H, Hkv = in.Hkv;
   const int64_t groups = H / Hkv;
+  const bool capped = terms.cap > 0;
   at::parallel_for(0, in.B * Hkv, 1, [&](int64_t lo, int64_t hi) {
     // dK and dV are gathered transposed (dK^T [D, S], dV^T [Dv, S]): their block products
     // Q^T dS and dO^T P then read P and dS row-major, as the block GEMM wants, and only the
     // small Q and dO blocks (once per query block) and the finished heads get transposed
     std::vector<T> p_buf(kRows * kKeys), ds_buf(kRows * kKeys), dq_buf(kRows * D),
-        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S);
+        q_t(D * kRows), g_t(Dv * kRows), dk_t(D * S), dv_t(Dv * S), th(capped ? kKeys : 0);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t b = t / Hkv, hk = t % Hkv;
       std::fill(dk_t.begin(), dk_t.end(), T(0));
@@ -785,22 +1454,27 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
                 // the queries arrive scaled (see backward): scores = Q K^T, dP = dO V^T
                 block_gemm(m, n, D, qt, in.qsr, in.ktcol(b, h, kb), kKeys, false, p_buf.data(),
                            n);
-                finish_scores(p_buf.data(), m, n, bias, b, h, r0, kb, keep, keep_rs);
                 block_gemm(m, n, Dv, gt, Dv, in.vtcol(b, h, kb), kKeys, false, ds_buf.data(), n);
                 for (int64_t i = 0; i < m; ++i) {
                   T* pr = p_buf.data() + i * n;
                   T* dr = ds_buf.data() + i * n;
                   const T l = lse_dead_inf[row0 + i], dl = delta[row0 + i];
+                  finish_row(pr, n, terms, b, h, r0 + i, kb,
+                             keep == nullptr ? nullptr : keep + i * keep_rs,
+                             capped ? th.data() : nullptr, neg_inf<T>());
                   exp_shifted(pr, n, l);
+                  // the gradient of the scores after the cap: the additive terms' gradient
                   for (int64_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dl);
                   if (dbias != nullptr) {
                     std::copy(dr, dr + n, dbias + (row0 + i) * S + kb);
                   }
                   if (dtable != nullptr) {
                     // entry j sits on distance index (kb + j) - (r0 + i) - shift
-                    T* tr = dtable + (b * H + h) * bias.tlen + (kb - (r0 + i) - bias.shift);
+                    T* tr = dtable + (b * H + h) * terms.tlen + (kb - (r0 + i) - terms.shift);
                     for (int64_t j = 0; j < n; ++j) tr[j] += dr[j];
                   }
+                  if (capped)  // through the cap: d(cap tanh(s / cap)) / ds = 1 - tanh^2
+                    for (int64_t j = 0; j < n; ++j) dr[j] *= T(1) - th[j] * th[j];
                 }
                 // dV^T += dO^T P, dK^T += (scale Q)^T dS, dQ += dS K (scaled once, below)
                 block_gemm(Dv, n, m, g_t.data(), m, p_buf.data(), n, true, dv_t.data() + kb, S);
@@ -820,8 +1494,9 @@ void backward_impl(const Inputs<T>& in, const Plan& plan, const Bias<T>& bias, T
 }
 
 // ---------------------------------------------------------------------------------------
-// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with a unit last stride;
-// bias: empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n].
+// Entry points. q [B, H, L, D], k [B, H_kv, S, D], v [B, H_kv, S, Dv] with any strides; bias:
+// empty or float [B, H, L, S] (broadcast strides allowed); table: empty or [H|1, n]; softcap:
+// 0 for none; sinks: empty or [H]. Every result is a new contiguous tensor.
 
 at::ScalarType compute_type(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -834,32 +1509,98 @@ at::Tensor unit_last(const at::Tensor& t, at::ScalarType type) {
   return x.stride(-1) == 1 && x.stride(-2) >= x.size(-1) ? x : x.contiguous();
 }
 
+template <typename T>
+Terms<T> make_terms(const at::Tensor& bias, const at::Tensor& table, int64_t table_shift,
+                    double softcap, const at::Tensor& sinks, at::ScalarType ct,
+                    std::vector<at::Tensor>& keep_alive) {
+  keep_alive.push_back(bias.defined() ? bias.to(ct) : bias);
+  keep_alive.push_back(table.defined() ? table.to(ct).contiguous() : table);
+  keep_alive.push_back(sinks.defined() ? sinks.to(ct).contiguous() : sinks);
+  const size_t n = keep_alive.size();
+  return Terms<T>(keep_alive[n - 3], keep_alive[n - 2], table_shift, softcap, keep_alive[n - 1]);
+}
+
+bool half_products();
+
+// forward_impl with the weights (if asked) in the inputs' dtype, for the heads in `slot`
+template <typename T, typename E>
+bool forward_into(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out,
+                  T* lse, at::Tensor& weights, const std::vector<int64_t>& slot) {
+  if (!weights.defined()) {
+    const Weights<T>* none = nullptr;
+    return forward_impl(in, plan, terms, out, lse, none);
+  }
+  auto run = [&](auto* data) {
+    using W = std::remove_pointer_t<decltype(data)>;
+    const Weights<W> w{data, weights.size(1), slot};
+    return forward_impl(in, plan, terms, out, lse, &w);
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    if (weights.scalar_type() == at::kBFloat16) return run(weights.data_ptr<at::BFloat16>());
+    if (weights.scalar_type() == at::kHalf) return run(weights.data_ptr<at::Half>());
+  }
+  return run(weights.data_ptr<T>());
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& items, const at::Tensor& chunks,
                                 const at::Tensor& keep, const at::Tensor& bias,
                                 const at::Tensor& table, int64_t table_shift, double scale,
-                                bool with_weights) {
+                                double softcap, const at::Tensor& sinks, bool with_weights,
+                                const at::Tensor& heads) {
   const at::ScalarType ct = compute_type(q);
-  // the scale is applied to the queries once (L x D products) instead of to every score
-  at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
-  at::Tensor out = at::zeros({B, H, L, Dv}, q.options().dtype(ct));
+  // the weights' heads: every query head, or those listed (in their order)
+  std::vector<int64_t> slot(H, -1);
+  int64_t chosen = H;
+  if (heads.defined() && heads.numel() > 0) {
+    TORCH_CHECK(heads.dtype() == at::kLong && heads.dim() == 1);
+    const at::Tensor listed = heads.contiguous();
+    chosen = listed.numel();
+    for (int64_t i = 0; i < chosen; ++i) {
+      const int64_t h = listed.data_ptr<int64_t>()[i];
+      TORCH_CHECK(h >= 0 && h < H && slot[h] < 0, "heads must be distinct indices in [0, H)");
+      slot[h] = i;
+    }
+  } else {
+    for (int64_t h = 0; h < H; ++h) slot[h] = h;
+  }
+  // every entry of out and weights is written once by the kernel: no zeros first
+  at::Tensor out = empty_large({B, H, L, Dv}, q.options().dtype(ct));
   at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(ct));
-  at::Tensor weights = with_weights ? at::zeros({B, H, L, S}, q.options().dtype(ct))
-                                    : at::Tensor();
+  at::Tensor weights =
+      with_weights ? empty_large({B, chosen, L, S}, q.options()) : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
   bool bad = false;
-  AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
-    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
-                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
-    bad = forward_impl<scalar_t>(Inputs<scalar_t>(qc, kc, vc, L > kDecodeRows, false), plan,
-                                 terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                                 with_weights ? weights.data_ptr<scalar_t>() : nullptr);
-  });
+  std::vector<at::Tensor> alive;
+  const bool blocked = L > kDecodeRows;
+  if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
+    // bf16 block products with float statistics, the scale on the float scores; an odd head
+    // dim gets a zero column
+    at::Tensor qh = unit_last(q, at::kBFloat16);
+    if (q.size(3) % 2 != 0) qh = at::constant_pad_nd(qh, {0, 1});
+    const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);
+    Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
+    terms.scale = static_cast<float>(scale);
+    const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
+    bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights,
+                       slot);
+  } else {
+    // the scale goes to the scores as they are finished (no scaled copy of the queries)
+    at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
+    AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
+      Terms<scalar_t> terms =
+          make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
+      terms.scale = static_cast<scalar_t>(scale);
+      const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
+      bad = forward_into(in, plan, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
+                         weights, slot);
+    });
+  }
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
-  if (with_weights) result.push_back(weights.to(q.scalar_type()));
+  if (with_weights) result.push_back(weights);
   result.push_back(at::scalar_tensor(bad, q.options().dtype(at::kBool)));
   return result;
 }
@@ -869,8 +1610,8 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
                                  const at::Tensor& lse, const at::Tensor& items,
                                  const at::Tensor& chunks, const at::Tensor& keep,
                                  const at::Tensor& bias, const at::Tensor& table,
-                                 int64_t table_shift, double scale, bool bias_grad,
-                                 bool table_grad) {
+                                 int64_t table_shift, double scale, double softcap,
+                                 bool bias_grad, bool table_grad) {
   const at::ScalarType ct = compute_type(q);
   at::Tensor qc = unit_last(q.to(ct) * scale, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
   at::Tensor g = grad.to(ct).contiguous();
@@ -880,17 +1621,19 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   lse_c = at::where(at::isfinite(lse_c), lse_c, at::full({}, INFINITY, lse_c.options()))
               .contiguous();
   at::Tensor delta = (g * out.to(ct)).sum(-1).contiguous();  // [B, H, L]
-  at::Tensor dq = at::zeros({B, H, L, D}, q.options().dtype(ct));
-  // every (batch entry, key/value head) writes its whole dK and dV: no zeros needed
-  at::Tensor dk = at::empty({B, k.size(1), S, D}, q.options().dtype(ct));
-  at::Tensor dv = at::empty({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
+  // every (batch entry, key/value head) writes its whole dK and dV, every reached row its dQ
+  at::Tensor dq = empty_large({B, H, L, D}, q.options().dtype(ct));
+  at::Tensor dk = empty_large({B, k.size(1), S, D}, q.options().dtype(ct));
+  at::Tensor dv = empty_large({B, k.size(1), S, v.size(3)}, q.options().dtype(ct));
   at::Tensor dbias = bias_grad ? at::zeros({B, H, L, S}, q.options().dtype(ct)) : at::Tensor();
   at::Tensor dtable = table_grad ? at::zeros({B, H, table.size(1)}, q.options().dtype(ct))
                                  : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
+  std::vector<at::Tensor> alive;
   AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_backward", [&] {
-    const Bias<scalar_t> terms(bias.defined() ? bias.to(ct) : bias,
-                               table.defined() ? table.to(ct).contiguous() : table, table_shift);
+    zero_unreached_rows(plan, B, H, L, D, dq.data_ptr<scalar_t>());
+    const Terms<scalar_t> terms =
+        make_terms<scalar_t>(bias, table, table_shift, softcap, at::Tensor(), ct, alive);
     backward_impl<scalar_t>(
         Inputs<scalar_t>(qc, kc, vc, true, true), plan, terms, static_cast<scalar_t>(scale),
         g.data_ptr<scalar_t>(), lse_c.data_ptr<scalar_t>(), delta.data_ptr<scalar_t>(),
@@ -903,6 +1646,92 @@ std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
   result.push_back(bias_grad ? dbias : at::empty({0}, q.options().dtype(ct)));
   result.push_back(table_grad ? dtable : at::empty({0}, q.options().dtype(ct)));
   return result;
+}
+
+// The block products' own rate, in FLOP per second of the clock given: the forward's block
+// shapes (scores [kRows, kKeys] = Q [kRows, d] K^T, then acc [kRows, d] += P V), operands in
+// cache, in float32 or with bf16 operands, for `seconds` on the calling thread.
+template <typename E, typename Clock>
+double block_rate_here(int64_t d, double seconds, Clock now) {
+  const int64_t d2 = (d + 1) / 2 * 2;
+  std::vector<E> q(kRows * d2, E(0.5f)), kt(d2 * kKeys, E(0.25f)), p(kRows * kKeys),
+      v(kKeys * d2, E(0.125f));
+  std::vector<float> s(kRows * kKeys), acc(kRows * d2, 0.0f);
+  const double start = now();
+  double done = 0, elapsed = 0;
+  while (elapsed < seconds) {
+    if constexpr (std::is_same_v<E, float>) {
+      block_gemm(kRows, kKeys, d2, q.data(), d2, kt.data(), kKeys, false, s.data(), kKeys);
+      block_gemm(kRows, d2, kKeys, s.data(), kKeys, v.data(), d2, true, acc.data(), d2);
+    } else {
+      block_gemm_vnni(kRows, kKeys, d2, q.data(), d2, kt.data(), kKeys, false, s.data(), kKeys);
+      to_bf16(p.data(), s.data(), kRows * kKeys);
+      block_gemm_vnni(kRows, d2, kKeys, p.data(), kKeys, v.data(), d2, true, acc.data(), d2);
+    }
+    done += 4.0 * kRows * kKeys * d2;
+    elapsed = now() - start;
+  }
+  return done / elapsed;
+}
+
+double wall_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The block products' peak: GFLOP/s on every thread at once (wall clock), in float32 or
+// with bf16 operands. What the kernel's time is best compared with: on some CPUs torch's own
+// float32 matmul runs well below it.
+double block_peak(int64_t d, double seconds, bool bf16) {
+#ifndef MULTIHEAD_BRGEMM
+  if (bf16) return 0.0;
+#endif
+  const int64_t threads = at::get_num_threads();
+  std::vector<double> rates(threads, 0.0);
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+#ifdef MULTIHEAD_BRGEMM
+      if (bf16) {
+        rates[t] = block_rate_here<at::BFloat16>(d, seconds, wall_seconds);
+        continue;
+      }
+#endif
+      rates[t] = block_rate_here<float>(d, seconds, wall_seconds);
+    }
+  });
+  double total = 0;
+  for (const double r : rates) total += r;
+  return total / 1e9;
+}
+
+// Whether bf16 inputs run their block products in bf16: where the bf16 microkernel is at least
+// 1.25x the float one on this machine (CPUs with AVX512-BF16 or AMX), measured once per process
+// on the calling thread in its own CPU time (a busy machine does not change the answer), a
+// few milliseconds. Elsewhere bf16 inputs are widened to float once per call, which keeps the
+// 2x error rule as well and runs at the float speed.
+bool half_products() {
+#ifdef MULTIHEAD_BRGEMM
+  static const bool faster = [] {
+#if defined(__x86_64__)
+    if (!at::native::cpublas::could_pack(at::kBFloat16) && !__builtin_cpu_supports("avx512bf16"))
+      return false;
+#endif
+    const auto cpu_seconds = [] {
+      timespec t{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+      return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+    };
+    double wide = 0, half = 0;
+    for (int round = 0; round < 3; ++round) {
+      wide = std::max(wide, block_rate_here<float>(64, 0.003, cpu_seconds));
+      half = std::max(half, block_rate_here<at::BFloat16>(64, 0.003, cpu_seconds));
+    }
+    return half >= 1.25 * wide;
+  }();
+  return faster;
+#else
+  return false;
+#endif
 }
 
 // How many of torch's intra-op threads one parallel loop of the kernel reaches, over `tasks`
@@ -919,6 +1748,8 @@ int64_t parallel_threads(int64_t tasks) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_peak", &block_peak, "GFLOP/s of the block products (float32 or bf16), all threads");
+  m.def("half_products", &half_products, "whether bf16 inputs use bf16 block products here");
   m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
