@@ -403,6 +403,7 @@ def _chart(report: dict, path: Path) -> Path | None:
     """Speedup of every contender over its workload's baseline; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return None
     workloads = report["workloads"]
@@ -417,9 +418,14 @@ def _chart(report: dict, path: Path) -> Path | None:
             if row is not None:
                 xs.append(j + (i - (len(names) - 1) / 2) * width)
                 ys.append(row["speedup_vs_" + w["baseline"]])
-        ax.bar(xs, ys, width, label=name)
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=7, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:g}x")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels([f"{w['title']}\n(vs {w['baseline']})" for w in workloads], fontsize=8)
     ax.set_ylabel("speedup over the baseline (log scale)")
