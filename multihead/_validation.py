@@ -13,7 +13,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -52,6 +52,34 @@ def check_positive_int(name: str, value: object) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be a positive int. Received: {name}={value}")
     return value
+
+
+def check_indices(
+    name: str, value: object, count: int, *, kind: str, every: str, size: str
+) -> list[int]:
+    """``value`` as a non-empty list of distinct ints in [0, ``count``), or a ValueError that
+    says so: ``kind`` names what they index ("query-head"), ``every`` what None chooses
+    ("head"), ``size`` how many there are ("H=8")."""
+    ok = (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a non-empty list of {kind} indices (ints), or None for every "
+            f"{every}. Received: {name}={value!r}"
+        )
+    chosen = list(cast("list[int] | tuple[int, ...]", value))
+    bad = [x for x in chosen if not 0 <= x < count]
+    if bad:
+        raise ValueError(
+            f"{name} must be {kind} indices in [0, {count}) ({size}). "
+            f"Received: {name}={chosen!r}, out of range: {bad}"
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"{name} must not repeat an index. Received: {name}={chosen!r}")
+    return chosen
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -8,7 +8,7 @@ asked for. No flag changes what a function returns.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -181,26 +181,9 @@ def attention_with_weights(
 
 def check_heads(heads: object, num_heads: int) -> list[int]:
     """``heads`` as a list of distinct query-head indices in [0, H), or a clear ValueError."""
-    ok = (
-        isinstance(heads, (list, tuple))
-        and len(heads) > 0
-        and all(isinstance(h, int) and not isinstance(h, bool) for h in heads)
+    return V.check_indices(
+        "heads", heads, num_heads, kind="query-head", every="head", size=f"H={num_heads}"
     )
-    if not ok:
-        raise ValueError(
-            "heads must be a non-empty list of query-head indices (ints), or None for every "
-            f"head. Received: heads={heads!r}"
-        )
-    chosen = list(cast("list[int] | tuple[int, ...]", heads))
-    bad = [h for h in chosen if not 0 <= h < num_heads]
-    if bad:
-        raise ValueError(
-            f"heads must be query-head indices in [0, {num_heads}) (H={num_heads}). "
-            f"Received: heads={chosen!r}, out of range: {bad}"
-        )
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"heads must not repeat an index. Received: heads={chosen!r}")
-    return chosen
 
 
 def select_heads(call: Call, heads: list[int]) -> Call:

@@ -12,9 +12,25 @@ def chart_figure(report) -> Any:
     from matplotlib.figure import Figure
 
     workloads = report.workloads
-    names = sorted({c for w in workloads for c in w["contenders"]})
     fig = Figure(figsize=(max(8, 1.3 * len(workloads)) + 2.5, 5), layout="constrained")
     ax = fig.subplots()
+    speedup_bars(ax, workloads, [w["title"] for w in workloads], rotation=30)
+    machine = report.machine
+    title = f"multihead bench (medians), {machine['threads']} threads, torch {machine['torch']}"
+    if getattr(report, "smoke_test", False):
+        title += "\n--quick smoke test: warm-up dominates, not for comparison"
+    ax.set_title(title)
+    return fig
+
+
+def speedup_bars(ax: Any, workloads: list[dict], labels: list[str], *, rotation: int = 0) -> None:
+    """Every contender's speedup over its workload's baseline as grouped bars on ``ax``, each
+    labelled with its ratio, on a log axis that reads as plain ratios; the legend right of
+    the axes. ``workloads``: dicts with "baseline" and "contenders" ({name: {"speedup_vs_"
+    + baseline: ratio}})."""
+    from matplotlib.ticker import FuncFormatter
+
+    names = sorted({c for w in workloads for c in w["contenders"]})
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         xs, ys = [], []
@@ -23,19 +39,19 @@ def chart_figure(report) -> Any:
             if row is not None:
                 xs.append(j + (i - (len(names) - 1) / 2) * width)
                 ys.append(row["speedup_vs_" + w["baseline"]])
-        ax.bar(xs, ys, width, label=name)
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=6, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:g}x")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
     ax.set_xticks(range(len(workloads)))
-    ax.set_xticklabels([w["title"] for w in workloads], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("speedup over baseline (log scale)")
-    machine = report.machine
-    title = f"multihead bench (medians), {machine['threads']} threads, torch {machine['torch']}"
-    if getattr(report, "smoke_test", False):
-        title += "\n--quick smoke test: warm-up dominates, not for comparison"
-    ax.set_title(title)
+    ha = "right" if rotation else "center"
+    ax.set_xticklabels(labels, rotation=rotation, ha=ha, fontsize=8)
+    ax.set_ylabel("speedup over the baseline (log scale)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    return fig
 
 
 def write_chart(report, path: Path) -> Path | None:

@@ -403,36 +403,17 @@ def _chart(report: dict, path: Path) -> Path | None:
     """Speedup of every contender over its workload's baseline; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return None
+    from .chart import speedup_bars
+
     workloads = report["workloads"]
-    names = sorted({n for w in workloads for n in w["contenders"]})
     fig = Figure(figsize=(10, 5), layout="constrained")
     ax = fig.subplots()
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        xs, ys = [], []
-        for j, w in enumerate(workloads):
-            row = w["contenders"].get(name)
-            if row is not None:
-                xs.append(j + (i - (len(names) - 1) / 2) * width)
-                ys.append(row["speedup_vs_" + w["baseline"]])
-        bars = ax.bar(xs, ys, width, label=name)
-        ax.bar_label(bars, labels=[f"{y:.2f}x" for y in ys], fontsize=7, padding=2)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    plain = FuncFormatter(lambda y, _: f"{y:g}x")
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
-    ax.tick_params(axis="y", which="minor", labelsize=7)
-    ax.set_xticks(range(len(workloads)))
-    ax.set_xticklabels([f"{w['title']}\n(vs {w['baseline']})" for w in workloads], fontsize=8)
-    ax.set_ylabel("speedup over the baseline (log scale)")
+    speedup_bars(ax, workloads, [f"{w['title']}\n(vs {w['baseline']})" for w in workloads])
     title = f"multihead bench hf: whole forwards, medians, {report['threads']} threads"
     if report["smoke_test"]:
         title += "\n--quick smoke test: not for comparison"
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.savefig(path, dpi=110)
     return path

@@ -14,13 +14,14 @@ one of them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from torch import Tensor, nn
 
+from .. import _validation as V
 from ..functional import check_heads
 
 __all__ = ["Capture", "capture"]
@@ -133,26 +134,10 @@ def _num_heads(model: nn.Module) -> int | None:
 def _check_layers(layers: object, count: int) -> list[int] | None:
     if layers is None:
         return None
-    ok = (
-        isinstance(layers, (list, tuple))
-        and len(layers) > 0
-        and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
-    )
-    if not ok:
-        raise ValueError(
-            "layers must be a non-empty list of layer indices (ints, counted from 0), or None "
-            f"for every layer. Received: layers={layers!r}"
-        )
-    chosen = list(cast("Sequence[int]", layers))
-    bad = [x for x in chosen if not 0 <= x < count]
-    if bad:
-        raise ValueError(
-            f"layers must be indices in [0, {count}): the model has {count} self-attention "
-            f"layers. Received: layers={chosen!r}, out of range: {bad}"
-        )
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"layers must not repeat an index. Received: layers={chosen!r}")
-    return chosen
+    return V.check_indices(
+        "layers", layers, count, kind="layer", every="layer",
+        size=f"the model has {count} self-attention layers, counted from 0",
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

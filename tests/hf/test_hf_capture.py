@@ -97,7 +97,9 @@ def test_capture_errors():
     ):
         pass
     with (
-        pytest.raises(ValueError, match=r"layers must be indices in \[0, 2\)"),
+        pytest.raises(
+            ValueError, match=r"layers must be layer indices in \[0, 2\) \(the model has"
+        ),
         mhf.capture(model, layers=[2]),
     ):
         pass
