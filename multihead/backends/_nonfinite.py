@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..masks import TileKind
 from ._tensors import repeat_kv
-from .call import Call, exporting
+from .call import Call
 
 __all__ = ["NonFiniteInput", "run_guarded"]
 
@@ -53,7 +53,7 @@ def run_guarded(
     """``run(call)`` with the NaN rule. ``checks_inputs``: ``run`` raises ``NonFiniteInput``
     when it reads NaN or ±inf (``Backend.checks_inputs``), so the cheap check is skipped."""
     q, k, v = call.query, call.key, call.value
-    if exporting() or torch.compiler.is_compiling():
+    if call.traced:
         # a traced graph cannot branch on data (under torch.compile the check would be a graph
         # break in every attention call): it computes the plain formula
         return run(call)

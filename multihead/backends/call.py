@@ -4,7 +4,7 @@ ranking rules read besides the shapes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -14,7 +14,7 @@ from .. import bias as _bias
 from ..bias import ScoreModifier
 from ..masks import Mask, TorchMasks, dense
 
-__all__ = ["Call", "exporting", "plain_causal", "prepare", "structured"]
+__all__ = ["Call", "exporting", "plain_causal", "prepare", "structured", "traced"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class Call:
     # with return_weights: the weights of these query heads only, in this order
     # ([B, len(heads), L, S]); only for backends whose capabilities say heads
     heads: tuple[int, ...] | None = None
+    # made while a graph is traced (``traced()`` when the call was made): no data-dependent
+    # branch, no measurement, no remembered choice. Asked once per call, not by every step
+    # of its way to a kernel (a decoding step's attention call has microseconds to spare)
+    traced: bool = field(default_factory=lambda: traced(), compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -142,3 +146,8 @@ def structured(call: Call) -> bool:
 def exporting() -> bool:
     """True while torch.export or the ONNX exporter traces: no data-dependent branches then."""
     return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
+def traced() -> bool:
+    """True while torch.compile, torch.export or the ONNX exporter traces a graph."""
+    return torch.compiler.is_compiling() or exporting()

@@ -45,7 +45,7 @@ from . import _extension, _measure
 from ._nonfinite import NonFiniteInput, run_guarded
 from ._plan import Item, plan, query_tile
 from ._tensors import sink_grad, stat_dtype
-from .call import Call, exporting
+from .call import Call
 from .protocol import LAST, Backend, Capabilities, Rank
 
 __all__ = [
@@ -324,6 +324,7 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 _FLAT: OrderedDict[Hashable, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 _FLAT_KEPT = 16  # flattened plans of (L, S)-only mask structures kept for reuse
+_NO_HEADS = torch.empty(0, dtype=torch.long)  # an eager call's heads= when every head is asked
 
 
 def _flatten(items: list[Item], device) -> tuple[Tensor, Tensor, Tensor]:
@@ -473,8 +474,8 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
     weights = None
-    traced = exporting() or torch.compiler.is_compiling()
-    heads = torch.tensor(call.heads or [], dtype=torch.long)
+    traced = call.traced
+    heads = _NO_HEADS if call.heads is None else torch.tensor(call.heads, dtype=torch.long)
     if not (traced or call.needs_grad):
         # eager inference calls the kernel itself: the op's dispatch (there for graphs and
         # autograd) costs more than a decoding step's attention leaves to spare

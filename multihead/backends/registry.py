@@ -18,12 +18,11 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import torch
 from torch import Tensor
 
 from . import flex, fused, half, reference, sdpa, tiled
 from ._measure import shape_class
-from .call import Call, exporting, plain_causal
+from .call import Call, plain_causal
 from .protocol import Backend, BackendUnavailable, Rank
 
 __all__ = [
@@ -135,7 +134,7 @@ def _choose(call: Call, skip: frozenset[str] = frozenset()) -> str:
     leader = next((name for name in order if _registered[name].why_not(call) is None), None)
     if leader is None:
         raise _none_able(call)
-    if exporting() or torch.compiler.is_compiling():  # a measurement is a data-dependent branch
+    if call.traced:  # a measurement is a data-dependent branch
         return leader
     # each self-timing backend against the leader so far: the fastest leads, not the first
     # that beat the rules' choice
@@ -155,7 +154,7 @@ def _key(call: Call) -> Hashable | None:
     """What ``auto``'s choice for ``call`` depends on: the shape class (``_measure``), what the
     ranking rules read of the mask beyond it, and each backend's own state. None while a
     graph is traced (the choice is made anew then)."""
-    if exporting() or torch.compiler.is_compiling():
+    if call.traced:
         return None
     _, _, _, length_q, length_k, _ = call.shape
     mask = call.mask
@@ -238,7 +237,7 @@ def _measured_lead(
     leader = able[0]
     why = ranks[leader].why
     notes: dict[str, str] = {}
-    if exporting() or torch.compiler.is_compiling():
+    if call.traced:
         return leader, why, notes
     for name in able[1:]:  # as _choose: each against the leader so far
         measured = _registered[name].measured
