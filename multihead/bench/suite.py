@@ -471,6 +471,9 @@ def _compile_flex(q, k, v, mask_mod, w: Workload, score_mod=None):
         block = None
         if mask_mod is not None:
             block = create_block_mask(mask_mod, w.b, None, w.length, w.length, device="cpu")
+        # a fresh start for each workload's compile: every one recompiles flex_attention's own
+        # code, and past dynamo's recompile limit (8) later workloads ran it uncompiled
+        torch._dynamo.reset()
         compiled = torch.compile(flex_attention)
         compiled(q, k, v, block_mask=block, score_mod=score_mod)
         run = lambda: compiled(q, k, v, block_mask=block, score_mod=score_mod)  # noqa: E731

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <ctime>
+#include <tuple>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -765,7 +766,9 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
 // at 134 MB of weights tens of thousands of page faults cost more than computing them. A
 // freed mapping waits in a small pool (at most kPoolEntries, kPoolBytes in all) for the next
 // buffer of about its size, which then skips the system's zeroing of new pages too: calls of
-// one shape, as a model's layers make them, reuse each other's memory.
+// one shape, as a model's layers make them, reuse each other's memory. A full pool makes room
+// for the newest buffer by unmapping its oldest ones: the shapes a process uses now are the
+// ones it asks for next (a pool that kept its first buffers served none of a later shape).
 class LargeBuffers {
  public:
   static constexpr size_t kHuge = size_t(1) << 21;
@@ -787,8 +790,10 @@ class LargeBuffers {
         *length = best->second;
         held_ -= best->second;
         free_.erase(best);
+        ++hits_;
         return p;
       }
+      ++misses_;
     }
     // one huge page more than needed, then the unaligned ends unmapped
     void* raw = mmap(nullptr, need + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
@@ -805,21 +810,36 @@ class LargeBuffers {
   }
 
   void give(void* p, size_t length) {
+    std::vector<std::pair<void*, size_t>> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (free_.size() < kPoolEntries && held_ + length <= kPoolBytes) {
+      if (length <= kPoolBytes) {
+        // free_ is in the order buffers came back: the oldest first
+        while (!free_.empty() && (free_.size() >= kPoolEntries || held_ + length > kPoolBytes)) {
+          evicted.push_back(free_.front());
+          held_ -= free_.front().second;
+          free_.erase(free_.begin());
+        }
         free_.emplace_back(p, length);
         held_ += length;
-        return;
+        p = nullptr;
       }
     }
-    munmap(p, length);
+    for (const auto& e : evicted) munmap(e.first, e.second);
+    if (p != nullptr) munmap(p, length);
+  }
+
+  // (buffers waiting, their bytes, takes served from the pool, takes that mapped new memory)
+  std::tuple<int64_t, int64_t, int64_t, int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {int64_t(free_.size()), int64_t(held_), hits_, misses_};
   }
 
  private:
   std::mutex mutex_;
   std::vector<std::pair<void*, size_t>> free_;
   size_t held_ = 0;
+  int64_t hits_ = 0, misses_ = 0;
 };
 
 // never destroyed: tensors freed while the process exits still return their buffers
@@ -828,6 +848,14 @@ LargeBuffers& large_buffers() {
   return *pool;
 }
 #endif
+
+std::tuple<int64_t, int64_t, int64_t, int64_t> pool_stats() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  return large_buffers().stats();
+#else
+  return {0, 0, 0, 0};
+#endif
+}
 
 // A new tensor for a large buffer (see LargeBuffers); elsewhere, and for small buffers,
 // at::empty. Its contents are undefined: every caller writes each entry.
@@ -1751,6 +1779,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_peak", &block_peak, "GFLOP/s of the block products (float32 or bf16), all threads");
   m.def("half_products", &half_products, "whether bf16 inputs use bf16 block products here");
   m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
+  m.def("pool_stats", &pool_stats,
+        "the large-buffer pool: (buffers waiting, their bytes, takes it served, takes it missed)");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
 }
