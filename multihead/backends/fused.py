@@ -324,7 +324,9 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 _FLAT: OrderedDict[Hashable, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
 _FLAT_KEPT = 16  # flattened plans of (L, S)-only mask structures kept for reuse
-_NO_HEADS = torch.empty(0, dtype=torch.long)  # an eager call's heads= when every head is asked
+with torch.inference_mode(False):  # usable outside inference mode too
+    _NO_HEADS = torch.empty(0, dtype=torch.long)  # an eager call's heads= when every head is asked
+_EMPTY: dict[torch.dtype, Tensor] = {}  # _nothing's shared empty tensors
 
 
 def _flatten(items: list[Item], device) -> tuple[Tensor, Tensor, Tensor]:
@@ -421,17 +423,31 @@ def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor,
     return _FLAT[key]
 
 
-def _terms(call: Call) -> tuple[Tensor, Tensor, int]:
+def _nothing(q: Tensor, dtype: torch.dtype, shared: bool) -> Tensor:
+    """The kernel's "none" for a bias, a table or sinks: an empty tensor. ``shared``: one made
+    once per dtype (an eager inference call on the CPU, whose arguments nothing keeps)."""
+    if not shared or q.device.type != "cpu":
+        return q.new_empty(0, dtype=dtype)
+    empty = _EMPTY.get(dtype)
+    if empty is None:
+        with torch.inference_mode(False):  # usable outside inference mode too
+            empty = _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return empty
+
+
+def _terms(call: Call, shared: bool = False) -> tuple[Tensor, Tensor, int]:
     """(dense bias [B, H, L, S] through broadcast strides or empty, relative table (H|1, n) or
     empty, the table's shift). A modifier that depends on the distance alone becomes a table
     of L + S - 1 values per head; a tensor stays a view of itself; any other modifier is
-    lowered to a dense tensor."""
-    b, h, _, length_q, length_k, _ = call.shape
+    lowered to a dense tensor. ``shared``: as ``_nothing``."""
     q = call.query
     stat = stat_dtype(q.dtype)
-    empty = q.new_empty(0, dtype=stat)
+    empty = _nothing(q, stat, shared)
     bias = call.bias
-    if bias is None or length_q == 0 or length_k == 0:
+    if bias is None:
+        return empty, empty, 0
+    b, h, _, length_q, length_k, _ = call.shape
+    if length_q == 0 or length_k == 0:
         return empty, empty, 0
     off = bias.offset(length_q, length_k)
     lo, hi = -(length_q - 1) - off, length_k - off
@@ -442,11 +458,12 @@ def _terms(call: Call) -> tuple[Tensor, Tensor, int]:
     return dense.expand(b, h, length_q, length_k), empty, 0
 
 
-def _args(call: Call) -> tuple:
+def _args(call: Call, shared: bool = False) -> tuple:
+    """The kernel's arguments; ``shared``: as ``_nothing``."""
     items, chunks, keep = _plan_tensors(call)
-    bias, table, shift = _terms(call)
+    bias, table, shift = _terms(call, shared)
     softcap = 0.0 if call.softcap is None else float(call.softcap)
-    sinks = call.query.new_empty(0) if call.sinks is None else call.sinks
+    sinks = _nothing(call.query, call.query.dtype, shared) if call.sinks is None else call.sinks
     return (
         call.query, call.key, call.value, items, chunks, keep, bias, table, shift, call.scale,
         softcap, sinks,
@@ -479,7 +496,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if not (traced or call.needs_grad):
         # eager inference calls the kernel itself: the op's dispatch (there for graphs and
         # autograd) costs more than a decoding step's attention leaves to spare
-        result = build().forward(*_args(call), call.return_weights, heads)
+        result = build().forward(*_args(call, shared=True), call.return_weights, heads)
         out, weights, bad = result[0], result[2] if call.return_weights else None, result[-1]
     elif call.return_weights:
         out, _, weights, bad = _weights_op(*_args(call), heads)

@@ -62,7 +62,8 @@ _error: str | None = None
 # (rows, out, in) -> whether the kernel measured faster than F.linear on float32 weights
 _faster: dict[tuple[int, int, int], bool] = {}
 # the kernel's "no scale" / "no bias" (float32 on the CPU, where it runs)
-_NONE = torch.empty(0, dtype=torch.float32)
+with torch.inference_mode(False):  # usable outside inference mode too
+    _NONE = torch.empty(0, dtype=torch.float32)
 
 
 def _build():

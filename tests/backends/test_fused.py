@@ -431,7 +431,9 @@ def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
     full = mh.attention_with_weights(q, k, v, mask, bias=modifier, backend="fused")
     calls = []
     real = fused._args
-    monkeypatch.setattr(fused, "_args", lambda call: calls.append(call.heads) or real(call))
+    monkeypatch.setattr(
+        fused, "_args", lambda call, **kw: calls.append(call.heads) or real(call, **kw)
+    )
     part = mh.attention_with_weights(q, k, v, mask, bias=modifier, heads=[6, 1], backend="fused")
     assert calls == [(6, 1)] and part.weights.shape == (b, 2, length_q, length_k)
     assert (part.weights - full.weights[:, [6, 1]]).abs().max() <= 1e-6

@@ -123,7 +123,7 @@ def test_the_chart_legend_covers_no_bar():
     assert "not for comparison" in ax.get_title()
 
 
-def test_each_workload_compiles_its_own_flex_attention(monkeypatch):
+def test_each_workload_compiles_its_own_flex_attention():
     """Every workload compiles flex_attention anew (its score and mask functions differ); past
     dynamo's recompile limit the later ones ran uncompiled, and the table printed that as
     FlexAttention's time (the soft-capping row: 8.8 s against 0.39 s compiled alone). A limit
@@ -131,17 +131,18 @@ def test_each_workload_compiles_its_own_flex_attention(monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     from multihead.bench.suite import _compile_flex
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     workload = WORKLOADS["causal_softcap"][1]  # the quick sizes
     q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
-    for cap in (10.0, 20.0):
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for cap in (10.0, 20.0):
 
-        def score_mod(score, b, h, i, j, cap=cap):
-            return cap * torch.tanh(score / cap)
+            def score_mod(score, b, h, i, j, cap=cap):
+                return cap * torch.tanh(score / cap)
 
-        with warnings.catch_warnings():
-            # the unfused fallback says "called without torch.compile()"
-            warnings.simplefilter("error", UserWarning)
-            run, _, why = _compile_flex(q, k, v, None, workload, score_mod)
-            assert run is not None, why
-            run()
+            with warnings.catch_warnings():
+                # the unfused fallback says "called without torch.compile()"
+                warnings.simplefilter("error", UserWarning)
+                run, _, why = _compile_flex(q, k, v, None, workload, score_mod)
+                assert run is not None, why
+                run()
+    torch._dynamo.reset()  # nothing of these compiles is left for later tests
