@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .. import bias as mb
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
-from . import capture as _capture
+from . import recording
 
 __all__ = ["attention_forward"]
 
@@ -99,15 +99,15 @@ def attention_forward(
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
-    heads = _capture.heads_for(module)
+    heads = recording.heads_for(module)
     if _wants_weights(output_attentions):
         out, weights = attention_with_weights(query, key, value, mask, **common)
         if heads is not None:
-            _capture.record(module, weights if heads == "all" else weights[:, heads])
+            recording.record(module, weights if heads == "all" else weights[:, heads])
     elif heads is not None:
         chosen = None if heads == "all" else heads
         out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
-        _capture.record(module, weights)
+        recording.record(module, weights)
         weights = None
     else:
         out, weights = attention(query, key, value, mask, **common), None

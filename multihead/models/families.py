@@ -129,6 +129,14 @@ def all_families() -> list[Family]:
     return [_FAMILIES[name] for name in sorted(_FAMILIES)]
 
 
+def describe(model_type: str) -> str:
+    """A folder's model in words, with the config.json field that names it: the family's own
+    description, or the bare ``model_type`` when no family opens it."""
+    known = family(model_type)
+    name = f"a {model_type!r} model" if known is None else known.description
+    return f"{name} (config.json model_type {model_type!r})"
+
+
 def supported() -> list[str]:
     """The ``model_type`` values ``load`` opens, built-in and registered."""
     return [f.model_type for f in all_families()]
@@ -151,7 +159,6 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
             or "int8".
     """
     from .. import hf_folders, io
-    from . import kinds
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
         raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
@@ -166,12 +173,11 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         return io.load(path)  # a multihead.save folder, or io.load names what is missing
     found = family(model_type)
     if found is None:
-        kind = kinds.FolderKind(path, model_type)
         raise ValueError(
-            f"{path} holds {kind.describe()}, which no model family opens; "
+            f"{path} holds {describe(model_type)}, which no model family opens; "
             f"multihead.models.load opens model_type {', '.join(map(repr, supported()))} and "
             "multihead.save folders (add a family with multihead.models.register(Family(...)))"
-            f". Received: {kind.received}"
+            f". Received: model_type={model_type!r}"
         )
     if weights is None:
         return found.load(path)

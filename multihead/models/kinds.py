@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .families import Family, all_families, family
+from .families import Family, all_families, describe, family
 
 __all__ = [
     "SAVED",
@@ -45,9 +45,7 @@ class FolderKind:
             return f"a multihead.save folder of {self.saved_class} (config.json model.class)"
         if self.kind is None:
             return "a config.json with neither model_type nor format_version"
-        known = family(self.kind)
-        name = f"a {self.kind!r} model" if known is None else known.description
-        return f"{name} (config.json model_type {self.kind!r})"
+        return describe(self.kind)
 
     @property
     def received(self) -> str:
