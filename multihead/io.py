@@ -282,18 +282,31 @@ def _lookup(name: Any, where: str) -> _Codec:
     if not isinstance(name, str):
         raise ValueError(f"{where}.class must be a string. Received: {where}.class={name!r}")
     if name not in _BY_NAME and name.startswith("multihead."):
-        module = name.rsplit(".", 1)[0]
-        # the library's own classes register themselves when their module is imported
-        with contextlib.suppress(ImportError):
-            importlib.import_module(module)
+        _import_declaring(name)
         _sync_declared()
     if name not in _BY_NAME:
+        # the message lists the library's layers too, not only what this process imported
+        importlib.import_module("multihead.modules")
         raise ValueError(
             f"{where}.class names a class that is not registered; import the module that "
             f"registers it before loading. Known: {', '.join(registered())}. "
             f"Received: {where}.class={name!r}"
         )
     return _BY_NAME[name]
+
+
+def _import_declaring(name: str) -> None:
+    """Import what declares the library class ``name``: the library's classes register
+    themselves when their module is imported, and a folder records either the defining module's
+    path (``multihead.apps.forecast.CausalForecaster``) or the public name
+    (``multihead.TransformerEncoderLayer``), which the package imports lazily on first use."""
+    module, _, attr = name.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return
+    with contextlib.suppress(AttributeError, ImportError):
+        getattr(found, attr)
 
 
 # nesting levels a config may use (a module inside a list inside a module ... ); the deepest the
