@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         merge_heads,
         split_heads,
     )
+    from .stats import attention_stats
 
 # public name -> the module that defines it (a module name alone: the submodule itself)
 _WHERE = {
@@ -56,6 +57,7 @@ _WHERE = {
     "attention": "multihead.functional",
     "attention_with_weights": "multihead.functional",
     "explain_backend": "multihead.functional",
+    "attention_stats": "multihead.stats",
     "save": "multihead.io",
     "load": "multihead.models",
     **{

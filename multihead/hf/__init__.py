@@ -12,7 +12,9 @@ run every attention call of the model through ``multihead.attention`` (or
 ``attention_with_weights`` when the weights are wanted): masks as masks whose tiles are known
 (a sliding window skips what it hides), soft-capping and attention sinks inside the kernel,
 grouped-query attention without repeated keys, ``output_attentions=True`` on the fast path.
-``capture(model, layers=, heads=)`` records the weights of chosen heads only.
+``capture(model, layers=, heads=)`` records the weights of chosen heads only, or statistics
+of them (``stats=``); ``ablate``, ``knockout`` and ``patch`` act on chosen heads inside the
+kernel call (see the guide "Acting on attention").
 
 Needs the ``hf`` extra (transformers); ``import multihead`` never imports transformers.
 """
@@ -25,16 +27,20 @@ _extras.require("transformers", "hf", "multihead.hf")
 
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import Capture, attention_layers, capture  # noqa: E402
+from .edits import ablate, knockout, patch  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402
 
 __all__ = [
     "NAME",
     "Capture",
+    "ablate",
     "attention_forward",
     "attention_layers",
     "capture",
+    "knockout",
     "make_mask",
+    "patch",
     "register",
 ]
 

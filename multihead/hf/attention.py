@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from .. import bias as mb
 from ..functional import attention, attention_with_weights
-from ..masks import Mask, dense
+from ..masks import Mask, dense, knockout
+from ..stats import Reducer, attention_stats, stat_dtype
 from . import recording
 
 __all__ = ["attention_forward"]
@@ -99,19 +100,94 @@ def attention_forward(
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
-    heads = recording.heads_for(module)
-    if _wants_weights(output_attentions):
+    plan = recording.plan_for(module)
+    if plan is not None:
+        out, weights = _planned(plan, query, key, value, mask, common, output_attentions)
+    elif _wants_weights(output_attentions):
         out, weights = attention_with_weights(query, key, value, mask, **common)
-        if heads is not None:
-            recording.record(module, weights if heads == "all" else weights[:, heads])
-    elif heads is not None:
-        chosen = None if heads == "all" else heads
-        out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
-        recording.record(module, weights)
-        weights = None
     else:
         out, weights = attention(query, key, value, mask, **common), None
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _planned(
+    plan: recording.Plan,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    common: dict[str, Any],
+    output_attentions: bool | None,
+) -> tuple[Tensor, Tensor | None]:
+    """One call with everything the active blocks ask for: knockouts joined to the mask,
+    the weights or statistics a capture records, patched heads, scaled heads."""
+    h, length_q, length_k = query.shape[1], query.shape[2], key.shape[2]
+    for block in plan.knockouts:
+        _check_positions(block, length_q, length_k)
+        assert block.queries is not None and block.keys is not None
+        cut = knockout(block.queries, block.keys, heads=block.heads,
+                       num_heads=h if block.heads is not None else None)  # fmt: skip
+        mask = cut if mask is None else mask & cut
+    cap, wants = plan.capture, _wants_weights(output_attentions)
+    weights = None
+    if wants or (cap is not None and (not cap.stat_names or common["dropout_p"] > 0)):
+        chosen = None if wants or cap is None else cap.heads
+        out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
+        if cap is not None:
+            part = weights if wants is False or cap.heads is None else weights[:, cap.heads]
+            _keep(cap, plan.layer, part)
+    elif cap is not None:
+        found_stats = {"stats": cap.stat_names, "window": cap.window, "heads": cap.heads}
+        out, found = attention_stats(query, key, value, mask, bias=common["bias"],
+                                     scale=common["scale"], **found_stats)  # fmt: skip
+        cap.record_stats(plan.layer, found)
+    else:
+        out = attention(query, key, value, mask, **common)
+    for block in plan.patches:
+        out = _patched(out, block, plan.layer, query, key, value)
+    if plan.scales:
+        out = out * _head_scales(plan.scales, h, out)[None, :, None, None]
+    return out, (weights if wants else None)
+
+
+def _keep(cap: recording.Capture, layer: int, weights: Tensor) -> None:
+    """Weights, or statistics reduced from them, into the capture."""
+    if not cap.stat_names:
+        cap.record(layer, weights)
+        return
+    b, h, length_q, length_k = weights.shape
+    reducer = Reducer(cap.stat_names, cap.window, (b, h, length_q, length_k),
+                      stat_dtype(weights.dtype), weights.device)  # fmt: skip
+    reducer.add(weights, 0)
+    cap.record_stats(layer, reducer.result())
+
+
+def _patched(
+    out: Tensor, block: recording.Edit, layer: int, query: Tensor, key: Tensor, value: Tensor
+) -> Tensor:
+    """``out`` with the block's heads replaced by captured weights times this call's values."""
+    assert block.source is not None and block.heads is not None
+    captured = block.source.weights[layer]
+    _check_patch(captured, layer, query, key)
+    index = torch.tensor(block.heads, device=out.device)
+    group = query.shape[1] // value.shape[1]
+    values = value[:, index // group]  # (B, h, S, D_v): the key/value head each one reads
+    mixed = torch.matmul(captured.to(values.dtype), values)
+    out = out.clone()
+    out[:, index] = mixed.to(out.dtype)
+    return out
+
+
+def _head_scales(scales: list[dict[int, float] | Tensor], h: int, out: Tensor) -> Tensor:
+    total = torch.ones(h, dtype=out.dtype, device=out.device)
+    for scale in scales:
+        if isinstance(scale, Tensor):
+            total = total * scale.to(out.dtype)
+        else:
+            factors = torch.ones(h, dtype=out.dtype, device=out.device)
+            factors[list(scale)] = torch.tensor(list(scale.values()), dtype=out.dtype)
+            total = total * factors
+    return total
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:
@@ -179,3 +255,34 @@ def _wants_weights(output_attentions: bool | None) -> bool:
 
     collected = output_capturing._active_collector.get()
     return bool(collected) and any("attentions" in key for key in collected)
+
+
+def _shape(t: Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _check_positions(block: recording.Edit, length_q: int, length_k: int) -> None:
+    """A full forward (L == S, no cache yet) holds positions [0, S): a knockout none of whose
+    query or key positions is among them blocks nothing and is refused. (Inside
+    ``generate()`` later positions are reached by the decoding steps, so one past the prompt
+    is fine as long as the block also names a position inside it.)"""
+    if length_q != length_k:
+        return
+    assert block.queries is not None and block.keys is not None
+    for name, chosen in (("queries", block.queries), ("keys", block.keys)):
+        if int(chosen[0]) >= length_k:
+            raise ValueError(
+                f"knockout {name} must include positions of the input, below its length "
+                f"{length_k}. Received: {name} from {int(chosen[0])} on"
+            )
+
+
+def _check_patch(weights: Tensor, layer: int, query: Tensor, key: Tensor) -> None:
+    b, length_q, length_k = query.shape[0], query.shape[2], key.shape[2]
+    if weights.shape[0] != b or tuple(weights.shape[2:]) != (length_q, length_k):
+        raise ValueError(
+            f"patch: the captured weights of layer {layer} have shape {_shape(weights)} "
+            f"(B, heads, L, S), this call needs B={b}, L={length_q}, S={length_k}; patch "
+            "inputs of the captured batch size and length. Received: captured "
+            f"{_shape(weights)}, call (B, L, S)=({b}, {length_q}, {length_k})"
+        )

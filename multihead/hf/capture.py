@@ -14,17 +14,18 @@ one of them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 from torch import nn
 
 from .. import _validation as V
 from ..functional import check_heads
-from .recording import Capture, recording
+from ..stats import check_stats
+from .recording import Block, Capture, activate
 from .registration import register
 
-__all__ = ["Capture", "capture"]
+__all__ = ["Capture", "capture", "model_layers", "open_block"]
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
@@ -77,7 +78,8 @@ def _matches(module: nn.Module, name: str, spec: Any) -> bool:
     return f".{spec.layer_name.strip('.')}." in name + "."
 
 
-def _num_heads(model: nn.Module) -> int | None:
+def num_heads(model: nn.Module) -> int | None:
+    """The model's query heads per layer (None where its config does not say)."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -86,7 +88,7 @@ def _num_heads(model: nn.Module) -> int | None:
     return heads if isinstance(heads, int) else None
 
 
-def _check_layers(layers: object, count: int) -> list[int] | None:
+def check_layers(layers: object, count: int) -> list[int] | None:
     if layers is None:
         return None
     return V.check_indices(
@@ -95,11 +97,60 @@ def _check_layers(layers: object, count: int) -> list[int] | None:
     )  # fmt: skip
 
 
+def model_layers(model: object, what: str) -> list[nn.Module]:
+    """The self-attention layers of a transformers model, or a clear error."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"{what} takes a transformers model (a PreTrainedModel, e.g. from "
+            "AutoModel.from_pretrained). Received: model of type "
+            f"{type(model).__name__}"
+        )
+    found = attention_layers(model)
+    if not found:
+        raise ValueError(
+            f"found no self-attention layers in {type(model).__name__}: {what} finds them "
+            "through the model's _can_record_outputs['attentions'], which this model does "
+            "not declare. Received: a model without recorded attentions"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def open_block(model: nn.Module, block: Block, found: list[nn.Module]) -> Iterator[None]:
+    """Run ``model`` on the multihead implementation with ``block`` active; on leaving, the
+    block ends and the model gets its own implementation back."""
+    for index, layer in enumerate(found):
+        for part in layer.modules():
+            block._owner.setdefault(part, index)
+    block._model = model
+    name = register()
+    config = cast("Any", model).config
+    before = getattr(config, "_attn_implementation", None)
+    switch = before != name
+    if switch:
+        cast("Any", model).set_attn_implementation(name)
+    try:
+        with activate(block):
+            yield
+    finally:
+        if switch and before is not None:
+            cast("Any", model).set_attn_implementation(before)
+
+
 @contextlib.contextmanager
 def capture(
-    model: nn.Module, layers: list[int] | None = None, heads: list[int] | None = None
+    model: nn.Module,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+    *,
+    stats: Sequence[str] = (),
+    window: int | None = None,
+    accumulate: bool = False,
 ) -> Iterator[Capture]:
-    """Record the softmax weights of chosen heads of chosen layers while ``model`` runs.
+    """Record the softmax weights, or statistics of them, for chosen heads of chosen layers
+    while ``model`` runs.
 
     ::
 
@@ -107,11 +158,19 @@ def capture(
             model(**inputs)
         cap.weights[1]  # (B, 2, L, S): heads 0 and 2 of layer 1, in that order
 
+        with multihead.hf.capture(model, stats=["key_mass", "entropy"]) as cap:
+            model(**inputs)
+        cap.stats[0]["key_mass"]  # (B, H, S): layer 0's weights summed over the queries
+
     Only the chosen heads of the chosen layers are computed with weights (through
     ``attention_with_weights(..., heads=...)``); every other attention call runs without
-    any, so on a long input two heads of one layer cost about their own size in memory. The
-    model runs on the ``"multihead"`` attention implementation inside the block, whatever it
-    was loaded with, and gets its own back on leaving it.
+    any, so on a long input two heads of one layer cost about their own size in memory.
+    Statistics come from ``multihead.attention_stats``: the weights of one slice of query
+    rows at a time, reduced at once, never (B, h, L, S). The model runs on the
+    ``"multihead"`` attention implementation inside the block, whatever it was loaded with,
+    and gets its own back on leaving it. Inside ``generate()`` each call of a layer (the
+    prompt, then one row per new token over the KV cache) replaces what the last one kept,
+    except key statistics with ``accumulate=True``.
 
     Args:
         model: a transformers model (``PreTrainedModel``). For an encoder-decoder model the
@@ -119,46 +178,31 @@ def capture(
             decoder's.
         layers: layer indices counted from 0 as in the model's config (None: every layer).
         heads: query-head indices, recorded in the order given (None: every head).
+        stats: statistics to record instead of the weights, from ``"key_mass"`` (B, h, S),
+            ``"window_mass"`` (B, h, S), ``"entropy"`` (B, h, L), ``"head_mean"`` (B, L, S);
+            with any, ``cap.weights`` stays empty.
+        window: the last query rows ``"window_mass"`` sums (required with it).
+        accumulate: sum ``key_mass`` and ``window_mass`` over successive calls of a layer
+            inside the block, per key position (H2O's accumulated attention over a growing
+            KV cache; earlier calls are zero-extended).
 
     Yields:
-        A ``Capture`` whose ``weights`` dict fills as the model runs: ``{layer: Tensor
-        (B, len(heads), L, S)}``, detached, from the last forward that ran each layer.
+        A ``Capture`` whose ``weights`` (or ``stats``) fill as the model runs: ``{layer:
+        Tensor (B, len(heads), L, S)}``, detached, from the last forward that ran each layer.
 
     Raises:
         TypeError: ``model`` is not a transformers model.
-        ValueError: no self-attention layers found, or ``layers`` / ``heads`` that are not
-            lists of distinct indices in range.
+        ValueError: no self-attention layers found, ``layers`` / ``heads`` that are not
+            lists of distinct indices in range, an unknown or repeated statistic, ``window``
+            missing for ``window_mass`` or below 1.
     """
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(
-            "capture takes a transformers model (a PreTrainedModel, e.g. from "
-            "AutoModel.from_pretrained). Received: model of type "
-            f"{type(model).__name__}"
-        )
-    found = attention_layers(model)
-    if not found:
-        raise ValueError(
-            f"found no self-attention layers in {type(model).__name__}: capture finds them "
-            "through the model's _can_record_outputs['attentions'], which this model does "
-            "not declare. Received: a model without recorded attentions"
-        )
-    cap = Capture(_check_layers(layers, len(found)), None, len(found))
+    found = model_layers(model, "capture")
+    names = check_stats(stats, window)
+    accumulate = V.check_bool("accumulate", accumulate)
+    cap = Capture(check_layers(layers, len(found)), len(found))
+    cap.stat_names, cap.window, cap.accumulate = names, window, accumulate
     if heads is not None:
-        count = _num_heads(model)
+        count = num_heads(model)
         cap.heads = check_heads(heads, count) if count is not None else list(heads)
-    for index, layer in enumerate(found):
-        for part in layer.modules():
-            cap._owner.setdefault(part, index)
-    name = register()
-    before = getattr(model.config, "_attn_implementation", None)
-    switch = before != name
-    if switch:
-        model.set_attn_implementation(name)
-    try:
-        with recording(cap):
-            yield cap
-    finally:
-        if switch and before is not None:
-            model.set_attn_implementation(before)
+    with open_block(model, cap, found):
+        yield cap

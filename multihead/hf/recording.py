@@ -1,7 +1,11 @@
-"""What a running ``capture`` records, read by the attention function: the captures active in
-this context, which layer a calling module belongs to, and the weights kept for it.
-``capture.py`` opens and closes a capture; ``attention.py`` asks ``heads_for`` and calls
-``record`` (neither needs the other).
+"""The blocks active in this context (``capture``, ``ablate``, ``knockout``, ``patch``) and
+what they ask of one attention call, read by the attention function.
+
+Each block knows the layers of the model it was opened on (``owner``: module -> layer index).
+For a call from a module, ``plan_for`` gathers every active block that covers the module's
+layer into one ``Plan``, so the attention function asks the kernel once for what all of them
+need together. ``capture.py`` and ``edits.py`` open and close blocks; ``attention.py`` reads
+plans and hands results back through ``Capture``'s methods.
 """
 
 from __future__ import annotations
@@ -10,15 +14,38 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Literal
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["Capture", "heads_for", "record", "recording"]
+from ..stats import KEY_STATS
+
+__all__ = ["Block", "Capture", "Edit", "Plan", "activate", "active", "plan_for"]
 
 
-@dataclass
-class Capture:
+@dataclass(eq=False)
+class Block:
+    """What every block shares: the layers it covers and the model's layer of each module.
+
+    Attributes:
+        layers: the chosen layer indices (None: all), counted from 0 as in the model's config.
+        num_layers: how many self-attention layers the model has.
+    """
+
+    layers: list[int] | None
+    num_layers: int
+    _owner: dict[nn.Module, int] = field(default_factory=dict, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    def layer_of(self, module: nn.Module) -> int | None:
+        layer = self._owner.get(module)
+        if layer is None or (self.layers is not None and layer not in self.layers):
+            return None
+        return layer
+
+
+@dataclass(eq=False)
+class Capture(Block):
     """What ``capture`` records.
 
     Attributes:
@@ -26,46 +53,120 @@ class Capture:
         heads: the chosen query heads in the order given (None: all).
         num_layers: how many self-attention layers the model has.
         weights: ``{layer: Tensor (B, len(heads), L, S)}``, the softmax weights of the last
-            forward that ran the layer (before dropout, detached from autograd).
+            forward that ran the layer (before dropout, detached from autograd); empty when
+            statistics were asked for instead.
+        stats: ``{layer: {name: Tensor}}``, the statistics asked for (``capture``'s
+            ``stats``): key_mass and window_mass (B, h, S), entropy (B, h, L), head_mean
+            (B, L, S), detached.
+        window: the query rows window_mass sums.
+        accumulate: key statistics are summed over the calls of a layer (zero-extended as the
+            key axis grows), the others keep the last call.
     """
 
-    layers: list[int] | None
-    heads: list[int] | None
-    num_layers: int
+    heads: list[int] | None = None
     weights: dict[int, Tensor] = field(default_factory=dict)
-    _owner: dict[nn.Module, int] = field(default_factory=dict, repr=False)
+    stats: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    stat_names: tuple[str, ...] = ()
+    window: int | None = None
+    accumulate: bool = False
+
+    def record(self, layer: int, weights: Tensor) -> None:
+        self.weights[layer] = weights.detach()
+
+    def record_stats(self, layer: int, found: dict[str, Tensor]) -> None:
+        kept = self.stats.setdefault(layer, {})
+        for name, value in found.items():
+            value = value.detach()
+            old = kept.get(name)
+            if self.accumulate and name in KEY_STATS and old is not None:
+                value = _summed(old, value, layer, name)
+            kept[name] = value
 
 
-_ACTIVE: ContextVar[tuple[Capture, ...]] = ContextVar("multihead_hf_captures", default=())
+def _summed(old: Tensor, new: Tensor, layer: int, name: str) -> Tensor:
+    """``old + new`` per key position, the shorter one zero-extended along the key axis."""
+    if old.shape[:-1] != new.shape[:-1]:
+        raise ValueError(
+            f"accumulate sums {name} of layer {layer} over calls of the same batch and heads; "
+            f"this call has another. Received: {tuple(old.shape)} then {tuple(new.shape)}"
+        )
+    size = max(old.shape[-1], new.shape[-1])
+    total = torch.zeros(*new.shape[:-1], size, dtype=new.dtype, device=new.device)
+    total[..., : old.shape[-1]] += old
+    total[..., : new.shape[-1]] += new
+    return total
 
 
-def _match(module: nn.Module) -> tuple[Capture, int] | None:
-    for cap in reversed(_ACTIVE.get()):
-        layer = cap._owner.get(module)
-        if layer is not None and (cap.layers is None or layer in cap.layers):
-            return cap, layer
-    return None
+@dataclass(eq=False)
+class Edit(Block):
+    """What ``ablate``, ``knockout`` or ``patch`` changes.
+
+    Attributes:
+        kind: "ablate", "knockout" or "patch".
+        scales: ablate: ``{layer: {head: scale}}``, or ``{layer: Tensor (H,)}`` (a scale per
+            head that may carry a gradient).
+        queries, keys: knockout: the blocked positions (sorted int64).
+        heads: knockout: the query heads blocked (None: all); patch: the captured heads.
+        source: patch: the ``Capture`` whose weights replace the computed ones.
+    """
+
+    kind: str = "ablate"
+    scales: dict[int, dict[int, float] | Tensor] = field(default_factory=dict)
+    queries: Tensor | None = None
+    keys: Tensor | None = None
+    heads: list[int] | None = None
+    source: Capture | None = None
 
 
-def heads_for(module: nn.Module) -> list[int] | Literal["all"] | None:
-    """The heads to record for a call from ``module``: a list, "all", or None (no capture)."""
-    hit = _match(module)
-    if hit is None:
+@dataclass
+class Plan:
+    """What the active blocks ask of one call from one layer."""
+
+    layer: int
+    capture: Capture | None = None
+    scales: list[dict[int, float] | Tensor] = field(default_factory=list)
+    knockouts: list[Edit] = field(default_factory=list)
+    patches: list[Edit] = field(default_factory=list)
+
+
+_ACTIVE: ContextVar[tuple[Block, ...]] = ContextVar("multihead_hf_blocks", default=())
+
+
+def active() -> tuple[Block, ...]:
+    return _ACTIVE.get()
+
+
+def plan_for(module: nn.Module) -> Plan | None:
+    """The plan for a call from ``module``, or None when no active block covers its layer."""
+    blocks = _ACTIVE.get()
+    if not blocks:
         return None
-    return "all" if hit[0].heads is None else hit[0].heads
-
-
-def record(module: nn.Module, weights: Tensor) -> None:
-    """Keep ``weights`` (B, len(heads), L, S) for the layer ``module`` belongs to."""
-    hit = _match(module)
-    if hit is not None:
-        hit[0].weights[hit[1]] = weights.detach()
+    plan: Plan | None = None
+    for block in reversed(blocks):  # innermost first: its capture is the one that records
+        layer = block.layer_of(module)
+        if layer is None:
+            continue
+        if plan is None:
+            plan = Plan(layer)
+        if isinstance(block, Capture):
+            if plan.capture is None:
+                plan.capture = block
+        elif isinstance(block, Edit):
+            if block.kind == "ablate":
+                scale = block.scales.get(layer)
+                if scale is not None:
+                    plan.scales.append(scale)
+            elif block.kind == "knockout":
+                plan.knockouts.append(block)
+            elif block.source is not None and layer in block.source.weights:
+                plan.patches.append(block)
+    return plan
 
 
 @contextlib.contextmanager
-def recording(cap: Capture) -> Iterator[None]:
-    """``cap`` records while the block runs (inside any capture already active)."""
-    token = _ACTIVE.set((*_ACTIVE.get(), cap))
+def activate(block: Block) -> Iterator[None]:
+    """``block`` is active while the context runs (inside any block already active)."""
+    token = _ACTIVE.set((*_ACTIVE.get(), block))
     try:
         yield
     finally:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from .base import Mask, MaskMod, Tile, TileKind, dense
 from .convert import TorchMasks, from_keras, from_torch
 from .kinds import causal, documents, key_padding, lengths, sliding_window
+from .knockout import knockout
 from .predicate import predicate
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "from_keras",
     "from_torch",
     "key_padding",
+    "knockout",
     "lengths",
     "predicate",
     "sliding_window",

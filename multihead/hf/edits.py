@@ -1,0 +1,234 @@
+"""Acting on attention inside a transformers model: ``ablate`` (scale chosen heads' outputs),
+``knockout`` (block attention between positions, inside the kernel) and ``patch`` (run chosen
+heads with weights captured earlier). Each is a context manager that opens a block the
+attention function reads per call, like ``capture``; blocks nest and combine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+from torch import Tensor, nn
+
+from ..functional import check_heads
+from ..masks.knockout import positions
+from .capture import check_layers, model_layers, num_heads, open_block
+from .recording import Capture, Edit, active
+
+__all__ = ["ablate", "knockout", "patch"]
+
+
+def _heads_of(model: nn.Module, what: str) -> int:
+    count = num_heads(model)
+    if count is None:
+        raise ValueError(
+            f"{what} needs the model's head count, which its config does not give "
+            "(num_attention_heads). Received: a config without num_attention_heads"
+        )
+    return count
+
+
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float (0 ablates). Received: scale={scale!r}")
+    return float(scale)
+
+
+def _check_head_map(heads: object, layers: int, count: int) -> dict[int, list[int]]:
+    """``{layer: [head, ...]}`` checked: layers and heads that exist, no repeats."""
+    if not isinstance(heads, Mapping) or not heads:
+        raise ValueError(
+            "heads must be a non-empty dict {layer: [head, ...]} (layers and heads counted "
+            f"from 0). Received: heads={heads!r}"[:300]
+        )
+    chosen = check_layers(list(heads), layers)
+    assert chosen is not None  # a non-empty list of layers
+    return {layer: check_heads(heads[layer], count) for layer in chosen}
+
+
+def _conflicts(kind: str, model: nn.Module, covered: set[tuple[int, int]]) -> None:
+    """Refuse a block that would decide again what an active block of the same kind on the
+    same model already decides for a (layer, head)."""
+    for block in active():
+        if not isinstance(block, Edit) or block.kind != kind or block._model is not model:
+            continue
+        if kind == "ablate":
+            theirs = {(layer, h) for layer, s in block.scales.items() for h in _heads_in(s)}
+        else:
+            assert block.source is not None
+            theirs = {(layer, h) for layer in block.source.weights for h in block.heads or ()}
+        both = sorted(covered & theirs)
+        if both:
+            raise ValueError(
+                f"this {kind} block conflicts with an active {kind} block on the same model: "
+                "both set (layer, head) pairs "
+                f"{both[:5]}; close the outer block first or merge them into one. "
+                f"Received: a nested {kind} over {both[:5]}"
+            )
+
+
+def _heads_in(scale: dict[int, float] | Tensor) -> list[int]:
+    return list(scale) if isinstance(scale, dict) else list(range(scale.shape[0]))
+
+
+@contextlib.contextmanager
+def ablate(
+    model: nn.Module, heads: Mapping[int, Sequence[int]], *, scale: float = 0.0
+) -> Iterator[Edit]:
+    """Multiply the outputs of chosen heads by ``scale`` while ``model`` runs.
+
+    ::
+
+        with multihead.hf.ablate(model, {3: [0, 5], 7: [2]}):
+            loss = model(**inputs, labels=labels).loss
+
+    A head's output is its weighted sum of values, before the output projection, so scale 0
+    removes the head as transformers 4's ``head_mask`` did, and any other float scales it. It
+    costs one multiplication of the attention output; the kernel runs as without the block.
+
+    Args:
+        model: a transformers model (``PreTrainedModel``).
+        heads: ``{layer: [head, ...]}``, layers counted from 0 as in ``capture`` and heads as
+            the model's query heads.
+        scale: the factor (0.0: ablate).
+
+    Yields:
+        The block's ``Edit`` record.
+
+    Raises:
+        TypeError: ``model`` is not a transformers model.
+        ValueError: a layer or head that does not exist, repeated or negative indices, a scale
+            that is not a finite float, or a nested ``ablate`` of the same model that sets one
+            of the same heads.
+    """
+    found = model_layers(model, "ablate")
+    count = _heads_of(model, "ablate")
+    chosen = _check_head_map(heads, len(found), count)
+    factor = _check_scale(scale)
+    scales: dict[int, dict[int, float] | Tensor] = {
+        layer: dict.fromkeys(hs, factor) for layer, hs in chosen.items()
+    }
+    _conflicts("ablate", model, {(layer, h) for layer, hs in chosen.items() for h in hs})
+    block = Edit(sorted(chosen), len(found), kind="ablate", scales=scales)
+    with open_block(model, block, found):
+        yield block
+
+
+@contextlib.contextmanager
+def scaled(model: nn.Module, scales: Mapping[int, Tensor]) -> Iterator[Edit]:
+    """Multiply every head's output of layer ``layer`` by ``scales[layer]`` (H,), a tensor
+    that may require a gradient (``multihead heads --method gradient`` reads d loss / d
+    scale at 1)."""
+    found = model_layers(model, "scaled")
+    count = _heads_of(model, "scaled")
+    for layer, scale in scales.items():
+        if not isinstance(scale, Tensor) or tuple(scale.shape) != (count,):
+            raise ValueError(
+                f"scales[{layer}] must be a tensor of shape ({count},), one scale per head. "
+                f"Received: {type(scale).__name__} {tuple(getattr(scale, 'shape', ()))}"
+            )
+    layers = check_layers(list(scales), len(found))
+    block = Edit(layers, len(found), kind="ablate", scales=dict(scales))
+    with open_block(model, block, found):
+        yield block
+
+
+@contextlib.contextmanager
+def knockout(
+    model: nn.Module,
+    *,
+    queries: Sequence[int] | Tensor,
+    keys: Sequence[int] | Tensor,
+    layers: list[int] | None = None,
+    heads: list[int] | None = None,
+) -> Iterator[Edit]:
+    """Block attention from the query positions ``queries`` to the key positions ``keys`` in
+    chosen layers and heads while ``model`` runs.
+
+    ::
+
+        with multihead.hf.knockout(model, queries=[7], keys=[2, 3], layers=[0, 1]):
+            out = model(**inputs)
+
+    The block joins the model's own mask inside the kernel (``masks.knockout``), so tiles it
+    empties are skipped; a query row left with no visible key gives 0, as every fully hidden
+    row does in multihead. Positions are the input's (padding included). Inside
+    ``generate()`` a decoding step's one query row is the newest position, and keys are
+    positions in the KV cache.
+
+    Args:
+        model: a transformers model (``PreTrainedModel``).
+        queries: query positions: a list or 1-D tensor of ints, or a 1-D bool tensor (L,).
+        keys: key positions, likewise ((S,) for a bool tensor).
+        layers: layer indices (None: every layer).
+        heads: query-head indices (None: every head).
+
+    Yields:
+        The block's ``Edit`` record.
+
+    Raises:
+        TypeError: ``model`` is not a transformers model, or positions of the wrong type.
+        ValueError: a layer or head that does not exist, repeated, negative or empty
+            positions; at the first forward, a position past the input.
+    """
+    found = model_layers(model, "knockout")
+    q, k = positions("queries", queries), positions("keys", keys)
+    chosen_heads = None if heads is None else check_heads(heads, _heads_of(model, "knockout"))
+    block = Edit(check_layers(layers, len(found)), len(found), kind="knockout")
+    block.queries, block.keys, block.heads = q, k, chosen_heads
+    with open_block(model, block, found):
+        yield block
+
+
+@contextlib.contextmanager
+def patch(model: nn.Module, cap: Capture) -> Iterator[Edit]:
+    """Run the captured heads of the captured layers with the captured weights.
+
+    ::
+
+        with multihead.hf.capture(model, layers=[2], heads=[1]) as cap:
+            model(**clean)
+        with multihead.hf.patch(model, cap):
+            out = model(**corrupted)   # layer 2, head 1: cap.weights[2] @ V of this input
+
+    Inside the block a patched head's output is ``W_captured @ V_current`` (its values from
+    the running input, its weights from the capture); every other head runs normally.
+
+    Args:
+        model: the transformers model ``cap`` was captured from.
+        cap: a ``Capture`` holding weights (not statistics) from an earlier ``capture``.
+
+    Yields:
+        The block's ``Edit`` record.
+
+    Raises:
+        TypeError: ``cap`` is not a ``Capture``.
+        ValueError: a capture of another model, one without weights, a nested patch of the
+            same heads, and at a call, weights whose shape does not match the call (both
+            shapes named).
+    """
+    found = model_layers(model, "patch")
+    if not isinstance(cap, Capture):
+        raise TypeError(
+            "patch takes the Capture an earlier multihead.hf.capture(model, ...) yielded. "
+            f"Received: cap of type {type(cap).__name__}"
+        )
+    if cap._model is not model:
+        raise ValueError(
+            "patch needs a capture of the same model: its weights belong to another one. "
+            f"Received: a capture of {type(cap._model).__name__} at {id(cap._model):#x}, "
+            f"model {type(model).__name__} at {id(model):#x}"
+        )
+    if not cap.weights:
+        raise ValueError(
+            "the capture holds no weights to patch in (it recorded statistics, or the model "
+            "did not run inside it). Received: cap.weights={}"
+        )
+    count = _heads_of(model, "patch")
+    heads = list(range(count)) if cap.heads is None else list(cap.heads)
+    block = Edit(sorted(cap.weights), len(found), kind="patch", heads=heads, source=cap)
+    _conflicts("patch", model, {(layer, h) for layer in cap.weights for h in heads})
+    with open_block(model, block, found):
+        yield block
