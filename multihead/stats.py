@@ -114,17 +114,13 @@ class Reducer:
             self.head_mean.append(w.mean(1))
 
     def result(self) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for name in self.names:
-            if name == "key_mass":
-                out[name] = self.key_mass
-            elif name == "window_mass":
-                out[name] = self.window_mass
-            elif name == "entropy":
-                out[name] = torch.cat(self.entropy, dim=2)
-            else:
-                out[name] = torch.cat(self.head_mean, dim=1)
-        return out
+        found = {
+            "key_mass": self.key_mass,
+            "window_mass": self.window_mass,
+            "entropy": torch.cat(self.entropy, dim=2) if self.entropy else None,
+            "head_mean": torch.cat(self.head_mean, dim=1) if self.head_mean else None,
+        }
+        return {name: value for name, value in found.items() if value is not None}
 
 
 def slice_rows(batch: int, heads: int, length_k: int, length_q: int) -> int:

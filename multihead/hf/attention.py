@@ -137,9 +137,10 @@ def _planned(
             part = weights if wants is False or cap.heads is None else weights[:, cap.heads]
             _keep(cap, plan.layer, part)
     elif cap is not None:
-        found_stats = {"stats": cap.stat_names, "window": cap.window, "heads": cap.heads}
-        out, found = attention_stats(query, key, value, mask, bias=common["bias"],
-                                     scale=common["scale"], **found_stats)  # fmt: skip
+        out, found = attention_stats(
+            query, key, value, mask, stats=cap.stat_names, window=cap.window, heads=cap.heads,
+            bias=common["bias"], scale=common["scale"],
+        )  # fmt: skip
         cap.record_stats(plan.layer, found)
     else:
         out = attention(query, key, value, mask, **common)
