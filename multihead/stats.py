@@ -92,9 +92,13 @@ class Reducer:
         self.names, self.length_q = tuple(names), length_q
         self.first_window_row = max(length_q - (window or length_q), 0)
         self.dtype = dtype
-        zeros = {"dtype": dtype, "device": device}
-        self.key_mass = torch.zeros(b, h, length_k, **zeros) if "key_mass" in names else None
-        self.window_mass = torch.zeros(b, h, length_k, **zeros) if "window_mass" in names else None
+
+        def zeros(name: str) -> Tensor | None:
+            return (
+                torch.zeros(b, h, length_k, dtype=dtype, device=device) if name in names else None
+            )
+
+        self.key_mass, self.window_mass = zeros("key_mass"), zeros("window_mass")
         self.entropy: list[Tensor] = []
         self.head_mean: list[Tensor] = []
 
