@@ -102,6 +102,14 @@ COMMANDS: dict[str, Job | Group] = {
         "head named in its title: --layer/--head, or the one most fixed on one other word) and\n"
         "an HTML head view that works offline.",
     ),
+    "heads": Job(
+        "multihead.apps.heads:run",
+        "rank every head of a model by what ablating it does to TEXT",
+        "Score every head of the model in --model (a causal LM or an encoder transformers\n"
+        "loads) by ablating it alone: the increase of the next-token loss on TEXT for a causal\n"
+        "LM, 1 - cosine of the mean-pooled last hidden state for an encoder. Writes\n"
+        "OUT/heads.json and a layers x heads heatmap, and prints the top ten heads.",
+    ),
     "embed": Job("multihead.apps.embed:run", "sentence embeddings, one per line of FILE"),
     "generate": Job(
         "multihead.apps.generate:run",

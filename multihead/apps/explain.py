@@ -57,6 +57,12 @@ class ExplainOptions:
         "other word; with --layer alone, that layer's)",
         metavar="N",
     )
+    rollout: bool = option(
+        False,
+        "also draw the attention rollout from the focus token through every layer (from each "
+        "layer's mean over heads, multihead.hf.capture's head_mean on a transformers folder) "
+        "as rollout.png",
+    )
 
 
 @dataclass
@@ -324,8 +330,48 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
         model = _load(options.model)
         tokens, special, weights, causal = _attend(text, model)
         progress.begin(_STAGES[1])
-        return _report(text, model, tokens, special, weights, causal, focus, layer, head,
-                       folder, progress, say)  # fmt: skip
+        explained = _report(text, model, tokens, special, weights, causal, focus, layer, head,
+                            folder, progress, say)  # fmt: skip
+        if options.rollout:
+            means = _head_means(text, model, weights)
+            explained.files["rollout"] = _rollout_figure(
+                rollout(means[:, None]), explained.tokens, explained.focus, folder
+            )
+            focus_token = explained.tokens[explained.focus]
+            say(f"  {explained.files['rollout']}  (rollout from '{focus_token}' through "
+                f"{means.shape[0]} layers)")  # fmt: skip
+        return explained
+
+
+def _head_means(text: str, model: Any, weights: Tensor) -> Tensor:
+    """(layers, L, L): each layer's mean over heads; a transformers model's from the kernel's
+    head_mean statistic (no layer's heads are held), the library's own from its weights."""
+    if not isinstance(model, _Foreign):
+        return weights.mean(1)
+    import torch
+
+    from ..hf import capture
+
+    ids = torch.tensor([model.tokenizer.encode(text).ids])
+    encoder = model.model.get_encoder() if model.model.config.is_encoder_decoder else model.model
+    with capture(model.model, stats=["head_mean"]) as cap, torch.inference_mode():
+        encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return torch.stack([cap.stats[i]["head_mean"][0] for i in range(cap.num_layers)]).float()
+
+
+def _rollout_figure(flow: Tensor, tokens: list[str], focus: int, folder: Path) -> Path:
+    """Bars: how much each input token flows into the focus position at the last layer."""
+    from .common import figure, save_figure
+
+    row = flow[focus].tolist()
+    fig = figure(figsize=(max(4.0, 0.45 * len(tokens)), 3.0))
+    ax = fig.subplots()
+    ax.bar(range(len(tokens)), row, color=["tab:orange" if i == focus else "tab:blue"
+                                            for i in range(len(tokens))])  # fmt: skip
+    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel("share of the focus position")
+    ax.set_title(f"attention rollout into '{tokens[focus]}' (Abnar & Zuidema 2020)", fontsize=9)
+    return save_figure(fig, folder / "rollout.png")
 
 
 def _say_findings(

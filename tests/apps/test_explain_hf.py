@@ -102,3 +102,17 @@ def test_a_folder_without_tokenizer_is_refused(folders, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"explain needs the model's tokenizer.json"):
         options = explain.ExplainOptions(text=TEXT, out=tmp_path / "out", model=bare)
         explain.run(options, say=lambda s: None)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "modernbert"])
+def test_rollout_from_head_means_equals_rollout_of_eager_weights(folders, tmp_path, name):
+    from multihead.inspect import rollout
+
+    options = explain.ExplainOptions(
+        text=TEXT, focus="tired", out=tmp_path, model=folders[name], rollout=True
+    )
+    got = explain.run(options, say=lambda line: None)
+    assert got.files["rollout"].stat().st_size > 3_000
+    means = explain._head_means(TEXT, explain._load(folders[name]), got.weights)
+    want = rollout(_eager(folders[name], TEXT))
+    assert (rollout(means[:, None]) - want).abs().max() <= 1e-5

@@ -1,0 +1,250 @@
+"""``multihead heads``: rank every head of a model by what removing it does to a text.
+
+For a causal LM the score of a head is the increase of the mean next-token cross-entropy on
+the text (transformers' ``labels=`` loss) when that head alone is ablated (its output scaled
+by 0 with ``multihead.hf.ablate``); for an encoder it is 1 - cosine between the mean-pooled
+last hidden states with and without the head. ``--method gradient`` gives the one-backward
+estimate instead for a causal LM: minus the gradient of the loss with respect to each head's
+scale at 1 (the first-order loss change of scale 1 -> 0; Michel et al. 2019, "Are Sixteen
+Heads Really Better than One?"). An encoder has no loss here, and 1 - cosine has gradient 0
+at scale 1, so the gradient method is refused for encoders. Writes ``OUT/heads.json``, a
+layers x heads heatmap with the top heads named, and prints the top ten.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .. import _validation as V
+from .._flags import argument, option
+from .._progress import stages
+
+__all__ = ["HeadsOptions", "Ranked", "run", "score_heads"]
+
+_STAGES = ("loading the model", "scoring the heads", "writing the results")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadsOptions:
+    """What ``multihead heads`` takes (``multihead heads --help``)."""
+
+    text: str | None = argument("the text to score the heads on", metavar="TEXT")
+    file: Path | None = option(None, "read the text from this UTF-8 file instead", metavar="FILE")
+    model: Path | None = option(
+        None,
+        "model folder transformers loads, with its tokenizer.json: a causal LM or an encoder "
+        "(default: all-MiniLM-L6-v2)",
+        metavar="PATH",
+    )
+    out: Path = option(Path("heads-out"), "folder for heads.json and the heatmap", metavar="DIR")
+    method: Literal["ablate", "gradient", "both"] = option(
+        "ablate",
+        "ablate: one forward per head with that head removed (exact); gradient: one backward "
+        "pass (an estimate); both: the two, with the agreement of their rankings",
+    )
+
+
+@dataclass
+class Ranked:
+    """What ``run`` computed: ``scores[method]`` is layers x heads, plus the files written."""
+
+    metric: str
+    scores: dict[str, list[list[float]]]
+    agreement: float | None
+    files: dict[str, Path]
+
+
+def _load(folder: Path | None) -> tuple[Any, Any, bool]:
+    """(model, tokenizer, causal) for a folder transformers loads."""
+    from .._extras import require
+
+    transformers = require("transformers", "hf", "multihead heads")
+    from tokenizers import Tokenizer
+
+    from .. import (
+        hf,  # noqa: F401  registers "multihead"
+        hf_folders,
+    )
+
+    if folder is None:
+        from ..models.bert import default_path
+
+        folder = default_path()
+    folder = hf_folders.model_folder(folder)
+    vocabulary = folder / "tokenizer.json"
+    if not vocabulary.is_file():
+        raise FileNotFoundError(
+            f"multihead heads needs the model's tokenizer.json, which is missing from {folder}. "
+            "Received: a folder without tokenizer.json"
+        )
+    config = transformers.AutoConfig.from_pretrained(folder)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or ()))
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    try:
+        model = auto.from_pretrained(folder, attn_implementation="multihead")
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(
+            f"transformers could not load a model from {folder} for multihead heads. "
+            f"Received: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+    return model.eval(), Tokenizer.from_file(str(vocabulary)), causal
+
+
+def _measure(model: Any, ids: Any, causal: bool) -> Callable[[], Any]:
+    """The function whose value a head's removal changes: the LM loss, or the pooled state."""
+
+    def run() -> Any:
+        if causal:
+            return model(input_ids=ids, labels=ids).loss
+        encoder = model.get_encoder() if model.config.is_encoder_decoder else model
+        return encoder(input_ids=ids).last_hidden_state.mean(1)[0]
+
+    return run
+
+
+def score_heads(
+    model: Any, ids: Any, causal: bool, method: str, *, progress: Callable[[], None] | None = None
+) -> list[list[float]]:
+    """Layers x heads scores of ``method`` ("ablate" or "gradient") for input ids (1, L)."""
+    import torch
+
+    from ..hf import ablate
+    from ..hf.capture import model_layers, num_heads
+    from ..hf.edits import scaled
+
+    layers, heads = len(model_layers(model, "multihead heads")), num_heads(model) or 0
+    measure = _measure(model, ids, causal)
+    with torch.no_grad():
+        base = measure()
+
+    def change(value: Any) -> float:
+        if causal:
+            return float(value - base)
+        return float(1 - torch.nn.functional.cosine_similarity(value, base, dim=0))
+
+    if method == "ablate":
+        scores = []
+        for layer in range(layers):
+            row = []
+            for head in range(heads):
+                with ablate(model, {layer: [head]}), torch.no_grad():
+                    row.append(change(measure()))
+                if progress is not None:
+                    progress()
+            scores.append(row)
+        return scores
+    if not causal:
+        raise ValueError(
+            "--method gradient needs a loss, which a causal LM has (next-token cross-entropy); "
+            "an encoder's 1 - cosine has gradient 0 at scale 1. Use --method ablate for it. "
+            "Received: an encoder with --method gradient"
+        )
+    scales = {layer: torch.ones(heads, requires_grad=True) for layer in range(layers)}
+    with scaled(model, scales), torch.enable_grad():
+        measure().backward()
+    # first-order change of the loss when a scale goes from 1 to 0: -d loss / d scale
+    return [[-float(g) for g in scales[layer].grad] for layer in range(layers)]
+
+
+def _spearman(a: list[list[float]], b: list[list[float]]) -> float:
+    import torch
+
+    x, y = torch.tensor(a).flatten(), torch.tensor(b).flatten()
+    rx, ry = x.argsort().argsort().double(), y.argsort().argsort().double()
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / (rx.norm() * ry.norm()).clamp_min(1e-12))
+
+
+def _text(options: HeadsOptions) -> str:
+    if (options.text is None) == (options.file is None):
+        raise ValueError(
+            "give the text as TEXT or with --file, one of the two. "
+            f"Received: TEXT={options.text!r}, --file={options.file}"
+        )
+    if options.file is not None:
+        if not Path(options.file).is_file():
+            raise FileNotFoundError(
+                f"--file {options.file} is not a file. Received: {options.file}"
+            )
+        text = Path(options.file).read_text(encoding="utf-8")
+    else:
+        text = str(options.text)
+    if not text.strip():
+        raise ValueError(f"the text is empty; give some words. Received: {text[:40]!r}")
+    return V.check_utf8_text("TEXT", text)
+
+
+def _top(scores: list[list[float]], k: int = 10) -> list[tuple[int, int, float]]:
+    flat = [(layer, head, s) for layer, row in enumerate(scores) for head, s in enumerate(row)]
+    return sorted(flat, key=lambda t: -t[2])[:k]
+
+
+def _figure(scores: list[list[float]], metric: str, path: Path, title: str) -> Path:
+    import numpy as np
+
+    from .common import figure, save_figure
+
+    grid = np.array(scores)
+    fig = figure(figsize=(2.0 + 0.45 * grid.shape[1], 1.2 + 0.4 * grid.shape[0]))
+    ax = fig.subplots()
+    image = ax.imshow(grid, cmap="magma", aspect="auto")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(grid.shape[1]))
+    ax.set_yticks(range(grid.shape[0]))
+    for rank, (layer, head, _) in enumerate(_top(scores, 5), 1):
+        ax.text(head, layer, str(rank), ha="center", va="center", color="cyan", fontsize=9)
+    fig.colorbar(image, ax=ax, label=metric)
+    ax.set_title(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def run(options: HeadsOptions, *, say: Callable[[str], None] = print) -> Ranked:
+    """Rank every head; see the module docstring."""
+    import torch
+
+    text = _text(options)
+    folder = V.check_out_dir("--out", options.out)
+    with stages("heads", _STAGES, say=say) as (progress, say):
+        progress.begin(_STAGES[0])
+        model, tokenizer, causal = _load(options.model)
+        ids = torch.tensor([tokenizer.encode(text).ids])
+        if causal and ids.shape[1] < 2:
+            raise ValueError(
+                "a causal LM's loss needs at least two tokens. "
+                f"Received: {ids.shape[1]} token from {text!r}"
+            )
+        metric = (
+            "increase of mean next-token cross-entropy"
+            if causal
+            else "1 - cosine of the mean-pooled last hidden state"
+        )
+        progress.begin(_STAGES[1])
+        methods = ["ablate", "gradient"] if options.method == "both" else [options.method]
+        scores = {m: score_heads(model, ids, causal, m) for m in methods}
+        agreement = _spearman(scores["ablate"], scores["gradient"]) if len(methods) == 2 else None
+        progress.begin(_STAGES[2])
+        folder.mkdir(exist_ok=True)
+        first = methods[0]
+        record: dict[str, Any] = {"metric": metric, "method": first, "scores": scores[first]}
+        if agreement is not None:
+            record["gradient_scores"] = scores["gradient"]
+            record["spearman"] = agreement
+        files = {"json": folder / "heads.json", "figure": folder / "heads.png"}
+        files["json"].write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        layers, heads = len(scores[first]), len(scores[first][0])
+        title = f"{layers} layers x {heads} heads, {first}: {metric}"
+        _figure(scores[first], metric, files["figure"], title)
+        say(f"model: {getattr(model, 'name_or_path', '')} ({layers} layers x {heads} heads)")
+        say(f"score: {metric} ({first}); top ten heads:")
+        for layer, head, value in _top(scores[first]):
+            say(f"  layer {layer:2d} head {head:2d}  {value:+.5f}")
+        if agreement is not None:
+            say(f"agreement of the ablation and gradient rankings (Spearman): {agreement:.3f}")
+        for path in files.values():
+            say(f"wrote {path}")
+    return Ranked(metric, scores, agreement, files)

@@ -1,0 +1,114 @@
+"""``multihead heads``: every head ranked by ablating it, on a causal LM folder and on the real
+all-MiniLM-L6-v2; the top score recomputed by hand with an eager hook that zeroes the head's
+slice of the output projection's input (the independent reference)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models.decoders import build, transformers_model
+
+from multihead import cli
+from multihead.apps import heads
+
+TEXT = "the film was a quiet delight and the cast was superb"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
+
+
+def _loss_without(folder, layer: int, head: int) -> float:
+    """The eager model's loss on TEXT with ``head`` of ``layer`` zeroed before o_proj."""
+    from tokenizers import Tokenizer
+
+    model = transformers_model(folder)
+    ids = torch.tensor([Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids])
+    width = model.config.hidden_size // model.config.num_attention_heads
+
+    def zero(module, args):
+        x = args[0].clone()
+        x[..., head * width : (head + 1) * width] = 0
+        return (x,)
+
+    with torch.no_grad():
+        plain = float(model(input_ids=ids, labels=ids).loss)
+        hook = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero)
+        ablated = float(model(input_ids=ids, labels=ids).loss)
+        hook.remove()
+    return ablated - plain
+
+
+def test_a_causal_lm_ranked_by_the_loss_change(llama, tmp_path, capsys):
+    cli.main(
+        ["heads", "--model", str(llama), "--out", str(tmp_path / "out"), "--method", "both", TEXT]
+    )
+    record = json.loads((tmp_path / "out" / "heads.json").read_text())
+    assert record["metric"] == "increase of mean next-token cross-entropy"
+    assert record["method"] == "ablate"
+    scores = torch.tensor(record["scores"])
+    assert scores.shape == (2, 4)
+    layer, head = divmod(int(scores.argmax()), 4)
+    want = _loss_without(llama, layer, head)
+    assert abs(float(scores[layer, head]) - want) <= 1e-4 * max(1.0, abs(want))
+    assert -1 <= record["spearman"] <= 1
+    printed = capsys.readouterr().out
+    assert f"layer  {layer} head  {head}" in printed and "Spearman" in printed
+    assert (tmp_path / "out" / "heads.png").stat().st_size > 0
+
+
+def test_the_gradient_estimate_is_minus_the_scale_gradient(llama):
+    """Against a finite difference of the loss in one head's scale around 1."""
+    import multihead.hf as mhf
+
+    model, tok, causal = heads._load(llama)
+    ids = torch.tensor([tok.encode(TEXT).ids])
+    grad = heads.score_heads(model, ids, causal, "gradient")
+    eps = 1e-3
+
+    def loss(scale: float) -> float:
+        with mhf.ablate(model, {1: [2]}, scale=scale), torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+
+    numeric = -(loss(1 + eps) - loss(1 - eps)) / (2 * eps)
+    assert abs(grad[1][2] - numeric) <= 1e-3 * max(1.0, abs(numeric))
+
+
+@pytest.mark.slow
+def test_the_real_minilm_in_under_a_minute(tmp_path, capsys):
+    import time
+
+    start = time.perf_counter()
+    cli.main(
+        [
+            "heads",
+            "--out",
+            str(tmp_path),
+            "The animal didn't cross the street because it was too tired",
+        ]
+    )
+    assert time.perf_counter() - start < 60
+    record = json.loads((tmp_path / "heads.json").read_text())
+    assert torch.tensor(record["scores"]).shape == (6, 12)  # 72 heads
+    assert "1 - cosine" in record["metric"]
+
+
+def test_bad_input(tmp_path, llama):
+    with pytest.raises(ValueError, match="one of the two"):
+        heads.run(heads.HeadsOptions(text=None, out=tmp_path / "o", model=llama))
+    with pytest.raises(ValueError, match="the text is empty"):
+        heads.run(heads.HeadsOptions(text="  ", out=tmp_path / "o", model=llama))
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        heads.run(heads.HeadsOptions(text="x y", out=tmp_path / "o", model=tmp_path))
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    done = heads.run(heads.HeadsOptions(text=None, file=text, out=tmp_path / "o", model=llama))
+    assert len(done.scores["ablate"]) == 2
+
+
+def test_the_gradient_method_is_refused_for_an_encoder(tmp_path):
+    with pytest.raises(ValueError, match="--method gradient needs a loss"):
+        heads.run(heads.HeadsOptions(text="a b c", out=tmp_path, method="gradient"))
