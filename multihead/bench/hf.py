@@ -125,11 +125,12 @@ def _config(family: str, length: int, extra: dict[str, Any]):
         num_key_value_heads=4,
         max_position_embeddings=length,
     )
+    common.update(extra)  # a workload's settings win (num_key_value_heads, windows, caps)
     if family == "llama":
-        return tf.LlamaConfig(**common, **extra)
+        return tf.LlamaConfig(**common)
     if family == "mistral":
-        return tf.MistralConfig(**common, **extra)
-    return tf.Gemma2Config(**common, head_dim=64, query_pre_attn_scalar=64, **extra)
+        return tf.MistralConfig(**common)
+    return tf.Gemma2Config(**common, head_dim=64, query_pre_attn_scalar=64)
 
 
 def _build(workload: HfWorkload):
@@ -316,6 +317,106 @@ def _capture(length: int, say: Callable[[str], None]) -> dict:
     return {"length": length, "captured_bytes": captured, "peak_growth_bytes": rows, "met": met}
 
 
+ACTING_LENGTH = 8192
+# (contender, reference, op, figure): the goals of acting on attention (issue 32)
+ACTING_GOALS = (
+    ("ablate", "multihead", "<=", 1.05),
+    ("knockout 512x512", "multihead", "<=", 1.15),
+    ("key_mass+entropy", "multihead", "<=", 1.2),
+    ("key_mass+entropy", "eager+weights reduced", ">=", 3.0),
+    ("head_mean layer 1", "multihead", "<=", 1.5),
+)
+
+
+def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
+    """Ablate, knockout and statistics on the Llama-like model (2 KV heads) against its plain
+    multihead forward and against eager with output_attentions reduced by hand."""
+    from ..hf import ablate, capture, knockout
+
+    workload = replace(WORKLOADS[0], length=length, extra={"num_key_value_heads": 2})
+    model = _build(workload)
+    model.set_attn_implementation("multihead")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(3))
+    block = min(512, length // 4)
+    middle = range(length // 2, length // 2 + block)
+    early = range(length // 4, length // 4 + block)
+
+    def plain() -> object:
+        with torch.inference_mode():
+            return model(ids, use_cache=False).logits
+
+    def ablated() -> object:
+        with ablate(model, {0: [1], 1: [2]}), torch.inference_mode():
+            return model(ids, use_cache=False).logits
+
+    def knocked() -> object:
+        with knockout(model, queries=middle, keys=early), torch.inference_mode():
+            return model(ids, use_cache=False).logits
+
+    def key_stats() -> object:
+        with capture(model, stats=["key_mass", "entropy"]) as cap, torch.inference_mode():
+            model(ids, use_cache=False)
+        return cap.stats
+
+    def head_mean() -> object:
+        with capture(model, layers=[1], stats=["head_mean"]) as cap, torch.inference_mode():
+            model(ids, use_cache=False)
+        return cap.stats
+
+    def by_hand() -> object:
+        with torch.inference_mode():
+            out = eager(ids, use_cache=False, output_attentions=True)
+            return [(w.sum(2), -torch.special.xlogy(w, w).sum(-1)) for w in out.attentions]
+
+    runs = {
+        "multihead": plain,
+        "ablate": ablated,
+        "knockout 512x512": knocked,
+        "key_mass+entropy": key_stats,
+        "head_mean layer 1": head_mean,
+        "eager+weights reduced": by_hand,
+    }
+    for fn in runs.values():  # warm-up: kernel choices, page faults
+        fn()
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    names = list(runs)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    med = {n: statistics.median(t) for n, t in times.items()}
+    plain_growth, _ = peak_growth(plain)
+    stats_growth, found = peak_growth(key_stats)
+    size = sum(t.numel() * t.element_size() for per in found.values() for t in per.values())
+    extra = None if plain_growth is None or stats_growth is None else stats_growth - plain_growth
+    goals = [_goal(med, *g) for g in ACTING_GOALS]
+    memory_met = extra is not None and extra <= 1.1 * size
+    say(f"\nacting on attention, Llama-like (4 heads, 2 KV heads), L={length}:")
+    for name in names:
+        say(
+            f"  {name:24} {med[name] * 1e3:9.1f} ms  {med[name] / med['multihead']:6.2f}x multihead"
+        )
+    for g in goals:
+        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+    grown = "n/a" if extra is None else f"{extra / 2**20:.1f} MiB"
+    say(
+        f"  goal key statistics' memory growth over the plain forward <= 1.1x their own "
+        f"{size / 2**20:.2f} MiB: {grown} -> {'met' if memory_met else 'MISSED'}"
+    )
+    return {
+        "length": length,
+        "median_s": med,
+        "times_s": times,
+        "goals": goals,
+        "stats_bytes": size,
+        "stats_extra_growth_bytes": extra,
+        "memory_met": memory_met,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class HfBenchOptions(Timed):
     """What ``multihead bench hf`` takes (``multihead bench hf --help``)."""
@@ -337,8 +438,9 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     # does, so the table is the machine's and not the build's
     fused.build_error()
     workloads = list(WORKLOADS)
-    capture_length = CAPTURE_LENGTH
+    capture_length, acting_length = CAPTURE_LENGTH, ACTING_LENGTH
     if quick:
+        acting_length //= 16
         workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]
         capture_length //= 16
     cpu = cpu_info()[0]
@@ -352,7 +454,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         f"GFLOP/s; measured read bandwidth {bandwidth:.1f} GB/s; {repeats} interleaved repeats"
     )
     results = []
-    steps = [w.name for w in workloads] + ["capture"]
+    steps = [w.name for w in workloads] + ["capture", "acting"]
     with (
         warnings.catch_warnings(),
         stages("bench hf", steps, unit="workload", say=say) as (
@@ -366,6 +468,8 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
             results.append(_time(w, repeats, tell))
         bar.begin("capture")
         memory = _capture(capture_length, tell)
+        bar.begin("acting")
+        acting = _acting(acting_length, repeats, tell)
     report = {
         "command": "multihead bench hf"
         + (" --quick" if quick else "")
@@ -379,6 +483,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         "bandwidth_gb_s": bandwidth,
         "workloads": results,
         "capture": memory,
+        "acting": acting,
     }
     out.mkdir(exist_ok=True)
     (out / "hf.json").write_text(json.dumps(report, indent=2))
