@@ -328,17 +328,11 @@ ACTING_GOALS = (
 )
 
 
-def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
-    """Ablate, knockout and statistics on the Llama-like model (2 KV heads) against its plain
-    multihead forward and against eager with output_attentions reduced by hand."""
+def _acting_runs(model: Any, eager: Any, ids: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """The timed forwards of the acting rows, by name."""
     from ..hf import ablate, capture, knockout
 
-    workload = replace(WORKLOADS[0], length=length, extra={"num_key_value_heads": 2})
-    model = _build(workload)
-    model.set_attn_implementation("multihead")
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(3))
+    length = ids.shape[1]
     block = min(512, length // 4)
     middle = range(length // 2, length // 2 + block)
     early = range(length // 4, length // 4 + block)
@@ -370,7 +364,7 @@ def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
             out = eager(ids, use_cache=False, output_attentions=True)
             return [(w.sum(2), -torch.special.xlogy(w, w).sum(-1)) for w in out.attentions]
 
-    runs = {
+    return {
         "multihead": plain,
         "ablate": ablated,
         "knockout 512x512": knocked,
@@ -378,6 +372,18 @@ def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
         "head_mean layer 1": head_mean,
         "eager+weights reduced": by_hand,
     }
+
+
+def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
+    """Ablate, knockout and statistics on the Llama-like model (2 KV heads) against its plain
+    multihead forward and against eager with output_attentions reduced by hand."""
+    workload = replace(WORKLOADS[0], length=length, extra={"num_key_value_heads": 2})
+    model = _build(workload)
+    model.set_attn_implementation("multihead")
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(3))
+    runs = _acting_runs(model, eager, ids)
     for fn in runs.values():  # warm-up: kernel choices, page faults
         fn()
     times: dict[str, list[float]] = {n: [] for n in runs}
@@ -388,24 +394,13 @@ def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
             runs[name]()
             times[name].append(time.perf_counter() - start)
     med = {n: statistics.median(t) for n, t in times.items()}
-    plain_growth, _ = peak_growth(plain)
-    stats_growth, found = peak_growth(key_stats)
+    plain_growth, _ = peak_growth(runs["multihead"])
+    stats_growth, found = peak_growth(runs["key_mass+entropy"])
     size = sum(t.numel() * t.element_size() for per in found.values() for t in per.values())
     extra = None if plain_growth is None or stats_growth is None else stats_growth - plain_growth
     goals = [_goal(med, *g) for g in ACTING_GOALS]
     memory_met = extra is not None and extra <= 1.1 * size
-    say(f"\nacting on attention, Llama-like (4 heads, 2 KV heads), L={length}:")
-    for name in names:
-        say(
-            f"  {name:24} {med[name] * 1e3:9.1f} ms  {med[name] / med['multihead']:6.2f}x multihead"
-        )
-    for g in goals:
-        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
-    grown = "n/a" if extra is None else f"{extra / 2**20:.1f} MiB"
-    say(
-        f"  goal key statistics' memory growth over the plain forward <= 1.1x their own "
-        f"{size / 2**20:.2f} MiB: {grown} -> {'met' if memory_met else 'MISSED'}"
-    )
+    _say_acting(length, med, goals, extra, size, memory_met, say)
     return {
         "length": length,
         "median_s": med,
@@ -415,6 +410,20 @@ def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
         "stats_extra_growth_bytes": extra,
         "memory_met": memory_met,
     }
+
+
+def _say_acting(length: int, med: dict[str, float], goals: list[dict], extra: int | None,
+                size: int, memory_met: bool, say: Callable[[str], None]) -> None:  # fmt: skip
+    say(f"\nacting on attention, Llama-like (4 heads, 2 KV heads), L={length}:")
+    for name, value in med.items():
+        say(f"  {name:24} {value * 1e3:9.1f} ms  {value / med['multihead']:6.2f}x multihead")
+    for g in goals:
+        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+    grown = "n/a" if extra is None else f"{extra / 2**20:.1f} MiB"
+    say(
+        f"  goal key statistics' memory growth over the plain forward <= 1.1x their own "
+        f"{size / 2**20:.2f} MiB: {grown} -> {'met' if memory_met else 'MISSED'}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

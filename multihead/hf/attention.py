@@ -121,13 +121,8 @@ def _planned(
 ) -> tuple[Tensor, Tensor | None]:
     """One call with everything the active blocks ask for: knockouts joined to the mask,
     the weights or statistics a capture records, patched heads, scaled heads."""
-    h, length_q, length_k = query.shape[1], query.shape[2], key.shape[2]
-    for block in plan.knockouts:
-        _check_positions(block, length_q, length_k)
-        assert block.queries is not None and block.keys is not None
-        cut = knockout(block.queries, block.keys, heads=block.heads,
-                       num_heads=h if block.heads is not None else None)  # fmt: skip
-        mask = cut if mask is None else mask & cut
+    h = query.shape[1]
+    mask = _knocked_out(plan, mask, h, query.shape[2], key.shape[2])
     cap, wants = plan.capture, _wants_weights(output_attentions)
     weights = None
     if wants or (cap is not None and (not cap.stat_names or common["dropout_p"] > 0)):
@@ -149,6 +144,19 @@ def _planned(
     if plan.scales:
         out = out * _head_scales(plan.scales, h, out)[None, :, None, None]
     return out, (weights if wants else None)
+
+
+def _knocked_out(
+    plan: recording.Plan, mask: Mask | None, h: int, length_q: int, length_k: int
+) -> Mask | None:
+    """The call's mask with every active knockout of the layer joined to it."""
+    for block in plan.knockouts:
+        _check_positions(block, length_q, length_k)
+        assert block.queries is not None and block.keys is not None
+        cut = knockout(block.queries, block.keys, heads=block.heads,
+                       num_heads=h if block.heads is not None else None)  # fmt: skip
+        mask = cut if mask is None else mask & cut
+    return mask
 
 
 def _keep(cap: recording.Capture, layer: int, weights: Tensor) -> None:
