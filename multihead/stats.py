@@ -26,10 +26,11 @@ from torch import Tensor
 
 from . import _validation as V
 from . import bias as _bias
+from .backends._tensors import stat_dtype
 from .functional import attention_with_weights, check_heads
 from .masks import Mask, dense
 
-__all__ = ["KEY_STATS", "STATS", "Reducer", "attention_stats", "check_stats"]
+__all__ = ["KEY_STATS", "STATS", "Reducer", "attention_stats", "check_stats", "stat_dtype"]
 
 STATS = ("key_mass", "window_mass", "entropy", "head_mean")
 KEY_STATS = ("key_mass", "window_mass")  # summed over query rows: they accumulate over calls
@@ -130,10 +131,6 @@ class Reducer:
 def slice_rows(batch: int, heads: int, length_k: int, length_q: int) -> int:
     """Query rows per slice: their weights (B, h, rows, S) in float32 fit ``_SLICE_BYTES``."""
     return max(1, min(length_q, _SLICE_BYTES // max(1, 4 * batch * heads * length_k)))
-
-
-def stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @V.torch_keywords("attention_stats()")

@@ -165,26 +165,13 @@ class _Foreign:
     def load(cls, folder: Path) -> _Foreign:
         from .._extras import require
 
-        transformers = require("transformers", "hf", "multihead explain on this architecture")
-        from tokenizers import Tokenizer
+        require("transformers", "hf", "multihead explain on this architecture")
+        from ..hf.folders import load_folder
 
-        from .. import hf  # noqa: F401  registers "multihead" with transformers
-
-        vocabulary = folder / "tokenizer.json"
-        if not vocabulary.is_file():
-            raise FileNotFoundError(
-                f"explain needs the model's tokenizer.json, which is missing from {folder}. "
-                "Received: a folder without tokenizer.json"
-            )
-        try:
-            model = transformers.AutoModel.from_pretrained(folder, attn_implementation="multihead")
-        except (ValueError, OSError, KeyError) as err:
-            raise ValueError(
-                f"transformers could not load a model from {folder} for multihead explain, "
-                f"which supports {supported()}. "
-                f"Received: {type(err).__name__}: {str(err).splitlines()[0]}"
-            ) from err
-        return cls(folder, Tokenizer.from_file(str(vocabulary)), model.eval())
+        model, tokenizer = load_folder(
+            folder, "multihead explain", supports=f", which supports {supported()}"
+        )
+        return cls(folder, tokenizer, model)
 
     def attend(self, text: str) -> tuple[list[str], list[bool], Tensor, bool]:
         """Run ``text``, capturing every head of every self-attention layer (an

@@ -59,39 +59,24 @@ class Ranked:
 
 
 def _load(folder: Path | None) -> tuple[Any, Any, bool]:
-    """(model, tokenizer, causal) for a folder transformers loads."""
+    """(model, tokenizer, causal) for a folder transformers loads (None: all-MiniLM-L6-v2)."""
     from .._extras import require
 
-    transformers = require("transformers", "hf", "multihead heads")
-    from tokenizers import Tokenizer
-
-    from .. import (
-        hf,  # noqa: F401  registers "multihead"
-        hf_folders,
-    )
+    require("transformers", "hf", "multihead heads")
+    from .. import hf_folders
+    from ..hf.folders import load_folder
 
     if folder is None:
         from ..models.bert import default_path
 
         folder = default_path()
     folder = hf_folders.model_folder(folder)
-    vocabulary = folder / "tokenizer.json"
-    if not vocabulary.is_file():
-        raise FileNotFoundError(
-            f"multihead heads needs the model's tokenizer.json, which is missing from {folder}. "
-            "Received: a folder without tokenizer.json"
-        )
-    config = transformers.AutoConfig.from_pretrained(folder)
-    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or ()))
-    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    try:
-        model = auto.from_pretrained(folder, attn_implementation="multihead")
-    except (ValueError, OSError, KeyError) as err:
-        raise ValueError(
-            f"transformers could not load a model from {folder} for multihead heads. "
-            f"Received: {type(err).__name__}: {str(err).splitlines()[0]}"
-        ) from err
-    return model.eval(), Tokenizer.from_file(str(vocabulary)), causal
+    # a missing config.json is left to the loader, after its tokenizer.json check
+    config = hf_folders.read_json(folder, "config.json", required=False) or {}
+    architectures = config.get("architectures") or ()
+    causal = any(str(a).endswith("ForCausalLM") for a in architectures)
+    model, tokenizer = load_folder(folder, "multihead heads", causal_lm=causal)
+    return model, tokenizer, causal
 
 
 def _measure(model: Any, ids: Any, causal: bool) -> Callable[[], Any]:

@@ -377,6 +377,8 @@ def _acting_runs(model: Any, eager: Any, ids: torch.Tensor) -> dict[str, Callabl
 def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
     """Ablate, knockout and statistics on the Llama-like model (2 KV heads) against its plain
     multihead forward and against eager with output_attentions reduced by hand."""
+    from .suite import interleaved
+
     workload = replace(WORKLOADS[0], length=length, extra={"num_key_value_heads": 2})
     model = _build(workload)
     model.set_attn_implementation("multihead")
@@ -384,15 +386,7 @@ def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
     eager.set_attn_implementation("eager")
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(3))
     runs = _acting_runs(model, eager, ids)
-    for fn in runs.values():  # warm-up: kernel choices, page faults
-        fn()
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    names = list(runs)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            runs[name]()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(runs, repeats)
     med = {n: statistics.median(t) for n, t in times.items()}
     plain_growth, _ = peak_growth(runs["multihead"])
     stats_growth, found = peak_growth(runs["key_mass+entropy"])

@@ -497,7 +497,9 @@ def _module_contenders(w: Workload, mask: Mask, g: torch.Generator) -> dict[str,
     }
 
 
-def _time(contenders: dict[str, Callable], repeats: int) -> dict[str, list[float]]:
+def interleaved(contenders: dict[str, Callable], repeats: int) -> dict[str, list[float]]:
+    """Each contender's wall times: one warm-up call each, then ``repeats`` rounds in a
+    rotated order."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     with torch.inference_mode(False):
         for fn in contenders.values():
@@ -716,7 +718,7 @@ def _overheads(w: Workload, rows: dict) -> dict[str, float]:
 
 def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
     contenders, notes, entries = _contenders(w, quick, seed=0)
-    times = _time(contenders, repeats)
+    times = interleaved(contenders, repeats)
     flops_per_entry = 4 * w.d * (3.5 if w.train else 1.0)
     peak = peaks.get(w.dtype, peaks["float32"])
     block_peak = peaks.get(f"{w.dtype} blocks")

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import bias as mb
+from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
-from ..masks import Mask, dense, knockout
-from ..stats import Reducer, attention_stats, stat_dtype
+from ..masks import Mask, dense
+from ..stats import Reducer, attention_stats
 from . import recording
 
 __all__ = ["attention_forward"]
@@ -121,15 +122,14 @@ def _planned(
 ) -> tuple[Tensor, Tensor | None]:
     """One call with everything the active blocks ask for: knockouts joined to the mask,
     the weights or statistics a capture records, patched heads, scaled heads."""
-    h = query.shape[1]
-    mask = _knocked_out(plan, mask, h, query.shape[2], key.shape[2])
+    mask = _knocked_out(plan, mask, query.shape[2], key.shape[2])
     cap, wants = plan.capture, _wants_weights(output_attentions)
     weights = None
     if wants or (cap is not None and (not cap.stat_names or common["dropout_p"] > 0)):
         chosen = None if wants or cap is None else cap.heads
         out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
         if cap is not None:
-            part = weights if wants is False or cap.heads is None else weights[:, cap.heads]
+            part = weights if not wants or cap.heads is None else weights[:, cap.heads]
             _keep(cap, plan.layer, part)
     elif cap is not None:
         out, found = attention_stats(
@@ -141,21 +141,19 @@ def _planned(
         out = attention(query, key, value, mask, **common)
     for block in plan.patches:
         out = _patched(out, block, plan.layer, query, key, value)
-    if plan.scales:
-        out = out * _head_scales(plan.scales, h, out)[None, :, None, None]
+    for scale in plan.scales:
+        out = out * scale.to(out.device, out.dtype)[None, :, None, None]
     return out, (weights if wants else None)
 
 
 def _knocked_out(
-    plan: recording.Plan, mask: Mask | None, h: int, length_q: int, length_k: int
+    plan: recording.Plan, mask: Mask | None, length_q: int, length_k: int
 ) -> Mask | None:
     """The call's mask with every active knockout of the layer joined to it."""
     for block in plan.knockouts:
-        _check_positions(block, length_q, length_k)
-        assert block.queries is not None and block.keys is not None
-        cut = knockout(block.queries, block.keys, heads=block.heads,
-                       num_heads=h if block.heads is not None else None)  # fmt: skip
-        mask = cut if mask is None else mask & cut
+        assert block.mask is not None
+        _check_positions(block.mask, length_q, length_k)
+        mask = block.mask if mask is None else mask & block.mask
     return mask
 
 
@@ -185,18 +183,6 @@ def _patched(
     out = out.clone()
     out[:, index] = mixed.to(out.dtype)
     return out
-
-
-def _head_scales(scales: list[dict[int, float] | Tensor], h: int, out: Tensor) -> Tensor:
-    total = torch.ones(h, dtype=out.dtype, device=out.device)
-    for scale in scales:
-        if isinstance(scale, Tensor):
-            total = total * scale.to(out.dtype)
-        else:
-            factors = torch.ones(h, dtype=out.dtype, device=out.device)
-            factors[list(scale)] = torch.tensor(list(scale.values()), dtype=out.dtype)
-            total = total * factors
-    return total
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:
@@ -270,15 +256,14 @@ def _shape(t: Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def _check_positions(block: recording.Edit, length_q: int, length_k: int) -> None:
+def _check_positions(cut: Any, length_q: int, length_k: int) -> None:
     """A full forward (L == S, no cache yet) holds positions [0, S): a knockout none of whose
     query or key positions is among them blocks nothing and is refused. (Inside
     ``generate()`` later positions are reached by the decoding steps, so one past the prompt
     is fine as long as the block also names a position inside it.)"""
     if length_q != length_k:
         return
-    assert block.queries is not None and block.keys is not None
-    for name, chosen in (("queries", block.queries), ("keys", block.keys)):
+    for name, chosen in (("queries", cut.queries), ("keys", cut.keys)):
         if int(chosen[0]) >= length_k:
             raise ValueError(
                 f"knockout {name} must include positions of the input, below its length "

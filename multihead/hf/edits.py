@@ -10,10 +10,11 @@ import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 
+import torch
 from torch import Tensor, nn
 
+from .. import masks
 from ..functional import check_heads
-from ..masks.knockout import positions
 from .capture import check_layers, model_layers, num_heads, open_block
 from .recording import Capture, Edit, active
 
@@ -48,18 +49,13 @@ def _check_head_map(heads: object, layers: int, count: int) -> dict[int, list[in
     return {layer: check_heads(heads[layer], count) for layer in chosen}
 
 
-def _conflicts(kind: str, model: nn.Module, covered: set[tuple[int, int]]) -> None:
+def _conflicts(kind: str, model: nn.Module, covered: frozenset[tuple[int, int]]) -> None:
     """Refuse a block that would decide again what an active block of the same kind on the
     same model already decides for a (layer, head)."""
     for block in active():
         if not isinstance(block, Edit) or block.kind != kind or block._model is not model:
             continue
-        if kind == "ablate":
-            theirs = {(layer, h) for layer, s in block.scales.items() for h in _heads_in(s)}
-        else:
-            assert block.source is not None
-            theirs = {(layer, h) for layer in block.source.weights for h in block.heads or ()}
-        both = sorted(covered & theirs)
+        both = sorted(covered & block.targets)
         if both:
             raise ValueError(
                 f"this {kind} block conflicts with an active {kind} block on the same model: "
@@ -67,10 +63,6 @@ def _conflicts(kind: str, model: nn.Module, covered: set[tuple[int, int]]) -> No
                 f"{both[:5]}; close the outer block first or merge them into one. "
                 f"Received: a nested {kind} over {both[:5]}"
             )
-
-
-def _heads_in(scale: dict[int, float] | Tensor) -> list[int]:
-    return list(scale) if isinstance(scale, dict) else list(range(scale.shape[0]))
 
 
 @contextlib.contextmanager
@@ -107,11 +99,13 @@ def ablate(
     count = _heads_of(model, "ablate")
     chosen = _check_head_map(heads, len(found), count)
     factor = _check_scale(scale)
-    scales: dict[int, dict[int, float] | Tensor] = {
-        layer: dict.fromkeys(hs, factor) for layer, hs in chosen.items()
-    }
-    _conflicts("ablate", model, {(layer, h) for layer, hs in chosen.items() for h in hs})
-    block = Edit(sorted(chosen), len(found), kind="ablate", scales=scales)
+    scales = {}
+    for layer, hs in chosen.items():
+        scales[layer] = torch.ones(count)
+        scales[layer][hs] = factor
+    targets = frozenset((layer, h) for layer, hs in chosen.items() for h in hs)
+    _conflicts("ablate", model, targets)
+    block = Edit(sorted(chosen), len(found), kind="ablate", scales=scales, targets=targets)
     with open_block(model, block, found):
         yield block
 
@@ -130,7 +124,9 @@ def scaled(model: nn.Module, scales: Mapping[int, Tensor]) -> Iterator[Edit]:
                 f"Received: {type(scale).__name__} {tuple(getattr(scale, 'shape', ()))}"
             )
     layers = check_layers(list(scales), len(found))
-    block = Edit(layers, len(found), kind="ablate", scales=dict(scales))
+    targets = frozenset((layer, h) for layer in scales for h in range(count))
+    _conflicts("ablate", model, targets)
+    block = Edit(layers, len(found), kind="ablate", scales=dict(scales), targets=targets)
     with open_block(model, block, found):
         yield block
 
@@ -174,10 +170,9 @@ def knockout(
             positions; at the first forward, a position past the input.
     """
     found = model_layers(model, "knockout")
-    q, k = positions("queries", queries), positions("keys", keys)
-    chosen_heads = None if heads is None else check_heads(heads, _heads_of(model, "knockout"))
-    block = Edit(check_layers(layers, len(found)), len(found), kind="knockout")
-    block.queries, block.keys, block.heads = q, k, chosen_heads
+    count = None if heads is None else _heads_of(model, "knockout")
+    cut = masks.knockout(queries, keys, heads=heads, num_heads=count)
+    block = Edit(check_layers(layers, len(found)), len(found), kind="knockout", mask=cut)
     with open_block(model, block, found):
         yield block
 
@@ -228,7 +223,9 @@ def patch(model: nn.Module, cap: Capture) -> Iterator[Edit]:
         )
     count = _heads_of(model, "patch")
     heads = list(range(count)) if cap.heads is None else list(cap.heads)
-    block = Edit(sorted(cap.weights), len(found), kind="patch", heads=heads, source=cap)
-    _conflicts("patch", model, {(layer, h) for layer in cap.weights for h in heads})
+    targets = frozenset((layer, h) for layer in cap.weights for h in heads)
+    _conflicts("patch", model, targets)
+    block = Edit(sorted(cap.weights), len(found), kind="patch", heads=heads, source=cap,
+                 targets=targets)  # fmt: skip
     with open_block(model, block, found):
         yield block

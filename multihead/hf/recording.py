@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..masks import Mask
 from ..stats import KEY_STATS
 
 __all__ = ["Block", "Capture", "Edit", "Plan", "activate", "active", "plan_for"]
@@ -103,19 +104,21 @@ class Edit(Block):
 
     Attributes:
         kind: "ablate", "knockout" or "patch".
-        scales: ablate: ``{layer: {head: scale}}``, or ``{layer: Tensor (H,)}`` (a scale per
-            head that may carry a gradient).
-        queries, keys: knockout: the blocked positions (sorted int64).
-        heads: knockout: the query heads blocked (None: all); patch: the captured heads.
+        scales: ablate: ``{layer: Tensor (H,)}``, one factor per head (1 where unchanged; it
+            may carry a gradient).
+        mask: knockout: the ``masks.knockout`` mask, joined to the model's in each call.
+        heads: patch: the captured heads.
         source: patch: the ``Capture`` whose weights replace the computed ones.
+        targets: ablate, patch: the (layer, head) pairs the block decides (nested blocks of
+            the same kind may not share one).
     """
 
     kind: str = "ablate"
-    scales: dict[int, dict[int, float] | Tensor] = field(default_factory=dict)
-    queries: Tensor | None = None
-    keys: Tensor | None = None
+    scales: dict[int, Tensor] = field(default_factory=dict)
+    mask: Mask | None = None
     heads: list[int] | None = None
     source: Capture | None = None
+    targets: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Plan:
 
     layer: int
     capture: Capture | None = None
-    scales: list[dict[int, float] | Tensor] = field(default_factory=list)
+    scales: list[Tensor] = field(default_factory=list)
     knockouts: list[Edit] = field(default_factory=list)
     patches: list[Edit] = field(default_factory=list)
 

@@ -12,6 +12,8 @@ control), so a block that did nothing would fail.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers as tf
@@ -108,17 +110,29 @@ def _close(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor) -> float:
     return float(diff.max() / want[valid].abs().max())
 
 
+def _assert_edit_matches(model, arch, edit: dict, block) -> None:
+    """``model`` inside ``block`` equals the reference applying ``edit`` by hand, and the
+    edit moves the output far beyond the tolerance (the control)."""
+    valid = inputs(arch)[1]
+    plain = _reference(model, arch, {})[0]
+    want = _reference(model, arch, edit)[0]
+    with block:
+        got = _multihead(model, arch)
+    assert _close(got, want, valid) <= OUT_RTOL
+    assert _close(plain, want, valid) > 50 * OUT_RTOL  # the edit matters
+
+
 @pytest.mark.parametrize("name", ARCH_NAMES)
 def test_ablate_equals_scaling_the_heads_by_hand(name):
     arch = BY_NAME[name]
     model = build(arch)
-    valid = inputs(arch)[1]
-    plain = _reference(model, arch, {})[0]
-    want = _reference(model, arch, {"scales": {0: {1: 0.0, 3: 0.0}, 1: {2: 2.5}}})[0]
-    with mhf.ablate(model, {0: [1, 3]}), mhf.ablate(model, {1: [2]}, scale=2.5):
-        got = _multihead(model, arch)
-    assert _close(got, want, valid) <= OUT_RTOL
-    assert _close(plain, want, valid) > 50 * OUT_RTOL  # the edit matters
+
+    @contextlib.contextmanager
+    def block():
+        with mhf.ablate(model, {0: [1, 3]}), mhf.ablate(model, {1: [2]}, scale=2.5):
+            yield
+
+    _assert_edit_matches(model, arch, {"scales": {0: {1: 0.0, 3: 0.0}, 1: {2: 2.5}}}, block())
     assert model.config._attn_implementation == "eager"
 
 
@@ -126,32 +140,22 @@ def test_ablate_equals_scaling_the_heads_by_hand(name):
 def test_knockout_equals_hiding_the_entries_by_hand(name):
     arch = BY_NAME[name]
     model = build(arch)
-    valid = inputs(arch)[1]
     queries, keys = [6, 7, 8], [3, 4, 5]  # visible to every query of them in every mask here
-    plain = _reference(model, arch, {})[0]
-    want = _reference(model, arch, {"block": (queries, keys, [1], [0, 2])})[0]
-    with mhf.knockout(model, queries=queries, keys=keys, layers=[1], heads=[0, 2]):
-        got = _multihead(model, arch)
-    assert _close(got, want, valid) <= OUT_RTOL
-    assert _close(plain, want, valid) > 50 * OUT_RTOL
+    block = mhf.knockout(model, queries=queries, keys=keys, layers=[1], heads=[0, 2])
+    _assert_edit_matches(model, arch, {"block": (queries, keys, [1], [0, 2])}, block)
 
 
 @pytest.mark.parametrize("name", ARCH_NAMES)
 def test_patch_equals_putting_the_stored_weights_in_place(name):
     arch = BY_NAME[name]
     model = build(arch)
-    valid = inputs(arch)[1]
     # weights from another input of the same shape: the same tokens reversed
     batch = inputs(arch)[0]
     other = {**batch, "input_ids": batch["input_ids"].flip(1)}
     with mhf.capture(model, layers=[0], heads=[3, 1]) as cap, torch.no_grad():
         model(**other)
-    want = _reference(model, arch, {"weights": {0: ([3, 1], cap.weights[0])}})[0]
-    plain = _reference(model, arch, {})[0]
-    with mhf.patch(model, cap):
-        got = _multihead(model, arch)
-    assert _close(got, want, valid) <= OUT_RTOL
-    assert _close(plain, want, valid) > 50 * OUT_RTOL
+    edit = {"weights": {0: ([3, 1], cap.weights[0])}}
+    _assert_edit_matches(model, arch, edit, mhf.patch(model, cap))
 
 
 @pytest.mark.parametrize("name", ARCH_NAMES)
