@@ -3,7 +3,8 @@
 Each command's job takes one options record (a dataclass). A field made with ``option(...)``
 is a flag (``--name-with-dashes`` unless ``flag`` names it), one made with ``argument(...)``
 is a positional argument, and a field whose type is itself a record adds that record's flags.
-The annotation says the rest: ``bool`` is a switch, ``X | None`` an optional X,
+The annotation says the rest: ``bool`` is a switch, ``X | None`` an optional X (for a
+positional argument too: it may be left out),
 ``tuple[X, ...]`` one or more X, ``Literal[...]`` a choice. ``add_arguments`` gives a parser
 the flags and ``record_from`` builds the record from what it parsed: nothing copies an option
 by hand. Imports nothing heavy, so ``multihead --help`` answers at once.
@@ -115,7 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser, record: type) -> None:
             continue
         names = {"help": cli["help"], "metavar": cli.get("metavar")}
         if cli.get("positional"):
-            parser.add_argument(field.name, **names, **_parsing(tp, cli))
+            optional = _unwrap(tp) is not tp  # ``X | None``: may be left out (None)
+            extra = {"nargs": "?", "default": None} if optional else {}
+            parser.add_argument(field.name, **names, **extra, **_parsing(tp, cli))
             continue
         flag = cli["flag"] or "--" + field.name.replace("_", "-")
         default = None if field.default is dataclasses.MISSING else field.default

@@ -32,7 +32,7 @@ _STAGES = ("loading the model", "scoring the heads", "writing the results")
 class HeadsOptions:
     """What ``multihead heads`` takes (``multihead heads --help``)."""
 
-    text: str | None = argument("the text to score the heads on", metavar="TEXT")
+    text: str | None = argument("the text to score the heads on (or --file)", metavar="TEXT")
     file: Path | None = option(None, "read the text from this UTF-8 file instead", metavar="FILE")
     model: Path | None = option(
         None,
@@ -40,7 +40,7 @@ class HeadsOptions:
         "(default: all-MiniLM-L6-v2)",
         metavar="PATH",
     )
-    out: Path = option(Path("heads-out"), "folder for heads.json and the heatmap", metavar="DIR")
+    out: Path = option(Path("heads-out"), "folder for the results", metavar="DIR")
     method: Literal["ablate", "gradient", "both"] = option(
         "ablate",
         "ablate: one forward per head with that head removed (exact); gradient: one backward "

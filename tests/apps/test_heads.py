@@ -112,3 +112,12 @@ def test_bad_input(tmp_path, llama):
 def test_the_gradient_method_is_refused_for_an_encoder(tmp_path):
     with pytest.raises(ValueError, match="--method gradient needs a loss"):
         heads.run(heads.HeadsOptions(text="a b c", out=tmp_path, method="gradient"))
+
+
+def test_the_command_takes_the_text_from_a_file_alone(tmp_path, llama):
+    """TEXT may be left out when --file gives the text (an optional positional argument)."""
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "o"
+    assert cli.main(["heads", "--model", str(llama), "--file", str(text), "--out", str(out)]) == 0
+    assert len(json.loads((out / "heads.json").read_text())["scores"]) == 2
