@@ -22,6 +22,7 @@ from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
 from ..stats import Reducer, attention_stats
 from . import recording
+from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
 
@@ -244,12 +245,7 @@ def _bias(
 def _wants_weights(output_attentions: bool | None) -> bool:
     """Whether the caller reads the weights: asked for by keyword, or transformers is
     collecting attentions (``output_attentions`` in the config or the model's call)."""
-    if output_attentions:
-        return True
-    from transformers.utils import output_capturing
-
-    collected = output_capturing._active_collector.get()
-    return bool(collected) and any("attentions" in key for key in collected)
+    return bool(output_attentions) or collecting_attentions()
 
 
 def _shape(t: Tensor) -> str:

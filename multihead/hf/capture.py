@@ -22,6 +22,7 @@ from torch import nn
 from .. import _validation as V
 from ..functional import check_heads
 from ..stats import check_stats
+from ._transformers import attention_recorders, attn_implementation
 from .recording import Block, Capture, activate
 from .registration import register
 
@@ -41,31 +42,13 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
     def walk(module: nn.Module, name: str, specs: list[Any]) -> None:
         for child_name, child in module.named_children():
-            inner = _specs(child) if isinstance(child, PreTrainedModel) else specs
+            inner = attention_recorders(child) if isinstance(child, PreTrainedModel) else specs
             walk(child, f"{name}.{child_name}", inner)
         if any(_matches(module, name, spec) for spec in specs):
             found.append(module)
 
-    walk(model, "", _specs(model))
+    walk(model, "", attention_recorders(model))
     return found
-
-
-def _specs(model: Any) -> list[Any]:
-    """The "attentions" recorders of a transformers model, as OutputRecorder records."""
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
-
-    spec = _CAN_RECORD_REGISTRY.get(model).get("attentions")
-    specs = spec if isinstance(spec, list) else ([] if spec is None else [spec])
-    return [
-        s
-        if isinstance(s, OutputRecorder)
-        else OutputRecorder(
-            target_class=cast("type[nn.Module]", None if isinstance(s, str) else s),
-            index=1,
-            class_name=s if isinstance(s, str) else None,
-        )
-        for s in specs
-    ]
 
 
 def _matches(module: nn.Module, name: str, spec: Any) -> bool:
@@ -126,8 +109,7 @@ def open_block(model: nn.Module, block: Block, found: list[nn.Module]) -> Iterat
             block._owner.setdefault(part, index)
     block._model = model
     name = register()
-    config = cast("Any", model).config
-    before = getattr(config, "_attn_implementation", None)
+    before = attn_implementation(model)
     switch = before != name
     if switch:
         cast("Any", model).set_attn_implementation(name)

@@ -5,12 +5,14 @@ built from a few factories (``causal_mask_function``, ``sliding_window_overlay``
 ``chunked_overlay``, ``padding_mask_function``, ``packed_sequence_mask_function``, ...) and
 combined with ``and_masks`` / ``or_masks``; its ``sdpa`` and ``eager`` paths evaluate that
 predicate into a dense (B, 1, L, S) tensor. ``make_mask`` (registered with transformers'
-``AttentionMaskInterface``) reads the same predicate as data instead: each factory's closure is
-recognized by its code object and its captured values, and becomes the built-in kind that says
-the same thing (``causal``, ``sliding_window``, ``key_padding``, ``documents``), so a
-sliding-window model skips what its window hides. A predicate made of anything else becomes
-``masks.predicate`` over the batch (index-based functions) or, for functions transformers itself
-only evaluates under ``torch.vmap``, the dense tensor ``sdpa`` would have received.
+``AttentionMaskInterface``) reads the same predicate as data instead: each factory's closure,
+read by ``_transformers.read_mask_function`` (the one module that reads transformers' private
+names), becomes the built-in kind that says the same thing (``causal``, ``sliding_window``,
+``key_padding``, ``documents``), so a sliding-window model skips what its window hides. A
+predicate made of anything else, or one this version of transformers spells in a way the
+reader does not know, is evaluated as transformers evaluates it: ``masks.predicate`` over the
+batch (index-based functions) or, for functions transformers itself only evaluates under
+``torch.vmap``, the dense tensor ``sdpa`` would have received.
 
 Positions: transformers evaluates query i and key j at absolute positions ``i + q_offset`` and
 ``j + kv_offset`` (a KV cache, a sliding-window cache). A band of absolute distances
@@ -21,7 +23,6 @@ of them matches, else as a crop of the band over the whole (absolute) problem.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from transformers import masking_utils as mu
 
 from .. import masks
 from ..masks import Mask
+from ._transformers import read_mask_function
 
 __all__ = ["make_mask"]
 
@@ -80,61 +82,24 @@ class _Unknown(Exception):
     """A predicate this module does not recognize: the caller evaluates it instead."""
 
 
-@functools.cache
-def _codes() -> dict[str, object]:
-    """The code object of each factory's closure, made once from transformers' own factories
-    (code objects are shared by every closure a factory returns)."""
-    ones = torch.ones(1, 1, dtype=torch.bool)
-    zeros = torch.zeros(1, 1, dtype=torch.long)
-    causal = mu.causal_mask_function
-    return {
-        "and": mu.and_masks(causal).__code__,
-        "or": mu.or_masks(causal).__code__,
-        "sliding": mu.sliding_window_overlay(1).__code__,
-        "sliding_both": mu.sliding_window_bidirectional_overlay(1).__code__,
-        "chunked": mu.chunked_overlay(1, zeros[0]).__code__,
-        "padding": mu.padding_mask_function(ones).__code__,
-        "packed": mu.packed_sequence_mask_function(zeros).__code__,
-        "remap": mu.remap_positions_for_packed_sequence(causal, zeros).__code__,
-        "offsets": mu.add_offsets_to_mask_function(causal, 0, 0).__code__,
-    }
-
-
-def _kind(fn: object) -> str | None:
-    if fn is mu.causal_mask_function:
-        return "causal"
-    if fn is mu.bidirectional_mask_function:
-        return "bidirectional"
-    code = getattr(fn, "__code__", None)
-    return next((name for name, c in _codes().items() if c is code), None)
-
-
-def _cells(fn: Any) -> dict[str, Any]:
-    """The values a closure captured, by name."""
-    return {
-        name: cell.cell_contents
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    }
-
-
 def _translate(fn: object, geo: _Geometry) -> _Part:
-    """``fn`` as a band, a multihead mask in local coordinates, or _ALL; _Unknown otherwise."""
-    kind = _kind(fn)
+    """``fn`` as a band, a multihead mask in local coordinates, or _ALL; _Unknown otherwise
+    (a function transformers' factories did not make, or one this version cannot read)."""
+    read = read_mask_function(fn)
+    if read is None:
+        raise _Unknown(fn)
+    kind, cells = read
     if kind == "causal":
         return _Band(None, 0)
     if kind == "bidirectional":
         return _ALL
-    if kind is None:
-        raise _Unknown(fn)
-    cells = _cells(fn)
     if kind == "sliding":  # kv > q - w
         return _Band(1 - int(cells["sliding_window"]), None)
     if kind == "sliding_both":  # |q - kv| <= w
         w = int(cells["sliding_window"])
         return _Band(-w, w)
-    if kind == "padding":  # padding_mask[b, kv]: prepared to kv_offset + kv_length
-        pad = cells["padding_mask"][:, geo.kv_offset : geo.kv_offset + geo.length_k]
-        return _ALL if bool(pad.all()) else masks.key_padding(pad.to(torch.bool))
+    if kind == "padding":
+        return _padding(cells["padding_mask"], geo)
     if kind == "chunked":  # (kv - pad_b) // c == (q - pad_b) // c: one document per chunk
         size, left = int(cells["chunk_size"]), cells["left_padding"].to(geo.device)
         ids_q = torch.arange(geo.length_q, device=geo.device) + geo.q_offset
@@ -155,14 +120,21 @@ def _translate(fn: object, geo: _Geometry) -> _Part:
     raise _Unknown(fn)  # remap or offsets outside the combinations handled in _and
 
 
+def _padding(padding: Tensor, geo: _Geometry) -> _Part:
+    """A 2-D padding mask padding[b, kv] (prepared to kv_offset + kv_length) as key padding."""
+    pad = padding[:, geo.kv_offset : geo.kv_offset + geo.length_k]
+    return _ALL if bool(pad.all()) else masks.key_padding(pad.to(torch.bool))
+
+
 def _and(functions: tuple, geo: _Geometry) -> _Part:
-    kinds = [_kind(f) for f in functions]
+    read = [read_mask_function(f) for f in functions]
+    kinds = [None if r is None else r[0] for r in read]
     parts: list[_Part] = []
-    for f, kind in zip(functions, kinds):
-        if kind == "remap" and "packed" in kinds:
+    for f, r in zip(functions, read):
+        if r is not None and r[0] == "remap" and "packed" in kinds:
             # inside one packed sequence the positions rise by exactly one per token, so a
             # pattern of position differences is the same pattern of index differences
-            parts.append(_translate(_cells(f)["mask_function"], geo))
+            parts.append(_translate(r[1]["mask_function"], geo))
         else:
             parts.append(_translate(f, geo))
     total: _Part = _ALL
@@ -257,7 +229,7 @@ def _fallback(
     shifted.__name__ = getattr(fn, "__name__", "mask_function")
     mask = masks.predicate(shifted, batch_size=geo.batch, device=geo.device)
     if padding is not None:
-        part = _translate(mu.padding_mask_function(padding), geo)
+        part = _padding(padding, geo)
         mask = mask if isinstance(part, _All) else mask & _as_mask(part, geo)
     return mask
 
@@ -290,7 +262,7 @@ def make_mask(
     try:
         part = _translate(mask_function, geo)
         if padding is not None:
-            part = _meet(part, _translate(mu.padding_mask_function(padding), geo), geo)
+            part = _meet(part, _padding(padding, geo), geo)
         return None if isinstance(part, _All) else _as_mask(part, geo)
     except _Unknown:
         return _fallback(mask_function, geo, use_vmap, padding)

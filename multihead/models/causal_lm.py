@@ -20,7 +20,6 @@ from .. import _validation as V
 from .. import masks
 from ..modules import KVCache, MultiHeadAttention, TransformerDecoder
 from .generation import Generation
-from .loading import decode_layout
 from .sampling import filter_top_k, filter_top_p
 
 __all__ = ["CausalLM", "CausalLMOutput", "decode_layout", "filter_top_k", "filter_top_p"]
@@ -45,6 +44,29 @@ def _roll_rows(t: Tensor, shift: Tensor, dim: int) -> Tensor:
     shape = [1] * t.dim()
     shape[0], shape[dim] = t.shape[0], n
     return t.gather(dim, index.view(shape).expand(t.shape))
+
+
+def decode_layout(model: nn.Module) -> None:
+    """Store every linear layer's weight transposed in memory: (in, out) contiguous, the layout
+    of transformers' GPT-2 ``Conv1D``. Shapes, values and tying stay as they are; only the
+    strides change (so ``F.linear`` hands the BLAS a contiguous (in, out) matrix).
+
+    Decoding multiplies one row per sequence by every weight matrix, and torch's CPU BLAS
+    streams an (in, out) matrix through such a product faster than an (out, in) one; products of
+    many rows (prefill, training) run at the same speed either way. ``state_dict`` tensors are then
+    non-contiguous: call ``.contiguous()`` before writing them with safetensors.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    # plain nn.Linear only: a RowsLinear (modules/quant.py) reads its weight as (out, in) rows
+    weights = {id(m.weight) for m in model.modules() if type(m) is nn.Linear}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) not in weights:
+                continue
+            if id(param) not in replaced:
+                stored = param.detach().t().contiguous().t()
+                replaced[id(param)] = nn.Parameter(stored, requires_grad=param.requires_grad)
+            setattr(module, name, replaced[id(param)])
 
 
 class CausalLM(Generation, nn.Module):

@@ -1,48 +1,22 @@
 """Opening and saving the decoder families' folders: the loading sequence GPT-2 and Llama
-share (``load_decoder``), the checks of their token ids and weight formats, the decoding layout
-of a loaded model, and ``register_decoder``, which makes a family saveable by ``multihead.save``
-and openable by ``multihead.models.load``.
+share (``load_decoder``), the checks of their token ids and weight formats, and
+``register_decoder``, which makes a family saveable by ``multihead.save`` and openable by
+``multihead.models.load``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from ..modules import quant
+from .causal_lm import CausalLM, decode_layout
 from .families import Family, register_builtin
 
-if TYPE_CHECKING:
-    from .causal_lm import CausalLM
-
-__all__ = ["check_token_ids", "check_weights", "decode_layout", "load_decoder", "register_decoder"]
-
-
-def decode_layout(model: nn.Module) -> None:
-    """Store every linear layer's weight transposed in memory: (in, out) contiguous, the layout
-    of transformers' GPT-2 ``Conv1D``. Shapes, values and tying stay as they are; only the
-    strides change (so ``F.linear`` hands the BLAS a contiguous (in, out) matrix).
-
-    Decoding multiplies one row per sequence by every weight matrix, and torch's CPU BLAS
-    streams an (in, out) matrix through such a product faster than an (out, in) one; products of
-    many rows (prefill, training) run at the same speed either way. ``state_dict`` tensors are then
-    non-contiguous: call ``.contiguous()`` before writing them with safetensors.
-    """
-    replaced: dict[int, nn.Parameter] = {}
-    # plain nn.Linear only: a RowsLinear (modules/quant.py) reads its weight as (out, in) rows
-    weights = {id(m.weight) for m in model.modules() if type(m) is nn.Linear}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or id(param) not in weights:
-                continue
-            if id(param) not in replaced:
-                stored = param.detach().t().contiguous().t()
-                replaced[id(param)] = nn.Parameter(stored, requires_grad=param.requires_grad)
-            setattr(module, name, replaced[id(param)])
+__all__ = ["check_token_ids", "check_weights", "load_decoder", "register_decoder"]
 
 
 def load_decoder(

@@ -43,11 +43,10 @@
 
 namespace {
 
-// Block sizes, measured on a 2-core Xeon (AVX-512, one thread, same process) against 128 x 256,
-// 256 x 256 and 128 x 512: 256 query rows by 512 keys ran the dense fp32 forward 6% and a
-// training step 11% faster than 128 x 256 (before the backward gathered dK/dV transposed).
-// The scores of a block (512 KiB) stay in L2. Forward tasks get fewer rows (down to
-// kMinRows) when 256-row tasks would leave threads idle.
+// Block sizes: 256 query rows by 512 keys. The scores of a block (512 KiB in float32) stay in
+// L2, and every online-softmax update and block product covers 512 keys at once, so the
+// per-block work (the GEMM calls, each row's rescaling) is spread over many scores. Forward
+// tasks get fewer rows (down to kMinRows) when 256-row tasks would leave threads idle.
 constexpr int64_t kRows = 256;  // query rows per task and per backward block
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kKeys = 512;  // keys per block
@@ -97,10 +96,10 @@ constexpr T neg_inf() {
 // vectors of accumulators stays in registers (GCC/Clang vector extensions map onto SSE, AVX2,
 // AVX-512 or NEON, whatever -march allows). It serves float64 (gradcheck), decoding's few
 // rows, and torch builds without the float brgemm. Every other float block runs on torch's
-// own microkernel (block_gemm below): 150-170 GFLOP/s per AVX-512 core at these tile sizes,
-// where this loop reached about 99 GFLOP/s inside the kernel. (A GEMM through ATen's tensor
-// ops inside the intra-op pool costs a thread-pool round trip per tile: measured 60x slower
-// on two cores.)
+// own microkernel (block_gemm below), a JIT kernel tuned for the CPU at hand, which gets
+// closer to the core's peak at these tile sizes than this portable loop. (A GEMM through
+// ATen's tensor ops is no option inside the intra-op pool: each would cost a thread-pool
+// round trip per tile.)
 //
 // C[m, n] = alpha * A B (+ C when accumulating), with A(i, p) = a[i * ars + p * acs] (any
 // strides, so a transposed A costs nothing), B row-major with row stride ldb, C row-major.
@@ -763,12 +762,13 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
 // Large buffers (the weights, the output, packed keys and values, gradients) live in mappings
 // of their own, marked for transparent huge pages, so a first touch faults in 2 MiB instead
 // of 4 KiB: allocations this large come fresh from the system at every call otherwise, and
-// at 134 MB of weights tens of thousands of page faults cost more than computing them. A
+// faulting in the weights of a long input 4 KiB at a time costs more than computing them. A
 // freed mapping waits in a small pool (at most kPoolEntries, kPoolBytes in all) for the next
 // buffer of about its size, which then skips the system's zeroing of new pages too: calls of
 // one shape, as a model's layers make them, reuse each other's memory. A full pool makes room
 // for the newest buffer by unmapping its oldest ones: the shapes a process uses now are the
-// ones it asks for next (a pool that kept its first buffers served none of a later shape).
+// ones it asks for next (a pool that kept its first buffers would serve none of a later
+// shape).
 class LargeBuffers {
  public:
   static constexpr size_t kHuge = size_t(1) << 21;
@@ -876,8 +876,9 @@ at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) 
 
 // [B, H_kv, S, d] -> [B, H_kv, ceil(S / kKeys), d, kKeys]: every block of kKeys keys transposed
 // on its own (zero-padded), so a GEMM walking a block's columns reads rows kKeys apart. Rows S
-// apart alias in L1 when S is a multiple of 1024 (measured 12x slower at S = 2048). One task
-// per block, in parallel (torch's strided copy took 6% of a dense forward on one core).
+// apart would alias in L1 when S is a multiple of 1024 (every row in the same few cache sets).
+// One task per block, in parallel: the copy is a pass over every key, spread over the threads
+// like the attention itself.
 template <typename T>
 at::Tensor blocked_transpose(const at::Tensor& x) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
@@ -1733,7 +1734,7 @@ double block_peak(int64_t d, double seconds, bool bf16) {
 }
 
 // Whether bf16 inputs run their block products in bf16: where the bf16 microkernel is at least
-// 1.25x the float one on this machine (CPUs with AVX512-BF16 or AMX), measured once per process
+// 1.25x the float one on this machine (CPUs with AVX512-BF16 or AMX), timed once per process
 // on the calling thread in its own CPU time (a busy machine does not change the answer), a
 // few milliseconds. Elsewhere bf16 inputs are widened to float once per call, which keeps the
 // 2x error rule as well and runs at the float speed.
