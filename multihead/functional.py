@@ -16,7 +16,6 @@ from torch import Tensor
 from . import _validation as V
 from . import bias as _bias
 from .backends import registry
-from .backends._nonfinite import run_guarded
 from .backends.call import Call
 from .backends.call import prepare as _prepare
 from .masks import Mask, dense
@@ -113,12 +112,7 @@ def attention(
             dropout_p outside [0, 1), or a backend that cannot honour the call.
     """
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    return _given(_guarded(registry.runner(call, backend), call)[0], "output")
-
-
-def _guarded(run: registry.Runner, call: Call) -> tuple[Tensor | None, Tensor | None]:
-    """``run(call)`` under the NaN rule (docs/design.md, "The NaN rule")."""
-    return run_guarded(run, call, checks_inputs=run.checks_inputs)
+    return _given(registry.run(call, backend)[0], "output")
 
 
 def _given(t: Tensor | None, what: str) -> Tensor:
@@ -163,7 +157,7 @@ def attention_with_weights(
     """
     if heads is None:
         call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
-        out, weights = _guarded(registry.runner(call, backend), call)
+        out, weights = registry.run(call, backend)
         return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
@@ -171,11 +165,11 @@ def attention_with_weights(
         chosen = replace(call, return_weights=True, heads=tuple(index))
         name = registry.select(replace(chosen, heads=None), backend)
         if registry.BACKENDS[name].capabilities.heads:
-            out, weights = _guarded(registry.runner(chosen, name), chosen)
+            out, weights = registry.run(chosen, name)
             return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
-    out = _guarded(registry.runner(call, backend), call)[0]
+    out = registry.run(call, backend)[0]
     part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
-    weights = _guarded(registry.runner(part, backend), part)[1]
+    weights = registry.run(part, backend)[1]
     return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
 
 

@@ -6,6 +6,10 @@ never reach any result. Backends cannot be trusted to agree on this by themselve
 flash kernel returns 0 for a NaN query row; a matmul turns 0 * NaN into NaN for rows that never
 saw the key), so the common case pays one cheap check per tensor and the rare case runs the
 backend on zeroed inputs and marks the dependent rows afterwards.
+
+``registry.run`` applies the rule to every attention call, the common case inline (one frame
+between ``attention`` and a backend's ``run``); the rare careful path is ``careful`` here, and
+``run_guarded`` applies the whole rule to any other ``run`` (a rival timed against a backend).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from ..masks import TileKind
 from ._tensors import repeat_kv
 from .call import Call
 
-__all__ = ["NonFiniteInput", "run_guarded"]
+__all__ = ["NonFiniteInput", "careful", "finite", "run_guarded"]
 
 _ROWS = 256  # query rows per visibility block when finding the rows that see a bad key
 
@@ -32,7 +36,7 @@ class NonFiniteInput(Exception):
     when it met NaN or ±inf: the careful path takes over."""
 
 
-def _finite(*tensors: Tensor) -> bool:
+def finite(*tensors: Tensor) -> bool:
     """True when every entry of every tensor is finite. One reduction per tensor and one read
     on the host for all of them, no bool copy; a sum that overflows only sends finite tensors
     down the careful path, which is still exact."""
@@ -47,23 +51,21 @@ def _finite(*tensors: Tensor) -> bool:
         return bool(torch.isfinite(total))
 
 
-def run_guarded(
-    run: Callable[[Call], Result], call: Call, *, checks_inputs: bool = False
-) -> Result:
-    """``run(call)`` with the NaN rule. ``checks_inputs``: ``run`` raises ``NonFiniteInput``
-    when it reads NaN or ±inf (``Backend.checks_inputs``), so the cheap check is skipped."""
+def run_guarded(run: Callable[[Call], Result], call: Call) -> Result:
+    """``run(call)`` under the NaN rule, for a ``run`` that does not check its inputs: the
+    cheap check, then ``run`` itself or the careful path. Inside a traced graph, which cannot
+    branch on data (under torch.compile the check would be a graph break in every attention
+    call), ``run`` computes the plain formula."""
+    if call.traced or finite(call.query, call.key, call.value):
+        return run(call)
+    return careful(run, call)
+
+
+def careful(run: Callable[[Call], Result], call: Call) -> Result:
+    """``run`` on ``call`` with the non-finite query rows and key/value positions zeroed, then
+    NaN in every output (and weights) row that reads one of them: the rare path of the NaN
+    rule, taken when the inputs hold NaN or ±inf."""
     q, k, v = call.query, call.key, call.value
-    if call.traced:
-        # a traced graph cannot branch on data (under torch.compile the check would be a graph
-        # break in every attention call): it computes the plain formula
-        return run(call)
-    if checks_inputs:
-        try:
-            return run(call)
-        except NonFiniteInput:
-            pass
-    elif _finite(q, k, v):
-        return run(call)
     with torch.no_grad():
         q_bad = ~torch.isfinite(q).all(-1)  # [B, H, L]
         kv_bad = ~torch.isfinite(k).all(-1) | ~torch.isfinite(v).all(-1)  # [B, H_kv, S]

@@ -1,6 +1,6 @@
 """The validated request every backend receives: ``prepare`` checks an attention call and
-builds its ``Call``; ``plain_causal``, ``structured`` and ``exporting`` are what the backends'
-ranking rules read besides the shapes."""
+builds its ``Call``; ``plain_causal`` and ``structured`` are what the backends' ranking rules
+read besides the shapes, and ``Call.traced`` / ``Call.exported`` whether a graph is traced."""
 
 from __future__ import annotations
 
@@ -35,9 +35,12 @@ class Call:
     # ([B, len(heads), L, S]); only for backends whose capabilities say heads
     heads: tuple[int, ...] | None = None
     # made while a graph is traced (``traced()`` when the call was made): no data-dependent
-    # branch, no measurement, no remembered choice. Asked once per call, not by every step
-    # of its way to a kernel (a decoding step's attention call has microseconds to spare)
+    # branch, no measurement, no remembered choice. Asked once per call (``prepare`` asks
+    # torch once for both flags), not by every step of its way to a kernel and not by every
+    # ranking rule (a decoding step's attention call has microseconds to spare)
     traced: bool = field(default_factory=lambda: traced(), compare=False, repr=False)
+    # made while torch.export or the ONNX exporter traces (``exporting()``): plain ops only
+    exported: bool = field(default_factory=lambda: exporting(), compare=False, repr=False)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -100,6 +103,7 @@ def prepare(
     if mask is not None:
         mask.check(b, h, length_q, length_k)
     terms = _bias.split(modifier)
+    exported = exporting()
     if modifier is not None:
         modifier.check(b, h, length_q, length_k)
         for t in modifier.tensors():
@@ -119,6 +123,8 @@ def prepare(
         return_weights=V.check_bool("return_weights", return_weights),
         softcap=terms.softcap,
         sinks=terms.sinks,
+        traced=exported or torch.compiler.is_compiling(),
+        exported=exported,
     )
 
 

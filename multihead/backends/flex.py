@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..masks import Mask, TileKind
 from ._tensors import stat_dtype
-from .call import Call, exporting, structured
+from .call import Call, structured
 from .protocol import LAST, LEADS, Backend, BackendUnavailable, Capabilities, Rank
 
 __all__ = [
@@ -98,9 +98,9 @@ def clear_cache() -> None:
 
 def _unsupported(call: Call) -> str | None:
     """What the capabilities cannot say: tracing, sizes, CPU limits, earlier failures."""
-    if exporting():
+    if call.exported:
         return "an exported graph needs plain ops; FlexAttention needs torch.compile"
-    if torch.compiler.is_compiling():
+    if call.traced:
         return (
             "inside torch.compile the surrounding graph is compiled as a whole; the flex "
             "backend's own compiled kernels are for eager callers"
@@ -146,7 +146,7 @@ def rank(call: Call) -> Rank:
         return Rank(LEADS, "its one compiled kernel skips the blocks the mask hides")
     # not while exporting: measured_faster compares L with a threshold, and a symbolic L
     # would turn that comparison into a bound on the exported graph's length axis
-    if call.device_type == "cpu" and not exporting() and measured_faster(call):
+    if call.device_type == "cpu" and not call.exported and measured_faster(call):
         return Rank(
             LEADS,
             "its compiled kernel measured faster than tiled on long sliding windows "

@@ -30,7 +30,7 @@ from torch import Tensor
 from . import _measure
 from ._plan import Item, plan
 from ._tensors import repeat_kv
-from .call import Call, exporting
+from .call import Call
 from .protocol import FALLBACK, Backend, Capabilities, Rank
 
 __all__ = ["BACKEND", "ROWS", "fast", "measured_faster", "rank", "run"]
@@ -57,7 +57,7 @@ def _no_bias(call: Call) -> str | None:
 def rank(call: Call) -> Rank:
     # it leads only through ``measured``, where it ran faster on this machine; its plan reads
     # the mask on the host: never inside traced graphs
-    if fast(call) and not exporting() and not torch.compiler.is_compiling():
+    if fast(call) and not call.traced:
         return Rank(FALLBACK, "its half-precision kernel leads only where it measured faster")
     # without native half matmuls they are emulated: torch's float32 kernels are faster
     return Rank(FALLBACK + 5, "it computes half inputs with half-precision matmuls")

@@ -10,14 +10,14 @@ import torch
 from torch import Tensor
 
 from ._tensors import dense_keep, drop_dead_keys, repeat_kv, stat_dtype
-from .call import Call, exporting
+from .call import Call
 from .protocol import LAST, LEADS, PREFERRED, Backend, Capabilities, Rank
 
 
 def rank(call: Call) -> Rank:
-    if exporting():
+    if call.exported:
         return Rank(LEADS, "an exported graph needs plain ops without data-dependent branches")
-    if call.return_weights and torch.compiler.is_compiling():
+    if call.return_weights and call.traced:
         return Rank(
             PREFERRED,
             "inside a compiled graph its plain ops give the weights without host reads "

@@ -6,7 +6,8 @@ ones at the end of this file, others through ``register``. A new backend is one 
 (the registry holds no list of names), skips those that cannot run it, and lets a backend that
 times itself take the lead where it measured faster. Choosing (``select``) only ranks and
 checks, and remembers its answer per shape class; explaining (``explain``) builds the reasons
-and runs nothing.
+and runs nothing; running (``run``) chooses, applies the NaN rule and falls back to the next
+choice when a backend turns out unable, in one function between ``attention`` and the kernel.
 """
 
 from __future__ import annotations
@@ -20,18 +21,18 @@ from types import MappingProxyType
 
 from torch import Tensor
 
-from . import flex, fused, half, reference, sdpa, tiled
+from . import _nonfinite, flex, fused, half, reference, sdpa, tiled
 from ._measure import shape_class
+from ._nonfinite import NonFiniteInput
 from .call import Call, plain_causal
 from .protocol import Backend, BackendUnavailable, Rank
 
 __all__ = [
     "BACKENDS",
     "Choice",
-    "Runner",
     "explain",
     "register",
-    "runner",
+    "run",
     "select",
     "unregister",
 ]
@@ -257,36 +258,49 @@ def _measured_lead(
     return leader, why, notes
 
 
-class Runner:
-    """Runs calls like the one it was made for on the backend ``backend=`` selects; a backend
-    that raises ``BackendUnavailable`` while running is replaced, with a warning, by the next
-    one ``auto`` would choose."""
+def run(call: Call, backend: str) -> tuple[Tensor | None, Tensor | None]:
+    """``call`` run on the backend ``backend=`` selects (checked first: errors raise here),
+    under the NaN rule (docs/design.md, "The NaN rule"). A backend that raises
+    ``BackendUnavailable`` while running is replaced, with a warning, by the next one ``auto``
+    would choose, and the call runs again there.
 
-    def __init__(self, call: Call, backend: str) -> None:
-        self.name = select(call, backend)  # the backend is checked now: errors raise here
+    The common case is inline, so that ``attention`` reaches a backend's ``run`` through this
+    one frame: a traced call runs as it is (a graph cannot branch on data), a backend that
+    checks its inputs as it reads them runs at once, any other runs after the cheap check; the
+    careful path (``_nonfinite.careful``) takes the rare calls with NaN or ±inf.
+    """
+    name = select(call, backend)
+    failed: set[str] = set()
+    while True:
+        chosen = _registered[name]
+        try:
+            if call.traced or (
+                not chosen.checks_inputs and _nonfinite.finite(call.query, call.key, call.value)
+            ):
+                return chosen.run(call)
+            if chosen.checks_inputs:
+                try:
+                    return chosen.run(call)
+                except NonFiniteInput:
+                    pass
+            return _nonfinite.careful(chosen.run, call)
+        except BackendUnavailable as e:
+            failed.add(name)
+            name = _successor(call, frozenset(failed), e)
 
-    @property
-    def checks_inputs(self) -> bool:
-        """The backend checks q, k and v for NaN and ±inf as it reads them."""
-        return _registered[self.name].checks_inputs
 
-    def __call__(self, call: Call) -> tuple[Tensor, Tensor | None]:
-        failed: set[str] = set()
-        name = self.name
-        while True:
-            try:
-                return _registered[name].run(call)
-            except BackendUnavailable as e:
-                failed.add(name)
-                _CHOICES.clear()  # its rules answer differently from now on
-                successor = _choose(call, skip=frozenset(failed))
-                warnings.warn(
-                    f"{e}; this call and later ones like it run on {successor!r}. "
-                    "explain_backend() gives the reason.",
-                    RuntimeWarning,
-                    stacklevel=_outside(),  # the warning points at the caller's line
-                )
-                name = successor
+def _successor(call: Call, failed: frozenset[str], error: BackendUnavailable) -> str:
+    """The backend that runs ``call`` after the ones in ``failed`` raised, said in a warning
+    that points at the caller's line."""
+    _CHOICES.clear()  # the failed one's rules answer differently from now on
+    successor = _choose(call, skip=failed)
+    warnings.warn(
+        f"{error}; this call and later ones like it run on {successor!r}. "
+        "explain_backend() gives the reason.",
+        RuntimeWarning,
+        stacklevel=_outside(),
+    )
+    return successor
 
 
 def _outside() -> int:
@@ -296,11 +310,6 @@ def _outside() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def runner(call: Call, backend: str) -> Runner:
-    """A ``Runner`` for ``call`` and ``backend=`` (checked now)."""
-    return Runner(call, backend)
 
 
 for _name, _module in (

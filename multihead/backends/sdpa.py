@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._tensors import dense_keep, drop_dead_keys, stat_dtype
-from .call import Call, exporting, plain_causal
+from .call import Call, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 
 def rank(call: Call) -> Rank:
-    if exporting():
+    if call.exported:
         return Rank(FALLBACK, "it runs torch's own op, which exports")
-    if torch.compiler.is_compiling():
+    if call.traced:
         return Rank(
             PREFERRED,
             "inside a compiled graph it takes the mask as a tensor computed on the device from "

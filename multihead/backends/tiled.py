@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ._plan import Chunk, Item, plan, query_tile
 from ._tensors import repeat_kv, sink_grad, stat_dtype
-from .call import Call, exporting, plain_causal
+from .call import Call, plain_causal
 from .protocol import FALLBACK, PREFERRED, Backend, Capabilities, Rank
 
 __all__ = [
@@ -37,9 +37,9 @@ _TABLE_TILE = 1024  # query rows per tile when a relative bias meets an unbounde
 
 def rank(call: Call) -> Rank:
     skips = "it skips the tiles the mask hides"
-    if exporting():
+    if call.exported:
         return Rank(FALLBACK, "its plan branches on the mask, which an exported graph cannot")
-    if torch.compiler.is_compiling():
+    if call.traced:
         return Rank(
             FALLBACK,
             "its plan reads the mask on the host: inside a compiled graph every read would be "

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ from helpers import MASK_KINDS, make_case, naive_attention, qkv
 import multihead as mh
 from multihead import backends, masks
 from multihead import bias as mb
-from multihead.backends import half, registry
+from multihead.backends import _nonfinite, half, registry
+from multihead.backends._nonfinite import NonFiniteInput
 from multihead.backends.call import prepare
 
 
@@ -381,3 +385,128 @@ def test_registering_a_backend_forgets_the_remembered_choices():
     finally:
         backends.unregister("leader")
     assert _auto(q, k, v) == before
+
+
+# ---------------------------------------------------------------- the call path
+
+
+def _probe(frames, *, checks_inputs=False, cost=-10.0):
+    """A backend that records the two frames above its ``run`` (function name, file) and
+    computes the naive formula; with ``checks_inputs`` it raises ``NonFiniteInput`` on NaN or
+    ±inf, as a backend that checks its inputs as it reads them does."""
+
+    def run(call):
+        caller = sys._getframe(1)
+        frames.append([(f.f_code.co_name, Path(f.f_code.co_filename).name)
+                       for f in (caller, caller.f_back)])  # fmt: skip
+        if checks_inputs and not all(
+            torch.isfinite(t).all() for t in (call.query, call.key, call.value)
+        ):
+            raise NonFiniteInput
+        keep = None if call.mask is None else call.mask.to_dense(*call.shape[3:5])
+        out, weights = naive_attention(call.query, call.key, call.value, keep, scale=call.scale)
+        return out, (weights if call.return_weights else None)
+
+    return backends.Backend(
+        run=run,
+        rank=lambda call: backends.Rank(cost, "the probe"),
+        capabilities=backends.Capabilities(label="the probe", weights=True),
+        checks_inputs=checks_inputs,
+    )
+
+
+@pytest.fixture
+def probe():
+    """``probe(**kw)`` registers "probe" (``_probe``) and returns the frames it records;
+    removed afterwards."""
+    frames: list = []
+
+    def make(**kw):
+        backends.register("probe", _probe(frames, **kw), replace=True)
+        return frames
+
+    yield make
+    if "probe" in registry.BACKENDS:
+        backends.unregister("probe")
+
+
+@pytest.mark.parametrize("checks_inputs", [False, True], ids=["guard_checks", "backend_checks"])
+@pytest.mark.parametrize("backend", ["auto", "probe"])
+@pytest.mark.parametrize(
+    "function", [mh.attention, mh.attention_with_weights], ids=["attention", "with_weights"]
+)
+def test_attention_reaches_the_backend_through_one_frame(probe, function, backend, checks_inputs):
+    """attention -> registry.run -> the backend's run: the choice, the NaN rule and the
+    fallback live in one function (before, a runner object was handed to the NaN guard, which
+    called back into the runner: attention -> run_guarded -> Runner.__call__ -> run)."""
+    frames = probe(checks_inputs=checks_inputs)
+    q, k, v = qkv(1, 2, 2, 3, 4, 5)
+    function(q, k, v, masks.causal(), backend=backend)
+    assert frames == [[("run", "registry.py"), (function.__name__, "functional.py")]]
+
+
+@pytest.mark.parametrize("checks_inputs", [False, True], ids=["guard_checks", "backend_checks"])
+def test_the_nan_rule_holds_on_every_backend_and_checks_once(probe, monkeypatch, checks_inputs):
+    """A backend that checks its inputs is run at once and the guard's pass over q, k and v is
+    skipped; any other is run after that pass. Either way NaN in a key makes exactly the rows
+    that may see it NaN (the naive formula alone would spread 0 * NaN to every row)."""
+    probe(checks_inputs=checks_inputs)
+    checked = []
+    real = _nonfinite.finite
+    monkeypatch.setattr(_nonfinite, "finite", lambda *t: checked.append(1) or real(*t))
+    q, k, v = qkv(1, 2, 1, 4, 4, 3)
+    clean = mh.attention(q, k, v, masks.causal(), backend="probe")
+    assert len(checked) == (0 if checks_inputs else 1)
+    v_bad = v.clone()
+    v_bad[0, 0, 2] = torch.nan  # causal: rows 2 and 3 see key 2, rows 0 and 1 do not
+    out, weights = mh.attention_with_weights(q, k, v_bad, masks.causal(), backend="probe")
+    assert torch.isnan(out[:, :, 2:]).all() and torch.isnan(weights[:, :, 2:]).all()
+    torch.testing.assert_close(out[:, :, :2], clean[:, :, :2], rtol=0, atol=0)
+    assert torch.isfinite(weights[:, :, :2]).all()
+
+
+def test_the_next_backend_after_a_failure_keeps_the_nan_rule(probe):
+    """A backend that checks its inputs fails; the one that runs the call instead does not
+    check them, so the guard's pass runs for it (before, the fallback ran inside the first
+    backend's guard and skipped the pass: NaN in a key spread to rows that never see it)."""
+    probe(cost=-1.0)  # auto's choice once flaky failed
+
+    def fails(call):
+        raise backends.BackendUnavailable("the flaky backend lost its device")
+
+    flaky = backends.Backend(
+        run=fails, rank=lambda call: backends.Rank(-5.0, "flaky"), checks_inputs=True
+    )
+    backends.register("flaky", flaky)
+    try:
+        q, k, v = qkv(1, 2, 2, 4, 4, 3)
+        want = mh.attention(q, k, v, masks.causal(), backend="probe")
+        v_bad = v.clone()
+        v_bad[0, :, 3] = torch.nan  # only the last row sees key 3
+        with pytest.warns(RuntimeWarning, match=r"lost its device; this call and later ones"):
+            out = mh.attention(q, k, v_bad, masks.causal(), backend="flaky")
+        assert torch.isnan(out[:, :, 3]).all()
+        torch.testing.assert_close(out[:, :, :3], want[:, :, :3])
+    finally:
+        backends.unregister("flaky")
+
+
+def test_torch_is_asked_once_per_call_whether_it_exports(monkeypatch):
+    """The Call records whether a graph is traced or exported when it is made; the ranking
+    rules read it there (before, every rule asked torch again: a decoding step ranks every
+    backend on its first call of a shape class)."""
+    monkeypatch.setattr(registry, "_CHOICES", {})  # the rules run: nothing is remembered yet
+    asked = []
+    real = torch.compiler.is_exporting
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: asked.append(1) or real())
+    q, k, v = qkv(1, 2, 2, 4, 4, 3)
+    mh.attention(q, k, v, masks.sliding_window(2))
+    assert len(asked) == 1
+    call = prepare(q, k, v, masks.sliding_window(2), None, None, 0.0, True)
+    assert len(asked) == 2 and not call.exported and not call.traced
+    registry.explain(call)  # every rank rule and every backend's why_not
+    assert len(asked) == 2
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    exported = prepare(q, k, v, None, None, None, 0.0, False)
+    assert exported.exported and exported.traced
+    assert exported == replace(exported, exported=False, traced=False)  # not compared
