@@ -1,12 +1,20 @@
 """Attention statistics without the weights: one number per key, per row or per (row, key)
 reduced over heads, computed where the weights are born and never held as (B, h, L, S).
 
-``attention_stats`` sweeps the query rows in slices: each slice is one
+Where the fused kernel is built (an eager CPU call without gradients), ``attention_stats``
+folds the statistics inside the kernel's pass (``backends.fused.stats``): each task keeps
+its rows' scores over their key span in cache, as the weights path does, and adds them,
+normalized from the row's final maximum and sum, into the statistics instead of writing them
+out; a row's entropy comes from the same sums. The statistics cost one forward with the
+weights path's row blocks, and the memory of the statistics themselves.
+
+Elsewhere it sweeps the query rows in slices: each slice is one
 ``attention_with_weights(..., heads=...)`` call on the slice's rows (the mask and bias cropped
 to them, so a causal or windowed slice skips what it hides), which returns the output rows of
 every head and the weights of the chosen heads for those rows only; the slice's weights are
 reduced at once and dropped. The output is assembled from the same calls, so the statistics
-cost the weights of one slice in memory and one weights pass in time.
+cost the weights of one slice in memory and one weights pass in time. Inputs holding NaN or
+±inf take the sweep too, where the NaN rule's careful path runs.
 
 Statistics (``h`` = the chosen heads, all by default):
 
@@ -26,7 +34,10 @@ from torch import Tensor
 
 from . import _validation as V
 from . import bias as _bias
+from .backends import fused
+from .backends._nonfinite import NonFiniteInput
 from .backends._tensors import stat_dtype
+from .backends.call import prepare
 from .functional import attention_with_weights, check_heads
 from .masks import Mask, dense
 
@@ -155,7 +166,8 @@ def attention_stats(
         entropy     = -(weights * log(weights)).nansum(-1)       # (B, h, L)
         head_mean   = weights.mean(1)                            # (B, L, S)
 
-    computed slice by slice over the query rows (see the module's docstring).
+    computed inside the fused kernel's pass where it is built (an eager CPU call without
+    gradients), else slice by slice over the query rows (see the module's docstring).
 
     Args:
         query, key, value, mask, bias, scale: as in ``multihead.attention``.
@@ -180,6 +192,10 @@ def attention_stats(
         V.check_mask_tensor_dtype("mask", mask)
     keep = dense(mask) if isinstance(mask, Tensor) and mask.dtype == torch.bool else mask
     modifier = _bias.as_modifier(bias)
+    window_row = max(length_q - (window or length_q), 0)
+    found = _in_kernel(query, key, value, keep, modifier, scale, names, window_row, index)
+    if found is not None:
+        return found
     reducer = Reducer(
         names, window, (b, len(index), length_q, length_k), stat_dtype(query.dtype), query.device
     )
@@ -203,3 +219,29 @@ def attention_stats(
         reducer.add(weights, r0)
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return output, reducer.result()
+
+
+def _in_kernel(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keep: Mask | Tensor | None,
+    modifier: _bias.ScoreModifier | None,
+    scale: float | None,
+    names: tuple[str, ...],
+    window_row: int,
+    index: list[int],
+) -> tuple[Tensor, dict[str, Tensor]] | None:
+    """The statistics folded inside the fused kernel's pass (``fused.stats``) where the kernel
+    is built and takes the call (an eager CPU call without gradients or dropout); None where
+    not, or where the inputs hold NaN or +-inf (the slice sweep then runs the NaN rule's
+    careful path)."""
+    if not names or query.device.type != "cpu" or not fused.built():
+        return None
+    call = prepare(query, key, value, keep, modifier, scale, 0.0, False)
+    if call.traced or call.needs_grad or fused.BACKEND.why_not(call) is not None:
+        return None
+    try:
+        return fused.stats(call, names, window_row, index)
+    except NonFiniteInput:
+        return None

@@ -56,6 +56,7 @@ __all__ = [
     "measured_faster",
     "rank",
     "run",
+    "stats",
 ]
 
 _SOURCES = ("fused_attention.cpp",)
@@ -566,3 +567,37 @@ BACKEND = Backend(
     state=_state,
     checks_inputs=True,
 )
+
+
+# ------------------------------------------------------------------------------------------
+# Statistics of the weights without the weights (``multihead.attention_stats``).
+
+_KEY_STATS = ("key_mass", "window_mass")
+
+
+def stats(
+    call: Call, names: tuple[str, ...], window_row: int, heads: list[int]
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The output of ``call`` and the statistics ``names`` of the query heads ``heads``,
+    folded inside the kernel's pass from each row's scores, maximum and sum (the weights are
+    never written): the kernel's weights path with a sum in place of the store. Key
+    statistics and ``head_mean`` add to different places (a head's keys, a row's keys across
+    heads), so asking for both runs the kernel twice. ``window_row``: the first query row
+    ``window_mass`` sums. Raises ``NonFiniteInput`` as ``run`` does (eager inference calls
+    only: no graph, no gradient)."""
+    index = torch.tensor(heads, dtype=torch.long)
+    args = _args(call, shared=True)
+    passes = [[n for n in names if n != "head_mean"], ["head_mean"] if "head_mean" in names else []]
+    if not any(n in _KEY_STATS for n in passes[0]):  # entropy sits in either pass
+        passes = [[*passes[1], *passes[0]], []]
+    found: dict[str, Tensor] = {}
+    out = None
+    for asked in (p for p in passes if p):
+        result = build().forward_stats(*args, index, asked, window_row)
+        if bool(result[-1]):
+            raise NonFiniteInput
+        out = result[0] if out is None else out
+        order = ("key_mass", "window_mass", "entropy", "head_mean")
+        found.update({n: result[2 + order.index(n)] for n in asked})
+    assert out is not None
+    return out, {n: found[n] for n in names}

@@ -32,6 +32,10 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
     assert (tmp_path / "hf.png").stat().st_size > 5_000
     printed = capsys.readouterr().out
     assert "goal multihead >= 5.0x faster than sdpa" in printed and "CPU:" in printed
+    acting = report["acting"]
+    assert len(acting["goals"]) == 5 and acting["stats_bytes"] > 0
+    assert acting["stats_extra_growth_bytes"] is not None
+    assert "key statistics' growth of one attention call's peak" in printed
 
 
 def test_peak_growth_sees_an_allocation():

@@ -38,7 +38,9 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -531,24 +533,40 @@ inline float hsum(VF v) {
   return total;
 }
 
-// x[j] = exp(x[j] - shift) in place; returns the sum
+// x[j] = exp(x[j] - shift) in place; returns the sum. With `moment`, also
+// *moment = sum_j x[j] (x[j] - shift) over the entries that stay above 0 (a row's entropy,
+// see put_stats): hidden keys (-inf) add nothing.
 template <typename T>
-T exp_shifted(T* x, int64_t n, T shift) {
+T exp_shifted(T* x, int64_t n, T shift, T* moment = nullptr) {
   int64_t j = 0;
-  T total = 0;
+  T total = 0, first = 0;
   if constexpr (std::is_same_v<T, float>) {
-    VF sum = {};
-    for (; j + kLanes <= n; j += kLanes) {
-      const VF v = exp_vec(load(x + j) - shift);
-      store(x + j, v);
-      sum += v;
+    VF sum = {}, mom = {};
+    if (moment == nullptr) {
+      for (; j + kLanes <= n; j += kLanes) {
+        const VF v = exp_vec(load(x + j) - shift);
+        store(x + j, v);
+        sum += v;
+      }
+    } else {
+      for (; j + kLanes <= n; j += kLanes) {
+        const VF d = load(x + j) - shift;
+        const VF v = exp_vec(d);
+        store(x + j, v);
+        sum += v;
+        mom += v > 0.0f ? v * d : VF{};
+      }
     }
     total = hsum(sum);
+    first = hsum(mom);
   }
   for (; j < n; ++j) {
-    x[j] = exp_nonpositive(x[j] - shift);
+    const T d = x[j] - shift;
+    x[j] = exp_nonpositive(d);
     total += x[j];
+    if (x[j] > T(0)) first += x[j] * d;
   }
+  if (moment != nullptr) *moment = first;
   return total;
 }
 
@@ -1249,19 +1267,37 @@ struct Weights {
   }
 };
 
-// One task with its weights, each written once. The rows' scores over the item's key span
-// [lo, hi) are kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated
-// once from each row's final maximum, multiplied by V from there, and stored normalized into
-// the weights; the rest of each weights row is written 0 in the same pass.
-template <typename T, typename E, typename W>
-void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
-                    const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
-                    const Weights<W>& weights, uint8_t* bad) {
+// The softmax statistics asked for instead of the weights (stats.py's attention_stats), for
+// the query heads in `slot` (place among the chosen heads, or -1). Each is zeroed by the caller
+// and only added to: key_mass [B, heads, S] sums a key's weights over the query rows,
+// window_mass [B, heads, S] over rows >= window_row, entropy [B, heads, L] is each row's
+// -sum w log w, head_mean [B, L, S] the mean of the chosen heads' weights.
+template <typename T>
+struct Stats {
+  T* key_mass = nullptr;
+  T* window_mass = nullptr;
+  T* entropy = nullptr;
+  T* head_mean = nullptr;
+  int64_t heads = 0, window_row = 0;
+  std::vector<int64_t> slot;
+};
+
+// One task's rows over the item's key span [*lo, *hi) with their final maxima: the scores are
+// kept in `scratch` (row stride hi - lo; small enough to stay in L2), exponentiated once from
+// each row's final maximum (keys the rows do not see: 0) and multiplied by V from there; out
+// and lse are finished, norm[i] is each row's factor to its weights and, with `moment`,
+// moment[i] = sum_j e_j (s_j - max) for its entropy. The caller reads the weights,
+// scratch[i, j] * norm[i], before the next task overwrites them.
+template <typename T, typename E>
+void attend_span(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
+                 const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* moment, T* out,
+                 T* lse, int64_t* lo_out, int64_t* hi_out, uint8_t* bad) {
   const int64_t* it = plan.items + 6 * task.item;
   const int64_t b_rel = it[0] < 0 ? task.b : task.b - it[0];
-  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv, S = in.S;
+  const int64_t m = task.r1 - task.r0, D = in.D, Dv = in.Dv;
   const int64_t lo = plan.chunks[6 * it[4]], hi = plan.chunks[6 * (it[5] - 1) + 1];
   const int64_t width = hi - lo;
+  *lo_out = lo, *hi_out = hi;
   std::fill(acc, acc + m * Dv, T(0));
   std::fill(mx, mx + m, neg_inf<T>());
   const E* qt = in.qrow(task.b, task.h, task.r0);
@@ -1299,34 +1335,84 @@ void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& te
     if (mx[i] == neg_inf<T>()) {
       std::fill(row, row + width, T(0));
       sum[i] = 0;
+      if (moment != nullptr) moment[i] = 0;
     } else {
-      sum[i] = exp_shifted(row, width, mx[i]);
+      sum[i] = exp_shifted(row, width, mx[i], moment == nullptr ? nullptr : moment + i);
     }
   }
   for (const auto& [kb, n] : seen)
     block_values(in, task, m, kb, n, scratch + (kb - lo), width, acc);
   finish_rows(in, terms, task, acc, mx, sum, out, lse, norm);
-  for (int64_t i = 0; i < m; ++i) {
-    W* w = weights.row(task.b, task.h, in.L, S, task.r0 + i);
+}
+
+// One task with its weights, each written once: the span's weights normalized, the rest of
+// each weights row 0, in the same pass.
+template <typename T, typename E, typename W>
+void attend_weights(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
+                    const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* out, T* lse,
+                    const Weights<W>& weights, uint8_t* bad) {
+  int64_t lo, hi;
+  attend_span(in, plan, terms, task, scratch, acc, mx, sum, norm, static_cast<T*>(nullptr), out,
+              lse, &lo, &hi, bad);
+  const int64_t width = hi - lo;
+  for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
+    W* w = weights.row(task.b, task.h, in.L, in.S, task.r0 + i);
     zero_weights(w, lo);
     put_weights(w + lo, scratch + i * width, width, norm[i]);
-    zero_weights(w + hi, S - hi);
+    zero_weights(w + hi, in.S - hi);
   }
   fence_stores();
 }
 
+// dst[j] += src[j] * factor
+template <typename T>
+void add_scaled(T* dst, const T* src, int64_t n, T factor) {
+  for (int64_t j = 0; j < n; ++j) dst[j] += src[j] * factor;
+}
+
+// One task folded into the statistics. A row's weights are w_j = e_j * norm with
+// e_j = exp(x_j), x_j = s_j - max, so its entropy is
+//   -sum_j w_j log w_j = -norm * sum_j e_j x_j - log(norm) * norm * sum_j e_j
+// (the sink's share, when a head has one, is outside the keys' weights and outside the sum).
+template <typename T, typename E>
+void attend_stats(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms,
+                  const Task& task, T* scratch, T* acc, T* mx, T* sum, T* norm, T* moment,
+                  T* out, T* lse, const Stats<T>& st, uint8_t* bad) {
+  int64_t lo, hi;
+  attend_span(in, plan, terms, task, scratch, acc, mx, sum, norm,
+              st.entropy == nullptr ? nullptr : moment, out, lse, &lo, &hi, bad);
+  const int64_t width = hi - lo, S = in.S, unit = task.b * st.heads + st.slot[task.h];
+  for (int64_t i = 0; i < task.r1 - task.r0; ++i) {
+    const int64_t r = task.r0 + i;
+    const T f = norm[i];
+    if (f == T(0)) continue;  // the row sees nothing: it adds nothing, its entropy stays 0
+    const T* e = scratch + i * width;
+    if (st.entropy != nullptr)
+      st.entropy[unit * in.L + r] = -f * moment[i] - std::log(f) * f * sum[i];
+    if (st.key_mass != nullptr) add_scaled(st.key_mass + unit * S + lo, e, width, f);
+    if (st.window_mass != nullptr && r >= st.window_row)
+      add_scaled(st.window_mass + unit * S + lo, e, width, f);
+    if (st.head_mean != nullptr)
+      add_scaled(st.head_mean + (task.b * in.L + r) * S + lo, e, width,
+                 f / static_cast<T>(st.heads));
+  }
+}
+
 // Query rows per weights task: the forward's, halved (down to kMinRows / 4) until the rows'
-// scores over the widest item's key span fit kScratchBytes.
+// scores over the widest item's key span fit `budget` bytes (kScratchBytes for the weights;
+// the statistics keep to the plain forward's scores block, so that asking for them adds
+// only their own size to the memory a forward holds).
 constexpr int64_t kScratchBytes = int64_t(1) << 20;
 
-int64_t weight_rows(const Plan& plan, int64_t rows, int64_t elem) {
+int64_t weight_rows(const Plan& plan, int64_t rows, int64_t elem,
+                    int64_t budget = kScratchBytes) {
   int64_t span = 1;
   for (int64_t n = 0; n < plan.n_items; ++n) {
     const int64_t* it = plan.items + 6 * n;
     if (it[5] > it[4])
       span = std::max(span, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
   }
-  while (rows > kMinRows / 4 && rows * span * elem > kScratchBytes) rows /= 2;
+  while (rows > kMinRows / 4 && rows * span * elem > budget) rows /= 2;
   return rows;
 }
 
@@ -1430,6 +1516,60 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
              acc.data(), mx.data(), sum.data(), &bad[t]);
       finish_rows(in, terms, task, acc.data(), mx.data(), sum.data(), out, lse,
                   static_cast<T*>(nullptr));
+    }
+  });
+  return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
+}
+
+// The forward with statistics instead of weights. A statistic is a sum that several tasks add
+// to, so the tasks are grouped into units that one thread runs in a fixed order: per (batch
+// entry, head) when a key statistic is asked (every task adding to that head's keys), else
+// per block of rows, over the heads in order (head_mean adds every head to those rows; an
+// entropy row belongs to one task). No two units touch the same memory, so the result is the
+// same bit for bit whichever thread runs a unit. Key statistics and head_mean are not asked
+// together (stats.py runs them as two passes). The row blocks are listed once (without the
+// heads), so the work list stays a few KiB however many heads there are.
+template <typename T, typename E>
+bool stats_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, T* out, T* lse,
+                const Stats<T>& st) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t rows = weight_rows(plan, task_rows(plan, in.B, in.H, threads), sizeof(T),
+                                   kRows * kKeys * int64_t(sizeof(T)));
+  const std::vector<Task> blocks = forward_tasks(plan, in.B, 1, rows);  // h = 0 in each
+  const bool by_head = st.key_mass != nullptr || st.window_mass != nullptr;
+  TORCH_CHECK(!(by_head && st.head_mean != nullptr),
+              "key statistics and head_mean run as separate passes");
+  const int64_t n_units = by_head ? in.B * in.H : static_cast<int64_t>(blocks.size());
+  int64_t widest = kKeys;
+  for (const Task& task : blocks) {
+    const int64_t* it = plan.items + 6 * task.item;
+    widest = std::max(widest, plan.chunks[6 * (it[5] - 1) + 1] - plan.chunks[6 * it[4]]);
+  }
+  std::vector<uint8_t> bad(std::max<int64_t>(n_units, 1), 0);
+  zero_unreached_rows(plan, in.B, in.H, in.L, in.Dv, out);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, n_units), 1, [&](int64_t, int64_t) {
+    std::vector<T> scores(rows * widest), acc(rows * in.Dv), mx(rows), sum(rows), norm(rows),
+        moment(rows);
+    auto run = [&](const Task& task, uint8_t* flag) {
+      if (st.slot[task.h] >= 0) {
+        attend_stats(in, plan, terms, task, scores.data(), acc.data(), mx.data(), sum.data(),
+                     norm.data(), moment.data(), out, lse, st, flag);
+        return;
+      }
+      attend(in, plan, terms, task, 0, std::numeric_limits<int64_t>::max(), scores.data(),
+             acc.data(), mx.data(), sum.data(), flag);
+      finish_rows(in, terms, task, acc.data(), mx.data(), sum.data(), out, lse,
+                  static_cast<T*>(nullptr));
+    };
+    for (int64_t u = next++; u < n_units; u = next++) {
+      if (by_head) {  // every row block of batch entry b, for head h
+        const int64_t b = u / in.H, h = u % in.H;
+        for (Task task : blocks)
+          if (task.b == b) task.h = h, run(task, &bad[u]);
+      } else {  // one row block, every head
+        for (Task task = blocks[u]; task.h < in.H; ++task.h) run(task, &bad[u]);
+      }
     }
   });
   return std::any_of(bad.begin(), bad.end(), [](uint8_t x) { return x != 0; });
@@ -1571,22 +1711,16 @@ bool forward_into(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
   return run(weights.data_ptr<T>());
 }
 
-std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& items, const at::Tensor& chunks,
-                                const at::Tensor& keep, const at::Tensor& bias,
-                                const at::Tensor& table, int64_t table_shift, double scale,
-                                double softcap, const at::Tensor& sinks, bool with_weights,
-                                const at::Tensor& heads) {
-  const at::ScalarType ct = compute_type(q);
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2), Dv = v.size(3);
-  // the weights' heads: every query head, or those listed (in their order)
+// slot[h]: the place of query head h among `heads` (int64, distinct; empty: every head, in
+// order), or -1; *chosen: how many heads that is
+std::vector<int64_t> head_slots(const at::Tensor& heads, int64_t H, int64_t* chosen) {
   std::vector<int64_t> slot(H, -1);
-  int64_t chosen = H;
+  *chosen = H;
   if (heads.defined() && heads.numel() > 0) {
     TORCH_CHECK(heads.dtype() == at::kLong && heads.dim() == 1);
     const at::Tensor listed = heads.contiguous();
-    chosen = listed.numel();
-    for (int64_t i = 0; i < chosen; ++i) {
+    *chosen = listed.numel();
+    for (int64_t i = 0; i < *chosen; ++i) {
       const int64_t h = listed.data_ptr<int64_t>()[i];
       TORCH_CHECK(h >= 0 && h < H && slot[h] < 0, "heads must be distinct indices in [0, H)");
       slot[h] = i;
@@ -1594,44 +1728,119 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   } else {
     for (int64_t h = 0; h < H; ++h) slot[h] = h;
   }
-  // every entry of out and weights is written once by the kernel: no zeros first
-  at::Tensor out = empty_large({B, H, L, Dv}, q.options().dtype(ct));
-  at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
-                            q.options().dtype(ct));
-  at::Tensor weights =
-      with_weights ? empty_large({B, chosen, L, S}, q.options()) : at::Tensor();
-  const Plan plan = make_plan(items, chunks, keep);
-  bool bad = false;
+  return slot;
+}
+
+// Runs body(inputs, terms, out, lse) on the inputs as the kernel reads them: bf16 block
+// products with float statistics where this CPU's bf16 microkernel is faster (the scale on
+// the float scores; an odd head dim gets a zero column), else q, k and v in the compute type
+// (the scale applied as the scores are finished: no scaled copy of the queries). Returns the
+// body's answer: whether a block read held NaN or +-inf.
+template <typename Body>
+bool with_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& bias, const at::Tensor& table, int64_t table_shift,
+                 double scale, double softcap, const at::Tensor& sinks, at::Tensor& out,
+                 at::Tensor& lse, Body&& body) {
+  const at::ScalarType ct = compute_type(q);
   std::vector<at::Tensor> alive;
-  const bool blocked = L > kDecodeRows;
+  const bool blocked = q.size(2) > kDecodeRows;
+  bool bad = false;
   if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
-    // bf16 block products with float statistics, the scale on the float scores; an odd head
-    // dim gets a zero column
     at::Tensor qh = unit_last(q, at::kBFloat16);
     if (q.size(3) % 2 != 0) qh = at::constant_pad_nd(qh, {0, 1});
     const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);
     Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
     terms.scale = static_cast<float>(scale);
     const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
-    bad = forward_into(in, plan, terms, out.data_ptr<float>(), lse.data_ptr<float>(), weights,
-                       slot);
+    bad = body(in, terms, out.data_ptr<float>(), lse.data_ptr<float>());
   } else {
-    // the scale goes to the scores as they are finished (no scaled copy of the queries)
     at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
     AT_DISPATCH_FLOATING_TYPES(ct, "fused_attention_forward", [&] {
       Terms<scalar_t> terms =
           make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
       terms.scale = static_cast<scalar_t>(scale);
       const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
-      bad = forward_into(in, plan, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(),
-                         weights, slot);
+      bad = body(in, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
   }
+  return bad;
+}
+
+// out [B, H, L, Dv] and lse [B, H, L] as the kernel fills them: every entry of out is
+// written once (no zeros first), lse starts at -inf
+std::pair<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& q, const at::Tensor& v) {
+  const at::ScalarType ct = compute_type(q);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  at::Tensor out = empty_large({B, H, L, v.size(3)}, q.options().dtype(ct));
+  at::Tensor lse = at::full({B, H, L}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(ct));
+  return {out, lse};
+}
+
+std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& items, const at::Tensor& chunks,
+                                const at::Tensor& keep, const at::Tensor& bias,
+                                const at::Tensor& table, int64_t table_shift, double scale,
+                                double softcap, const at::Tensor& sinks, bool with_weights,
+                                const at::Tensor& heads) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  int64_t chosen = H;  // the weights' heads: every query head, or those listed (in order)
+  const std::vector<int64_t> slot = head_slots(heads, H, &chosen);
+  auto [out, lse] = forward_outputs(q, v);
+  // every weight is written once by the kernel: no zeros first
+  at::Tensor weights =
+      with_weights ? empty_large({B, chosen, L, S}, q.options()) : at::Tensor();
+  const Plan plan = make_plan(items, chunks, keep);
+  const bool bad = with_inputs(q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse,
+                               [&](const auto& in, const auto& terms, auto* o, auto* l) {
+                                 return forward_into(in, plan, terms, o, l, weights, slot);
+                               });
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
   if (with_weights) result.push_back(weights);
   result.push_back(at::scalar_tensor(bad, q.options().dtype(at::kBool)));
   return result;
+}
+
+// The forward with the statistics in `names` (key_mass, window_mass, entropy, head_mean) of
+// the query heads `heads` (as forward's) instead of their weights: [out, lse, key_mass,
+// window_mass, entropy, head_mean, bad], a statistic not asked for an empty tensor. window_row:
+// the first query row window_mass sums. Key statistics and head_mean are separate passes.
+std::vector<at::Tensor> forward_stats(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& items,
+                                      const at::Tensor& chunks, const at::Tensor& keep,
+                                      const at::Tensor& bias, const at::Tensor& table,
+                                      int64_t table_shift, double scale, double softcap,
+                                      const at::Tensor& sinks, const at::Tensor& heads,
+                                      const std::vector<std::string>& names,
+                                      int64_t window_row) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  int64_t chosen = H;
+  const std::vector<int64_t> slot = head_slots(heads, H, &chosen);
+  auto [out, lse] = forward_outputs(q, v);
+  const auto options = q.options().dtype(compute_type(q));
+  auto wanted = [&](const char* name, std::initializer_list<int64_t> shape) {
+    const bool asked = std::find(names.begin(), names.end(), name) != names.end();
+    return asked ? at::zeros(shape, options) : at::empty({0}, options);
+  };
+  at::Tensor key_mass = wanted("key_mass", {B, chosen, S});
+  at::Tensor window_mass = wanted("window_mass", {B, chosen, S});
+  at::Tensor entropy = wanted("entropy", {B, chosen, L});
+  at::Tensor head_mean = wanted("head_mean", {B, L, S});
+  const Plan plan = make_plan(items, chunks, keep);
+  const bool bad = with_inputs(
+      q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse,
+      [&](const auto& in, const auto& terms, auto* o, auto* l) {
+        using T = std::remove_pointer_t<decltype(o)>;
+        auto data = [](at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<T>() : nullptr; };
+        Stats<T> st;
+        st.key_mass = data(key_mass), st.window_mass = data(window_mass);
+        st.entropy = data(entropy), st.head_mean = data(head_mean);
+        st.heads = chosen, st.window_row = window_row, st.slot = slot;
+        return stats_impl(in, plan, terms, o, l, st);
+      });
+  return {out.to(q.scalar_type()), lse, key_mass, window_mass, entropy, head_mean,
+          at::scalar_tensor(bad, q.options().dtype(at::kBool))};
 }
 
 std::vector<at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
@@ -1777,6 +1986,8 @@ int64_t parallel_threads(int64_t tasks) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward_stats", &forward_stats,
+        "the forward with softmax statistics of chosen heads instead of their weights");
   m.def("block_peak", &block_peak, "GFLOP/s of the block products (float32 or bf16), all threads");
   m.def("half_products", &half_products, "whether bf16 inputs use bf16 block products here");
   m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
