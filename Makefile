@@ -9,19 +9,24 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q -c constraints.txt
 DEMO_TEXT := "The animal didn't cross the street because it was too tired"
 
-.PHONY: demo test docs install install-test install-docs browser lint
+.PHONY: demo test docs install install-test install-docs build-deps browser lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-install: $(BIN)/python
-	$(PIP) -e ".[pretrained,viz]"
+# the package build compiles the C++ kernels against the environment's torch (setup.py), so
+# torch and the build backend come first and the package is built without isolation
+build-deps: $(BIN)/python
+	$(PIP) torch "setuptools>=77"
 
-install-test: $(BIN)/python
-	$(PIP) -e ".[test]"
+install: build-deps
+	$(PIP) --no-build-isolation -e ".[pretrained,viz]"
 
-install-docs: $(BIN)/python
-	$(PIP) -e ".[docs]"
+install-test: build-deps
+	$(PIP) --no-build-isolation -e ".[test]"
+
+install-docs: build-deps
+	$(PIP) --no-build-isolation -e ".[docs]"
 
 # the browser tests drive Debian's chromium (never a downloaded browser)
 browser:

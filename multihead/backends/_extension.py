@@ -1,21 +1,183 @@
-"""Building the package's C++ kernels into the per-user cache, safe against a killed build.
+"""The package's C++ kernels: one description of each, one set of compiler flags, and the two
+places a compiled kernel comes from.
+
+* **The package build.** ``setup.py`` compiles every kernel in ``KERNELS`` with torch's C++
+  extension tooling when the package is installed into an environment that already holds
+  torch and a C++ compiler (``pip install --no-build-isolation``, as the README's commands
+  do). The module lands inside the installed package (``multihead/backends/_fused_kernel*.so``,
+  ``multihead/modules/_rows_kernel*.so``) beside a small record of what it was built from
+  (``<module>.json``: the sources' digest, the flags, torch's version, the CPU). Any user of
+  the installation loads it, with an empty cache. A record that does not match this process
+  (another torch, another CPU, edited sources) leaves it unused.
+* **The per-user cache.** Otherwise ``torch.utils.cpp_extension.load`` compiles the kernel on
+  demand (``multihead doctor``, ``backend="fused"``) into ``$MULTIHEAD_EXTENSION_DIR``, else
+  ``$XDG_CACHE_HOME/multihead/extensions``, else ``~/.cache/multihead/extensions``, in a folder
+  named by a digest of the same things, so a change of any of them builds afresh and nothing
+  else ever rebuilds.
+
+Both use ``cflags()`` / ``ldflags()``: ``-O3``, ``-march=native`` on x86 (the kernels' exp and
+row loops are written for the compiler to vectorize with every instruction set of the machine
+they are built on; the CPU is part of every record and digest), and ``-fopenmp`` where torch
+runs on OpenMP (at::parallel_for is a header template: built without OpenMP it runs every task
+on the calling thread; the kernel then shares the libgomp torch has loaded).
 
 ``torch.utils.cpp_extension.load`` guards a build folder with a plain ``lock`` file that a
 process killed while building or loading leaves behind; every later load in that folder then
-waits for it forever (even when the compiled library is already there). Here a build also
-holds an ``flock`` on ``build.flock`` in the folder, which the operating system releases when
-its holder dies: whoever holds it knows that a ``lock`` file it finds is left over, and removes
-it before calling torch.
+waits for it forever. Here a build also holds an ``flock`` on ``build.flock`` in the folder,
+which the operating system releases when its holder dies: whoever holds it knows that a
+``lock`` file it finds is left over, and removes it before calling torch.
+
+This module imports nothing of multihead (``setup.py`` loads it by path) and torch only inside
+its functions.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
+import os
+import platform
+import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["build_name", "load"]
+__all__ = [
+    "FUSED",
+    "KERNELS",
+    "PACKAGE",
+    "ROWS",
+    "Kernel",
+    "build_name",
+    "cache_dir",
+    "cflags",
+    "compile_in_cache",
+    "compiler_missing",
+    "first_error",
+    "ldflags",
+    "load",
+    "packaged",
+    "record",
+]
+
+PACKAGE = Path(__file__).resolve().parent.parent  # the multihead package folder
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One C++ kernel of the package."""
+
+    label: str  # for messages: "the fused attention kernel"
+    prefix: str  # the cache folder's and cached module's name prefix
+    module: str  # the packaged module's dotted name
+    source: str  # its source, relative to the package folder
+    switch: str  # the environment variable that turns it off with "0"
+
+    @property
+    def source_path(self) -> Path:
+        return PACKAGE / self.source
+
+    @property
+    def folder(self) -> Path:
+        """Where the package build puts the module (beside the module that loads it)."""
+        return PACKAGE.joinpath(*self.module.split(".")[1:-1])
+
+    @property
+    def record_path(self) -> Path:
+        return self.folder / f"{self.module.rsplit('.', 1)[-1]}.json"
+
+
+FUSED = Kernel(
+    label="the fused attention kernel",
+    prefix="multihead_fused",
+    module="multihead.backends._fused_kernel",
+    source="backends/csrc/fused_attention.cpp",
+    switch="MULTIHEAD_FUSED",
+)
+ROWS = Kernel(
+    label="the decoding kernel",
+    prefix="multihead_rows",
+    module="multihead.modules._rows_kernel",
+    source="modules/csrc/rows_linear.cpp",
+    switch="MULTIHEAD_ROWS_KERNEL",
+)
+KERNELS = (FUSED, ROWS)
+
+
+def _on_openmp() -> bool:
+    import torch
+
+    return torch.backends.openmp.is_available() and sys.platform.startswith("linux")
+
+
+def cflags() -> list[str]:
+    """The compiler flags of every kernel, in the package build and in the cache alike."""
+    native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
+    return ["-O3", *native, *(["-fopenmp"] if _on_openmp() else [])]
+
+
+def ldflags() -> list[str]:
+    return ["-fopenmp"] if _on_openmp() else []
+
+
+def cpu_signature() -> str:
+    """What the compiled code depends on besides the sources: -march=native bakes in the CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _settings() -> list[str]:
+    import torch
+
+    return [*cflags(), torch.__version__, cpu_signature()]
+
+
+def record(kernel: Kernel) -> dict[str, str]:
+    """What a build of ``kernel`` here and now is made from (the package build's record)."""
+    import torch
+
+    return {
+        "source_sha256": hashlib.sha256(kernel.source_path.read_bytes()).hexdigest(),
+        "flags": " ".join(cflags()),
+        "torch": torch.__version__,
+        "cpu_sha256": hashlib.sha256(cpu_signature().encode()).hexdigest(),
+    }
+
+
+def packaged(kernel: Kernel) -> tuple[ModuleType | None, str]:
+    """(the module the package build compiled, "") when there is one and its record matches
+    this process, else (None, why not: one line)."""
+    if not any(kernel.folder.glob(f"{kernel.module.rsplit('.', 1)[-1]}*.so")):
+        return None, "the package was installed without it"
+    try:
+        found = json.loads(kernel.record_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, f"its build record {kernel.record_path.name} is missing"
+    wanted = record(kernel)
+    changed = [name for name, value in wanted.items() if found.get(name) != value]
+    if changed:
+        return None, f"it was built for another {', '.join(changed)} than this process has"
+    try:
+        return importlib.import_module(kernel.module), ""
+    except ImportError as e:
+        return None, f"it does not load: {first_error(e)}"
+
+
+def cache_dir() -> Path:
+    """The per-user folder kernels are compiled into on demand (created when used)."""
+    root = os.environ.get("MULTIHEAD_EXTENSION_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "multihead" / "extensions"
 
 
 def build_name(prefix: str, sources: Sequence[Path], settings: Sequence[str]) -> str:
@@ -23,14 +185,56 @@ def build_name(prefix: str, sources: Sequence[Path], settings: Sequence[str]) ->
     their absolute paths and the build settings. The paths count because torch's build file
     records them: two checkouts of the same code sharing one folder would each find the
     other's build file and rebuild, in turn, at every first use."""
-    import hashlib
-
     h = hashlib.sha256()
     for source in sources:
         h.update(str(Path(source).resolve()).encode() + b"\0")
         h.update(Path(source).read_bytes())
     h.update(" ".join(settings).encode())
     return f"{prefix}_{h.hexdigest()[:16]}"
+
+
+def cached_name(kernel: Kernel) -> str:
+    """The cache folder's and module's name for ``kernel`` here."""
+    return build_name(kernel.prefix, [kernel.source_path], _settings())
+
+
+def in_cache(kernel: Kernel) -> bool:
+    """Whether the cache holds a build of ``kernel`` for this process (nothing compiles)."""
+    name = cached_name(kernel)
+    return any((cache_dir() / name).glob(f"{name}*.so"))
+
+
+def compiler_missing() -> str | None:
+    """None when the C++ compiler torch's tooling runs ($CXX, else c++) is found, else why."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX to one)"
+    return None
+
+
+def compile_in_cache(kernel: Kernel) -> ModuleType:
+    """Compile ``kernel`` into the per-user cache, or load the build already there."""
+    name = cached_name(kernel)
+    folder = cache_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob(f"{name}*.so")):  # a compile, not a load from the cache
+        print(
+            f"multihead: building {kernel.label} for this machine into {folder} (once, about "
+            f"a minute; {kernel.switch}=0 turns it off)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return load(name, [str(kernel.source_path)], folder, cflags=cflags(), ldflags=ldflags())
+
+
+def first_error(e: Exception) -> str:
+    """The line of a build failure a person can act on: the compiler's first error if there
+    is one (a build log starts with the command line), else the first line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if any(word in line for word in ("error:", "not found", "No such file", "fatal")):
+            return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 @contextmanager

@@ -10,17 +10,17 @@ sink logits joining each row's denominator; the backward pass recomputes the pro
 from the saved log-sum-exp. The weights, when asked for, come from the same pass, each
 written once, for every head or for chosen ones.
 
-It is compiled with ``torch.utils.cpp_extension`` into a per-user cache
-(``$MULTIHEAD_EXTENSION_DIR``, else ``$XDG_CACHE_HOME/multihead/extensions``, else
-``~/.cache/multihead/extensions``), in a folder named by a hash of the sources, the compiler
-flags, the torch version and the CPU, so a change of any of them builds afresh and nothing
-else ever rebuilds. Where the build cannot run (no compiler, no headers) the failure is
-remembered, ``unsupported`` reports it in one line and ``auto`` uses the other backends.
-``auto`` never starts the compile: it uses a kernel built earlier on this machine (by
-``multihead doctor``, ``multihead bench kernels`` or a call with ``backend="fused"``), and runs
-it only where it measured faster than the backend it would otherwise choose
-(``measured_faster``). Setting ``MULTIHEAD_FUSED=0`` turns the kernel off without trying to
-build it.
+It comes from the package build (``setup.py`` compiles it when the package is installed
+into an environment holding torch and a C++ compiler, the module inside the installed
+package) or, where the installation has none that matches this process, from
+``torch.utils.cpp_extension`` compiling it on demand into a per-user cache (``_extension.py``
+has both, and the flags they share). Where neither can run (no compiler, no headers) the
+failure is remembered, ``unsupported`` reports it in one line, the process says once that
+the kernel is missing and how to get it, and ``auto`` uses the other backends. ``auto``
+never starts the compile: it uses a kernel from the package or built earlier on this machine
+(by ``multihead doctor``, ``multihead bench kernels`` or a call with ``backend="fused"``), and
+runs it only where it measured faster than the backend it would otherwise choose
+(``measured_faster``). Setting ``MULTIHEAD_FUSED=0`` turns the kernel off.
 
 The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._backward``,
 ``..._weights``) with fake kernels and an autograd formula, so ``torch.compile`` and
@@ -30,8 +30,6 @@ The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._b
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -54,26 +52,20 @@ __all__ = [
     "build_dir",
     "build_error",
     "measured_faster",
+    "origin",
     "rank",
     "run",
     "stats",
 ]
 
-_SOURCES = ("fused_attention.cpp",)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_FLAGS = ["-O3"]
-# the kernel's exp and row loops are written for the compiler to vectorize: on x86 let it use
-# every instruction set of the machine it is built on (the cache key includes the CPU)
-_NATIVE = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
-# at::parallel_for is a header template: built without OpenMP it runs every task on the calling
-# thread. torch.utils.cpp_extension does not add the flag; where torch runs on OpenMP (Linux)
-# the kernel is built with it, and its libgomp is the one torch has already loaded.
-_ON_OPENMP = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
-_OPENMP = ["-fopenmp"] if _ON_OPENMP else []
+_KERNEL = _extension.FUSED
 
 _module = None  # the loaded extension
 _error: str | None = None  # why it could not be built, once tried
-_looked = False  # whether this process has looked for a build already in the cache
+_looked = False  # whether this process has looked for a build (packaged or cached) already
+_origin = ""  # where the loaded extension came from, for multihead doctor
+_told = False  # whether this process has said once that the kernel is missing
 NOT_BUILT = (
     "not built on this machine yet: multihead doctor builds it (about a minute), as does the "
     "first call with backend='fused'; auto never starts the compile"
@@ -81,93 +73,78 @@ NOT_BUILT = (
 
 
 def build_dir() -> Path:
-    """The folder the extension is built into (created on demand)."""
-    root = os.environ.get("MULTIHEAD_EXTENSION_DIR")
-    if root:
-        return Path(root)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "multihead" / "extensions"
-
-
-def _cpu_signature() -> str:
-    """What the compiled code depends on besides the sources: -march=native bakes in the CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
+    """The per-user folder the kernel is compiled into on demand (created when used)."""
+    return _extension.cache_dir()
 
 
 def _build_name() -> str:
-    sources = [Path(__file__).parent / "csrc" / name for name in _SOURCES]
-    settings = [*_FLAGS, *_NATIVE, *_OPENMP, torch.__version__, _cpu_signature()]
-    return _extension.build_name("multihead_fused", sources, settings)
+    return _extension.cached_name(_KERNEL)
+
+
+def origin() -> str:
+    """Where the loaded kernel came from ("the package build (folder)" or "the per-user cache
+    (folder)"), "" when none is loaded."""
+    return _origin
 
 
 def build():
-    """The compiled extension module, building it on first use; raises RuntimeError with the
-    reason when it cannot be built (the reason is kept for ``build_error``)."""
-    global _module, _error
+    """The compiled extension module: the package build's when it matches this process, else
+    compiled on first use into the per-user cache; raises RuntimeError with the reason when it
+    cannot be built (the reason is kept for ``build_error``)."""
+    global _module, _error, _origin
     if _module is not None:
         return _module
     if _error is not None:
         raise RuntimeError(_error)
-    if os.environ.get("MULTIHEAD_FUSED", "1") == "0":
-        _error = "turned off by MULTIHEAD_FUSED=0"
+    if os.environ.get(_KERNEL.switch, "1") == "0":
+        _error = f"turned off by {_KERNEL.switch}=0"
         raise RuntimeError(_error)
-    compiler = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension will run
-    if shutil.which(compiler) is None:
-        _error = (
-            f"the C++ kernel cannot be built: no C++ compiler {compiler!r} found "
-            "(install g++ or clang++, or set CXX to one)"
-        )
+    module, _ = _extension.packaged(_KERNEL)
+    if module is not None:
+        _module, _origin = module, f"the package build ({_KERNEL.folder})"
+        return _module
+    missing = _extension.compiler_missing()
+    if missing is not None:
+        _error = f"the C++ kernel cannot be built: {missing}"
         raise RuntimeError(_error)
     try:
-        name = _build_name()
-        folder = build_dir() / name
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob(f"{name}*.so")):  # a compile, not a load from the cache
-            print(
-                f"multihead: building the fused attention kernel for this machine into {folder} "
-                "(once, about a minute; MULTIHEAD_FUSED=0 turns it off)",
-                file=sys.stderr,
-                flush=True,
-            )
-        _module = _extension.load(
-            name,
-            [str(Path(__file__).parent / "csrc" / s) for s in _SOURCES],
-            folder,
-            cflags=[*_FLAGS, *_NATIVE, *_OPENMP],
-            ldflags=_OPENMP,
-        )
+        _module = _extension.compile_in_cache(_KERNEL)
     except Exception as e:  # any failure of the toolchain: the other backends still run
-        _error = f"the C++ kernel could not be built: {_first_error(e)}"
+        _error = f"the C++ kernel could not be built: {_extension.first_error(e)}"
         raise RuntimeError(_error) from e
+    _origin = f"the per-user cache ({build_dir() / _build_name()})"
     return _module
 
 
-def _first_error(e: Exception) -> str:
-    """The line of a build failure a person can act on: the compiler's first error if there
-    is one (a build log starts with the command line), else the first line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    for line in lines:
-        if any(word in line for word in ("error:", "not found", "No such file", "fatal")):
-            return line[:300]
-    return (lines[0] if lines else type(e).__name__)[:300]
-
-
 def built() -> bool:
-    """True when the kernel is loaded in this process; a build already in the cache (from an
-    earlier process) is loaded now, but nothing is ever compiled here."""
+    """True when the kernel is loaded in this process; the package build's kernel or a build
+    already in the cache (from an earlier process) is loaded now, but nothing is ever compiled
+    here. When there is neither, this process says so once, in one line on stderr."""
     global _looked
     if _module is None and _error is None and not _looked:
         _looked = True
-        name = _build_name()
-        switched_off = os.environ.get("MULTIHEAD_FUSED", "1") == "0"
-        if not switched_off and any((build_dir() / name).glob(f"{name}*.so")):
-            build_error()  # loads it: its sources are unchanged, so nothing compiles
+        if os.environ.get(_KERNEL.switch, "1") == "0":
+            return False
+        packaged, why = _extension.packaged(_KERNEL)
+        if packaged is not None or _extension.in_cache(_KERNEL):
+            build_error()  # loads it: nothing compiles
+        else:
+            _tell_missing(why)
     return _module is not None
+
+
+def _tell_missing(why: str) -> None:
+    global _told
+    if _told:
+        return
+    _told = True
+    print(
+        f"multihead: the fused C++ kernel is not available ({why}); attention runs on the "
+        "other backends. `multihead doctor` compiles it (needs a C++ compiler), or reinstall "
+        "as the README says",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @torch._dynamo.assume_constant_result  # traced calls see the answer of the eager world

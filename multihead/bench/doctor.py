@@ -35,7 +35,7 @@ _FLAGS = (
 
 @dataclass
 class Diagnosis:
-    kernel: str  # "built in <folder>" or why not
+    kernel: str  # "built, from <where>" (the package build or the per-user cache) or why not
     built: bool
     cpu: str
     instruction_sets: list[str]
@@ -51,8 +51,7 @@ def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
 
     why = fused.build_error()
     cpu, flags = _machine.cpu_info()
-    found = fused.build_dir()
-    kernel = f"built (cache: {found})" if why is None else f"not built: {why}"
+    kernel = f"built, from {fused.origin()}" if why is None else f"not built: {why}"
     diagnosis = Diagnosis(
         kernel=kernel,
         built=why is None,

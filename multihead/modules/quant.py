@@ -29,8 +29,6 @@ numbers (``PackedLinear`` dequantizing each call): slower, never different beyon
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -76,28 +74,21 @@ def _build():
     if os.environ.get("MULTIHEAD_ROWS_KERNEL", "1") == "0":
         _error = "turned off by MULTIHEAD_ROWS_KERNEL=0"
         raise RuntimeError(_error)
-    from ..backends import _extension, fused
+    from ..backends import _extension
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        _error = f"no C++ compiler {compiler!r} found (install g++ or clang++, or set CXX)"
+    kernel = _extension.ROWS
+    module, _ = _extension.packaged(kernel)
+    if module is not None:
+        _module = module
+        return _module
+    missing = _extension.compiler_missing()
+    if missing is not None:
+        _error = missing
         raise RuntimeError(_error)
     try:
-        flags = ["-O3", "-fopenmp", *fused._NATIVE]  # at::parallel_for is OpenMP here
-        settings = [*flags, torch.__version__, fused._cpu_signature()]
-        name = _extension.build_name("multihead_rows", [_SOURCE], settings)
-        folder = fused.build_dir() / name
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob(f"{name}*.so")):
-            print(
-                f"multihead: building the decoding kernel for this machine into {folder} "
-                "(once, under a minute; MULTIHEAD_ROWS_KERNEL=0 turns it off)",
-                file=sys.stderr,
-                flush=True,
-            )
-        _module = _extension.load(name, [str(_SOURCE)], folder, cflags=flags, ldflags=["-fopenmp"])
+        _module = _extension.compile_in_cache(kernel)
     except Exception as e:  # any toolchain failure: F.linear still runs every product
-        _error = f"the decoding kernel could not be built: {fused._first_error(e)}"
+        _error = f"the decoding kernel could not be built: {_extension.first_error(e)}"
         raise RuntimeError(_error) from e
     return _module
 

@@ -451,8 +451,12 @@ def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
 
 @pytest.fixture
 def unbuilt(monkeypatch, tmp_path):
-    """A process that has not tried to build the kernel, with an empty build cache."""
+    """A process that has not tried to build the kernel, with an empty build cache and an
+    installation without the package build's kernel."""
+    from multihead.backends import _extension
+
     monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, "not in this test"))
     monkeypatch.setattr(fused, "_module", None)
     monkeypatch.setattr(fused, "_error", None)
     monkeypatch.setattr(fused, "_looked", False)
@@ -495,14 +499,30 @@ def test_failed_build_reports_the_compiler_error(monkeypatch, unbuilt):
 
 
 @pytest.mark.slow
-def test_builds_from_a_clean_cache(unbuilt):
-    """The first use compiles into the per-user cache (about a minute on two cores)."""
+def test_builds_from_a_clean_cache_and_past_a_lock_left_by_a_killed_build(monkeypatch, unbuilt):
+    """The first use compiles into the per-user cache (about a minute on two cores).
+
+    torch's build lock file, left behind by a process killed while building or loading, made
+    every later load wait for it forever; a build now holds an OS lock that dies with its
+    holder, and clears the left-over file."""
+    import threading
+
     assert fused.build_error() is None
+    assert fused.origin().startswith("the per-user cache")
     built = list(unbuilt.glob("multihead_fused_*/*.so"))
     assert len(built) == 1
     q, k, v = qkv(1, 2, 1, 5, 7, 4)
     want, _ = naive_attention(q, k, v)
     torch.testing.assert_close(mh.attention(q, k, v, backend="fused"), want, rtol=0, atol=1e-12)
+
+    monkeypatch.setattr(fused, "_module", None)
+    stale = built[0].parent / "lock"
+    stale.touch()
+    loader = threading.Thread(target=fused.build_error, daemon=True)
+    loader.start()
+    loader.join(timeout=120)  # a no-op ninja run and an import: seconds
+    assert not loader.is_alive(), "the load is still waiting for the left-over lock file"
+    assert fused._module is not None and not stale.exists()
 
 
 def test_turned_off_by_environment(monkeypatch, unbuilt):
@@ -604,28 +624,6 @@ def test_nan_rule_is_checked_while_reading_not_by_a_second_pass(monkeypatch):
     mh.attention(q, k, v, backend="tiled")
     assert checked  # other backends keep the guard's pass
     assert torch.isfinite(clean).all()
-
-
-def test_a_lock_left_by_a_killed_build_does_not_hang_the_next_one(monkeypatch):
-    """torch's build lock file, left behind by a process killed while building or loading,
-    made every later load wait for it forever; a build now holds an OS lock that dies with
-    its holder, and clears the left-over file."""
-    import threading
-
-    assert fused.build_error() is None  # built (or loaded from the cache) once
-    folder = fused.build_dir() / fused._build_name()
-    monkeypatch.setattr(fused, "_module", None)
-    monkeypatch.setattr(fused, "_error", None)
-    stale = folder / "lock"
-    stale.touch()
-    try:
-        loader = threading.Thread(target=fused.build_error, daemon=True)
-        loader.start()
-        loader.join(timeout=120)  # a no-op ninja run and an import: seconds
-        assert not loader.is_alive(), "the load is still waiting for the left-over lock file"
-        assert fused._module is not None and not stale.exists()
-    finally:
-        stale.unlink(missing_ok=True)
 
 
 def test_two_checkouts_of_the_same_sources_build_apart(tmp_path):

@@ -12,7 +12,7 @@ def test_doctor_reports_the_kernel_and_the_cpu(capsys):
     assert cli.main(["doctor", "--no-measure"]) == (0 if built else 1)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == (
-        f"fused kernel: built (cache: {fused.build_dir()})"
+        f"fused kernel: built, from {fused.origin()}"
         if built
         else f"fused kernel: not built: {fused.build_error()}"
     )

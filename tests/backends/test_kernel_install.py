@@ -1,0 +1,155 @@
+"""The kernels from the install: the package build compiles them (setup.py) into the package,
+a new process of any user loads them with an empty cache, a machine without a compiler still
+installs, and both kernels are built by one builder with one set of flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead.backends import _extension, fused, registry
+from multihead.modules import quant
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_FIRST_USE = textwrap.dedent(
+    """
+    import json, sys, torch
+    import multihead as mh
+    from multihead import masks
+    from multihead.backends import fused
+    from multihead.modules import quant
+
+    q, k, v = (torch.randn(1, 4, 600, 32) for _ in range(3))
+    out = mh.attention(q, k, v, masks.causal(), backend="fused")
+    print(json.dumps({
+        "built": fused.built(),
+        "origin": fused.origin(),
+        "rows": quant.kernel_error(),
+        "finite": bool(torch.isfinite(out).all()),
+    }))
+    """
+)
+
+
+def _fresh_env(tmp_path: Path) -> dict[str, str]:
+    """A new user's environment: an empty home and cache, no extension folder set."""
+    env = {k: v for k, v in os.environ.items() if k != "MULTIHEAD_EXTENSION_DIR"}
+    home = tmp_path / "home"
+    home.mkdir()
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), MULTIHEAD_FUSED_AUTO="1")
+    return env
+
+
+def test_a_new_user_runs_the_package_builds_kernels_with_an_empty_cache(tmp_path):
+    """What the README's install leaves: both kernels inside the package, loaded by a new
+    process whose user has never built anything (nothing is compiled, the cache stays
+    empty). Fails when the installation was made without the package build (reinstall with
+    `make install-test`, or after editing a kernel's source)."""
+    env = _fresh_env(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_USE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["built"] and found["finite"], found
+    assert found["origin"].startswith("the package build"), found
+    assert found["rows"] is None
+    assert "building" not in done.stderr  # nothing compiled
+    assert not (tmp_path / "home" / ".cache" / "multihead").exists()
+
+
+def test_a_record_for_another_torch_leaves_the_packaged_kernel_unused(monkeypatch):
+    wanted = _extension.record(_extension.FUSED)
+    monkeypatch.setattr(_extension, "record", lambda kernel: {**wanted, "torch": "0.0"})
+    module, why = _extension.packaged(_extension.FUSED)
+    assert module is None
+    assert why in (
+        "it was built for another torch than this process has",
+        "the package was installed without it",
+    )
+
+
+def test_missing_kernel_is_said_once_per_process_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
+    missing = "the package was installed without it"
+    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, missing))
+    for name, value in (("_module", None), ("_error", None), ("_looked", False), ("_told", False)):
+        monkeypatch.setattr(fused, name, value)
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
+    mh.attention(q, k, v)
+    mh.attention(q, k, v)
+    monkeypatch.setattr(fused, "_looked", False)  # asked again later in the process
+    mh.attention(q, k, v)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("multihead: the fused C++ kernel is not available (the package")
+    assert "multihead doctor" in lines[0]
+
+
+def test_both_kernels_are_built_by_one_builder_with_one_set_of_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, "not in this test"))
+    calls = []
+
+    def fake_load(name, sources, folder, *, cflags, ldflags):
+        calls.append((name, list(cflags), list(ldflags)))
+        return object()
+
+    monkeypatch.setattr(_extension, "load", fake_load)
+    for module, name, value in (
+        (fused, "_module", None), (fused, "_error", None), (quant, "_module", None),
+        (quant, "_error", None),
+    ):  # fmt: skip
+        monkeypatch.setattr(module, name, value)
+    assert fused.build_error() is None and quant.kernel_error() is None
+    assert [c[0].rsplit("_", 1)[0] for c in calls] == ["multihead_fused", "multihead_rows"]
+    assert calls[0][1:] == calls[1][1:] == (_extension.cflags(), _extension.ldflags())
+
+
+def _setup_build(
+    tmp_path: Path, env: dict[str, str], prelude: str = ""
+) -> subprocess.CompletedProcess:
+    """setup.py's build_ext into tmp_path (the checkout is left alone)."""
+    code = (
+        f"{prelude}\nimport runpy, sys\n"
+        f"sys.argv = ['setup.py', 'build_ext', '-b', {str(tmp_path / 'lib')!r}, "
+        f"'-t', {str(tmp_path / 'tmp')!r}]\n"
+        f"runpy.run_path('setup.py', run_name='__main__')\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no compiler", "no torch where the package is built", "switched off"],
+)
+def test_the_package_installs_without_its_kernels_and_says_why(case, tmp_path):
+    env = dict(os.environ)
+    prelude = ""
+    if case == "no compiler":
+        env["CXX"] = "/nonexistent/c++"
+        said = "the C++ kernels are not compiled: no C++ compiler '/nonexistent/c++' found"
+    elif case == "switched off":
+        env["MULTIHEAD_BUILD_KERNELS"] = "0"
+        said = "MULTIHEAD_BUILD_KERNELS=0"
+    else:
+        prelude = "import sys; sys.modules['torch'] = None"
+        said = "torch is not importable where the package is built"
+    done = _setup_build(tmp_path, env, prelude)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert said in done.stderr
+    assert not list(tmp_path.rglob("*.so"))
