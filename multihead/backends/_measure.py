@@ -2,11 +2,17 @@
 
 A backend whose speed depends on the machine more than on the call (the fused C++ kernel, the
 half-precision kernel) does not lead from a rule about CPU flags: the first call of each shape
-class times it against the backend ``auto`` would otherwise run, on that call itself, and the
-answer is kept for the process. A shape class is (device, dtype, B * H and L, S in powers of
-two, GQA groups, head dims, mask and bias kind, weights, gradients). Each side runs once to warm
-up, then three times (forward only, or forward and backward when the call needs gradients);
-the candidate leads where its best time is at least 10% below the rival's (closer is noise).
+class times it against the backend ``auto`` would otherwise run, and the answer is kept for the
+process. A shape class is (device, dtype, B * H and L, S in powers of two, GQA groups, head
+dims, mask and bias kind, weights, gradients). Each side runs once to warm up, then three times
+(forward only, or forward and backward when the call needs gradients); the candidate leads
+where its best time is at least 10% below the rival's (closer is noise).
+
+The timing runs on a proxy of the call (``proxy``): its middle ``PROXY_ROWS`` query rows
+against every key, with the mask and the bias cropped to them, so the same kernel paths run
+(the same mask kind and tile answers, the same bias lowering, the weights when the call wants
+them) at a bounded cost: at L = 6144 the measurement costs a fraction of the call it precedes,
+and never the memory of a rival that materializes every weight of the whole call.
 """
 
 from __future__ import annotations
@@ -21,9 +27,22 @@ import torch
 from ._nonfinite import NonFiniteInput
 from .call import Call
 
-__all__ = ["MARGIN", "best_time", "compare", "faster", "shape_class", "switched_off", "timed"]
+__all__ = [
+    "MARGIN",
+    "PROXY_ROWS",
+    "best_time",
+    "compare",
+    "faster",
+    "proxy",
+    "shape_class",
+    "switched_off",
+    "timed",
+]
 
 MARGIN = 0.9  # the candidate must be at least 10% faster: closer calls are noise
+# query rows a measurement times: enough for every thread to get several of the kernels' row
+# blocks, few enough that a long call's measurement costs a small part of the call
+PROXY_ROWS = 256
 
 
 def switched_off(variable: str) -> bool:
@@ -53,6 +72,24 @@ def shape_class(call: Call) -> Hashable:
         call.softcap is not None,
         call.sinks is not None,
         call.heads is not None,
+    )
+
+
+def proxy(call: Call) -> Call:
+    """The call cut to its middle ``PROXY_ROWS`` query rows (itself when it has no more): what
+    a measurement times. The mask and the bias are cropped to those rows (``Mask.crop``,
+    ``ScoreModifier.crop``), so a causal proxy sees about half the keys, as the whole call's
+    rows do on average, and hidden tiles are still skipped."""
+    _, _, _, length_q, length_k, _ = call.shape
+    if length_q <= PROXY_ROWS:
+        return call
+    q0 = (length_q - PROXY_ROWS) // 2
+    q1 = q0 + PROXY_ROWS
+    return replace(
+        call,
+        query=call.query[:, :, q0:q1],
+        mask=None if call.mask is None else call.mask.crop(length_q, length_k, q0, q1, 0, length_k),
+        bias=None if call.bias is None else call.bias.crop(length_q, length_k, q0, q1, 0, length_k),
     )
 
 
@@ -109,18 +146,19 @@ def faster(
 ) -> bool | None:
     """True when ``mine`` ran faster than ``rival`` on calls of ``call``'s shape class.
 
-    Measured on the first call of the class (a warm-up run each, then ``clock`` times
-    ``mine`` and then ``rival``) and remembered in ``cache``. Inputs holding NaN or ±inf
-    (a backend that checks as it reads raises ``NonFiniteInput``) measure nothing: a later,
-    cleaner call of the class does. With ``rival=None`` nothing runs: the remembered answer,
-    or None when the class has not been measured.
+    Measured on the first call of the class, on its ``proxy`` (a warm-up run each, then
+    ``clock`` times ``mine`` and then ``rival``), and remembered in ``cache``. Inputs holding
+    NaN or ±inf (a backend that checks as it reads raises ``NonFiniteInput``) measure nothing:
+    a later, cleaner call of the class does. With ``rival=None`` nothing runs: the remembered
+    answer, or None when the class has not been measured.
     """
     key = shape_class(call)
     if rival is None:
         return cache.get(key)
     if key not in cache:
         try:
-            cache[key] = compare(timed(mine, call), timed(rival, call), clock=clock)
+            trial = proxy(call)
+            cache[key] = compare(timed(mine, trial), timed(rival, trial), clock=clock)
         except NonFiniteInput:
             return False
     return cache[key]

@@ -476,6 +476,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     from .._machine import cpu_info
     from ..backends import fused
     from .decode import memory_bandwidth
+    from .first_use import first_use
     from .suite import matmul_peak
 
     quick, repeats = options.quick, options.repeats or 3
@@ -500,7 +501,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         f"GFLOP/s; measured read bandwidth {bandwidth:.1f} GB/s; {repeats} interleaved repeats"
     )
     results = []
-    steps = [w.name for w in workloads] + ["capture", "acting"]
+    steps = [w.name for w in workloads] + ["capture", "acting", "first use"]
     with (
         warnings.catch_warnings(),
         stages("bench hf", steps, unit="workload", say=say) as (
@@ -516,6 +517,8 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         memory = _capture(capture_length, tell)
         bar.begin("acting")
         acting = _acting(acting_length, repeats, tell)
+        bar.begin("first use")
+        first = first_use(workloads[0].length, capture_length, tell)
     report = {
         "command": "multihead bench hf"
         + (" --quick" if quick else "")
@@ -530,6 +533,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         "workloads": results,
         "capture": memory,
         "acting": acting,
+        "first_use": first,
     }
     out.mkdir(exist_ok=True)
     (out / "hf.json").write_text(json.dumps(report, indent=2))

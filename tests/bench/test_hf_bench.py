@@ -7,6 +7,7 @@ import json
 import torch
 
 from multihead import cli
+from multihead.bench.first_use import GOALS
 from multihead.bench.hf import WORKLOADS, peak_growth
 
 
@@ -36,6 +37,11 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
     assert len(acting["goals"]) == 5 and acting["stats_bytes"] > 0
     assert acting["stats_extra_growth_bytes"] is not None
     assert "key statistics' growth of one attention call's peak" in printed
+    # the first-use rows ran in new processes with empty caches
+    first = report["first_use"]
+    assert [g["text"] for g in first["goals"]] == list(GOALS.values())
+    assert first["forward"]["first_s"] > 0 and first["capture"]["captured_bytes"] > 0
+    assert "first use, a new process with an empty cache" in printed
 
 
 def test_peak_growth_sees_an_allocation():
