@@ -1,13 +1,16 @@
 """``multihead heads``: rank every head of a model by what removing it does to a text.
 
 For a causal LM the score of a head is the increase of the mean next-token cross-entropy on
-the text (transformers' ``labels=`` loss) when that head alone is ablated (its output scaled
-by 0 with ``multihead.hf.ablate``); for an encoder it is 1 - cosine between the mean-pooled
-last hidden states with and without the head. ``--method gradient`` gives the one-backward
-estimate instead for a causal LM: minus the gradient of the loss with respect to each head's
-scale at 1 (the first-order loss change of scale 1 -> 0; Michel et al. 2019, "Are Sixteen
-Heads Really Better than One?"). An encoder has no loss here, and 1 - cosine has gradient 0
-at scale 1, so the gradient method is refused for encoders. Writes ``OUT/heads.json``, a
+the text (transformers' ``labels=`` loss) when that head alone is ablated: its output scaled
+by 0 before the output projection, through ``multihead.hf``'s scaling (as ``ablate`` does) in
+a transformers model, at each attention module's output projection in the library's own
+models (``multihead.save`` folders, such as ``multihead train lm``'s). For an encoder it is
+1 - cosine between the mean-pooled last hidden states with and without the head.
+``--method gradient`` gives the one-backward estimate instead for a causal LM: minus the
+gradient of the loss with respect to each head's scale at 1 (the first-order loss change of
+scale 1 -> 0; Michel et al. 2019, "Are Sixteen Heads Really Better than One?"). An encoder
+has no loss here, and 1 - cosine has gradient 0 at scale 1, so the gradient method is refused
+for encoders. Writes ``OUT/heads.json``, a
 layers x heads heatmap with the top heads named, and prints the top ten.
 """
 
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,8 +41,8 @@ class HeadsOptions:
     file: Path | None = option(None, "read the text from this UTF-8 file instead", metavar="FILE")
     model: Path | None = option(
         None,
-        "model folder transformers loads, with its tokenizer.json: a causal LM or an encoder "
-        "(default: all-MiniLM-L6-v2)",
+        "model folder with its tokenizer.json, a causal LM or an encoder: one transformers "
+        "loads or a multihead.save folder (default: all-MiniLM-L6-v2)",
         metavar="PATH",
     )
     out: Path = option(Path("heads-out"), "folder for the results", metavar="DIR")
@@ -59,9 +64,13 @@ class Ranked:
 
 
 def _load(folder: Path | None) -> tuple[Any, Any, bool]:
-    """(model, tokenizer, causal) for a folder transformers loads (None: all-MiniLM-L6-v2)."""
+    """(model, tokenizer, causal) for a folder transformers loads (None: all-MiniLM-L6-v2) or
+    a ``multihead.save`` folder of the library's own causal LM or encoder."""
     from .._extras import require
+    from . import _heads_native
 
+    if folder is not None and _heads_native.is_native(folder):
+        return _heads_native.load(folder)
     require("transformers", "hf", "multihead heads")
     from .. import hf_folders
     from ..hf.folders import load_folder
@@ -73,10 +82,52 @@ def _load(folder: Path | None) -> tuple[Any, Any, bool]:
     folder = hf_folders.model_folder(folder)
     # a missing config.json is left to the loader, after its tokenizer.json check
     config = hf_folders.read_json(folder, "config.json", required=False) or {}
-    architectures = config.get("architectures") or ()
-    causal = any(str(a).endswith("ForCausalLM") for a in architectures)
-    model, tokenizer = load_folder(folder, "multihead heads", causal_lm=causal)
-    return model, tokenizer, causal
+    model, tokenizer = load_folder(folder, "multihead heads", causal_lm=_causal(config))
+    return model, tokenizer, _causal(config)
+
+
+def _causal(config: dict[str, Any]) -> bool:
+    """Whether the folder holds a causal LM: an architecture transformers' causal-LM auto
+    class builds (``GPT2LMHeadModel`` as well as ``...ForCausalLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal_lms = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    return any(str(a) in causal_lms for a in config.get("architectures") or ())
+
+
+@dataclass(frozen=True)
+class _Subject:
+    """A model as ``score_heads`` sees it: its layers x heads, the measured value, and the
+    block that scales heads (``{layer: (H,) scales}``)."""
+
+    layers: int
+    heads: int
+    measure: Callable[[], Any]
+    scaled: Callable[[dict[int, Any]], AbstractContextManager[Any]]
+
+
+def _subject(model: Any, ids: Any, causal: bool) -> _Subject:
+    """transformers models act through ``multihead.hf`` (the attention implementation);
+    the library's own models through their attention modules' output projections."""
+    from . import _heads_native
+
+    if type(model).__module__.startswith("multihead."):
+        modules = _heads_native.attention_modules(model)
+        return _Subject(
+            len(modules),
+            modules[0].num_heads,
+            _heads_native.measure(model, ids, causal),
+            partial(_heads_native.scaled, model),
+        )
+    from ..hf.capture import model_layers, num_heads
+    from ..hf.edits import scaled
+
+    return _Subject(
+        len(model_layers(model, "multihead heads")),
+        num_heads(model) or 0,
+        _measure(model, ids, causal),
+        partial(scaled, model),
+    )
 
 
 def _measure(model: Any, ids: Any, causal: bool) -> Callable[[], Any]:
@@ -97,14 +148,9 @@ def score_heads(
     """Layers x heads scores of ``method`` ("ablate" or "gradient") for input ids (1, L)."""
     import torch
 
-    from ..hf import ablate
-    from ..hf.capture import model_layers, num_heads
-    from ..hf.edits import scaled
-
-    layers, heads = len(model_layers(model, "multihead heads")), num_heads(model) or 0
-    measure = _measure(model, ids, causal)
+    subject = _subject(model, ids, causal)
     with torch.no_grad():
-        base = measure()
+        base = subject.measure()
 
     def change(value: Any) -> float:
         if causal:
@@ -113,11 +159,13 @@ def score_heads(
 
     if method == "ablate":
         scores = []
-        for layer in range(layers):
+        for layer in range(subject.layers):
             row = []
-            for head in range(heads):
-                with ablate(model, {layer: [head]}), torch.no_grad():
-                    row.append(change(measure()))
+            for head in range(subject.heads):
+                scale = torch.ones(subject.heads)
+                scale[head] = 0.0
+                with subject.scaled({layer: scale}), torch.no_grad():
+                    row.append(change(subject.measure()))
                 if progress is not None:
                     progress()
             scores.append(row)
@@ -128,11 +176,13 @@ def score_heads(
             "an encoder's 1 - cosine has gradient 0 at scale 1. Use --method ablate for it. "
             "Received: an encoder with --method gradient"
         )
-    scales = {layer: torch.ones(heads, requires_grad=True) for layer in range(layers)}
-    with scaled(model, scales), torch.enable_grad():
-        measure().backward()
+    scales = {
+        layer: torch.ones(subject.heads, requires_grad=True) for layer in range(subject.layers)
+    }
+    with subject.scaled(scales), torch.enable_grad():
+        subject.measure().backward()
     # first-order change of the loss when a scale goes from 1 to 0: -d loss / d scale
-    return [[-float(g) for g in scales[layer].grad] for layer in range(layers)]
+    return [[-float(g) for g in scales[layer].grad] for layer in range(subject.layers)]
 
 
 def _spearman(a: list[list[float]], b: list[list[float]]) -> float:

@@ -21,8 +21,22 @@ def llama(tmp_path_factory):
     return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
 
 
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A GPT2LMHeadModel folder, the kind ``multihead train lm`` writes (an architecture whose
+    name does not end in ForCausalLM)."""
+    return build("gpt2", tmp_path_factory.mktemp("gpt2"), layers=2)
+
+
+def _output_projection(model, layer: int):
+    if hasattr(model, "transformer"):  # GPT-2: c_proj takes the heads side by side
+        return model.transformer.h[layer].attn.c_proj
+    return model.model.layers[layer].self_attn.o_proj
+
+
 def _loss_without(folder, layer: int, head: int) -> float:
-    """The eager model's loss on TEXT with ``head`` of ``layer`` zeroed before o_proj."""
+    """The eager model's loss on TEXT with ``head`` of ``layer`` zeroed before the output
+    projection."""
     from tokenizers import Tokenizer
 
     model = transformers_model(folder)
@@ -36,13 +50,15 @@ def _loss_without(folder, layer: int, head: int) -> float:
 
     with torch.no_grad():
         plain = float(model(input_ids=ids, labels=ids).loss)
-        hook = model.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero)
+        hook = _output_projection(model, layer).register_forward_pre_hook(zero)
         ablated = float(model(input_ids=ids, labels=ids).loss)
         hook.remove()
     return ablated - plain
 
 
-def test_a_causal_lm_ranked_by_the_loss_change(llama, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_causal_lm_ranked_by_the_loss_change(kind, request, tmp_path, capsys):
+    llama = request.getfixturevalue(kind)  # the folder of either kind
     cli.main(
         ["heads", "--model", str(llama), "--out", str(tmp_path / "out"), "--method", "both", TEXT]
     )
@@ -58,6 +74,25 @@ def test_a_causal_lm_ranked_by_the_loss_change(llama, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"layer  {layer} head  {head}" in printed and "Spearman" in printed
     assert (tmp_path / "out" / "heads.png").stat().st_size > 0
+
+
+def test_a_multihead_save_folder_ranks_as_the_same_model_in_transformers(gpt2, tmp_path):
+    """The library's own model (a multihead.save folder, as one saved from ``models.load``)
+    is scaled at its attention modules' output projections: the same scores, both methods,
+    as the transformers folder it came from."""
+    import multihead as mh
+
+    saved = tmp_path / "saved"
+    mh.save(mh.models.load(gpt2), saved)
+    found = {}
+    for name, folder in (("transformers", gpt2), ("saved", saved)):
+        out = tmp_path / name
+        cli.main(["heads", "--model", str(folder), "--out", str(out), "--method", "both", TEXT])
+        found[name] = json.loads((out / "heads.json").read_text())
+    assert found["saved"]["metric"] == "increase of mean next-token cross-entropy"
+    for key in ("scores", "gradient_scores"):
+        got, want = torch.tensor(found["saved"][key]), torch.tensor(found["transformers"][key])
+        assert (got - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max())), key
 
 
 def test_the_gradient_estimate_is_minus_the_scale_gradient(llama):
