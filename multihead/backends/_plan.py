@@ -11,6 +11,8 @@ execute it; it only asks the mask (``tile``, ``block``, ``blocks``, ``tile_rows`
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +133,22 @@ def _chunks(keep: Tensor, start: int) -> list[Chunk]:
 
 _PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
 _PLAN_CACHE_SIZE = 16
+_KEPT_ON_MASK = 4  # shapes whose plans a mask keeps on itself (the newest)
+
+
+def on_mask(mask: Mask, name: str) -> OrderedDict:
+    """The cache ``name`` a mask keeps on itself (made on first use)."""
+    kept = mask.__dict__.get(name)
+    if kept is None:
+        kept = mask.__dict__[name] = OrderedDict()
+    return kept
+
+
+def remember(kept: OrderedDict, key: Hashable, value: object) -> None:
+    """``kept[key] = value``, dropping the oldest entry past ``_KEPT_ON_MASK``."""
+    kept[key] = value
+    if len(kept) > _KEPT_ON_MASK:
+        kept.popitem(last=False)
 
 
 def plan(
@@ -147,12 +165,21 @@ def plan(
     With ``stack``, runs of equal packed documents come as stacked items (see ``Item``).
 
     Plans of masks whose pattern depends only on (L, S) (their ``structure_key``; causal and
-    sliding-window bands) are cached, so a training loop plans once.
+    sliding-window bands) are cached, so a training loop plans once. Other masks (predicates,
+    documents, dense masks) keep their plans on themselves, as they keep their tile answers
+    (a mask does not change once made): a predicate mask used again with the same shapes
+    plans once too, as the built-in kinds do.
     """
     structure = None if mask is None else mask.structure_key
+    if mask is not None and structure is None:
+        kept = on_mask(mask, "_plans")
+        key = (batch, length_q, length_k, tile, _MIN_FULL_RUN, str(device), stack)
+        if key not in kept:
+            items = _plan(mask, batch, length_q, length_k, tile, device)
+            remember(kept, key, _stacked(items, batch) if stack else items)
+        return kept[key]
     if structure is None:
-        items = _plan(mask, batch, length_q, length_k, tile, device)
-        return _stacked(items, batch) if stack and mask is not None else items
+        return _plan(mask, batch, length_q, length_k, tile, device)
     key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
     if key not in _PLANS:
         if len(_PLANS) >= _PLAN_CACHE_SIZE:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import _extension, _measure
 from ._nonfinite import NonFiniteInput, run_guarded
-from ._plan import Item, plan, query_tile
+from ._plan import Item, on_mask, plan, query_tile, remember
 from ._tensors import sink_grad, stat_dtype
 from .call import Call
 from .protocol import LAST, Backend, Capabilities, Rank
@@ -392,8 +392,12 @@ def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:
 def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor, Tensor]:
     structure = None if mask is None else mask.structure_key
     key = ("none" if mask is None else structure, length_q, length_k, tile, str(device))
-    if mask is not None and structure is None:
-        return _flatten(plan(mask, b, length_q, length_k, tile, device), device)
+    if mask is not None and structure is None:  # kept on the mask, as its plan is
+        kept = on_mask(mask, "_fused_plans")
+        key = (b, *key[1:])
+        if key not in kept:
+            remember(kept, key, _flatten(plan(mask, b, length_q, length_k, tile, device), device))
+        return kept[key]
     if key not in _FLAT:
         if len(_FLAT) >= _FLAT_KEPT:
             _FLAT.popitem(last=False)

@@ -1,0 +1,85 @@
+"""A predicate mask costs what the built-in kind it describes costs: its work list is made
+once per shape and kept on the mask (as its tile answers are), and it reads no more keys than
+the built-in's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import multihead as mh
+from multihead import masks
+from multihead.backends import _plan, fused
+
+L = 1024
+
+
+def _area(items) -> int:
+    """(query, key) pairs the work list makes a kernel read."""
+    return sum((i.q1 - i.q0) * (c.stop - c.start) for i in items for c in i.chunks)
+
+
+def _visible(items, length_q: int, length_k: int) -> torch.Tensor:
+    """The (L, S) pairs the work list marks visible (its keep blocks, or all of a chunk)."""
+    seen = torch.zeros(length_q, length_k, dtype=torch.bool)
+    for item in items:
+        for c in item.chunks:
+            block = torch.ones(item.q1 - item.q0, c.stop - c.start, dtype=torch.bool)
+            if c.keep is not None:
+                block = c.keep[0, 0].expand_as(block)
+            seen[item.q0 : item.q1, c.start : c.stop] |= block
+    return seen
+
+
+def _documents() -> tuple[masks.Mask, masks.Mask]:
+    ids = torch.tensor([[0] * 300 + [1] * 500 + [2] * 224])
+    predicate = masks.predicate(
+        lambda b, h, q, k: (ids[b, q] == ids[b, k]) & (k <= q), batch_size=1
+    )
+    return predicate, masks.documents(ids) & masks.causal()
+
+
+CASES = {
+    "band": lambda: (
+        masks.predicate(lambda b, h, q, k: (k <= q) & (k >= q - 256)),
+        masks.sliding_window(256),
+    ),
+    "causal": lambda: (masks.predicate(lambda b, h, q, k: k <= q), masks.causal()),
+    "causal documents": _documents,
+}
+
+
+@pytest.mark.parametrize("tile", [64, 256])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_predicate_reads_no_more_than_the_built_in(case, tile):
+    predicate, built_in = CASES[case]()
+    mine = _plan.plan(predicate, 1, L, L, tile, "cpu")
+    theirs = _plan.plan(built_in, 1, L, L, tile, "cpu")
+    assert torch.equal(_visible(mine, L, L), _visible(theirs, L, L))
+    assert torch.equal(_visible(mine, L, L), built_in.to_dense(L, L)[0, 0])
+    assert _area(mine) <= _area(theirs)
+
+
+def test_a_predicate_is_planned_once_per_shape():
+    calls = []
+
+    def band(b, h, q, k):
+        calls.append(1)
+        return (k <= q) & (k >= q - 64)
+
+    mask = masks.predicate(band)
+    q, k, v = (torch.randn(1, 2, 600, 16) for _ in range(3))
+    first = mh.attention(q, k, v, mask, backend="fused")
+    made = len(calls)
+    again = mh.attention(q, k, v, mask, backend="fused")
+    assert len(calls) == made  # the kept plan: the predicate is not evaluated again
+    assert torch.equal(first, again)
+    want = mh.attention(q, k, v, masks.sliding_window(64), backend="reference")
+    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-6)
+    mh.attention(q[:, :, :300], k[:, :, :300], v[:, :, :300], mask, backend="fused")
+    assert len(calls) > made  # another shape: planned for it
+
+
+pytestmark = pytest.mark.skipif(
+    fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
+)
