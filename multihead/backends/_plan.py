@@ -134,6 +134,9 @@ def _chunks(keep: Tensor, start: int) -> list[Chunk]:
 _PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
 _PLAN_CACHE_SIZE = 16
 _KEPT_ON_MASK = 4  # shapes whose plans a mask keeps on itself (the newest)
+# a plan whose keep blocks hold more bits than this is not kept (a dense mask's partial tiles
+# could double the memory its own tensor holds): it is made again at each call
+KEPT_BITS = 64 << 20
 
 
 def on_mask(mask: Mask, name: str) -> OrderedDict:
@@ -167,17 +170,22 @@ def plan(
     Plans of masks whose pattern depends only on (L, S) (their ``structure_key``; causal and
     sliding-window bands) are cached, so a training loop plans once. Other masks (predicates,
     documents, dense masks) keep their plans on themselves, as they keep their tile answers
-    (a mask does not change once made): a predicate mask used again with the same shapes
-    plans once too, as the built-in kinds do.
+    (a mask does not change once made; a plan whose keep blocks exceed ``KEPT_BITS`` is made
+    anew instead): a predicate mask used again with the same shapes plans once too, as the
+    built-in kinds do.
     """
     structure = None if mask is None else mask.structure_key
     if mask is not None and structure is None:
         kept = on_mask(mask, "_plans")
         key = (batch, length_q, length_k, tile, _MIN_FULL_RUN, str(device), stack)
-        if key not in kept:
-            items = _plan(mask, batch, length_q, length_k, tile, device)
-            remember(kept, key, _stacked(items, batch) if stack else items)
-        return kept[key]
+        if key in kept:
+            return kept[key]
+        items = _plan(mask, batch, length_q, length_k, tile, device)
+        items = _stacked(items, batch) if stack else items
+        bits = sum(c.keep.numel() for i in items for c in i.chunks if c.keep is not None)
+        if bits <= KEPT_BITS:
+            remember(kept, key, items)
+        return items
     if structure is None:
         return _plan(mask, batch, length_q, length_k, tile, device)
     key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from . import _extension, _measure
 from ._nonfinite import NonFiniteInput, run_guarded
-from ._plan import Item, on_mask, plan, query_tile, remember
+from ._plan import KEPT_BITS, Item, on_mask, plan, query_tile, remember
 from ._tensors import sink_grad, stat_dtype
 from .call import Call
 from .protocol import LAST, Backend, Capabilities, Rank
@@ -395,9 +395,12 @@ def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor,
     if mask is not None and structure is None:  # kept on the mask, as its plan is
         kept = on_mask(mask, "_fused_plans")
         key = (b, *key[1:])
-        if key not in kept:
-            remember(kept, key, _flatten(plan(mask, b, length_q, length_k, tile, device), device))
-        return kept[key]
+        if key in kept:
+            return kept[key]
+        flat = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
+        if flat[2].numel() <= KEPT_BITS:
+            remember(kept, key, flat)
+        return flat
     if key not in _FLAT:
         if len(_FLAT) >= _FLAT_KEPT:
             _FLAT.popitem(last=False)
