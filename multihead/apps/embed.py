@@ -16,6 +16,7 @@ import numpy as np
 from .. import _validation as V
 from .._extras import require
 from .._flags import argument, option, positive_int, required
+from .embed_precision import PRECISIONS, at_precision
 
 __all__ = ["PROGRESS_FROM", "RAY_BATCH", "EmbedOptions", "embed_on_ray", "run"]
 
@@ -34,6 +35,13 @@ class EmbedOptions:
         None, "BERT-family model folder (default: all-MiniLM-L6-v2)", metavar="PATH"
     )
     max_tokens: int = option(1536, "tokens per packed row", parse=positive_int)
+    precision: str = option(
+        "fp32",
+        "the linear layers' precision; bf16: weights and products in bf16 (norms, attention "
+        "and pooling stay fp32); auto: bf16 where an embedding pass of the input's first "
+        "texts measures faster with it on this machine (timed once), else fp32",
+        choices=PRECISIONS,
+    )
     ray: bool = option(False, "run on Ray Data: an actor pool, each with the model")
     workers: int = option(2, "Ray actors", parse=positive_int)
     ray_address: str | None = option(
@@ -72,10 +80,16 @@ def run(options: EmbedOptions, *, say: Callable[[str], None] = print) -> np.ndar
             max_tokens=max_tokens,
             batch_size=options.ray_batch_size,
             address=options.ray_address,
+            precision=options.precision,
         )
     else:
         model = models.load(model_path)
         kinds.check_encoder(model, model_path, "multihead embed")
+        model, choice = at_precision(
+            model, options.precision, texts=lines, max_tokens=max_tokens, say=_stderr
+        )
+        if options.precision == "auto":
+            _stderr(f"multihead embed: --precision auto chose {choice.precision}: {choice.reason}")
         bar = None
         if len(lines) >= PROGRESS_FROM:
             from tqdm import tqdm
@@ -93,16 +107,23 @@ def run(options: EmbedOptions, *, say: Callable[[str], None] = print) -> np.ndar
     return array
 
 
-class _RayEmbedder:
-    """One Ray actor: loads the model once, then embeds batch after batch."""
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
-    def __init__(self, model_path: str | None, max_tokens: int, threads: int) -> None:
+
+class _RayEmbedder:
+    """One Ray actor: loads the model once (at ``precision``: ``auto`` is measured in each
+    actor, on the CPUs Ray gave it), then embeds batch after batch."""
+
+    def __init__(
+        self, model_path: str | None, max_tokens: int, threads: int, precision: str = "fp32"
+    ) -> None:
         import torch
 
         from .. import models
 
         torch.set_num_threads(threads)  # one actor per CPU Ray gave it: no oversubscription
-        self.model = models.load(model_path)
+        self.model, _ = at_precision(models.load(model_path), precision, max_tokens=max_tokens)
         self.max_tokens = max_tokens
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -120,6 +141,7 @@ def embed_on_ray(
     batch_size: int = RAY_BATCH,
     address: str | None = None,
     cpus_per_worker: int = 1,
+    precision: str = "fp32",
 ) -> np.ndarray:
     """Sentence embeddings (N, E) of ``texts`` on Ray Data, in input order.
 
@@ -128,6 +150,7 @@ def embed_on_ray(
     does (packed rows), and rows come back with their input index.
 
     Args:
+        precision: the linear layers' precision in every actor (``embed_precision``).
         address: an existing Ray cluster (its nodes need multihead installed); None starts a
             local instance with ``workers * cpus_per_worker`` CPUs and shuts it down after.
     """
@@ -140,6 +163,10 @@ def embed_on_ray(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int. Received: {name}={value!r}")
+    if precision not in PRECISIONS:  # here, not in every actor
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}. Received: precision={precision!r}"
+        )
     texts = list(texts)
     started = not ray.is_initialized()
     if started:
@@ -160,6 +187,7 @@ def embed_on_ray(
                 "model_path": None if model_path is None else str(model_path),
                 "max_tokens": max_tokens,
                 "threads": cpus_per_worker,
+                "precision": precision,
             },
             batch_size=batch_size,
             batch_format="numpy",

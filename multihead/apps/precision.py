@@ -15,6 +15,10 @@ backward pass of the model being trained on its first batch), it times the step 
 and takes bf16 only where it is at least ``STEP_PAYS`` times faster; without one it falls
 back to the matmul ratio (``PAYS``). ``--precision bf16`` on a machine where bf16 is slower
 still trains in bf16, after one line saying by how much.
+
+``multihead embed`` and ``multihead serve`` decide with the same ``choose``: their
+``time_step`` times an embedding pass with the model's linear layers in bf16 against fp32
+(``embed_precision``).
 """
 
 from __future__ import annotations
@@ -147,8 +151,9 @@ def choose(
     *,
     say: Callable[[str], None] | None = None,
     time_step: Callable[[str], float] | None = None,
+    work: str = "training step",
 ) -> PrecisionChoice:
-    """The precision to train under for ``--precision requested`` on ``device``.
+    """The precision to run under for ``--precision requested`` on ``device``.
 
     ``auto`` measures the matmul peaks (``matmul_peaks``): where bf16 is not faster than
     fp32, fp32. Otherwise, with ``time_step`` (a function that runs one training step under
@@ -157,6 +162,8 @@ def choose(
     ``_STEP_REPEATS`` interleaved runs); without it, bf16 where the matmul is at least ``PAYS``
     times faster. ``bf16`` is kept as asked; where it measures slower than fp32, ``say`` gets
     one line with the measured ratio. ``fp32`` and ``fp16`` are kept without measuring.
+    ``work`` names what ``time_step`` times, in the reason and the warning ("training step";
+    ``multihead embed`` times an "embedding pass").
 
     Raises:
         ValueError: ``requested`` is not one of ``REQUESTS``.
@@ -176,8 +183,8 @@ def choose(
         if peaks.ratio < 1 and say is not None:
             say(
                 f"--precision bf16: on this machine bf16 matmuls are {1 / peaks.ratio:.2f}x "
-                f"slower than fp32 ({rates}); training will be slower than --precision fp32 "
-                "(--precision auto picks fp32 here)"
+                f"slower than fp32 ({rates}); each {work} will be slower than under "
+                "--precision fp32 (--precision auto picks fp32 here)"
             )
         return PrecisionChoice("bf16", "bf16", f"asked for; {rates}", peaks)
     if peaks.ratio < 1:
@@ -186,7 +193,7 @@ def choose(
         steps = _time_steps(time_step)
         speedup = steps["fp32"] / steps["bf16"]
         timed = (
-            f"this model's training step {steps['bf16'] * 1e3:.1f} ms in bf16 against "
+            f"this model's {work} {steps['bf16'] * 1e3:.1f} ms in bf16 against "
             f"{steps['fp32'] * 1e3:.1f} ms in fp32 ({speedup:.2f}x faster); {rates}"
         )
         if speedup >= STEP_PAYS:

@@ -1,10 +1,14 @@
-"""Sentence-embedding throughput: ``multihead embed``'s packed path against
-sentence-transformers' ``encode`` on the same generated sentences, in the same process, and
-(with the ``export`` extra) the exported graph on onnxruntime in fp32 and with int8 weights.
+"""Sentence-embedding throughput: ``multihead embed``'s packed path, in fp32 and with bf16
+linear layers (``--precision bf16``), against sentence-transformers' ``encode`` (fp32) on the
+same generated sentences, in the same process, and (with the ``export`` extra) the exported
+graph on onnxruntime in fp32 and with int8 weights.
 
 Every contender uses the same number of threads. Repeats rotate which contender runs first;
 medians are reported. Embeddings are compared: torch and onnxruntime fp32 against
-sentence-transformers (they must agree to 1e-5), int8 against fp32 by cosine similarity.
+sentence-transformers (they must agree to 1e-5), bf16 and int8 against fp32 by cosine
+similarity. ``--precision auto`` is resolved as ``multihead embed`` resolves it (its
+measurement timed apart); its row is the contender it chose, printed with the goal for it
+beside the CPU and the bf16/fp32 matmul ratio measured in the same run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,7 +31,18 @@ from .._flags import option, positive_int
 from .options import Timed
 from .texts import sentences
 
-__all__ = ["EmbedBenchOptions", "run_embed_bench"]
+if TYPE_CHECKING:
+    from ..models.bert import Pretrained
+
+__all__ = ["AUTO_GOAL", "BF16_PAYS", "EmbedBenchOptions", "run_embed_bench"]
+
+FP32_ROW = "multihead embed"
+BF16_ROW = "multihead embed --precision bf16"
+ST_ROW = "sentence-transformers encode"
+# the goal: --precision auto at least this much faster than sentence-transformers fp32 ...
+AUTO_GOAL = 2.5
+# ... on a machine whose bf16 matmuls measure at least this much faster than fp32
+BF16_PAYS = 2.0
 
 
 def _quiet(embed: Callable[[list[str]], object]) -> Callable[[list[str]], object]:
@@ -96,10 +112,12 @@ def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = 
     ours = bert.load(model_path)
     theirs = SentenceTransformer(str(ours.path), device="cpu")
     tokens = sum(len(e.ids) for e in ours._encode(texts, ours.embed_length))
+    bf16, auto = _precisions(ours, texts, say)
 
     contenders = {
-        "multihead embed": _quiet(ours.embed),
-        "sentence-transformers encode": lambda t: theirs.encode(t, convert_to_tensor=True),
+        FP32_ROW: _quiet(ours.embed),
+        BF16_ROW: _quiet(bf16.embed),
+        ST_ROW: lambda t: theirs.encode(t, convert_to_tensor=True),
     }
     folder = tempfile.TemporaryDirectory(prefix="multihead-bench-embed-")
     try:
@@ -114,18 +132,16 @@ def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = 
     finally:
         progress.close()
         folder.cleanup()
-    reference = np.asarray(results["sentence-transformers encode"].cpu())
+    reference = np.asarray(results[ST_ROW].cpu())
     diffs = {
         name: float(np.abs(np.asarray(results[name]) - reference).max())
-        for name in ("multihead embed", "onnxruntime fp32")
+        for name in (FP32_ROW, "onnxruntime fp32")
         if name in results
     }
     if "onnxruntime int8" in results:
-        a, b = np.asarray(results["onnxruntime int8"]), np.asarray(results["onnxruntime fp32"])
-        cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-        int8_cosine = {"mean": float(cosine.mean()), "min": float(cosine.min())}
+        int8_cosine = _cosines(results["onnxruntime int8"], results["onnxruntime fp32"])
     med = {name: statistics.median(t) for name, t in times.items()}
-    base = med["sentence-transformers encode"]
+    base = med[ST_ROW]
     report = {
         "command": f"multihead bench embed --sentences {count} --repeats {repeats} "
         f"--threads {threads}",
@@ -135,11 +151,13 @@ def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = 
         "median_s": med,
         "times_s": times,
         "sentences_per_s": {name: count / t for name, t in med.items()},
-        "speedup": base / med["multihead embed"],
+        "speedup": base / med[FP32_ROW],
         "speedup_vs_sentence_transformers": {name: base / t for name, t in med.items()},
-        "max_abs_diff": diffs["multihead embed"],
+        "max_abs_diff": diffs[FP32_ROW],
         "max_abs_diff_vs_sentence_transformers": diffs,
+        "bf16_cosine_vs_fp32": _cosines(results[BF16_ROW], results[FP32_ROW]),
         "int8_cosine_vs_fp32": int8_cosine,
+        "precision_auto": _auto_report(auto, base / med[auto["row"]]),
     }
     say(
         f"{count} sentences of 3-200 words ({tokens} tokens), {repeats} rotated repeats, "
@@ -147,7 +165,7 @@ def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = 
     )
     for name in med:
         say(
-            f"  {name:30} median {med[name]:7.2f} s  {count / med[name]:7.1f} sentences/s  "
+            f"  {name:32} median {med[name]:7.2f} s  {count / med[name]:7.1f} sentences/s  "
             f"{base / med[name]:5.2f}x sentence-transformers"
         )
     say(f"  speedup {report['speedup']:.2f}x (multihead embed over sentence-transformers)")
@@ -158,10 +176,80 @@ def run_embed_bench(options: EmbedBenchOptions, *, say: Callable[[str], None] = 
             f"  int8 vs fp32 cosine similarity: mean {int8_cosine['mean']:.5f}, "
             f"min {int8_cosine['min']:.5f}"
         )
+    _say_precisions(report, say)
     out = Path(out_dir)
     out.mkdir(exist_ok=True)
     (out / "embed.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _precisions(
+    ours: Pretrained, texts: list[str], say: Callable[[str], None]
+) -> tuple[Pretrained, dict]:
+    """The model with bf16 linear layers, and what ``--precision auto`` chose on ``texts``
+    (as ``multihead embed`` chooses), with the seconds its measurement took."""
+    from .._machine import cpu_info
+    from ..apps.embed_precision import at_precision
+
+    bf16, _ = at_precision(ours, "bf16", say=say)  # measures the matmul peaks, kept
+    start = time.perf_counter()
+    _, choice = at_precision(ours, "auto", texts=texts)
+    auto = {
+        "choice": choice,
+        "measure_s": time.perf_counter() - start,
+        "row": BF16_ROW if choice.precision == "bf16" else FP32_ROW,
+        "cpu": cpu_info()[0],
+    }
+    return bf16, auto
+
+
+def _cosines(a: object, b: object) -> dict[str, float]:
+    """Mean and minimum cosine similarity of the rows of ``a`` to those of ``b``."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    cosine = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+    return {"mean": float(cosine.mean()), "min": float(cosine.min())}
+
+
+def _auto_report(auto: dict, speedup: float) -> dict:
+    """``--precision auto``'s row: its choice, the matmul peaks it measured and the goal."""
+    choice = auto["choice"]
+    ratio = choice.peaks.ratio
+    applies = ratio >= BF16_PAYS
+    return {
+        **choice.as_json(),
+        "cpu": auto["cpu"],
+        "measure_s": auto["measure_s"],
+        "row": auto["row"],
+        "speedup_vs_sentence_transformers": speedup,
+        "goal": (
+            f"--precision auto >= {AUTO_GOAL}x sentence-transformers fp32 where bf16 matmuls "
+            f"are >= {BF16_PAYS}x fp32"
+        ),
+        "goal_applies": applies,
+        "goal_met": (speedup >= AUTO_GOAL) if applies else None,
+    }
+
+
+def _say_precisions(report: dict, say: Callable[[str], None]) -> None:
+    auto, cosine = report["precision_auto"], report["bf16_cosine_vs_fp32"]
+    say(f"  bf16 vs fp32 cosine similarity: mean {cosine['mean']:.6f}, min {cosine['min']:.6f}")
+    say(
+        f"  CPU {auto['cpu']}: matmul {auto['matmul_size']}^3 fp32 "
+        f"{auto['fp32_matmul_gflops']:.0f} GFLOP/s, bf16 {auto['bf16_matmul_gflops']:.0f} "
+        f"GFLOP/s ({auto['bf16_over_fp32']:.2f}x)"
+    )
+    say(
+        f"  --precision auto chose {auto['chosen']} (measured in {auto['measure_s']:.1f} s: "
+        f"{auto['reason']}): {auto['speedup_vs_sentence_transformers']:.2f}x "
+        "sentence-transformers fp32"
+    )
+    verdict = "met" if auto["goal_met"] else "missed"
+    if not auto["goal_applies"]:
+        verdict = "does not apply"
+    say(
+        f"  goal {auto['goal']}: {verdict} ({auto['speedup_vs_sentence_transformers']:.2f}x; "
+        f"bf16/fp32 matmul {auto['bf16_over_fp32']:.2f}x)"
+    )
 
 
 def _timed(

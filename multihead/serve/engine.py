@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..apps.embed_precision import linear_precision
 from ..export.runtime import OnnxBert
 from ..models.bert import Pretrained
 
@@ -116,6 +117,14 @@ class Engine:
     def runtime(self) -> str:
         """The runtime's name, as responses report it ("torch" or "onnx")."""
         return self.backend.name
+
+    @property
+    def precision(self) -> str:
+        """What the linear layers run in: "bf16" on torch with ``Bf16Linear`` layers
+        (``--precision``), else "fp32" (onnxruntime runs the exported fp32 graph)."""
+        if self.runtime != "torch":
+            return "fp32"
+        return linear_precision(self.pretrained.model)
 
     @property
     def dim(self) -> int:

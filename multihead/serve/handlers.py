@@ -355,6 +355,7 @@ async def info(request: Request, state: ServeState) -> Response:
                 f'any "model" value is accepted; {engine.model_id} answers every request'
             ),
             "runtime": engine.runtime,
+            "precision": engine.precision,
             "dim": engine.dim,
             "layers": engine.layers,
             "heads": engine.heads,

@@ -19,6 +19,7 @@ from typing import Any
 
 from .._extras import require
 from .._flags import option
+from ..apps.embed_precision import PRECISIONS, at_precision
 from .app import create_app
 from .engine import Engine, OnnxRuntime
 from .guard import Access, is_loopback_host
@@ -48,6 +49,7 @@ def load_engine(
     runtime: str = "torch",
     onnx_path: str | Path | None = None,
     threads: int | None = None,
+    precision: str = "fp32",
     say: Callable[[str], None] = print,
 ) -> Engine:
     """Load the model for serving.
@@ -58,19 +60,25 @@ def load_engine(
         onnx_path: with runtime "onnx", a graph from ``multihead export onnx --weights`` of the
             same model; None exports one at start-up (about 20 s).
         threads: intra-op threads of torch and onnxruntime (None: their defaults).
+        precision: with runtime "torch", the linear layers' "fp32", "bf16" or "auto" (bf16
+            where an embedding pass measures faster with it, timed at start-up; see
+            ``apps.embed_precision``).
     """
     import torch
 
     from .. import models
     from ..models import kinds
 
-    _check(runtime, onnx_path, threads)
+    _check(runtime, onnx_path, threads, precision)
     kinds.check_encoder_kind(model_path, "multihead serve")
     if threads is not None:
         torch.set_num_threads(threads)
     pretrained = models.load(model_path)
     kinds.check_encoder(pretrained, model_path, "multihead serve")
     if runtime == "torch":
+        pretrained, choice = at_precision(pretrained, precision, say=say)
+        if precision == "auto":
+            say(f"multihead serve: --precision auto chose {choice.precision}: {choice.reason}")
         return Engine(pretrained)
     from ..export import OnnxBert, to_onnx
 
@@ -84,9 +92,18 @@ def load_engine(
     return Engine(pretrained, runtime=OnnxRuntime(onnx))
 
 
-def _check(runtime: str, onnx_path: str | Path | None, threads: int | None) -> None:
+def _check(runtime: str, onnx_path: str | Path | None, threads: int | None, precision: str) -> None:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {list(RUNTIMES)}. Received: runtime={runtime!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}. Received: precision={precision!r}"
+        )
+    if precision != "fp32" and runtime != "torch":
+        raise ValueError(
+            "--precision applies to the torch runtime (onnxruntime runs the exported fp32 "
+            f"graph). Received: runtime={runtime!r}, precision={precision!r}"
+        )
     if onnx_path is not None and runtime != "onnx":
         raise ValueError(
             f"an ONNX file is only used with runtime 'onnx'. Received: runtime={runtime!r}"
@@ -171,6 +188,13 @@ class ServeOptions:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8080, "0 picks a free port")
     threads: int | None = option(None, "torch/onnxruntime threads (default: all)")
+    precision: str = option(
+        "fp32",
+        "the linear layers' precision (torch runtime); bf16: weights and products in bf16 "
+        "(norms, attention and pooling stay fp32); auto: bf16 where an embedding pass measures "
+        "faster with it on this machine (timed at start-up), else fp32",
+        choices=PRECISIONS,
+    )
     limits: Limits = field(default_factory=Limits)
     access: Access = field(default_factory=Access)
 
@@ -187,20 +211,27 @@ def run(options: ServeOptions, *, say: Callable[[str], None] = print) -> None:
     """
     model_path, runtime, onnx_path = options.model, options.runtime, options.onnx
     host, port, threads, limits = options.host, options.port, options.threads, options.limits
+    precision = options.precision
     access = dataclasses.replace(options.access, loopback=is_loopback_host(host))
-    _check(runtime, onnx_path, threads)  # before taking the port or loading anything
+    _check(runtime, onnx_path, threads, precision)  # before taking the port or loading anything
     sock = bind(host, port)
     try:
         warning = open_warning(host, access)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         engine = load_engine(
-            model_path, runtime=runtime, onnx_path=onnx_path, threads=threads, say=say
+            model_path,
+            runtime=runtime,
+            onnx_path=onnx_path,
+            threads=threads,
+            precision=precision,
+            say=say,
         )
         server = uvicorn_server(create_app(engine, limits, access))
         shown = f"[{host}]" if ":" in host else host
         say(
-            f"multihead serve: {engine.model_id} on {engine.runtime}, listening on "
+            f"multihead serve: {engine.model_id} on {engine.runtime} ({engine.precision}), "
+            f"listening on "
             f"http://{shown}:{sock.getsockname()[1]} (Ctrl-C to stop)"
         )
         with _stop_quietly():

@@ -20,6 +20,7 @@ class Engine:
     plus 1000), [SEP]; its embedding and weights are fixed functions of the ids."""
 
     model_id, runtime, dim, layers, heads, max_input_length = "small", "numpy", 3, 2, 3, 6
+    precision = "fp32"
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -146,6 +147,7 @@ def test_info_reports_the_engine_and_every_limit():
     response, _ = _call(handlers.info, _request("/info"), limits=limits)
     answer = json.loads(response.body)
     assert (answer["model_id"], answer["runtime"], answer["dim"]) == ("small", "numpy", 3)
+    assert answer["precision"] == "fp32"
     assert answer["max_client_batch_size"] == 5 and answer["api_key"] is False
 
 
