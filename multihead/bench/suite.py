@@ -333,13 +333,7 @@ def _contenders(
     if w.weights:
         out["multihead+weights"] = step(lambda: attention_with_weights(q, k, v, mask))
     _add_fused(out, notes, w, step, q, k, v, mask, modifier)
-    if "multihead, fused" in out and w.mask in ("window", "documents") and mask_mod is not None:
-        # the same mask written as a predicate (one function): it should cost what the
-        # built-in kind costs (made once, as a user makes a mask; its plan is kept on it)
-        written = masks.predicate(mask_mod)
-        out["multihead, fused, predicate"] = step(
-            lambda: attention(q, k, v, written, bias=modifier, backend="fused")
-        )
+    _add_predicate(out, w, step, q, k, v, mask_mod, modifier)
     if causal:
         out["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     elif "sdpa" not in out:
@@ -415,6 +409,18 @@ def _add_fused(out, notes, w: Workload, step, q, k, v, mask, modifier) -> None:
         out["multihead, fused+weights, heads=[0]"] = step(
             lambda: attention_with_weights(q, k, v, mask, heads=[0], backend="fused")
         )
+
+
+def _add_predicate(out, w: Workload, step, q, k, v, mask_mod, modifier) -> None:
+    """The window's and the documents' mask written as a predicate (one function) on the fused
+    kernel: it should cost what the built-in kind costs. Made once, as a user makes a mask
+    (its work list is kept on it)."""
+    if "multihead, fused" not in out or w.mask not in ("window", "documents") or mask_mod is None:
+        return
+    written = masks.predicate(mask_mod)
+    out["multihead, fused, predicate"] = step(
+        lambda: attention(q, k, v, written, bias=modifier, backend="fused")
+    )
 
 
 def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
