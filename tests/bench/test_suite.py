@@ -44,6 +44,9 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
             if w["weights"]:
                 expected |= {"multihead, fused+weights", "multihead, fused+weights, heads=[0]"}
                 assert w["fused_weights_overhead"] > 0 and w["fused_heads_ratio"] > 0
+            if w["mask"] in ("window", "documents"):  # the same mask as a predicate
+                expected.add("multihead, fused, predicate")
+                assert w["fused_predicate_ratio"] > 0
         assert set(w["contenders"]) == expected, w["name"]
         for name, row in w["contenders"].items():
             assert row["median_s"] > 0 and len(row["times_s"]) == 1, (w["name"], name)
