@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -31,11 +32,15 @@ def tracing() -> bool:
     then: each read would be a graph break under torch.compile and a guard under export. The
     traced graph's callers own those checks; the same call run eagerly still makes them.
     """
-    return (
-        torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
-        or torch.onnx.is_in_onnx_export()
-    )
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting() or in_onnx_export()
+
+
+def in_onnx_export() -> bool:
+    """``torch.onnx.is_in_onnx_export()``, without importing ``torch.onnx`` (a tenth of a second,
+    which the first attention call of a process would pay): an export runs only once that
+    module is imported."""
+    onnx = sys.modules.get("torch.onnx")
+    return onnx is not None and onnx.is_in_onnx_export()
 
 
 def _divisors(n: int) -> list[int]:

@@ -151,7 +151,7 @@ def structured(call: Call) -> bool:
 
 def exporting() -> bool:
     """True while torch.export or the ONNX exporter traces: no data-dependent branches then."""
-    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+    return torch.compiler.is_exporting() or V.in_onnx_export()
 
 
 def traced() -> bool:

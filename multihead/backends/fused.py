@@ -147,7 +147,16 @@ def _tell_missing(why: str) -> None:
     )
 
 
-@torch._dynamo.assume_constant_result  # traced calls see the answer of the eager world
+def _constant_when_traced(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``, which
+    that function does (more than a second of imports, paid by the first attention call of a
+    process, as this module is imported then): the same mark on the function
+    (tests/backends/test_fused.py checks that it is the mark torch sets)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_when_traced  # traced calls see the answer of the eager world
 def build_error() -> str | None:
     """None when the kernel is built (building it now if needed), else why not, in one line."""
     try:

@@ -114,11 +114,7 @@ class BertOutput(NamedTuple):
 
 def _tracing() -> bool:
     """The id checks read tensors on the host: skipped under export and compile."""
-    return (
-        torch.compiler.is_exporting()
-        or torch.compiler.is_compiling()
-        or torch.onnx.is_in_onnx_export()
-    )
+    return torch.compiler.is_exporting() or torch.compiler.is_compiling() or V.in_onnx_export()
 
 
 def _check_ids(name: str, ids: Tensor, size: int, what: str) -> None:

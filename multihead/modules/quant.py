@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _validation as V
+
 __all__ = [
     "MAX_ROWS",
     "WEIGHT_FORMATS",
@@ -121,7 +123,7 @@ def _kernel_fits(x: Tensor) -> bool:
         or torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-        or torch.onnx.is_in_onnx_export()
+        or V.in_onnx_export()
     ):
         return False
     return _module is not None or kernel_error() is None

@@ -153,3 +153,36 @@ def test_the_package_installs_without_its_kernels_and_says_why(case, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert said in done.stderr
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_the_first_call_imports_neither_dynamo_nor_onnx():
+    """The first attention call of a process imported torch._dynamo (more than a second, for
+    a decorator) and torch.onnx (a tenth, to ask whether an export was running): a first
+    call costs what a call costs."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        import multihead as mh
+        from multihead import masks
+        q = torch.randn(1, 2, 64, 8)
+        mh.attention(q, q, q, masks.causal())
+        mh.attention_with_weights(q, q, q, masks.causal(), heads=[1])
+        print(sorted(m for m in ("torch._dynamo", "torch.onnx") if m in sys.modules))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_build_error_carries_the_mark_torch_compile_reads():
+    """fused marks build_error as torch.compiler.assume_constant_result would, without the
+    import that function makes: the mark must be the one torch sets."""
+
+    def plain():
+        return None
+
+    marked = torch.compiler.assume_constant_result(plain)
+    assert {k: v for k, v in vars(marked).items()} == {
+        k: v for k, v in vars(fused.build_error).items() if k != "__wrapped__"
+    }

@@ -777,16 +777,43 @@ inline double finish_row(double* row, int64_t n, const Terms<double>& terms, int
 }
 
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+// Whether a mapping marked for transparent huge pages is faster to touch first than one of small
+// pages on this machine: timed once per process on 16 MiB each way (in some virtual machines a
+// huge page's first touch costs several times the small pages it replaces).
+inline double first_touch_seconds(bool huge) {
+  constexpr size_t kBytes = size_t(16) << 20, kAlign = size_t(1) << 21;
+  void* raw = mmap(nullptr, kBytes + kAlign, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+  if (raw == MAP_FAILED) return 0.0;
+  char* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(raw) + kAlign - 1) &
+                                        ~uintptr_t(kAlign - 1));
+  if (huge) madvise(start, kBytes, MADV_HUGEPAGE);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::memset(start, 1, kBytes);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  munmap(raw, kBytes + kAlign);
+  return seconds;
+}
+
+inline bool huge_pages_pay() {
+  static const bool pays = [] {
+    first_touch_seconds(false);  // the first mapping of a process pays for more than its pages
+    return first_touch_seconds(true) < first_touch_seconds(false);
+  }();
+  return pays;
+}
+
 // Large buffers (the weights, the output, packed keys and values, gradients) live in mappings
-// of their own, marked for transparent huge pages, so a first touch faults in 2 MiB instead
-// of 4 KiB: allocations this large come fresh from the system at every call otherwise, and
-// faulting in the weights of a long input 4 KiB at a time costs more than computing them. A
-// freed mapping waits in a small pool (at most kPoolEntries, kPoolBytes in all) for the next
-// buffer of about its size, which then skips the system's zeroing of new pages too: calls of
-// one shape, as a model's layers make them, reuse each other's memory. A full pool makes room
-// for the newest buffer by unmapping its oldest ones: the shapes a process uses now are the
-// ones it asks for next (a pool that kept its first buffers would serve none of a later
-// shape).
+// of their own, marked for transparent huge pages where that makes a first touch faster
+// (huge_pages_pay), so a first touch faults in 2 MiB instead of 4 KiB: allocations this large
+// come fresh from the system at every call otherwise, and faulting in the weights of a long
+// input 4 KiB at a time can cost more than computing them. A freed mapping waits in a small
+// pool (at most kPoolEntries, kPoolBytes in all) for the next buffer of about its size, which
+// then skips the system's zeroing of new pages too: calls of one shape, as a model's layers
+// make them, reuse each other's memory. A full pool makes room for the newest buffer by
+// unmapping its oldest ones: the shapes a process uses now are the ones it asks for next (a
+// pool that kept its first buffers would serve none of a later shape).
 class LargeBuffers {
  public:
   static constexpr size_t kHuge = size_t(1) << 21;
@@ -822,7 +849,7 @@ class LargeBuffers {
     if (start > at) munmap(raw, start - at);
     if (start + need < at + need + kHuge)
       munmap(reinterpret_cast<void*>(start + need), at + need + kHuge - (start + need));
-    madvise(reinterpret_cast<void*>(start), need, MADV_HUGEPAGE);
+    if (huge_pages_pay()) madvise(reinterpret_cast<void*>(start), need, MADV_HUGEPAGE);
     *length = need;
     return reinterpret_cast<void*>(start);
   }
