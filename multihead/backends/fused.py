@@ -151,7 +151,7 @@ def _constant_when_traced(fn):
     """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo``, which
     that function does (more than a second of imports, paid by the first attention call of a
     process, as this module is imported then): the same mark on the function
-    (tests/backends/test_fused.py checks that it is the mark torch sets)."""
+    (tests/backends/test_kernel_install.py checks that it is the mark torch sets)."""
     fn._dynamo_marked_constant = True
     return fn
 
