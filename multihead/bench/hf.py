@@ -11,11 +11,12 @@ implementation a user would otherwise pick:
   (B, 1, L, S) mask and computes every score;
 * Gemma-2-like with soft-capping (L=2048): transformers has no sdpa path for it, so ``"eager"``;
 
-plus ``"flex_attention"`` where it runs on this machine, and ``capture`` of 2 heads of one
+plus ``"flex_attention"`` where it runs on this machine, ``capture`` of 2 heads of one
 layer of the Llama-like model at L=6144, whose peak memory growth is compared with the size
-of the captured tensor. Every contender's logits are checked against the baseline's. The
-report prints the CPU model and the matmul peaks and read bandwidth measured in the same run,
-and writes hf.json and hf.png.
+of the captured tensor, and transformers' ``generate()`` on a Qwen2-0.5B-shaped model (6
+layers) at B=1 and B=4 against ``"sdpa"``, greedy tokens compared. Every contender's logits
+are checked against the baseline's. The report prints the CPU model and the matmul peaks and
+read bandwidth measured in the same run, and writes hf.json and hf.png.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ from .._flags import option
 from .._progress import stages
 from .options import Timed
 
-__all__ = ["WORKLOADS", "HfBenchOptions", "HfWorkload", "peak_growth", "run_hf_bench"]
+__all__ = [
+    "GENERATE",
+    "WORKLOADS",
+    "GenerateWorkload",
+    "HfBenchOptions",
+    "HfWorkload",
+    "peak_growth",
+    "run_hf_bench",
+]
 
 VOCAB = 1000
 
@@ -463,6 +472,130 @@ def _say_acting(
     )
 
 
+@dataclass(frozen=True)
+class GenerateWorkload:
+    """Greedy ``generate()`` on "multihead" against "sdpa" (issue 33), one row per batch size:
+    ``prompt`` tokens (where B > 1, row b left-padded by b/8 of the prompt beside a full row)
+    and ``new_tokens`` more, the prompt's forward counted in the time."""
+
+    layers: int = 6  # of Qwen2-0.5B's 24: the attention calls per token scale with them
+    prompt: int = 512
+    new_tokens: int = 64
+    batches: tuple[int, ...] = (1, 4)
+    goal: float = 1.05  # multihead's least speedup over sdpa at every batch size
+
+
+GENERATE = GenerateWorkload()
+# Qwen2-0.5B's shape: 14 query heads over 2 KV heads of 64; the vocabulary is cut to VOCAB as
+# in every workload here (its 151,936 rows would add 545 MB of reads per token to both sides)
+QWEN2_05B: dict[str, Any] = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
+
+
+def _generate_inputs(batch: int, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, attention mask) of a batch, row b left-padded by b/8 of the prompt."""
+    ids = torch.randint(3, VOCAB, (batch, prompt), generator=torch.Generator().manual_seed(5))
+    keep = torch.ones(batch, prompt, dtype=torch.long)
+    for b in range(batch):
+        keep[b, : b * prompt // 8] = 0
+    ids[keep == 0] = 0
+    return ids, keep
+
+
+def _greedy(model: Any, ids: torch.Tensor, keep: torch.Tensor, new: int, kept: dict, name: str):
+    with torch.inference_mode():
+        kept[name] = model.generate(
+            input_ids=ids, attention_mask=keep, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+
+
+def _prompt_forward(model: Any, ids: torch.Tensor, keep: torch.Tensor) -> None:
+    """The forward of the prompt as ``generate()`` runs it first (the cache, the last logits)."""
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=keep, use_cache=True, logits_to_keep=1)
+
+
+def _generate(workload: GenerateWorkload, repeats: int, say: Callable[[str], None]) -> dict:
+    """Each batch size's generate() on both implementations, interleaved, with the prompt's
+    forward timed beside it (what remains, per new token, is the decoding steps)."""
+    import transformers as tf
+
+    import multihead.hf  # noqa: F401  registers "multihead"
+
+    torch.manual_seed(0)
+    length = workload.prompt + workload.new_tokens
+    config = tf.Qwen2Config(
+        vocab_size=VOCAB, num_hidden_layers=workload.layers, max_position_embeddings=length,
+        pad_token_id=0, **QWEN2_05B,
+    )  # fmt: skip
+    sdpa = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    models = {"sdpa": sdpa, "multihead": copy.deepcopy(sdpa)}
+    models["multihead"].set_attn_implementation("multihead")
+    say(
+        f"\ntransformers generate(), Qwen2-0.5B-shaped ({workload.layers} layers, vocabulary "
+        f"{VOCAB}), prompt {workload.prompt}, {workload.new_tokens} new tokens, greedy:"
+    )
+    rows = [_generate_row(models, b, workload, repeats, say) for b in workload.batches]
+    return {
+        "layers": workload.layers,
+        "prompt": workload.prompt,
+        "new_tokens": workload.new_tokens,
+        "vocab": VOCAB,
+        "rows": rows,
+        "goals": [r["goal"] for r in rows],
+    }
+
+
+def _generate_row(
+    models: dict[str, Any],
+    batch: int,
+    workload: GenerateWorkload,
+    repeats: int,
+    say: Callable[[str], None],
+) -> dict:
+    from .suite import interleaved
+
+    ids, keep = _generate_inputs(batch, workload.prompt)
+    tokens: dict[str, torch.Tensor] = {}
+    runs: dict[str, Callable[[], Any]] = {}
+    for name, model in models.items():
+        runs[name] = partial(_greedy, model, ids, keep, workload.new_tokens, tokens, name)
+        runs[name + " prompt"] = partial(_prompt_forward, model, ids, keep)
+    times = interleaved(runs, repeats)  # its warm-up round leaves each one's tokens
+    med = {n: statistics.median(t) for n, t in times.items()}
+    same = torch.equal(tokens["sdpa"], tokens["multihead"])
+    ratio = med["sdpa"] / med["multihead"]
+    per_token = {n: (med[n] - med[n + " prompt"]) / workload.new_tokens for n in models}
+    pads = [b * workload.prompt // 8 for b in range(batch)]
+    text = f"multihead >= {workload.goal}x faster than sdpa at B={batch}, tokens identical"
+    goal = {"text": text, "figure": ratio, "met": same and ratio >= workload.goal}
+    say(
+        f"  B={batch} (left padding {pads}): sdpa {med['sdpa'] * 1e3:.0f} ms, multihead "
+        f"{med['multihead'] * 1e3:.0f} ms: {ratio:.3f}x sdpa; the prompt's forward "
+        f"{med['sdpa prompt'] * 1e3:.0f} / {med['multihead prompt'] * 1e3:.0f} ms, then per new "
+        f"token {per_token['sdpa'] * 1e3:.2f} / {per_token['multihead'] * 1e3:.2f} ms; tokens "
+        + ("identical" if same else "DIFFER")
+    )
+    say(f"  goal {text}: {ratio:.3f} -> {'met' if goal['met'] else 'MISSED'}")
+    return {
+        "batch": batch,
+        "left_padding": pads,
+        "median_s": {n: med[n] for n in models},
+        "prompt_forward_s": {n: med[n + " prompt"] for n in models},
+        "per_new_token_s": per_token,
+        "times_s": times,
+        "speedup_vs_sdpa": ratio,
+        "tokens_identical": same,
+        "goal": goal,
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class HfBenchOptions(Timed):
     """What ``multihead bench hf`` takes (``multihead bench hf --help``)."""
@@ -485,11 +618,12 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     # does, so the table is the machine's and not the build's
     fused.build_error()
     workloads = list(WORKLOADS)
-    capture_length, acting_length = CAPTURE_LENGTH, ACTING_LENGTH
+    capture_length, acting_length, generating = CAPTURE_LENGTH, ACTING_LENGTH, GENERATE
     if quick:
         acting_length //= 16
         workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]
         capture_length //= 16
+        generating = replace(GENERATE, layers=2, prompt=GENERATE.prompt // 16, new_tokens=4)
     cpu = cpu_info()[0]
     peaks = {
         str(d).removeprefix("torch."): matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)
@@ -501,7 +635,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         f"GFLOP/s; measured read bandwidth {bandwidth:.1f} GB/s; {repeats} interleaved repeats"
     )
     results = []
-    steps = [w.name for w in workloads] + ["capture", "acting", "first use"]
+    steps = [w.name for w in workloads] + ["capture", "acting", "generate", "first use"]
     with (
         warnings.catch_warnings(),
         stages("bench hf", steps, unit="workload", say=say) as (
@@ -517,6 +651,8 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         memory = _capture(capture_length, tell)
         bar.begin("acting")
         acting = _acting(acting_length, repeats, tell)
+        bar.begin("generate")
+        generated = _generate(generating, repeats, tell)
         bar.begin("first use")
         first = first_use(workloads[0].length, capture_length, tell)
     report = {
@@ -533,6 +669,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         "workloads": results,
         "capture": memory,
         "acting": acting,
+        "generate": generated,
         "first_use": first,
     }
     out.mkdir(exist_ok=True)

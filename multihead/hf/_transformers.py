@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import masking_utils as mu
+from transformers.utils import output_capturing
 
 __all__ = [
     "attention_recorders",
@@ -115,8 +116,6 @@ def collecting_attentions() -> bool:
     Where that name is gone the answer is True: the weights are then computed on every call,
     slower but never missing from what transformers collects.
     """
-    from transformers.utils import output_capturing
-
     collector = getattr(output_capturing, "_active_collector", None)
     if collector is None:
         return True
@@ -130,7 +129,6 @@ def attention_recorders(model: nn.Module) -> list[Any]:
     each model class's ``_can_record_outputs``; where the registry is gone, the class
     attribute ``_can_record_outputs`` itself. A name given as a string (a class-name suffix)
     becomes a recorder by class name, a class one by class, both at output index 1."""
-    from transformers.utils import output_capturing
     from transformers.utils.output_capturing import OutputRecorder
 
     registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)

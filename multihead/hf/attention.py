@@ -6,7 +6,8 @@ mask its mask interface made (here: the multihead ``Mask`` of ``make_mask``), an
 for what the architecture adds. It returns transformers' layout, the output (B, L, H, D_v) and
 the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention`` or
 ``attention_with_weights``: every keyword a model passes becomes multihead's own vocabulary,
-and one it cannot honour is refused by name.
+and one it cannot honour is refused by name. A decoding step's call (one query row) takes
+the short path of ``decode.attend``, to the same result.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
 from ..stats import Reducer, attention_stats
-from . import recording
+from . import decode, recording
 from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
@@ -99,13 +100,18 @@ def attention_forward(
             (named in the message), and every error ``multihead.attention`` raises.
     """
     _check_keywords(kwargs)
+    plan = recording.plan_for(module)
+    wants = _wants_weights(output_attentions)
+    plain = plan is None and not wants  # no block acts on the layer, no weights asked
+    decoding = plain and _decoding(query, key, value, dropout, position_bias, s_aux)
+    if decoding and (attention_mask is None or isinstance(attention_mask, Mask)):
+        return decode.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
-    plan = recording.plan_for(module)
     if plan is not None:
         out, weights = _planned(plan, query, key, value, mask, common, output_attentions)
-    elif _wants_weights(output_attentions):
+    elif wants:
         out, weights = attention_with_weights(query, key, value, mask, **common)
     else:
         out, weights = attention(query, key, value, mask, **common), None
@@ -184,6 +190,35 @@ def _patched(
     out = out.clone()
     out[:, index] = mixed.to(out.dtype)
     return out
+
+
+def _decoding(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout: float,
+    position_bias: Tensor | None,
+    sinks: Tensor | None,
+) -> bool:
+    """A decoding step's call, which ``decode.attend`` takes with a multihead mask or none:
+    one query row, nothing added to the scores (a cap may bend them), no dropout, no gradient
+    and no graph being traced."""
+    return (
+        query.dim() == 4
+        and query.shape[2] == 1
+        and position_bias is None
+        and sinks is None
+        and dropout == 0
+        and not (
+            torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
+        # torch.compile, torch.export and both ONNX exporters (the TorchScript one traces
+        # with torch.jit): a graph takes the whole path
+        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
+    )
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:

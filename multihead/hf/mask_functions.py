@@ -14,6 +14,10 @@ reader does not know, is evaluated as transformers evaluates it: ``masks.predica
 batch (index-based functions) or, for functions transformers itself only evaluates under
 ``torch.vmap``, the dense tensor ``sdpa`` would have received.
 
+A band that every (query, key) pair of the call lies in hides nothing and is dropped where it
+meets another part: a decoding step over its whole cache, causal and padded, is the padding
+alone (``key_padding``), a mask that holds for any number of query rows.
+
 Positions: transformers evaluates query i and key j at absolute positions ``i + q_offset`` and
 ``j + kv_offset`` (a KV cache, a sliding-window cache). A band of absolute distances
 ``lo <= P_k - P_q <= hi`` is therefore the local band ``lo + d0 <= j - i <= hi + d0`` with
@@ -143,6 +147,18 @@ def _and(functions: tuple, geo: _Geometry) -> _Part:
     return total
 
 
+def _or_all(part: _Part, geo: _Geometry) -> _Part:
+    """``part``, or _ALL where it is a band every (query, key) pair of the call lies in (the
+    causal band of a decoding step over its whole cache)."""
+    if not isinstance(part, _Band) or geo.length_q == 0 or geo.length_k == 0:
+        return part
+    least = geo.kv_offset - (geo.q_offset + geo.length_q - 1)  # the smallest P_k - P_q
+    most = geo.kv_offset + geo.length_k - 1 - geo.q_offset
+    if (part.lo is None or part.lo <= least) and (part.hi is None or most <= part.hi):
+        return _ALL
+    return part
+
+
 def _meet(a: _Part, b: _Part, geo: _Geometry) -> _Part:
     if isinstance(a, _All):
         return b
@@ -150,6 +166,11 @@ def _meet(a: _Part, b: _Part, geo: _Geometry) -> _Part:
         return a
     if isinstance(a, _Band) and isinstance(b, _Band):
         return a & b
+    a, b = _or_all(a, geo), _or_all(b, geo)  # a band that hides nothing adds nothing to a mask
+    if isinstance(a, _All):
+        return b
+    if isinstance(b, _All):
+        return a
     return _as_mask(a, geo) & _as_mask(b, geo)
 
 

@@ -58,7 +58,8 @@ class Mask:
     * ``rect_kind``: whether any rectangle (queries x keys) is empty, partial or full;
     * ``structure_key``: a hashable key when the mask's pattern depends only on (L, S) (plans
       can be cached under it), else None;
-    * hints for planners: ``tile_rows``, ``blocks``, ``torch_is_causal``, ``arbitrary``.
+    * hints for planners: ``tile_rows``, ``blocks``, ``torch_is_causal``, ``arbitrary``,
+      ``rows_alike``.
 
     A subclass states its rule once, in ``mask_mod``: ``block`` evaluates it on index grids,
     and ``tile`` / ``rect_kind`` come from a summary of it computed tile by tile once per
@@ -71,6 +72,9 @@ class Mask:
     num_heads: int | None = None  # H fixed by the mask's tensor, None = any
     align: str | None = None  # "bottom_right" / "top_left" for masks tied to the diagonal
     arbitrary: bool = False  # an unstructured tensor: little to skip, dense kernels suit it
+    # every query row sees the same keys, for any number of rows L (padding of the keys): a
+    # call may stack more query rows under the same mask (decoding folds grouped heads so)
+    rows_alike: bool = False
     _home: torch.device | None = None  # where the mask's own tensors live (None: anywhere)
 
     def mask_mod(
@@ -595,6 +599,7 @@ class _Combine(Mask):
         self.batch_size = _merge_size("batch size", a.batch_size, b.batch_size)
         self.num_heads = _merge_size("head count", a.num_heads, b.num_heads)
         self.arbitrary = a.arbitrary or b.arbitrary
+        self.rows_alike = a.rows_alike and b.rows_alike
         self._home = a._home if a._home is not None else b._home
 
     @property

@@ -155,6 +155,10 @@ class _Lengths(Mask):
                     f"valid_lens.shape={tuple(self.valid_lens.shape)}"
                 )
 
+    @property
+    def rows_alike(self) -> bool:  # type: ignore[override]
+        return self.valid_lens.dim() == 1 and self.query_lens is None
+
     # the lengths are read on the host only when a planner asks for tiles (eager backends):
     # building the mask inside a compiled graph reads nothing, so it breaks nothing
     @functools.cached_property
@@ -282,6 +286,8 @@ class _KeyPadding(Mask):
         self.keep = keep
         self.batch_size = keep.shape[0]
         self._home = keep.device
+
+    rows_alike = True
 
     @functools.cached_property
     def _spans(self) -> list[tuple[int, int, bool]]:

@@ -8,7 +8,7 @@ import torch
 
 from multihead import cli
 from multihead.bench.first_use import GOALS
-from multihead.bench.hf import WORKLOADS, peak_growth
+from multihead.bench.hf import GENERATE, WORKLOADS, peak_growth
 
 
 def test_hf_bench_runs_and_reports(tmp_path, capsys):
@@ -37,6 +37,13 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
     assert len(acting["goals"]) == 5 and acting["stats_bytes"] > 0
     assert acting["stats_extra_growth_bytes"] is not None
     assert "key statistics' growth of one attention call's peak" in printed
+    # generate(): both batch sizes, the same greedy tokens on both implementations
+    generated = report["generate"]
+    assert [r["batch"] for r in generated["rows"]] == list(GENERATE.batches)
+    for row in generated["rows"]:
+        assert row["tokens_identical"] and row["median_s"]["multihead"] > 0
+        assert abs(row["speedup_vs_sdpa"] - row["goal"]["figure"]) < 1e-12
+    assert "goal multihead >= 1.05x faster than sdpa at B=4, tokens identical" in printed
     # the first-use rows ran in new processes with empty caches
     first = report["first_use"]
     assert [g["text"] for g in first["goals"]] == list(GOALS.values())

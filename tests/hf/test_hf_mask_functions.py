@@ -33,9 +33,11 @@ def _case(name: str) -> tuple[dict, str]:
             dict(q_length=9, kv_length=9, attention_mask=_padding(9, 3)),
             "key_padding",
         ),
+        # the query of a decoding step over its whole cache sees every key the causal band
+        # allows: only the padding is left
         "causal decode": (
             dict(q_length=1, kv_length=9, q_offset=8, attention_mask=_padding(9, 2)),
-            "causal",
+            "key_padding",
         ),
         "causal chunked prefill": (dict(q_length=3, kv_length=9, q_offset=6), "causal"),
         # a static cache: keys past the queries are empty slots

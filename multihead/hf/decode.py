@@ -1,0 +1,160 @@
+"""The decoding step's attention call on a short path: one query row over a KV cache.
+
+Inside ``generate()`` transformers calls the attention function once per layer and new token,
+with L = 1 and the mask ``make_mask`` made once for the step. What such a call needs besides
+its tensors (the mask as the kernel runs it, whether its heads fold, the backend ``auto``
+picks) depends only on that mask object and the call's shapes, dtypes, devices and scale: it
+is worked out on the step's first call, after the whole validation of
+``multihead.attention``, and kept on the mask for the calls of the other layers, which then
+go straight to ``registry.run`` (the NaN rule and the fallback included). A new step (a
+longer cache, other padding) brings a new mask, so nothing kept can be stale.
+
+Grouped-query heads fold into query rows: at L = 1 the H / H_kv query heads of a group read
+the same key/value head and (where the mask is the same for every head) see the same keys,
+so they are the rows of one (B, H_kv, H / H_kv, D) call whose mask shows every row the keys
+the single row saw. The kernel then reads each key once per group, in a matrix product
+instead of H / H_kv vector products. A mask whose rows are alike (padding) is that mask
+already; a band that shows the row every key needs none; any other is lowered once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .. import bias as mb
+from .. import masks
+from ..backends import registry
+from ..backends.call import Call, prepare
+from ..masks import Mask, TileKind
+
+__all__ = ["attend"]
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How the calls of one signature run. ``folded``: the query's shape as (B, H_kv,
+    H / H_kv, D) rows, or None to run it as it is; the call's mask is its own (``own_mask``)
+    or ``mask``; ``backend`` runs it; the output comes back as ``out_shape`` (B, 1, H, D_v).
+    (A route never holds the mask it is kept under: it would keep that mask alive.)"""
+
+    folded: tuple[int, int, int, int] | None
+    own_mask: bool
+    mask: Mask | None
+    backend: str
+    scale: float
+    softcap: float | None
+    out_shape: tuple[int, int, int, int]
+
+
+# the routes of each mask object, by call signature: they die with the step's mask
+_ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
+# the routes of unmasked calls, whose backend stays "auto" (no step bounds their life)
+_UNMASKED: dict[tuple, _Route] = {}
+_UNMASKED_KEPT = 64
+
+
+def attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    scale: float | None,
+    softcap: float | None,
+) -> Tensor:
+    """``multihead.attention(query, key, value, mask, bias=softcap, scale=scale)`` for one
+    query row, in transformers' layout.
+
+    Args:
+        query: (B, H, 1, D).
+        key: (B, H_kv, S, D).
+        value: (B, H_kv, S, D_v).
+        mask: a multihead ``Mask`` (what ``make_mask`` made) or None.
+        scale: multiplies the scores; None is 1 / sqrt(D).
+        softcap: Gemma 2's logit cap, or None.
+
+    Returns:
+        The output (B, 1, H, D_v), contiguous: the same checks (errors included), choice, NaN
+        rule and fallback as ``multihead.attention``, with the checks and the choice made once
+        per mask object and call signature.
+    """
+    signature = (
+        query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+        query.device, key.device, value.device, scale, softcap,
+    )  # fmt: skip
+    kept = _kept(mask)
+    route = kept.get(signature)
+    fresh = route is None
+    if route is None:
+        route = kept[signature] = _route(query, key, value, mask, scale, softcap)
+    call = Call(
+        query if route.folded is None else query.reshape(route.folded), key, value,
+        mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
+        softcap=route.softcap, traced=False, exported=False,
+    )  # fmt: skip
+    try:
+        out = registry.run(call, route.backend)[0]
+    except ValueError:
+        if fresh:
+            raise
+        # the chosen backend refuses what it ran until now (its kernel was turned off):
+        # choose again, with every check, which raises if the call itself is at fault
+        del kept[signature]
+        return attend(query, key, value, mask, scale, softcap)
+    if out is None:
+        raise RuntimeError(f"the attention backend {route.backend!r} returned no output")
+    return out.reshape(route.out_shape)
+
+
+def _kept(mask: Mask | None) -> dict[tuple, _Route]:
+    if mask is None:
+        if len(_UNMASKED) >= _UNMASKED_KEPT:
+            _UNMASKED.clear()
+        return _UNMASKED
+    kept = _ROUTES.get(mask)
+    if kept is None:
+        kept = _ROUTES[mask] = {}
+    return kept
+
+
+def _route(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    scale: float | None,
+    softcap: float | None,
+) -> _Route:
+    """The route of a call: checked as ``multihead.attention`` checks it, folded where its
+    mask is the same for every head, with ``auto``'s choice for the call as run (without a
+    mask nothing bounds the route's life, so ``auto`` chooses on every call)."""
+    cap = None if softcap is None else mb.softcap(float(softcap))
+    call = prepare(query, key, value, mask, cap, scale, 0.0, False)  # every check
+    b, h, h_kv, _, length_k, d = call.shape
+    fold, rows = h_kv < h, mask
+    if fold and mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
+        fold, rows = _rows(mask, b, length_k)
+    folded = (b, h_kv, h // h_kv, d) if fold else None
+    if folded is not None:  # the same call, its checks passed, as rows of the groups
+        call = dataclasses.replace(call, query=query.reshape(folded), mask=rows)
+    backend = "auto" if mask is None else registry.select(call, "auto")
+    own = rows is mask
+    out_shape = (b, 1, h, value.shape[-1])
+    return _Route(folded, own, None if own else rows, backend, call.scale, call.softcap, out_shape)
+
+
+def _rows(mask: Mask, batch: int, length_k: int) -> tuple[bool, Mask | None]:
+    """(whether the heads fold, the folded call's mask) for a mask whose rows may differ: the
+    keys its single row sees, shown to every row; no fold (and the mask itself) where heads
+    see different keys."""
+    entries = range(batch if mask.batch_size not in (None, 1) else 1)
+    tiles = [mask.tile(1, length_k, 0, 1, batch=i) for i in entries]
+    if all(t.kind == TileKind.FULL and (t.start, t.stop) == (0, length_k) for t in tiles):
+        return True, None  # the row sees every key (a causal band over the whole cache)
+    row = mask.block(1, length_k, 0, 1, 0, length_k)  # [B|1, H|1, 1, S]
+    if row.shape[1] != 1:
+        return False, mask
+    return True, masks.key_padding(row[:, 0, 0].expand(batch, length_k))
