@@ -1,9 +1,6 @@
-"""The first call a new user makes, in a new process with an empty cache (``bench hf``'s
-first-use rows): what a fresh install gives before anything was measured, built or warmed.
-
-Each measurement runs ``python -m multihead.bench.first_use WHAT LENGTH`` in a child process
-whose home and cache folders are new and empty, so the kernel comes from the installation and
-``auto`` measures its first shape classes then and there:
+"""The child process of ``bench hf``'s first-use rows (``bench.hf.first_use``): the first call
+a new user makes, in a new process with an empty cache, before anything was measured, built or
+warmed. ``python -m multihead.bench.first_use WHAT LENGTH`` prints one JSON line:
 
 * ``forward``: the Llama-like model's first forward on ``"multihead"`` with
   ``output_attentions``, against eager's with ``output_attentions`` (the median of two after a
@@ -15,26 +12,15 @@ whose home and cache folders are new and empty, so the kernel comes from the ins
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import torch
 
-__all__ = ["GOALS", "first_use"]
-
-# (name, figure): >= for the speedup over eager, <= for the ratios
-GOALS = {
-    "forward": "first forward with output_attentions >= 5.0x faster than eager's",
-    "capture_time": "first capture of 2 heads <= 1.3x the time of the second",
-    "capture_memory": "first capture's peak memory growth <= 1.5x the captured weights",
-}
+__all__: list[str] = []  # run as a module: python -m multihead.bench.first_use WHAT LENGTH
 
 
 def _model(length: int):
@@ -94,52 +80,6 @@ def _capture(length: int) -> dict[str, float]:
         "growth_bytes": float("nan") if growth is None else growth,
         "captured_bytes": captured,
     }
-
-
-def _child(what: str, length: int) -> dict[str, Any]:
-    """Run one measurement in a new process with a new, empty home and cache."""
-    with tempfile.TemporaryDirectory(prefix="multihead-first-use-") as home:
-        env = {k: v for k, v in os.environ.items() if k != "MULTIHEAD_EXTENSION_DIR"}
-        env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"))
-        env.pop("MULTIHEAD_FUSED_AUTO", None)  # auto's measured choice, as a user gets it
-        done = subprocess.run(
-            [sys.executable, "-m", "multihead.bench.first_use", what, str(length)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=1800,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"the first-use {what} run failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def first_use(forward_length: int, capture_length: int, say: Callable[[str], None]) -> dict:
-    """Both first-use measurements, each in a new process, with their goals said."""
-    forward = _child("forward", forward_length)
-    capture = _child("capture", capture_length)
-    speedup = forward["eager_s"] / forward["first_s"]
-    time_ratio = capture["first_s"] / capture["second_s"]
-    memory_ratio = capture["growth_bytes"] / capture["captured_bytes"]
-    goals = [
-        {"text": GOALS["forward"], "figure": speedup, "met": speedup >= 5.0},
-        {"text": GOALS["capture_time"], "figure": time_ratio, "met": time_ratio <= 1.3},
-        {"text": GOALS["capture_memory"], "figure": memory_ratio, "met": memory_ratio <= 1.5},
-    ]
-    say(f"\nfirst use, a new process with an empty cache (Llama-like, L={forward_length}):")
-    say(
-        f"  first multihead forward with output_attentions {forward['first_s'] * 1e3:8.1f} ms,"
-        f" second {forward['second_s'] * 1e3:8.1f} ms, eager {forward['eager_s'] * 1e3:8.1f} ms"
-    )
-    say(
-        f"  first capture of 2 heads at L={capture_length} {capture['first_s'] * 1e3:8.1f} ms, "
-        f"second {capture['second_s'] * 1e3:8.1f} ms; peak growth "
-        f"{capture['growth_bytes'] / 2**20:.0f} MiB for {capture['captured_bytes'] / 2**20:.0f}"
-        " MiB captured"
-    )
-    for g in goals:
-        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
-    return {"forward": forward, "capture": capture, "goals": goals}
 
 
 if __name__ == "__main__":

@@ -7,8 +7,7 @@ import json
 import torch
 
 from multihead import cli
-from multihead.bench.first_use import GOALS
-from multihead.bench.hf import GENERATE, WORKLOADS, peak_growth
+from multihead.bench.hf import FIRST_USE_GOALS, GENERATE, WORKLOADS, peak_growth
 
 
 def test_hf_bench_runs_and_reports(tmp_path, capsys):
@@ -46,7 +45,7 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
     assert "goal multihead >= 1.05x faster than sdpa at B=4, tokens identical" in printed
     # the first-use rows ran in new processes with empty caches
     first = report["first_use"]
-    assert [g["text"] for g in first["goals"]] == list(GOALS.values())
+    assert [g["text"] for g in first["goals"]] == list(FIRST_USE_GOALS.values())
     assert first["forward"]["first_s"] > 0 and first["capture"]["captured_bytes"] > 0
     assert "first use, a new process with an empty cache" in printed
 
