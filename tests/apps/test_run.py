@@ -72,7 +72,7 @@ def test_overwrite_replaces_the_run_whole(previous, tmp_path, capsys):
 
 def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
     """Start a run over ``out`` in a child process; send ``sig`` once this run's model/ is
-    written in its temporary folder (polled every 10 ms, at most 120 s). Returns the exit
+    written in its temporary folder (polled every 2 ms, at most 120 s). Returns the exit
     status and stderr."""
     args = [sys.executable, "-m", "multihead.cli", *QUICK, "--out", str(out), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -84,7 +84,7 @@ def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
         while saved is None and child.poll() is None and time.monotonic() < deadline:
             found = list(out.parent.glob(f".{out.name}.tmp-*/model/model.safetensors"))
             saved = found[0] if found else None
-            time.sleep(0.01)
+            time.sleep(0.002)
         assert saved is not None, "the run never saved its model"
         child.send_signal(sig)
         _, err = child.communicate(timeout=60)

@@ -361,9 +361,11 @@ def test_shutdown_finishes_requests_in_flight(gated, wait_until, pretrained):
 
 
 def _refused(url: str) -> bool:
+    """No new request is served: the connection is refused, or (while the listening socket
+    closes) accepted and dropped without a response."""
     try:
         httpx.get(url + "/health", timeout=1)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
