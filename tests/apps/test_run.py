@@ -76,8 +76,12 @@ def _signal_after_the_model_is_saved(out: Path, sig: int) -> tuple[int, str]:
     status and stderr."""
     args = [sys.executable, "-m", "multihead.cli", *QUICK, "--out", str(out), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # a shell that starts jobs in the background (nohup make test &) has SIGINT ignored, and a
+    # Python started with it ignored never installs its Ctrl-C handler: the child starts with
+    # the default disposition, as under a terminal
+    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     child = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             stderr=subprocess.PIPE, text=True, preexec_fn=default)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         saved = None
