@@ -33,6 +33,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -481,6 +482,28 @@ def _prepare() -> None:
     build_error()  # an explicit backend="fused" builds the kernel; a failure is remembered
 
 
+# query rows up to this are decoding for the kernel: keys read in place (kDecodeRows in C++)
+_DECODE_ROWS = 16
+
+
+def _folded(call: Call) -> Call | None:
+    """A decoding call's grouped query heads as the rows of their key/value head: at L = 1
+    the H / H_kv heads of a group read the same keys and, where the mask is the same for every
+    head and row, see the same ones, so they are the rows of one (B, H_kv, H / H_kv, D) call.
+    The kernel then reads each key and value once per group, not once per query head. None
+    where the call does not fold (bias, sinks or weights are per head; a mask whose rows
+    differ)."""
+    b, h, h_kv, length_q, _, d = call.shape
+    if length_q != 1 or h_kv == h or h // h_kv > _DECODE_ROWS:
+        return None
+    if call.bias is not None or call.sinks is not None or call.return_weights:
+        return None
+    mask = call.mask
+    if mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
+        return None
+    return replace(call, query=call.query.reshape(b, h_kv, h // h_kv, d))
+
+
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
     graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
@@ -490,8 +513,11 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     if not (traced or call.needs_grad):
         # eager inference calls the kernel itself: the op's dispatch (there for graphs and
         # autograd) costs more than a decoding step's attention leaves to spare
-        result = build().forward(*_args(call, shared=True), call.return_weights, heads)
+        folded = _folded(call)
+        result = build().forward(*_args(folded or call, shared=True), call.return_weights, heads)
         out, weights, bad = result[0], result[2] if call.return_weights else None, result[-1]
+        if folded is not None:
+            out = out.view(*call.query.shape[:3], out.shape[-1])
     elif call.return_weights:
         out, _, weights, bad = _weights_op(*_args(call), heads)
     else:

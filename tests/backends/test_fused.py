@@ -622,6 +622,118 @@ def test_decode_splits_keys_across_threads_and_merges_exactly(kind, length_q):
         torch.set_num_threads(before)
 
 
+def test_split_decode_in_float32_equals_the_one_pass_result():
+    """One (batch, head) pair over 4,000 keys on two threads is cut into parts (fewer tasks
+    than threads); the same row among eight heads (eight tasks: no split) is one pass. The
+    merge by (max, sum) reorders float32 sums only: within float32 rounding of the one pass
+    (eps 1.2e-7 times a few terms' worth of reordering; the outputs are O(1))."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v = qkv(1, 1, 1, 1, 4000, 64, dtype=torch.float32, seed=5)
+        split = mh.attention(q, k, v, backend="fused")
+        one_pass = mh.attention(*(t.expand(1, 8, -1, -1) for t in (q, k, v)), backend="fused")
+        torch.testing.assert_close(split[0, 0], one_pass[0, 3], rtol=2e-6, atol=2e-7)
+        want, _ = naive_attention(*(t.double() for t in (q, k, v)))
+        torch.testing.assert_close(split.double(), want, rtol=0, atol=2e-6)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _kernel_queries(monkeypatch) -> list[tuple[int, ...]]:
+    """The query shapes the kernel itself receives, from here on."""
+    seen: list[tuple[int, ...]] = []
+    module = fused.build()
+
+    class Spy:
+        def __getattr__(self, name):
+            real = getattr(module, name)
+            if name != "forward":
+                return real
+            return lambda q, *rest: seen.append(tuple(q.shape)) or real(q, *rest)
+
+    monkeypatch.setattr(fused, "_module", Spy())
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["none", "lengths", "key_padding"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_folds_grouped_query_heads_into_rows(kind, dtype, monkeypatch):
+    """One query row, 8 query heads over 2 key/value heads: the 4 heads of a group are the
+    rows of one (B, H_kv, 4, D) kernel call (each key read once per group), with the result
+    of the unfolded formula, in float32 to float32 rounding and in bf16 within the 2x rule."""
+    b, h, h_kv, length_k, d = 2, 8, 2, 1300, 32
+    q, k, v = (t.to(dtype) for t in qkv(b, h, h_kv, 1, length_k, d, seed=8))
+    lens = torch.tensor([1300, 777])
+    mask = {
+        "none": None,
+        "lengths": masks.lengths(lens),
+        "key_padding": masks.key_padding(torch.arange(length_k)[None] < lens[:, None]),
+    }[kind]
+    keep = None if mask is None else mask.to_dense(1, length_k).expand(b, h, 1, -1)
+    seen = _kernel_queries(monkeypatch)
+    got = mh.attention(q, k, v, mask, backend="fused")
+    assert seen == [(b, h_kv, h // h_kv, d)] and got.shape == (b, h, 1, d)
+    if dtype == torch.float32:
+        want, _ = naive_attention(q.double(), k.double(), v.double(), keep)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    else:
+        errors = twice_naive_errors(
+            lambda q, k, v: mh.attention(q, k, v, mask, backend="fused"), q, k, v, keep
+        )
+        for name, error, bound in errors:
+            assert error <= bound, f"{name}: error {error:.3g} > bound {bound:.3g}"
+
+
+def test_decoding_calls_that_differ_by_head_do_not_fold(monkeypatch):
+    """Sinks (one logit per head) and a mask that differs by head keep the heads apart."""
+    b, h, h_kv, length_k, d = 1, 4, 2, 300, 16
+    q, k, v = qkv(b, h, h_kv, 1, length_k, d, dtype=torch.float32, seed=9)
+    per_head = torch.rand(b, h, 1, length_k, generator=torch.Generator().manual_seed(1)) < 0.7
+    per_head[..., 0] = True
+    seen = _kernel_queries(monkeypatch)
+    got = mh.attention(q, k, v, masks.dense(per_head), backend="fused")
+    want, _ = naive_attention(q.double(), k.double(), v.double(), per_head)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    got = mh.attention(q, k, v, bias=mb.sinks(sinks), backend="fused")
+    want = mh.attention(q, k, v, bias=mb.sinks(sinks), backend="reference")
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert seen == [(b, h, 1, d), (b, h, 1, d)]
+
+
+@pytest.mark.parametrize("length_q", [1, 5])
+def test_bf16_decoding_reads_the_cache_in_place_within_the_2x_rule(length_q):
+    """Decoding over a bf16 cache widens keys and values as it loads them (no float copy of
+    the cache) and keeps the 2x rule; an odd head dim takes the vector code's tails."""
+    for d in (64, 15):
+        q, k, v = (
+            t.to(torch.bfloat16) for t in qkv(2, 4, 2, length_q, 1500, d, seed=length_q + d)
+        )
+
+        def run(q, k, v):
+            return mh.attention(q, k, v, masks.causal(), backend="fused")
+
+        keep = masks.causal().to_dense(length_q, 1500)
+        for name, error, bound in twice_naive_errors(run, q, k, v, keep):
+            assert error <= bound, f"d={d} {name}: error {error:.3g} > bound {bound:.3g}"
+
+
+def test_nan_rule_while_decoding_over_a_bf16_cache():
+    """The bf16 cache is checked on its bits as it is read: ±inf or NaN in a key or value a
+    row sees makes that row NaN, and only that row's head group."""
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(1, 4, 2, 1, 900, 32, seed=3))
+    clean = mh.attention(q, k, v, backend="fused")
+    k_bad = k.clone()
+    k_bad[0, 1, 700, 3] = torch.inf
+    out = mh.attention(q, k_bad, v, backend="fused")
+    assert torch.isnan(out[0, 2:]).all() and torch.equal(out[0, :2], clean[0, :2])
+    v_bad = v.clone()
+    v_bad[0, 0, 5, 31] = torch.nan
+    out = mh.attention(q, k, v_bad, backend="fused")
+    assert torch.isnan(out[0, :2]).all() and torch.equal(out[0, 2:], clean[0, 2:])
+
+
 def test_auto_measures_training_calls_with_their_backward(measuring, monkeypatch):
     """A call that needs gradients is timed forward and backward, on copies: the caller's
     tensors gain no .grad from the measurement."""

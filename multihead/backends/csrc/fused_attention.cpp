@@ -52,6 +52,8 @@ namespace {
 constexpr int64_t kRows = 256;  // query rows per task and per backward block
 constexpr int64_t kMinRows = 64;
 constexpr int64_t kKeys = 512;  // keys per block
+// how far ahead of its reads decoding fetches keys and values into L2
+constexpr int64_t kAheadBytes = 4096;
 constexpr int64_t kDecodeRows = 16;  // L up to this is decoding: keys read in place, split
 
 // ---------------------------------------------------------------------------------------
@@ -199,57 +201,16 @@ int64_t gemm_rows(int64_t i, int64_t m, int64_t n, int64_t k, T alpha, const T* 
   return i;
 }
 
-// C[m, n] += A B for a few rows of A (decoding's product with V): each row of C in registers
-// (up to 8 vectors, so n up to 8 vectors' width), B's rows read once, in place
-template <typename T, int cols>
-void gemm_few(int64_t m, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
-              int64_t ldc) {
-  using V = typename Vec<T>::type;
-  constexpr int lanes = kVecBytes / sizeof(T);
-  for (int64_t i = 0; i < m; ++i) {
-    V even[cols] = {}, odd[cols] = {};  // two sets: consecutive keys do not wait on each other
-    const T* ai = a + i * lda;
-    int64_t p = 0;
-    for (; p + 2 <= k; p += 2) {
-      const T a0 = ai[p], a1 = ai[p + 1];
-#pragma GCC unroll 8
-      for (int u = 0; u < cols; ++u) {
-        V b0, b1;
-        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
-        std::memcpy(&b1, b + (p + 1) * ldb + u * lanes, sizeof(V));
-        even[u] += a0 * b0;
-        odd[u] += a1 * b1;
-      }
-    }
-    if (p < k) {
-      const T a0 = ai[p];
-      for (int u = 0; u < cols; ++u) {
-        V b0;
-        std::memcpy(&b0, b + p * ldb + u * lanes, sizeof(V));
-        even[u] += a0 * b0;
-      }
-    }
-    for (int u = 0; u < cols; ++u) {
-      V old;
-      std::memcpy(&old, c + i * ldc + u * lanes, sizeof(V));
-      old += even[u] + odd[u];
-      std::memcpy(c + i * ldc + u * lanes, &old, sizeof(V));
-    }
-  }
-}
+template <typename T, typename E>
+void gemm_few(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int64_t ldb,
+              T* c, int64_t ldc);  // below, with the vector helpers it uses
 
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t ars, int64_t acs,
           const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
   constexpr int64_t lanes = kVecBytes / sizeof(T);
   if (m <= kBlockRows && accumulate && alpha == T(1) && acs == 1 && n % lanes == 0) {
-    switch (n / lanes) {  // decoding's V products: the usual head dims, whole vectors
-      case 1: return gemm_few<T, 1>(m, k, a, ars, b, ldb, c, ldc);
-      case 2: return gemm_few<T, 2>(m, k, a, ars, b, ldb, c, ldc);
-      case 4: return gemm_few<T, 4>(m, k, a, ars, b, ldb, c, ldc);
-      case 8: return gemm_few<T, 8>(m, k, a, ars, b, ldb, c, ldc);
-      default: break;
-    }
+    return gemm_few<T, T>(m, n, k, a, ars, b, ldb, c, ldc);  // decoding's V products
   }
   int64_t i = gemm_rows<T, kBlockRows>(0, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
   i = gemm_rows<T, 4>(i, m, n, k, alpha, a, ars, acs, b, ldb, accumulate, c, ldc);
@@ -289,32 +250,6 @@ inline auto tree_sum(V x) {
   else
     x += __builtin_shufflevector(x, x, 1, 0);
   return x[0];
-}
-
-// C[m, n] = alpha * A B^T for few rows of A (decoding): B's rows are read once each, in
-// place, and every entry is a dot product over whole vectors.
-template <typename T>
-void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b,
-             int64_t ldb, T* c, int64_t ldc) {
-  using V = typename Vec<T>::type;
-  constexpr int lanes = kVecBytes / sizeof(T);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* bj = b + j * ldb;
-    for (int64_t i = 0; i < m; ++i) {
-      const T* ai = a + i * lda;
-      V acc = {};
-      int64_t p = 0;
-      for (; p + lanes <= k; p += lanes) {
-        V x, y;
-        std::memcpy(&x, ai + p, sizeof(V));
-        std::memcpy(&y, bj + p, sizeof(V));
-        acc += x * y;
-      }
-      T total = tree_sum(acc);
-      for (; p < k; ++p) total += ai[p] * bj[p];
-      c[i * ldc + j] = alpha * total;
-    }
-  }
 }
 
 // The block GEMM every tile runs: C[m, n] = A B, or C += A B when accumulating, with A [m, k]
@@ -403,19 +338,37 @@ bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   return tail != T(0);
 }
 
-// The same for half-precision storage (queries per task, and the exact range of a flagged block)
-template <typename E>
-bool any_nonfinite_half(const E* x, int64_t rows, int64_t cols, int64_t ld) {
-  float acc = 0;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) acc += static_cast<float>(x[i * ld + j]) * 0.0f;
-  return acc != 0.0f;
+// The same for 16-bit storage (bf16: exponent bits 0x7f80, fp16: 0x7c00), on the bits: a value
+// is NaN or infinite exactly when its exponent bits are all set. Whole vectors of 16-bit
+// words are compared at once (decoding over a bf16 cache checks every key it reads).
+template <uint16_t kExponent, typename E>
+bool any_nonfinite_bits(const E* x, int64_t rows, int64_t cols, int64_t ld) {
+  typedef uint16_t Words __attribute__((vector_size(kVecBytes)));
+  constexpr int64_t lanes = kVecBytes / 2;
+  Words acc = {};
+  uint16_t tail = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const E* r = x + i * ld;
+    int64_t j = 0;
+    for (; j + lanes <= cols; j += lanes) {
+      Words w;
+      std::memcpy(&w, r + j, sizeof(w));
+      acc |= (Words)((w & kExponent) == kExponent);
+    }
+    for (; j < cols; ++j) {
+      uint16_t w;
+      std::memcpy(&w, r + j, sizeof(w));
+      tail |= (w & kExponent) == kExponent;
+    }
+  }
+  for (int64_t l = 0; l < lanes; ++l) tail |= acc[l];
+  return tail != 0;
 }
 inline bool any_nonfinite(const at::BFloat16* x, int64_t rows, int64_t cols, int64_t ld) {
-  return any_nonfinite_half(x, rows, cols, ld);
+  return any_nonfinite_bits<0x7f80>(x, rows, cols, ld);
 }
 inline bool any_nonfinite(const at::Half* x, int64_t rows, int64_t cols, int64_t ld) {
-  return any_nonfinite_half(x, rows, cols, ld);
+  return any_nonfinite_bits<0x7c00>(x, rows, cols, ld);
 }
 
 // Row reductions, exp and tanh over whole vectors: without -ffast-math (which would break -inf)
@@ -583,6 +536,173 @@ inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
     std::memcpy(dst + j, &narrow, sizeof(narrow));
   }
   for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+
+// kLanes bf16 values widened to float (bf16 is the top half of a float32)
+inline VF load_widened(const at::BFloat16* p) {
+  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
+  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+  Half16 narrow;
+  std::memcpy(&narrow, p, sizeof(narrow));
+  const Bits bits = __builtin_convertvector(narrow, Bits) << 16;
+  VF v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// A vector of T from lanes stored values: float and double as they are, bf16 widened.
+template <typename T>
+inline typename Vec<T>::type load_as(const T* p) {
+  typename Vec<T>::type v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename T>
+inline VF load_as(const at::BFloat16* p) {
+  return load_widened(p);
+}
+
+// C[R, n] = alpha * A B^T for R rows of A (T, row stride lda) and n rows of B (E, row stride
+// ldb): decoding's scores. Each vector of a key row is loaded (and widened) once and serves
+// all R query rows, whose sums over the vectors stay in R registers and are summed across
+// lanes once per key; the k % lanes tail is added after, in order (so a row's sum is the same
+// whatever R it was computed with).
+template <typename T, typename E, int R>
+void dots_rows(int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const E* b, int64_t ldb,
+               T* c, int64_t ldc, const char* next, int64_t next_ld, int64_t next_bytes) {
+  using V = typename Vec<T>::type;
+  constexpr int64_t lanes = kVecBytes / sizeof(T);
+  const int64_t whole = k / lanes * lanes;
+  for (int64_t j = 0; j < n; ++j) {
+    const E* bj = b + j * ldb;
+    if (next != nullptr)  // the value row of this key, for the product with V that follows
+      for (int64_t off = 0; off < next_bytes; off += 64)
+        __builtin_prefetch(next + j * next_ld + off, 0, 2);
+    V acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = V{};
+    for (int64_t p = 0; p < whole; p += lanes) {
+      // the key rows ahead, into L2: one stream of a few KiB per call is too short for the
+      // hardware prefetcher to reach the read bandwidth
+      __builtin_prefetch(reinterpret_cast<const char*>(bj + p) + kAheadBytes, 0, 2);
+      const V y = load_as<T>(bj + p);
+      for (int r = 0; r < R; ++r) {
+        V x;
+        std::memcpy(&x, a + r * lda + p, sizeof(V));
+        acc[r] += x * y;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      T total = tree_sum(acc[r]);
+      for (int64_t p = whole; p < k; ++p) total += a[r * lda + p] * static_cast<T>(bj[p]);
+      c[r * ldc + j] = alpha * total;
+    }
+  }
+}
+
+// C[m, n] = alpha * A B^T for few rows of A (decoding): B's rows are read once per 8 rows of A,
+// in place, and every entry is a dot product over whole vectors.
+template <typename T, typename E>
+void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const E* b,
+             int64_t ldb, T* c, int64_t ldc, const E* next = nullptr, int64_t next_ld = 0,
+             int64_t next_n = 0) {
+  const int64_t ld = next_ld * sizeof(E), bytes = next_n * sizeof(E);
+  for (int64_t i = 0; i < m; i += 8) {
+    const T* ai = a + i * lda;
+    T* ci = c + i * ldc;
+    // the values are fetched once, with the first rows
+    const char* nx = i == 0 ? reinterpret_cast<const char*>(next) : nullptr;
+    switch (std::min<int64_t>(8, m - i)) {
+      case 1: dots_rows<T, E, 1>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 2: dots_rows<T, E, 2>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 3: dots_rows<T, E, 3>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 4: dots_rows<T, E, 4>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 5: dots_rows<T, E, 5>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 6: dots_rows<T, E, 6>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      case 7: dots_rows<T, E, 7>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+      default: dots_rows<T, E, 8>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
+    }
+  }
+}
+
+// C[R, u .. u + lanes) += A B for R rows of A (T, row stride lda) over k rows of B (E, row
+// stride ldb; widened as loaded): decoding's product with V, one vector of columns at a time.
+// Each vector of a value row is loaded once and serves all R rows; two sets of accumulators
+// (even and odd keys) keep consecutive keys from waiting on each other.
+template <typename T, typename E, int R>
+void values_rows(int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int64_t ldb, T* c,
+                 int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int64_t lanes = kVecBytes / sizeof(T);
+  for (int64_t u = 0; u < n; u += lanes) {
+    V even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = V{};
+    int64_t p = 0;
+    for (; p + 2 <= k; p += 2) {
+      if (u == 0)  // the value rows ahead, into L2 (see dots_rows)
+        __builtin_prefetch(reinterpret_cast<const char*>(b + p * ldb) + kAheadBytes, 0, 2);
+      const V y0 = load_as<T>(b + p * ldb + u), y1 = load_as<T>(b + (p + 1) * ldb + u);
+      for (int r = 0; r < R; ++r) {
+        even[r] += a[r * lda + p] * y0;
+        odd[r] += a[r * lda + p + 1] * y1;
+      }
+    }
+    if (p < k) {
+      const V y0 = load_as<T>(b + p * ldb + u);
+      for (int r = 0; r < R; ++r) even[r] += a[r * lda + p] * y0;
+    }
+    for (int r = 0; r < R; ++r) {
+      V old;
+      std::memcpy(&old, c + r * ldc + u, sizeof(V));
+      old += even[r] + odd[r];
+      std::memcpy(c + r * ldc + u, &old, sizeof(V));
+    }
+  }
+}
+
+// C[m, n] += A B for a few rows of A (decoding's product with V), n a whole number of vectors:
+// B's rows read in place, once per 8 rows of A
+template <typename T, typename E>
+void gemm_few(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int64_t ldb,
+              T* c, int64_t ldc) {
+  for (int64_t i = 0; i < m; i += 8) {
+    const T* ai = a + i * lda;
+    T* ci = c + i * ldc;
+    switch (std::min<int64_t>(8, m - i)) {
+      case 1: values_rows<T, E, 1>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 2: values_rows<T, E, 2>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 3: values_rows<T, E, 3>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 4: values_rows<T, E, 4>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 5: values_rows<T, E, 5>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 6: values_rows<T, E, 6>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      case 7: values_rows<T, E, 7>(n, k, ai, lda, b, ldb, ci, ldc); break;
+      default: values_rows<T, E, 8>(n, k, ai, lda, b, ldb, ci, ldc); break;
+    }
+  }
+}
+
+// Decoding over bf16 keys and values read in place (no float copy of the cache): the query
+// rows are widened once per key block, the keys and values as each vector is loaded; sums in
+// float32. C[m, n] = alpha * A B^T, A [m, k] and B [n, k] bf16 rows (strides lda, ldb).
+inline void gemm_nt_widened(int64_t m, int64_t n, int64_t k, float alpha, const at::BFloat16* a,
+                            int64_t lda, const at::BFloat16* b, int64_t ldb, float* c,
+                            int64_t ldc, const at::BFloat16* next, int64_t next_ld,
+                            int64_t next_n) {
+  thread_local std::vector<float> rows;
+  rows.resize(m * k);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < k; ++p) rows[i * k + p] = static_cast<float>(a[i * lda + p]);
+  gemm_nt<float, at::BFloat16>(m, n, k, alpha, rows.data(), k, b, ldb, c, ldc, next, next_ld,
+                               next_n);
+}
+
+inline void gemm_widened(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                         const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc) {
+  if (n % kLanes == 0) return gemm_few<float, at::BFloat16>(m, n, k, a, lda, b, ldb, c, ldc);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p = 0; p < k; ++p) {
+      const float w = a[i * lda + p];
+      for (int64_t d = 0; d < n; ++d) c[i * ldc + d] += w * static_cast<float>(b[p * ldb + d]);
+    }
 }
 
 // x[j] *= factor
@@ -1104,11 +1224,17 @@ template <typename T, typename E>
 void block_scores(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
                   const E* qt, T* c, int64_t ldc) {
   if constexpr (Inputs<T, E>::kHalf) {
-    block_gemm_vnni(m, n, in.D2, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
+    if (in.kt == nullptr)  // decoding: the bf16 keys in place
+      gemm_nt_widened(m, n, in.D, 1.0f, qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc,
+                      in.vrow(task.b, task.h, kb), in.vsr, in.Dv);
+    else
+      block_gemm_vnni(m, n, in.D2, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c,
+                      ldc);
   } else if (in.kt != nullptr) {
     block_gemm(m, n, in.D, qt, in.qsr, in.ktcol(task.b, task.h, kb), kKeys, false, c, ldc);
   } else {
-    gemm_nt<T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc);
+    gemm_nt<T, T>(m, n, in.D, T(1), qt, in.qsr, in.krow(task.b, task.h, kb), in.ksr, c, ldc,
+                  in.vrow(task.b, task.h, kb), in.vsr, in.Dv);
   }
 }
 
@@ -1120,6 +1246,10 @@ template <typename T, typename E>
 void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
                   const T* p, int64_t ldp, T* acc) {
   if constexpr (Inputs<T, E>::kHalf) {
+    if (in.vt == nullptr) {  // decoding: the bf16 values in place, the weights in float
+      gemm_widened(m, in.Dv, n, p, ldp, in.vrow(task.b, task.h, kb), in.vsr, acc, in.Dv);
+      return;
+    }
     thread_local std::vector<E> rounded;
     const int64_t lead = (kb % kKeys) % 2, width = (lead + n + 1) / 2 * 2;
     rounded.resize(m * width);
@@ -1192,9 +1322,11 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
         span0 = kb;
         std::copy(mx, mx + m, top);
       }
-      *bad |= block_nonfinite(in, task, kb, n);
       T* part = scores + width;
       block_scores(in, task, m, kb, n, qt, part, kKeys);
+      // checked after the product has brought the keys (and, decoding, fetched the values)
+      // into cache: the check reads them there, not from memory
+      *bad |= block_nonfinite(in, task, kb, n);
       for (int64_t i = 0; i < m; ++i)
         top[i] = finish_row(part + i * kKeys, n, terms, task.b, task.h, task.r0 + i, kb,
                             keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, top[i]);
@@ -1772,7 +1904,15 @@ bool with_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::vector<at::Tensor> alive;
   const bool blocked = q.size(2) > kDecodeRows;
   bool bad = false;
-  if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
+  if (q.scalar_type() == at::kBFloat16 && !blocked) {
+    // decoding: bf16 keys and values read in place, widened as they are loaded
+    const at::Tensor qh = unit_last(q, at::kBFloat16), kh = unit_last(k, at::kBFloat16),
+                     vh = unit_last(v, at::kBFloat16);
+    Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
+    terms.scale = static_cast<float>(scale);
+    const Inputs<float, at::BFloat16> in(qh, kh, vh, false, false);
+    bad = body(in, terms, out.data_ptr<float>(), lse.data_ptr<float>());
+  } else if (q.scalar_type() == at::kBFloat16 && blocked && half_products()) {
     at::Tensor qh = unit_last(q, at::kBFloat16);
     if (q.size(3) % 2 != 0) qh = at::constant_pad_nd(qh, {0, 1});
     const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);

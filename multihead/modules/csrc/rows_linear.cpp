@@ -37,6 +37,7 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kGrain = 16;  // output channels per task at least: amortizes the dispatch
 constexpr int64_t kMaxRows = 16;  // rows per call at most (the Python side's limit)
 constexpr int kRowBlock = 8;  // rows held in registers at once
+constexpr int64_t kAheadBytes = 12 << 10;  // how far ahead of the sums the weights are fetched
 
 inline float widen(float v) { return v; }
 inline float widen(int8_t v) { return static_cast<float>(v); }
@@ -63,7 +64,7 @@ inline Vec vload(const int8_t* p) {
 }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #else  // portable: 16 float lanes the compiler may vectorize
 
@@ -105,12 +106,15 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sum
     for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
   }
   const int64_t whole = K / kLanes * kLanes;
-  // the next NB weight rows follow these in memory: fetch them one block ahead (a row of
-  // int8 weights is only a few cache lines, too short for the hardware prefetcher to ramp up)
+  // the weight rows after these follow them in memory: fetch the rows `ahead` rows on (a
+  // whole number of blocks, at least kAheadBytes on) into L2 while these are summed. Each of
+  // the NB streams is only K weights long, too short for the hardware prefetcher to ramp up.
   constexpr int64_t kLine = 64 / sizeof(W);
+  const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
+  const int64_t ahead = (kAheadBytes + NB * row_bytes - 1) / (NB * row_bytes) * NB * K;
   for (int64_t k = 0; k < whole; k += kLanes) {
     if (k % kLine == 0) {
-      for (int j = 0; j < NB; ++j) prefetch(w + (NB + j) * K + k);
+      for (int j = 0; j < NB; ++j) prefetch(w + ahead + j * K + k);
     }
     Vec wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = vload(w + j * K + k);
