@@ -707,9 +707,7 @@ def test_bf16_decoding_reads_the_cache_in_place_within_the_2x_rule(length_q):
     """Decoding over a bf16 cache widens keys and values as it loads them (no float copy of
     the cache) and keeps the 2x rule; an odd head dim takes the vector code's tails."""
     for d in (64, 15):
-        q, k, v = (
-            t.to(torch.bfloat16) for t in qkv(2, 4, 2, length_q, 1500, d, seed=length_q + d)
-        )
+        q, k, v = (t.to(torch.bfloat16) for t in qkv(2, 4, 2, length_q, 1500, d, seed=length_q + d))
 
         def run(q, k, v):
             return mh.attention(q, k, v, masks.causal(), backend="fused")
