@@ -36,8 +36,10 @@ from .options import Timed
 __all__ = [
     "DecodeBenchOptions",
     "DecodeShape",
+    "LongContext",
     "attention_call",
     "linear_bytes",
+    "long_context",
     "memory_bandwidth",
     "quality",
     "run_decode_bench",
@@ -114,6 +116,94 @@ def attention_call(
         "above_sdpa_us": us["multihead"] - us["sdpa"],
         "backend": backend,
     }
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """One decoding step's attention over a long cache: B=1, one query row per head."""
+
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    length: int = 32768
+
+
+LONG = LongContext()
+LONG_QUICK = LongContext(heads=4, kv_heads=2, head_dim=32, length=2048)
+# issue 33's goals for that call: against torch SDPA (enable_gqa=True), and against the read
+# bandwidth measured in the same run on the K/V bytes
+LONG_GOAL_VS_SDPA, LONG_GOAL_BANDWIDTH = 2.0, 0.70
+
+
+def long_context(
+    shape: LongContext = LONG,
+    *,
+    bandwidth: float,
+    repeats: int = 7,
+    say: Callable[[str], None] = print,
+) -> list[dict]:
+    """``multihead.attention`` against torch's SDPA (``enable_gqa=True``) on one query row per
+    head over a ``shape.length``-token cache, float32 and bfloat16: the medians of
+    ``repeats`` interleaved runs (after a warm-up that includes ``auto``'s measurement), the
+    K/V bytes read per call, and the goals met or missed."""
+    g = torch.Generator().manual_seed(3)
+    h, h_kv, d, s = shape.heads, shape.kv_heads, shape.head_dim, shape.length
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(1, h, 1, d, generator=g).to(dtype)
+        k, v = (torch.randn(1, h_kv, s, d, generator=g).to(dtype) for _ in range(2))
+        rows.append(_long_row(q, k, v, bandwidth, repeats, say))
+    return rows
+
+
+def _long_row(q, k, v, bandwidth: float, repeats: int, say: Callable[[str], None]) -> dict:
+    import torch.nn.functional as F
+
+    from ..functional import attention, explain_backend
+
+    contenders = {
+        "multihead": lambda: attention(q, k, v),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    with torch.inference_mode():
+        for fn in contenders.values():
+            fn(), fn()
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        backend = explain_backend(q, k, v).backend
+    med = {name: statistics.median(t) for name, t in times.items()}
+    kv_bytes = (k.numel() + v.numel()) * k.element_size()
+    rate = kv_bytes / med["multihead"] / 1e9
+    vs_sdpa, fraction = med["sdpa"] / med["multihead"], rate / bandwidth
+    goals = [
+        {"text": f"vs SDPA >= {LONG_GOAL_VS_SDPA:g}x", "figure": vs_sdpa,
+         "met": vs_sdpa >= LONG_GOAL_VS_SDPA},
+        {"text": f"read bandwidth >= {LONG_GOAL_BANDWIDTH:.0%}", "figure": fraction,
+         "met": fraction >= LONG_GOAL_BANDWIDTH},
+    ]  # fmt: skip
+    name = str(q.dtype).removeprefix("torch.")
+    (_, h, _, d), (_, h_kv, s, _) = q.shape, k.shape
+    say(
+        f"long-context decode, {name}, B=1, {h}/{h_kv} heads, D={d}, S={s:,} "
+        f"({kv_bytes / 1e6:.0f} MB of K/V): multihead ({backend}) "
+        f"{med['multihead'] * 1e3:.2f} ms = {rate:.1f} GB/s ({fraction:.0%} of "
+        f"{bandwidth:.1f}), SDPA {med['sdpa'] * 1e3:.2f} ms: {vs_sdpa:.2f}x"
+    )
+    for goal in goals:
+        say(f"  goal {goal['text']}: {goal['figure']:.2f} -> {_verdict(goal['met'])}")
+    return {
+        "dtype": name, "backend": backend, "median_s": med, "times_s": times,
+        "kv_bytes": kv_bytes, "gb_per_s": rate, "fraction_of_bandwidth": fraction,
+        "vs_sdpa": vs_sdpa, "goals": goals,
+    }  # fmt: skip
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "MISSED"
 
 
 def _build(shape: DecodeShape, folder: Path):
@@ -241,14 +331,8 @@ def run_decode_bench(
         f"prompt {shape.prompt}, {shape.new_tokens} new tokens, {repeats} interleaved repeats; "
         f"KV cache {cache_bytes} bytes per token"
     )
-    head_dim = shape.embed_dim // shape.heads
-    calls = {f"B={b}": attention_call(b, shape.heads, head_dim) for b in batch_sizes}
-    for name, c in calls.items():
-        say(
-            f"attention call, {name}, one query over a 1,024-token cache ({shape.heads} heads, "
-            f"D={head_dim}): multihead ({c['backend']}) {c['multihead_us']:.0f} us, raw SDPA "
-            f"{c['sdpa_us']:.0f} us: {c['above_sdpa_us']:+.0f} us"
-        )
+    calls = _attention_calls(shape, batch_sizes, say)
+    long = long_context(LONG_QUICK if options.quick else LONG, bandwidth=bandwidth, say=say)
     g = torch.Generator().manual_seed(1)
     results = []
     steps = [f"B={b}" for b in batch_sizes]
@@ -281,6 +365,7 @@ def run_decode_bench(
         "weight_bytes": weight_bytes,
         "kv_cache_bytes_per_token": cache_bytes,
         "attention_call": calls,
+        "long_context": long,
         "results": results,
     }
     if model is not None and text is not None:
@@ -292,19 +377,48 @@ def run_decode_bench(
     return report
 
 
+def _attention_calls(shape: DecodeShape, batch_sizes, say: Callable[[str], None]) -> dict:
+    head_dim = shape.embed_dim // shape.heads
+    calls = {f"B={b}": attention_call(b, shape.heads, head_dim) for b in batch_sizes}
+    for name, c in calls.items():
+        say(
+            f"attention call, {name}, one query over a 1,024-token cache ({shape.heads} heads, "
+            f"D={head_dim}): multihead ({c['backend']}) {c['multihead_us']:.0f} us, raw SDPA "
+            f"{c['sdpa_us']:.0f} us: {c['above_sdpa_us']:+.0f} us"
+        )
+    return calls
+
+
+def _timed(contenders: dict, firsts: dict, repeats: int) -> tuple[dict, dict]:
+    """Each contender's whole runs and prompt-only runs, ``repeats`` times, the order of the
+    contenders rotating from one repeat to the next."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    first_times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            for runs, fns in ((times, contenders), (first_times, firsts)):
+                start = time.perf_counter()
+                fns[name]()
+                runs[name].append(time.perf_counter() - start)
+    return times, first_times
+
+
 def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, cache_bytes,
                 bandwidth, say) -> dict:  # fmt: skip
     ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
     contenders = _contenders(models, theirs, ids, shape.new_tokens)
+    # the prompt and the first token alone: what the run costs besides its decoding steps
+    firsts = _contenders(models, theirs, ids, 1)
     names = list(contenders)
     outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            contenders[name]()
-            times[name].append(time.perf_counter() - start)
+    times, first_times = _timed(contenders, firsts, repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
+    med_first = {name: statistics.median(t) for name, t in first_times.items()}
+    # decoding steps alone: the tokens after the first, over the time the prompt did not take
+    steps = {
+        name: b * (shape.new_tokens - 1) / max(med[name] - med_first[name], 1e-9) for name in names
+    }
     tokens = b * shape.new_tokens
     # a step reads every weight once for the whole batch, plus each row's cache
     mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
@@ -326,6 +440,11 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
         "fraction_of_bandwidth": {
             name: per_token[name] * rate[name] / 1e9 / bandwidth for name in names
         },
+        "prompt_s": med_first,
+        "step_tokens_per_s": steps,
+        "step_fraction_of_bandwidth": {
+            name: per_token[name] * steps[name] / 1e9 / bandwidth for name in names
+        },
         # fp32 against transformers must be identical; packed formats: the share of tokens
         # equal to fp32's (a different token early changes every later one)
         "identical_tokens": {
@@ -337,8 +456,29 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
             name: float((outputs[name] == fp32).float().mean()) for name in names
         },
     }
+    row["goals"] = _goals(row) if b == 1 else []
     _say_row(row, bandwidth * 1e9 / per_token[_name(None)], say)
     return row
+
+
+# issue 33's goals at B=1: decoding steps at >= 70% of the read bandwidth (fp32, and the
+# packed formats against their own bytes); fp32 generation >= 2x transformers'
+STEP_GOAL_BANDWIDTH, GOAL_VS_TRANSFORMERS = 0.70, 2.0
+
+
+def _goals(row: dict) -> list[dict]:
+    fraction = row["step_fraction_of_bandwidth"]
+    goals = [
+        {"text": f"{name} decoding steps >= {STEP_GOAL_BANDWIDTH:.0%} of read bandwidth",
+         "figure": fraction[name], "met": fraction[name] >= STEP_GOAL_BANDWIDTH}
+        for name in map(_name, FORMATS)
+    ]  # fmt: skip
+    ratio = row["vs_transformers"][_name(None)]
+    goals.append({
+        "text": f"multihead fp32 >= {GOAL_VS_TRANSFORMERS:g}x transformers", "figure": ratio,
+        "met": ratio >= GOAL_VS_TRANSFORMERS,
+    })  # fmt: skip
+    return goals
 
 
 def _say_row(row: dict, bound: float, say: Callable[[str], None]) -> None:
@@ -353,6 +493,12 @@ def _say_row(row: dict, bound: float, say: Callable[[str], None]) -> None:
         elif name != _name(None):
             extra += f", {row['tokens_equal_to_fp32'][name]:.0%} of tokens equal fp32's"
         say(f"  {name:40} {rate:7.1f} tokens/s{extra}")
+    say("  decoding steps alone (the prompt and first token's time taken out):")
+    for name, rate in row["step_tokens_per_s"].items():
+        fraction = row["step_fraction_of_bandwidth"][name]
+        say(f"  {name:40} {rate:7.1f} tokens/s = {fraction:.0%} of the read bandwidth")
+    for goal in row["goals"]:
+        say(f"  goal {goal['text']}: {goal['figure']:.2f} -> {_verdict(goal['met'])}")
 
 
 def quality(

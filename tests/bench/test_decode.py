@@ -36,5 +36,30 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys):
         assert row["bytes_read_per_token"][fp32] > weights[fp32] / row["batch"]
         assert weights["multihead int8 weights"] < 0.3 * weights[fp32]
         assert weights["multihead bf16 weights"] == weights[fp32] // 2
+        # the decoding steps alone: the prompt-only run's time taken out of the whole run's
+        steps = row["step_tokens_per_s"][fp32]
+        span = row["median_s"][fp32] - row["prompt_s"][fp32]
+        assert abs(steps - row["batch"] * (report["shape"]["new_tokens"] - 1) / span) < 1e-6
+        fraction = row["step_fraction_of_bandwidth"][fp32]
+        bytes_per_token = row["bytes_read_per_token"][fp32]
+        assert abs(fraction - bytes_per_token * steps / 1e9 / report["bandwidth_gb_s"]) < 1e-9
+        goals = {g["text"]: g for g in row["goals"]}
+        assert len(goals) == (4 if row["batch"] == 1 else 0)
+        for goal in goals.values():
+            assert goal["met"] == (
+                goal["figure"] >= (2.0 if "transformers" in goal["text"] else 0.7)
+            )
+    # one query row per head over a long cache (small with --quick), fp32 and bf16
+    assert [r["dtype"] for r in report["long_context"]] == ["float32", "bfloat16"]
+    for row in report["long_context"]:
+        med = row["median_s"]
+        assert abs(row["vs_sdpa"] - med["sdpa"] / med["multihead"]) < 1e-9
+        assert row["kv_bytes"] == 2 * 2 * 2048 * 32 * (4 if row["dtype"] == "float32" else 2)
+        assert abs(row["gb_per_s"] - row["kv_bytes"] / med["multihead"] / 1e9) < 1e-9
+        assert [g["met"] for g in row["goals"]] == [
+            row["vs_sdpa"] >= 2.0, row["fraction_of_bandwidth"] >= 0.7
+        ]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "long-context decode, float32" in out and "decoding steps alone" in out
     assert (tmp_path / "decode.png").stat().st_size > 5_000
-    assert "tokens/s" in capsys.readouterr().out
+    assert "tokens/s" in out
