@@ -566,7 +566,7 @@ inline VF load_as(const at::BFloat16* p) {
 // ldb): decoding's scores. Each vector of a key row is loaded (and widened) once and serves
 // all R query rows, whose sums over the vectors stay in R registers and are summed across
 // lanes once per key; the k % lanes tail is added after, in order (so a row's sum is the same
-// whatever R it was computed with).
+// whatever R computes it).
 template <typename T, typename E, int R>
 void dots_rows(int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const E* b, int64_t ldb,
                T* c, int64_t ldc, const char* next, int64_t next_ld, int64_t next_bytes) {
