@@ -371,10 +371,37 @@ def _query_tile(call: Call) -> int:
     if call.mask is None:
         return tile
     _, _, _, length_q, length_k, _ = call.shape
-    lo, hi = call.mask.visible_distances(length_q, length_k) or (None, None)
+    band = call.mask.visible_distances(length_q, length_k)
+    if band is None:  # a mask that does not state a band may still be one
+        width = _band_width(call.mask, length_q, length_k) if length_q > tile else None
+        # tile answers bound a row's keys to whole blocks of keys: round the tile down
+        return tile if width is None else max(32, min(tile, width // 4 // 16 * 16))
+    lo, hi = band
     if lo is None or hi is None:
         return tile
     return max(32, min(tile, (hi - lo) // 4))
+
+
+# rows whose visible keys ``_band_width`` reads: a quarter, half and three quarters down
+_PROBE_ROWS = (0.25, 0.5, 0.75)
+
+
+def _band_width(mask, length_q: int, length_k: int) -> int | None:
+    """How many keys a row of a mask that does not state its band sees at most, from the
+    tile answers of a few single rows, when that is under half the keys: a predicate that
+    describes a band or a window then gets the query tiles the built-in band gets (as tall as
+    a quarter of the band), not tiles far taller than the band, which read keys no row of
+    them sees. None for masks whose rows see most keys. Kept on the mask per (L, S)."""
+    kept = on_mask(mask, "_band_widths")
+    key = (length_q, length_k)
+    if key not in kept:
+        spans = [
+            mask.tile(length_q, length_k, r, r + 1, batch=0)
+            for r in (int(length_q * f) for f in _PROBE_ROWS)
+        ]
+        width = max(t.stop - t.start for t in spans)
+        remember(kept, key, width if 0 < width < length_k // 2 else None)
+    return kept[key]
 
 
 def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:

@@ -80,6 +80,30 @@ def test_a_predicate_is_planned_once_per_shape():
     assert len(calls) > made  # another shape: planned for it
 
 
+def test_a_band_predicate_gets_the_built_in_query_tiles():
+    """The kernel's query tiles: a band's built-in states its width, a predicate does not,
+    so the kernel reads the widths of a few rows and takes the same tiles (a quarter of the
+    band), and the same work list, row for row. A predicate whose rows see most keys keeps
+    the default tiles."""
+    from multihead.backends.call import prepare
+
+    length = 4096
+    q, k, v = (torch.randn(1, 1, length, 8) for _ in range(3))
+    band = masks.predicate(lambda b, h, q, k: (k <= q) & (k >= q - 256))
+    built_in = masks.sliding_window(256)
+    calls = [prepare(q, k, v, m, None, None, 0.0, False) for m in (band, built_in)]
+    tiles = [fused._query_tile(c) for c in calls]
+    assert tiles == [64, 64]
+    mine, theirs = (_plan.plan(m, 1, length, length, 64, "cpu") for m in (band, built_in))
+    assert [(i.q0, i.q1) for i in mine] == [(i.q0, i.q1) for i in theirs]
+    assert _area(mine) <= _area(theirs)
+    causal = masks.predicate(lambda b, h, q, k: k <= q)
+    call = prepare(q, k, v, causal, None, None, 0.0, False)
+    assert fused._query_tile(call) == fused._query_tile(
+        prepare(q, k, v, masks.causal(), None, None, 0.0, False)
+    )
+
+
 pytestmark = pytest.mark.skipif(
     fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
 )
