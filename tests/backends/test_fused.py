@@ -418,6 +418,27 @@ def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
     assert torch.isnan(got[1]).all() and torch.equal(got[0], want[0]) and careful == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_no_row_reads_are_neither_packed_nor_checked(dtype, monkeypatch):
+    """A window's rows read a few key blocks of a long sequence: only those are packed and
+    checked, so NaN in a block no row reads changes nothing and takes no careful path, and
+    the result is the clean inputs' (and, in float32, the reference's to float32 rounding)."""
+    from multihead.backends import _nonfinite
+
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 2, 100, 3000, 16, seed=4))
+    window = masks.sliding_window(64)  # the 100 rows see keys 2836..2999: the last block
+    want = mh.attention(q, k, v, window, backend="reference")
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[0, 0, 10], v_bad[0, 1, 1000] = torch.nan, torch.inf
+    careful = []
+    real = _nonfinite._rows_seeing
+    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: careful.append(1) or real(*a))
+    got = mh.attention(q, k_bad, v_bad, window, backend="fused")
+    assert careful == [] and torch.equal(got, mh.attention(q, k, v, window, backend="fused"))
+    if dtype == torch.float32:  # bf16 against the formula: test_bf16_block_products_keep_...
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
     """attention_with_weights(heads=) on the kernel: one call gives every head's output and
     the weights of the chosen heads alone, in their order; they equal the full call's within

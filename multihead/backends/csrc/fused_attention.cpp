@@ -719,6 +719,7 @@ struct Plan {
   int64_t n_items;
   const int64_t* chunks;  // [m, 6]: k0, k1, keep offset (-1: fully visible), keep strides b, h, row
   const uint8_t* keep;    // every keep block, flattened
+  int64_t n_chunks;
 };
 
 Plan make_plan(const at::Tensor& items, const at::Tensor& chunks, const at::Tensor& keep) {
@@ -726,7 +727,24 @@ Plan make_plan(const at::Tensor& items, const at::Tensor& chunks, const at::Tens
   TORCH_CHECK(chunks.dtype() == at::kLong && chunks.is_contiguous() && chunks.size(1) == 6);
   TORCH_CHECK(keep.dtype() == at::kBool && keep.is_contiguous());
   return Plan{items.data_ptr<int64_t>(), items.size(0), chunks.data_ptr<int64_t>(),
-              reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>())};
+              reinterpret_cast<const uint8_t*>(keep.data_ptr<bool>()), chunks.size(0)};
+}
+
+// Which blocks of kKeys keys some chunk of the plan reads (one flag per block, for every batch
+// entry and head alike). The others are never read, so they are neither packed nor checked: a
+// call whose rows see a few keys of a long sequence (a window's rows, auto's proxy of a call)
+// prepares only those.
+std::vector<uint8_t> read_blocks(const Plan& plan, int64_t S) {
+  std::vector<uint8_t> read((S + kKeys - 1) / kKeys, 0);
+  for (int64_t c = 0; c < plan.n_chunks; ++c) {
+    const int64_t k0 = plan.chunks[6 * c], k1 = std::min(plan.chunks[6 * c + 1], S);
+    if (k1 > k0) std::fill(read.begin() + k0 / kKeys, read.begin() + (k1 - 1) / kKeys + 1, 1);
+  }
+  return read;
+}
+
+inline bool unread(const std::vector<uint8_t>* read, int64_t block) {
+  return read != nullptr && !(*read)[block];
 }
 
 // The end of the key block starting at kb: the next multiple of kKeys, or the chunk's end.
@@ -1045,7 +1063,7 @@ at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) 
 // One task per block, in parallel: the copy is a pass over every key, spread over the threads
 // like the attention itself.
 template <typename T>
-at::Tensor blocked_transpose(const at::Tensor& x) {
+at::Tensor blocked_transpose(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
   at::Tensor out = empty_large({B, H, n, d, kKeys}, x.options());
@@ -1054,6 +1072,7 @@ at::Tensor blocked_transpose(const at::Tensor& x) {
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
+      if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, blk = u % n;
       const int64_t j0 = blk * kKeys, cols = std::min(kKeys, S - j0);
       T* block = dst + u * d * kKeys;
@@ -1070,7 +1089,7 @@ at::Tensor blocked_transpose(const at::Tensor& x) {
 // head dim rounded up to even: each block of kKeys keys as the columns of K^T, pairs of
 // consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded.
 template <typename E>
-at::Tensor pack_keys(const at::Tensor& x) {
+at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
   at::Tensor out = empty_large({B, H, n, pairs, kKeys, 2}, x.options());
@@ -1079,6 +1098,7 @@ at::Tensor pack_keys(const at::Tensor& x) {
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
+      if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
       E* block = dst + u * pairs * kKeys * 2;
       for (int64_t j = 0; j < kKeys; ++j) {
@@ -1097,7 +1117,7 @@ at::Tensor pack_keys(const at::Tensor& x) {
 // that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
 // read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN.
 template <typename E>
-at::Tensor pack_values(const at::Tensor& x) {
+at::Tensor pack_values(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
   at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
@@ -1106,6 +1126,7 @@ at::Tensor pack_values(const at::Tensor& x) {
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
+      if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
       E* block = dst + u * kKeys * d;
       for (int64_t j = 0; j < kKeys; ++j) {
@@ -1125,7 +1146,7 @@ at::Tensor pack_values(const at::Tensor& x) {
 // anywhere. A task reading part of a flagged block checks its exact rows (keys past a mask's
 // lengths may hold anything); unflagged blocks need no check of their own.
 template <typename E>
-std::vector<uint8_t> block_flags(const at::Tensor& x) {
+std::vector<uint8_t> block_flags(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
   std::vector<uint8_t> flags(B * H * n, 0);
@@ -1133,6 +1154,7 @@ std::vector<uint8_t> block_flags(const at::Tensor& x) {
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
+      if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
       flags[u] = any_nonfinite(src + b * sb + h * sh + j0 * sr, std::min(kKeys, S - j0), d, sr);
     }
@@ -1160,7 +1182,7 @@ struct Inputs {
   // a packed copy of the whole cache would cost more than the attention itself). backward:
   // values transposed too, no flags (the forward pass has checked)
   Inputs(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, bool blocked,
-         bool backward)
+         bool backward, const std::vector<uint8_t>* read = nullptr)
       : q(q_.data_ptr<E>()), k(k_.data_ptr<E>()), v(v_.data_ptr<E>()), kt(nullptr), vt(nullptr),
         qsb(q_.stride(0)), qsh(q_.stride(1)), qsr(q_.stride(2)),
         ksb(k_.stride(0)), ksh(k_.stride(1)), ksr(k_.stride(2)),
@@ -1170,14 +1192,14 @@ struct Inputs {
         blocks((k_.size(2) + kKeys - 1) / kKeys) {
     if (!blocked) return;
     if constexpr (kHalf) {
-      kt_ = pack_keys<E>(k_), vt_ = pack_values<E>(v_);
+      kt_ = pack_keys<E>(k_, read), vt_ = pack_values<E>(v_, read);
     } else {
-      kt_ = blocked_transpose<T>(k_);
-      if (backward) vt_ = blocked_transpose<T>(v_);
+      kt_ = blocked_transpose<T>(k_, read);
+      if (backward) vt_ = blocked_transpose<T>(v_, read);
     }
     kt = kt_.data_ptr<E>();
     if (vt_.defined()) vt = vt_.data_ptr<E>();
-    if (!backward) kflags = block_flags<E>(k_), vflags = block_flags<E>(v_);
+    if (!backward) kflags = block_flags<E>(k_, read), vflags = block_flags<E>(v_, read);
   }
 
   const E* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
@@ -1899,7 +1921,7 @@ template <typename Body>
 bool with_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& bias, const at::Tensor& table, int64_t table_shift,
                  double scale, double softcap, const at::Tensor& sinks, at::Tensor& out,
-                 at::Tensor& lse, Body&& body) {
+                 at::Tensor& lse, const std::vector<uint8_t>& read, Body&& body) {
   const at::ScalarType ct = compute_type(q);
   std::vector<at::Tensor> alive;
   const bool blocked = q.size(2) > kDecodeRows;
@@ -1918,7 +1940,7 @@ bool with_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor kh = unit_last(k, at::kBFloat16), vh = unit_last(v, at::kBFloat16);
     Terms<float> terms = make_terms<float>(bias, table, table_shift, softcap, sinks, ct, alive);
     terms.scale = static_cast<float>(scale);
-    const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false);
+    const Inputs<float, at::BFloat16> in(qh, kh, vh, true, false, &read);
     bad = body(in, terms, out.data_ptr<float>(), lse.data_ptr<float>());
   } else {
     at::Tensor qc = unit_last(q, ct), kc = unit_last(k, ct), vc = unit_last(v, ct);
@@ -1926,7 +1948,7 @@ bool with_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       Terms<scalar_t> terms =
           make_terms<scalar_t>(bias, table, table_shift, softcap, sinks, ct, alive);
       terms.scale = static_cast<scalar_t>(scale);
-      const Inputs<scalar_t> in(qc, kc, vc, blocked, false);
+      const Inputs<scalar_t> in(qc, kc, vc, blocked, false, &read);
       bad = body(in, terms, out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
     });
   }
@@ -1958,10 +1980,11 @@ std::vector<at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor weights =
       with_weights ? empty_large({B, chosen, L, S}, q.options()) : at::Tensor();
   const Plan plan = make_plan(items, chunks, keep);
-  const bool bad = with_inputs(q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse,
-                               [&](const auto& in, const auto& terms, auto* o, auto* l) {
-                                 return forward_into(in, plan, terms, o, l, weights, slot);
-                               });
+  const bool bad = with_inputs(
+      q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse, read_blocks(plan, S),
+      [&](const auto& in, const auto& terms, auto* o, auto* l) {
+        return forward_into(in, plan, terms, o, l, weights, slot);
+      });
   // the last entry: whether a block the kernel read held NaN or +-inf (the NaN rule's signal)
   std::vector<at::Tensor> result{out.to(q.scalar_type()), lse};
   if (with_weights) result.push_back(weights);
@@ -1996,7 +2019,7 @@ std::vector<at::Tensor> forward_stats(const at::Tensor& q, const at::Tensor& k,
   at::Tensor head_mean = wanted("head_mean", {B, L, S});
   const Plan plan = make_plan(items, chunks, keep);
   const bool bad = with_inputs(
-      q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse,
+      q, k, v, bias, table, table_shift, scale, softcap, sinks, out, lse, read_blocks(plan, S),
       [&](const auto& in, const auto& terms, auto* o, auto* l) {
         using T = std::remove_pointer_t<decltype(o)>;
         auto data = [](at::Tensor& t) { return t.numel() > 0 ? t.data_ptr<T>() : nullptr; };
