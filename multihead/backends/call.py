@@ -4,7 +4,7 @@ read besides the shapes, and ``Call.traced`` / ``Call.exported`` whether a graph
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -14,7 +14,7 @@ from .. import bias as _bias
 from ..bias import ScoreModifier
 from ..masks import Mask, TorchMasks, dense
 
-__all__ = ["Call", "exporting", "plain_causal", "prepare", "structured", "traced"]
+__all__ = ["Call", "exporting", "heads_as_rows", "plain_causal", "prepare", "structured", "traced"]
 
 
 @dataclass(frozen=True)
@@ -157,3 +157,23 @@ def exporting() -> bool:
 def traced() -> bool:
     """True while torch.compile, torch.export or the ONNX exporter traces a graph."""
     return torch.compiler.is_compiling() or exporting()
+
+
+def heads_as_rows(call: Call) -> Call | None:
+    """A one-row call's grouped query heads as the rows of their key/value head.
+
+    At L = 1 the H / H_kv query heads of a group read the same keys and values; where the
+    mask is the same for every head and row (or there is none) and nothing else differs by
+    head (no bias, sinks or returned weights), they see the same keys too, so they are the
+    rows of one (B, H_kv, H / H_kv, D) call with the same mask: a backend then reads each key
+    once per group. None where the call does not fold that way.
+    """
+    b, h, h_kv, length_q, _, d = call.shape
+    if length_q != 1 or h_kv == h:
+        return None
+    if call.bias is not None or call.sinks is not None or call.return_weights:
+        return None
+    mask = call.mask
+    if mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
+        return None
+    return replace(call, query=call.query.reshape(b, h_kv, h // h_kv, d))

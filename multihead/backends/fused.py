@@ -33,7 +33,6 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from . import _extension, _measure
 from ._nonfinite import NonFiniteInput, run_guarded
 from ._plan import KEPT_BITS, Item, on_mask, plan, query_tile, remember
 from ._tensors import sink_grad, stat_dtype
-from .call import Call
+from .call import Call, heads_as_rows
 from .protocol import LAST, Backend, Capabilities, Rank
 
 __all__ = [
@@ -514,21 +513,11 @@ _DECODE_ROWS = 16
 
 
 def _folded(call: Call) -> Call | None:
-    """A decoding call's grouped query heads as the rows of their key/value head: at L = 1
-    the H / H_kv heads of a group read the same keys and, where the mask is the same for every
-    head and row, see the same ones, so they are the rows of one (B, H_kv, H / H_kv, D) call.
-    The kernel then reads each key and value once per group, not once per query head. None
-    where the call does not fold (bias, sinks or weights are per head; a mask whose rows
-    differ)."""
-    b, h, h_kv, length_q, _, d = call.shape
-    if length_q != 1 or h_kv == h or h // h_kv > _DECODE_ROWS:
-        return None
-    if call.bias is not None or call.sinks is not None or call.return_weights:
-        return None
-    mask = call.mask
-    if mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
-        return None
-    return replace(call, query=call.query.reshape(b, h_kv, h // h_kv, d))
+    """A decoding call's grouped query heads as the rows of one call (``heads_as_rows``), so
+    the kernel reads each key and value once per group; None where the call does not fold or
+    its groups would be more rows than the kernel's decoding path takes."""
+    _, h, h_kv, _, _, _ = call.shape
+    return None if h // h_kv > _DECODE_ROWS else heads_as_rows(call)
 
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:

@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import bias as mb
 from .. import masks
 from ..backends import registry
-from ..backends.call import Call, prepare
+from ..backends.call import Call, heads_as_rows, prepare
 from ..masks import Mask, TileKind
 
 __all__ = ["attend"]
@@ -134,12 +134,15 @@ def _route(
     cap = None if softcap is None else mb.softcap(float(softcap))
     call = prepare(query, key, value, mask, cap, scale, 0.0, False)  # every check
     b, h, h_kv, _, length_k, d = call.shape
-    fold, rows = h_kv < h, mask
-    if fold and mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
+    grouped, rows = heads_as_rows(call), mask
+    if grouped is None and h_kv < h and mask is not None:  # a mask whose rows may differ
         fold, rows = _rows(mask, b, length_k)
-    folded = (b, h_kv, h // h_kv, d) if fold else None
-    if folded is not None:  # the same call, its checks passed, as rows of the groups
-        call = dataclasses.replace(call, query=query.reshape(folded), mask=rows)
+        if fold:
+            grouped = dataclasses.replace(
+                call, query=query.reshape(b, h_kv, h // h_kv, d), mask=rows
+            )
+    folded = None if grouped is None else tuple(grouped.query.shape)
+    call = grouped or call  # the same call, its checks passed, as rows of the groups
     backend = "auto" if mask is None else registry.select(call, "auto")
     own = rows is mask
     out_shape = (b, 1, h, value.shape[-1])
