@@ -637,9 +637,7 @@ void values_rows(int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int6
     V even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = V{};
     int64_t p = 0;
-    for (; p + 2 <= k; p += 2) {
-      if (u == 0)  // the value rows ahead, into L2 (see dots_rows)
-        __builtin_prefetch(reinterpret_cast<const char*>(b + p * ldb) + kAheadBytes, 0, 2);
+    for (; p + 2 <= k; p += 2) {  // dots_rows fetched these rows while it made the scores
       const V y0 = load_as<T>(b + p * ldb + u), y1 = load_as<T>(b + (p + 1) * ldb + u);
       for (int r = 0; r < R; ++r) {
         even[r] += a[r * lda + p] * y0;
