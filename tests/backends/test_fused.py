@@ -392,14 +392,23 @@ def test_bf16_block_products_keep_the_2x_rule(kind, scale):
     assert w.dtype == torch.bfloat16 and (w.double() - ref).abs().max() <= bound
 
 
+@pytest.fixture
+def careful(monkeypatch) -> list[int]:
+    """One entry per call that took the NaN rule's careful path, from here on."""
+    from multihead.backends import _nonfinite
+
+    calls: list[int] = []
+    real = _nonfinite._rows_seeing
+    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
+def test_nan_rule_on_the_blocked_path(dtype, careful):
     """Beyond decoding, keys and values are checked once per block of 512 keys when they are
     packed, and a task reading part of a flagged block checks its own rows: NaN in padding
     that no query sees (past the lengths, inside a block that is read) stays out of every
     result without the careful path; NaN in a visible value makes exactly its rows NaN."""
-    from multihead.backends import _nonfinite
-
     b, h, length_q, length_k, d = 2, 2, 40, 700, 16
     q, k, v = (t.to(dtype) for t in qkv(b, h, 1, length_q, length_k, d, seed=2))
     lens = torch.tensor([600, 650])
@@ -407,9 +416,6 @@ def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
     want = mh.attention(q, k, v, mask, backend="fused")
     k_pad, v_pad = k.clone(), v.clone()
     k_pad[0, 0, 620], v_pad[1, 0, 699] = torch.nan, torch.inf
-    careful = []
-    real = _nonfinite._rows_seeing
-    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: careful.append(1) or real(*a))
     got = mh.attention(q, k_pad, v_pad, mask, backend="fused")
     assert torch.equal(got, want) and careful == []
     v_bad = v.clone()
@@ -419,23 +425,18 @@ def test_nan_rule_on_the_blocked_path(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_no_row_reads_are_neither_packed_nor_checked(dtype, monkeypatch):
+def test_blocks_no_row_reads_are_neither_packed_nor_checked(dtype, careful):
     """A window's rows read a few key blocks of a long sequence: only those are packed and
     checked, so NaN in a block no row reads changes nothing and takes no careful path, and
     the result is the clean inputs' (and, in float32, the reference's to float32 rounding)."""
-    from multihead.backends import _nonfinite
-
     q, k, v = (t.to(dtype) for t in qkv(1, 2, 2, 100, 3000, 16, seed=4))
     window = masks.sliding_window(64)  # the 100 rows see keys 2836..2999: the last block
-    want = mh.attention(q, k, v, window, backend="reference")
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[0, 0, 10], v_bad[0, 1, 1000] = torch.nan, torch.inf
-    careful = []
-    real = _nonfinite._rows_seeing
-    monkeypatch.setattr(_nonfinite, "_rows_seeing", lambda *a: careful.append(1) or real(*a))
     got = mh.attention(q, k_bad, v_bad, window, backend="fused")
     assert careful == [] and torch.equal(got, mh.attention(q, k, v, window, backend="fused"))
     if dtype == torch.float32:  # bf16 against the formula: test_bf16_block_products_keep_...
+        want = mh.attention(q, k, v, window, backend="reference")
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
