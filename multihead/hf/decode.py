@@ -141,7 +141,7 @@ def _route(
             grouped = dataclasses.replace(
                 call, query=query.reshape(b, h_kv, h // h_kv, d), mask=rows
             )
-    folded = None if grouped is None else tuple(grouped.query.shape)
+    folded = None if grouped is None else (b, h_kv, h // h_kv, d)
     call = grouped or call  # the same call, its checks passed, as rows of the groups
     backend = "auto" if mask is None else registry.select(call, "auto")
     own = rows is mask
