@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
+import sysconfig
 import time
 import types
 from collections import OrderedDict
@@ -96,6 +98,18 @@ def clear_cache() -> None:
     _log.clear()
 
 
+@functools.cache
+def _compile_supported() -> bool:
+    """torch.compile's check of the Python it runs on (``torch._dynamo.is_dynamo_supported``),
+    without importing dynamo to ask: that import takes 1.5 s, and the first call of a process
+    that ``auto`` merely ranks flex for would pay it. The same rule as torch 2.13's: Python
+    below 3.15, and not a free-threaded build below 3.13.3 (a test compares the two)."""
+    if "torch._dynamo" in sys.modules:
+        return bool(torch._dynamo.is_dynamo_supported())
+    free_threaded = sysconfig.get_config_var("Py_GIL_DISABLED") == 1
+    return sys.version_info < (3, 15) and not (free_threaded and sys.version_info < (3, 13, 3))
+
+
 def _unsupported(call: Call) -> str | None:
     """What the capabilities cannot say: tracing, sizes, CPU limits, earlier failures."""
     if call.exported:
@@ -108,7 +122,7 @@ def _unsupported(call: Call) -> str | None:
     _, _, _, length_q, length_k, _ = call.shape
     if length_q == 0 or length_k == 0:
         return f"FlexAttention needs L > 0 and S > 0; received L={length_q}, S={length_k}"
-    if not torch._dynamo.is_dynamo_supported():
+    if not _compile_supported():
         return "torch.compile is not supported on this Python version"
     dtype = call.query.dtype
     d, d_v = call.query.shape[-1], call.value.shape[-1]
@@ -395,4 +409,5 @@ BACKEND = Backend(
     capabilities=Capabilities(label="FlexAttention", weights=False, dropout=False),
     unsupported=_unsupported,
     state=lambda: len(_failures),  # a compile that failed changes what it answers
+    compiles=True,  # once per mask structure and shape: auto never times it on a proxy
 )

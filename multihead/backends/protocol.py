@@ -132,6 +132,10 @@ class Backend:
         checks_inputs: ``run`` checks q, k and v for NaN and ±inf as it reads them and raises
             ``multihead.backends._nonfinite.NonFiniteInput`` when it meets one, so the NaN
             rule skips its own pass over them (at decode that pass reads the whole cache).
+        compiles: the first call of each shape compiles a kernel (seconds, many times the
+            call). ``auto`` times no backend against it: a backend that times itself is timed
+            against the first able backend that does not compile (the one this backend's rule
+            was chosen over), so a measurement never pays a compile it would then discard.
     """
 
     run: Callable[[Call], tuple[Tensor, Tensor | None]]
@@ -142,6 +146,7 @@ class Backend:
     prepare: Callable[[], None] | None = None
     state: Callable[[], Hashable] | None = None
     checks_inputs: bool = False
+    compiles: bool = False
 
     def why_not(self, call: Call) -> str | None:
         """Why this backend cannot run ``call``, or None when it can."""

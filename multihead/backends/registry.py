@@ -142,13 +142,31 @@ def _choose(call: Call, skip: frozenset[str] = frozenset()) -> str:
     for name in order[order.index(leader) + 1 :]:
         backend = _registered[name]
         measured = backend.measured
-        if (
-            measured is not None
-            and backend.why_not(call) is None
-            and measured(call, _registered[leader].run)
-        ):
+        if measured is None or backend.why_not(call) is not None:
+            continue
+        rival = _rival(call, order, leader, name)
+        if rival is not None and measured(call, _registered[rival].run):
             leader = name
     return leader
+
+
+def _rival(call: Call, order: list[str], leader: str, name: str) -> str | None:
+    """The backend ``name`` is timed against: the leader so far, unless the leader compiles a
+    kernel per shape (``Backend.compiles``), whose compile for the measurement's proxy would
+    cost many calls; then the first able backend of ``order`` that does not compile (the one
+    the compiling leader's rule was chosen over). None when there is no such backend."""
+    if not _registered[leader].compiles:
+        return leader
+    return next(
+        (
+            other
+            for other in order
+            if other != name
+            and not _registered[other].compiles
+            and _registered[other].why_not(call) is None
+        ),
+        None,
+    )
 
 
 def _key(call: Call) -> Hashable | None:
@@ -242,18 +260,19 @@ def _measured_lead(
         return leader, why, notes
     for name in able[1:]:  # as _choose: each against the leader so far
         measured = _registered[name].measured
-        if measured is None:
+        rival = _rival(call, able, leader, name)
+        if measured is None or rival is None:
             continue
         known = measured(call, None)
         if known:
-            why = f"it measured faster than {leader} on this machine for calls of this shape class"
+            why = f"it measured faster than {rival} on this machine for calls of this shape class"
             leader = name
             continue
         notes[name] = f"{ranks[name].why}; " + (
             f"calls of this shape class have not been timed yet (the first one times it "
-            f"against {leader})"
+            f"against {rival})"
             if known is None
-            else f"it did not measure faster than {leader} for calls of this shape class"
+            else f"it did not measure faster than {rival} for calls of this shape class"
         )
     return leader, why, notes
 

@@ -510,3 +510,34 @@ def test_torch_is_asked_once_per_call_whether_it_exports(monkeypatch):
     exported = prepare(q, k, v, None, None, None, 0.0, False)
     assert exported.exported and exported.traced
     assert exported == replace(exported, exported=False, traced=False)  # not compared
+
+
+def test_a_measured_backend_is_never_timed_against_one_that_compiles(monkeypatch):
+    """flex leads long float32 windows by its rule, and compiles a kernel per shape. The fused
+    kernel is timed against the backend flex was chosen over (tiled), not against flex: timing
+    flex on the measurement's 256-row proxy compiled it for that shape alone, 5 s of a 7 s
+    first call, to be thrown away when the kernel won."""
+    from multihead.backends import flex, fused
+
+    rivals = []
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    monkeypatch.setattr(fused, "built", lambda: True)  # only chosen here, never run
+    monkeypatch.setattr(flex, "measured_faster", lambda call: True)  # flex leads by its rule
+    for verdict in (True, False):
+        monkeypatch.setattr(registry, "_CHOICES", {})
+        monkeypatch.setattr(
+            fused, "measured_faster", lambda call, rival, v=verdict: rivals.append(rival) or v
+        )
+        q, k, v = qkv(1, 2, 2, 64, 64, 8, dtype=torch.float32)
+        window = masks.sliding_window(4)
+        assert _auto(q, k, v, window) == ("fused" if verdict else "flex")
+        without = registry._choose(
+            prepare(q, k, v, window, None, None, 0.0, False), skip=frozenset({"flex", "fused"})
+        )
+        assert without == "tiled" and rivals[-1] is registry.BACKENDS[without].run
+    assert flex.BACKEND.compiles and not fused.BACKEND.compiles
+    # explain names the backend the kernel was timed against
+    monkeypatch.setattr(fused, "measured_faster", lambda call, rival: False if rival is None else 1)
+    reasons = mh.explain_backend(q, k, v, window).reasons
+    assert "did not measure faster than tiled" in reasons["fused"]
+    assert flex.compile_log() == []
