@@ -51,15 +51,16 @@ def inputs(arch: Arch) -> tuple[dict, torch.Tensor]:
     return batch, keep.bool()
 
 
-def run(model, arch: Arch, impl: str) -> dict:
+def run(model, arch: Arch, impl: str, device: str = "cpu") -> dict:
     """Outputs, every attention weight and every parameter gradient of one forward and
-    backward under ``impl``."""
+    backward under ``impl``, with the inputs on ``device``."""
     model.set_attn_implementation(impl)
     model.zero_grad()
     batch, valid = inputs(arch)
+    batch, valid = {k: t.to(device) for k, t in batch.items()}, valid.to(device)
     out = model(**batch, output_attentions=True)
     main = out.logits if hasattr(out, "logits") else out.last_hidden_state
-    probe = torch.randn(main.shape, generator=torch.Generator().manual_seed(3))
+    probe = torch.randn(main.shape, generator=torch.Generator().manual_seed(3)).to(device)
     (main[valid] * probe[valid]).sum().backward()
     weights = [
         w
@@ -78,10 +79,25 @@ def _rows(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return weights[valid[:, None, :, None].expand_as(weights)]
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
-def test_parity_with_eager(arch):
-    model = build(arch)
-    want, got = run(model, arch, "eager"), run(model, arch, "multihead")
+def test_parity_with_eager(arch, device):
+    model = build(arch).to(device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 on a GPU, as tests/cuda
+    try:
+        want, got = run(model, arch, "eager", device), run(model, arch, "multihead", device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     valid = want["valid"]
     scale = want["out"][valid].abs().max()
     assert (want["out"] - got["out"])[valid].abs().max() <= OUT_RTOL * scale

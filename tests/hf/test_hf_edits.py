@@ -85,7 +85,11 @@ def _main(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def _reference(model, arch, edit: dict) -> tuple[torch.Tensor, dict]:
+def _batch(arch, device: str = "cpu") -> dict:
+    return {name: t.to(device) for name, t in inputs(arch)[0].items()}
+
+
+def _reference(model, arch, edit: dict, device: str = "cpu") -> tuple[torch.Tensor, dict]:
     EDIT.clear()
     EDIT.update(edit)
     LAYER_OF.clear()
@@ -94,14 +98,14 @@ def _reference(model, arch, edit: dict) -> tuple[torch.Tensor, dict]:
             LAYER_OF.setdefault(part, i)
     model.set_attn_implementation("eager_edit")
     with torch.no_grad():
-        out = _main(model(**inputs(arch)[0]))
+        out = _main(model(**_batch(arch, device)))
     model.set_attn_implementation("eager")
     return out, dict(EDIT["seen"])
 
 
-def _multihead(model, arch) -> torch.Tensor:
+def _multihead(model, arch, device: str = "cpu") -> torch.Tensor:
     with torch.no_grad():
-        return _main(model(**inputs(arch)[0]))
+        return _main(model(**_batch(arch, device)))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor) -> float:
@@ -110,14 +114,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, valid: torch.Tensor) -> float:
     return float(diff.max() / want[valid].abs().max())
 
 
-def _assert_edit_matches(model, arch, edit: dict, block) -> None:
+def _assert_edit_matches(model, arch, edit: dict, block, device: str = "cpu") -> None:
     """``model`` inside ``block`` equals the reference applying ``edit`` by hand, and the
     edit moves the output far beyond the tolerance (the control)."""
-    valid = inputs(arch)[1]
-    plain = _reference(model, arch, {})[0]
-    want = _reference(model, arch, edit)[0]
+    valid = inputs(arch)[1].to(device)
+    plain = _reference(model, arch, {}, device)[0]
+    want = _reference(model, arch, edit, device)[0]
     with block:
-        got = _multihead(model, arch)
+        got = _multihead(model, arch, device)
     assert _close(got, want, valid) <= OUT_RTOL
     assert _close(plain, want, valid) > 50 * OUT_RTOL  # the edit matters
 
@@ -302,3 +306,72 @@ def test_bad_input_is_named():
         mhf.ablate(model, {0: [1, 2]}, scale=0.5).__enter__()
     with pytest.raises(ValueError, match="statistic"):
         mh.attention_stats(*(torch.randn(1, 2, 4, 4) for _ in range(3)), stats=["nope"])
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def cuda_fp32():
+    """fp32 matmuls in full fp32 on the GPU (TF32 rounds inputs to 10 bits), as tests/cuda."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield "cuda"
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@CUDA
+@pytest.mark.parametrize("name", ["llama", "gemma2", "bert"])
+def test_acting_on_attention_on_cuda_equals_the_eager_reference(cuda_fp32, name):
+    """ablate, knockout, patch and the statistics on a model on the GPU, against the same
+    reference as on the CPU, computed on the GPU."""
+    arch = BY_NAME[name]
+    model = build(arch).to(cuda_fp32)
+    scales = {"scales": {0: {1: 0.0, 3: 0.0}, 1: {2: 2.5}}}
+
+    @contextlib.contextmanager
+    def ablated():
+        with mhf.ablate(model, {0: [1, 3]}), mhf.ablate(model, {1: [2]}, scale=2.5):
+            yield
+
+    _assert_edit_matches(model, arch, scales, ablated(), cuda_fp32)
+    queries, keys = [6, 7, 8], [3, 4, 5]
+    knocked = mhf.knockout(model, queries=queries, keys=keys, layers=[1], heads=[0, 2])
+    _assert_edit_matches(model, arch, {"block": (queries, keys, [1], [0, 2])}, knocked, cuda_fp32)
+    batch = _batch(arch, cuda_fp32)
+    other = {**batch, "input_ids": batch["input_ids"].flip(1)}
+    with mhf.capture(model, layers=[0], heads=[3, 1]) as cap, torch.no_grad():
+        model(**other)
+    assert cap.weights[0].device.type == torch.device(cuda_fp32).type
+    edit = {"weights": {0: ([3, 1], cap.weights[0])}}
+    _assert_edit_matches(model, arch, edit, mhf.patch(model, cap), cuda_fp32)
+    _, seen = _reference(model, arch, {}, cuda_fp32)
+    with mhf.capture(model, heads=[2, 0], stats=["key_mass", "entropy"]) as cap, torch.no_grad():
+        model(**batch)
+    for layer, w in seen.items():
+        w = w[:, [2, 0]]
+        want = {"key_mass": w.sum(2), "entropy": -torch.special.xlogy(w, w).sum(-1)}
+        for stat, value in want.items():
+            got = cap.stats[layer][stat].double()
+            assert got.device == value.device and got.shape == value.shape, stat
+            assert (got - value).abs().max() <= STATS_ATOL * max(1, value.abs().max())
+
+
+@CUDA
+def test_generate_on_cuda_gives_the_tokens_of_sdpa(cuda_fp32):
+    """generate() on the GPU through the bridge's decoding calls: sdpa's greedy tokens, on a
+    left-padded batch; acting on attention inside it still records every step."""
+    arch = BY_NAME["llama"]
+    model = build(arch, "sdpa").to(cuda_fp32)
+    batch = _batch(arch, cuda_fp32)
+    args = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    want = model.generate(**batch, **args)
+    model.set_attn_implementation("multihead")
+    assert torch.equal(model.generate(**batch, **args), want)
+    with mhf.capture(model, layers=[1], stats=["key_mass"], accumulate=True) as cap:
+        assert torch.equal(model.generate(**batch, **args), want)
+    mass = cap.stats[1]["key_mass"]
+    valid = batch["attention_mask"].sum(1) + args["max_new_tokens"] - 1
+    torch.testing.assert_close(mass.sum(-1), valid[:, None].float().expand_as(mass[..., 0]))
+    with mhf.ablate(model, {0: [0, 1, 2, 3], 1: [0, 1, 2, 3]}):
+        assert not torch.equal(model.generate(**batch, **args), want)
