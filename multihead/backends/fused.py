@@ -543,6 +543,27 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     return out, weights
 
 
+def prepared(call: Call) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:
+    """``Backend.prepared``: the kernel for eager inference calls alike to ``call``, with its
+    arguments besides q, k and v (the mask's work list, the bias terms, the cap) made once: a
+    decoding step's layers then pay the kernel and little else. The function returns None
+    where a block the kernel read held NaN or ±inf. None for a call ``run`` would not hand to
+    the kernel as it is: gradients, weights, chosen heads, a traced graph, or grouped heads
+    that ``run`` would fold itself."""
+    if call.traced or call.needs_grad or call.return_weights or call.heads is not None:
+        return None
+    if _folded(call) is not None or BACKEND.why_not(call) is not None:
+        return None
+    rest = _args(call, shared=True)[3:]
+    forward = build().forward
+
+    def attend(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+        result = forward(query, key, value, *rest, False, _NO_HEADS)
+        return None if bool(result[-1]) else result[0]
+
+    return attend
+
+
 # ------------------------------------------------------------------------------------------
 # auto's measurement (``_measure.py``): once per shape class, the kernel against the backend
 # auto would pick otherwise, on the call itself; the faster one is remembered for the process.
@@ -601,6 +622,7 @@ BACKEND = Backend(
     prepare=_prepare,
     state=_state,
     checks_inputs=True,
+    prepared=prepared,
 )
 
 

@@ -132,6 +132,13 @@ class Backend:
         checks_inputs: ``run`` checks q, k and v for NaN and ±inf as it reads them and raises
             ``multihead.backends._nonfinite.NonFiniteInput`` when it meets one, so the NaN
             rule skips its own pass over them (at decode that pass reads the whole cache).
+        prepared: ``prepared(call) -> run or None``, optional, for a backend that checks its
+            inputs as it reads them: a function of (query, key, value) that runs calls alike
+            to ``call`` (the same mask object, bias, shapes, dtypes and scale) with everything
+            else worked out once, returning the output, or None where a block it read held
+            NaN or ±inf (the caller then runs the call through ``registry.run``, whose careful
+            path applies the NaN rule). None where the call cannot run so. A decoding step's
+            layers make such calls (``multihead.hf``'s decoding route).
         compiles: the first call of each shape compiles a kernel (seconds, many times the
             call). ``auto`` times no backend against it: a backend that times itself is timed
             against the first able backend that does not compile (the one this backend's rule
@@ -146,6 +153,9 @@ class Backend:
     prepare: Callable[[], None] | None = None
     state: Callable[[], Hashable] | None = None
     checks_inputs: bool = False
+    prepared: Callable[[Call], Callable[[Tensor, Tensor, Tensor], Tensor | None] | None] | None = (
+        None
+    )
     compiles: bool = False
 
     def why_not(self, call: Call) -> str | None:

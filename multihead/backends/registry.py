@@ -31,6 +31,7 @@ __all__ = [
     "BACKENDS",
     "Choice",
     "explain",
+    "prepared",
     "register",
     "run",
     "select",
@@ -306,6 +307,17 @@ def run(call: Call, backend: str) -> tuple[Tensor | None, Tensor | None]:
         except BackendUnavailable as e:
             failed.add(name)
             name = _successor(call, frozenset(failed), e)
+
+
+def prepared(call: Call, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:
+    """The backend named ``backend`` (a name ``select`` returned for ``call``) prepared for calls
+    alike to ``call`` (``Backend.prepared``): a function of (query, key, value) that returns
+    the output, or None where it met NaN or ±inf and the call must go through ``run``. None
+    where the backend prepares nothing for such a call."""
+    chosen = _registered[backend]
+    if call.traced or not chosen.checks_inputs or chosen.prepared is None:
+        return None
+    return chosen.prepared(call)
 
 
 def _successor(call: Call, failed: frozenset[str], error: BackendUnavailable) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -48,6 +49,8 @@ class _Route:
     scale: float
     softcap: float | None
     out_shape: tuple[int, int, int, int]
+    # the backend prepared for the route's calls (``registry.prepared``), or None
+    direct: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
 
 
 # the routes of each mask object, by call signature: they die with the step's mask
@@ -90,9 +93,14 @@ def attend(
     fresh = route is None
     if route is None:
         route = kept[signature] = _route(query, key, value, mask, scale, softcap)
+    rows = query if route.folded is None else query.reshape(route.folded)
+    if route.direct is not None:
+        out = route.direct(rows, key, value)
+        if out is not None:
+            return out.reshape(route.out_shape)
+        # NaN or ±inf in what the kernel read: the NaN rule's careful path, through the registry
     call = Call(
-        query if route.folded is None else query.reshape(route.folded), key, value,
-        mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
+        rows, key, value, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
         softcap=route.softcap, traced=False, exported=False,
     )  # fmt: skip
     try:
@@ -146,7 +154,11 @@ def _route(
     backend = "auto" if mask is None else registry.select(call, "auto")
     own = rows is mask
     out_shape = (b, 1, h, value.shape[-1])
-    return _Route(folded, own, None if own else rows, backend, call.scale, call.softcap, out_shape)
+    # a backend chosen for the step may prepare its calls once (the mask object keeps the route
+    # no longer than the step, and every layer's call is alike)
+    direct = None if mask is None else registry.prepared(call, backend)
+    route = _Route(folded, own, None if own else rows, backend, call.scale, call.softcap, out_shape)
+    return dataclasses.replace(route, direct=direct)
 
 
 def _rows(mask: Mask, batch: int, length_k: int) -> tuple[bool, Mask | None]:

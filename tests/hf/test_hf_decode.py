@@ -113,6 +113,54 @@ def test_a_folded_decode_call_equals_the_whole_path(routes, kwargs, how, softcap
     assert (route.mask is None) == (how != "lowered")
 
 
+@pytest.fixture
+def kernel_leads(monkeypatch):
+    """auto picks the fused kernel (the tests turn its measurement off: conftest.py)."""
+    from multihead.backends import fused, registry
+
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
+    runs = []
+    original = registry.run
+    monkeypatch.setattr(registry, "run", lambda *a: runs.append(a) or original(*a))
+    return runs
+
+
+@pytest.mark.parametrize(("kwargs", "how"), CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["", "softcap"])
+def test_the_kernel_runs_a_steps_calls_prepared(kernel_leads, routes, kwargs, how, softcap):
+    """With the kernel chosen, a step's calls go to it with their arguments made once per
+    route (``registry.prepared``), never through ``registry.run``, with the same result."""
+    mask = _decode_mask(**kwargs)
+    for seed in range(3):  # the layers of one step: other q, k and v, the same mask
+        q, k, v = _qkv(seed=seed)
+        got = _bridge(q, k, v, mask, scaling=0.3, softcap=softcap)
+        assert kernel_leads == []
+        _close(got, _whole(q, k, v, mask, scale=0.3, softcap=softcap))
+        kernel_leads.clear()  # the whole path's own run
+    ((_, route),) = routes
+    assert route.backend == "fused" and route.direct is not None
+
+
+@pytest.mark.parametrize("where", ["hidden", "seen"])
+def test_nan_in_the_cache_takes_the_nan_rules_path(kernel_leads, routes, where):
+    """NaN in a key the prepared kernel reads: it returns nothing and the call goes through
+    ``registry.run``, whose careful path gives ``multihead.attention``'s result (a NaN under
+    padding changes nothing; a NaN in a seen key makes that row NaN)."""
+    mask = _decode_mask(attention_mask=_padding(S))
+    q, k, v = _qkv()
+    _bridge(q, k, v, mask)  # the route, on a clean call
+    position = 2 if where == "hidden" else 12  # row 1's first 4 keys are padding
+    k[1, 0, position, 0] = float("nan")
+    got = _bridge(q, k, v, mask)
+    if where == "seen":  # the careful path ran (a hidden key's block may not be read at all)
+        assert len(kernel_leads) == 1
+    want = _whole(q, k, v, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=RTOL * 10, equal_nan=True)
+    assert got[1].isnan().any() == (where == "seen")
+    assert not got[0].isnan().any() and not got[2].isnan().any()
+
+
 def test_a_fully_hidden_row_gives_zeros():
     q, k, v = _qkv()
     out = _bridge(q, k, v, _decode_mask(attention_mask=_padding(S, (0, S, 2))))
