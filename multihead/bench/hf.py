@@ -672,6 +672,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     from .._machine import cpu_info
     from ..backends import fused
     from .decode import memory_bandwidth
+    from .decode_call import decoding_calls
     from .suite import matmul_peak
 
     quick, repeats = options.quick, options.repeats or 3
@@ -697,7 +698,9 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         f"GFLOP/s; measured read bandwidth {bandwidth:.1f} GB/s; {repeats} interleaved repeats"
     )
     results = []
-    steps = [w.name for w in workloads] + ["capture", "acting", "generate", "first use"]
+    steps = [w.name for w in workloads] + [
+        "capture", "acting", "generate", "decoding call", "first use",
+    ]  # fmt: skip
     with (
         warnings.catch_warnings(),
         stages("bench hf", steps, unit="workload", say=say) as (
@@ -715,6 +718,8 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         acting = _acting(acting_length, repeats, tell)
         bar.begin("generate")
         generated = _generate(generating, repeats, tell)
+        bar.begin("decoding call")
+        calls = decoding_calls(tell, blocks=5, calls=50) if quick else decoding_calls(tell)
         bar.begin("first use")
         first = first_use(workloads[0].length, capture_length, tell)
     report = {
@@ -732,6 +737,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         "capture": memory,
         "acting": acting,
         "generate": generated,
+        "decoding_call": calls,
         "first_use": first,
     }
     out.mkdir(exist_ok=True)

@@ -43,6 +43,14 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
         assert row["tokens_identical"] and row["median_s"]["multihead"] > 0
         assert abs(row["speedup_vs_sdpa"] - row["goal"]["figure"]) < 1e-12
     assert "goal multihead >= 1.05x faster than sdpa at B=4, tokens identical" in printed
+    # one decoding call of the bridge against the kernel alone, at both batch sizes
+    calls = report["decoding_call"]
+    assert [r["batch"] for r in calls["rows"]] == [1, 4] and len(calls["goals"]) == 2
+    for row, goal in zip(calls["rows"], calls["goals"]):
+        us = row["median_us"]
+        assert min(us.values()) > 0 and goal["figure"] == us["bridge"] - us["kernel"]
+        assert goal["met"] == (goal["figure"] <= 15.0)
+    assert "goal the bridge's decoding call <= the kernel + 15 us at B=4" in printed
     # the first-use rows ran in new processes with empty caches
     first = report["first_use"]
     assert [g["text"] for g in first["goals"]] == list(FIRST_USE_GOALS.values())
