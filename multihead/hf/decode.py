@@ -6,8 +6,11 @@ its tensors (the mask as the kernel runs it, whether its heads fold, the backend
 picks) depends only on that mask object and the call's shapes, dtypes, devices and scale: it
 is worked out on the step's first call, after the whole validation of
 ``multihead.attention``, and kept on the mask for the calls of the other layers, which then
-go straight to ``registry.run`` (the NaN rule and the fallback included). A new step (a
-longer cache, other padding) brings a new mask, so nothing kept can be stale.
+go straight to the chosen backend prepared for them (``registry.prepared``: the fused kernel
+with its work list and other arguments made once), or where it prepares nothing to
+``registry.run``; a prepared kernel that meets NaN or ±inf hands the call to ``registry.run``,
+whose careful path applies the NaN rule. A new step (a longer cache, other padding) brings a
+new mask, so nothing kept can be stale.
 
 Grouped-query heads fold into query rows: at L = 1 the H / H_kv query heads of a group read
 the same key/value head and (where the mask is the same for every head) see the same keys,
