@@ -38,9 +38,9 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     backend the bridge runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..backends import fused
+    from ..backends import fused, steps
     from ..backends.call import Call
-    from ..hf import attention, decode, make_mask
+    from ..hf import attention, make_mask
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, _HEADS, 1, _DIM, generator=g)
@@ -54,7 +54,7 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     layer = _Layer()
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
-    (route,) = decode._ROUTES[mask].values()
+    (route,) = steps._ROUTES[mask].values()
     rows = q if route.folded is None else q.reshape(route.folded)
     call = Call(
         rows, k, v, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,

@@ -7,7 +7,7 @@ for what the architecture adds. It returns transformers' layout, the output (B, 
 the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention`` or
 ``attention_with_weights``: every keyword a model passes becomes multihead's own vocabulary,
 and one it cannot honour is refused by name. A decoding step's call (one query row) takes
-the short path of ``decode.attend``, to the same result.
+the short path of ``backends.steps.attend``, to the same result.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from .. import bias as mb
+from ..backends import steps
 from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
 from ..stats import Reducer, attention_stats
-from . import decode, recording
+from . import recording
 from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
@@ -105,7 +106,7 @@ def attention_forward(
     plain = plan is None and not wants  # no block acts on the layer, no weights asked
     decoding = plain and _decoding(query, key, value, dropout, position_bias, s_aux)
     if decoding and (attention_mask is None or isinstance(attention_mask, Mask)):
-        return decode.attend(query, key, value, attention_mask, scaling, softcap), None
+        return steps.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
@@ -200,24 +201,14 @@ def _decoding(
     position_bias: Tensor | None,
     sinks: Tensor | None,
 ) -> bool:
-    """A decoding step's call, which ``decode.attend`` takes with a multihead mask or none:
-    one query row, nothing added to the scores (a cap may bend them), no dropout, no gradient
-    and no graph being traced."""
+    """A decoding step's call, which ``steps.attend`` takes with a multihead mask or none:
+    nothing added to the scores (a cap may bend them), no dropout, and what
+    ``steps.applies`` asks (one query row, no gradient, no graph being traced)."""
     return (
-        query.dim() == 4
-        and query.shape[2] == 1
-        and position_bias is None
+        position_bias is None
         and sinks is None
         and dropout == 0
-        and not (
-            torch.is_grad_enabled()
-            and (query.requires_grad or key.requires_grad or value.requires_grad)
-        )
-        # torch.compile, torch.export and both ONNX exporters (the TorchScript one traces
-        # with torch.jit): a graph takes the whole path
-        and not torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
-        and not torch.jit.is_tracing()
+        and steps.applies(query, key, value)
     )
 
 

@@ -1,5 +1,6 @@
-"""The decoding step's short path (``multihead/hf/decode.py``): one query row per call, grouped
-heads folded into rows, the checks and the backend choice kept per mask object.
+"""The decoding step's short path (``multihead/backends/steps.py``) through transformers'
+attention interface: one query row per call, grouped heads folded into rows, the checks and
+the backend choice kept per mask object.
 
 Every decode call is compared with ``multihead.attention`` on the same arguments (the whole
 path). Folding changes only the order of floating-point sums (a matrix product over the rows
@@ -18,8 +19,9 @@ from transformers import masking_utils as mu
 
 import multihead
 from multihead import bias, masks
+from multihead.backends import steps
 from multihead.hf import attention as hf_attention
-from multihead.hf import capture, decode, make_mask
+from multihead.hf import capture, make_mask
 
 RTOL = 1e-6
 B, H, H_KV, D, S = 3, 6, 2, 8, 21
@@ -73,16 +75,16 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture
 def routes(monkeypatch) -> list[tuple]:
-    """The routes worked out (each a call to ``decode._route``), in order."""
+    """The routes worked out (each a call to ``steps._route``), in order."""
     made: list[tuple] = []
-    original = decode._route
+    original = steps._route
 
     def spy(q, k, v, mask, scale, softcap):
         route = original(q, k, v, mask, scale, softcap)
         made.append((mask, route))
         return route
 
-    monkeypatch.setattr(decode, "_route", spy)
+    monkeypatch.setattr(steps, "_route", spy)
     return made
 
 
@@ -200,7 +202,7 @@ def test_a_route_is_kept_per_mask_object_and_signature(routes):
     assert len(routes) == 2
     del mask, routes[:]
     gc.collect()
-    assert len(decode._ROUTES) == 0  # the routes die with the step's mask
+    assert len(steps._ROUTES) == 0  # the routes die with the step's mask
 
 
 def test_new_padding_is_never_served_a_kept_route(routes):
@@ -226,11 +228,11 @@ def test_a_kept_backend_that_refuses_is_chosen_again(routes):
     mask = _decode_mask(attention_mask=_padding(S))
     want = _bridge(q, k, v, mask)
     ((_, route),) = routes
-    (signature,) = decode._ROUTES[mask]
+    (signature,) = steps._ROUTES[mask]
     # "half" takes only bf16/fp16 inputs: an explicit call with fp32 is refused
-    decode._ROUTES[mask][signature] = decode._Route(**{**route.__dict__, "backend": "half"})
+    steps._ROUTES[mask][signature] = steps._Route(**{**route.__dict__, "backend": "half"})
     _close(_bridge(q, k, v, mask), want)
-    assert decode._ROUTES[mask][signature].backend == route.backend
+    assert steps._ROUTES[mask][signature].backend == route.backend
 
 
 def test_a_bad_call_raises_as_multihead_attention_does():
@@ -241,7 +243,7 @@ def test_a_bad_call_raises_as_multihead_attention_does():
 
 def test_calls_that_are_not_decoding_steps_take_the_whole_path(monkeypatch):
     taken = []
-    monkeypatch.setattr(decode, "attend", lambda *a: taken.append(a))
+    monkeypatch.setattr(steps, "attend", lambda *a: taken.append(a))
     q, k, v = _qkv()
     mask = _decode_mask()
     module = _Layer()
@@ -276,9 +278,9 @@ def test_generate_on_a_padded_batch_gives_sdpa_tokens(monkeypatch):
     keep = torch.ones(3, 10, dtype=torch.long)
     keep[1, :3], keep[2, :6] = 0, 0
     ids[keep == 0] = 0
-    steps = []
-    original = decode.attend
-    monkeypatch.setattr(decode, "attend", lambda *a: steps.append(1) or original(*a))
+    calls = []
+    original = steps.attend
+    monkeypatch.setattr(steps, "attend", lambda *a: calls.append(1) or original(*a))
     model = _qwen2("sdpa")
     tokens = {}
     for impl in ("sdpa", "multihead"):
@@ -290,7 +292,7 @@ def test_generate_on_a_padded_batch_gives_sdpa_tokens(monkeypatch):
             )  # fmt: skip
     assert tokens["multihead"].shape == (3, 22)
     assert torch.equal(tokens["sdpa"], tokens["multihead"])
-    assert len(steps) == 2 * 11  # both layers of every step after the prompt's
+    assert len(calls) == 2 * 11  # both layers of every step after the prompt's
 
 
 def test_capture_inside_generate_still_records_every_step():

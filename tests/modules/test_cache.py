@@ -87,6 +87,55 @@ def test_rolling_cache_equals_sliding_window_recompute():
     assert cache.capacity == 4 and cache.nbytes == before == 2 * 3 * 4 * H_KV * 2 * D * 4
 
 
+@pytest.mark.parametrize("kind", ["growing", "rolling"])
+def test_one_token_steps_take_the_short_path_on_the_kernel(monkeypatch, kind):
+    """A step of one token per row runs every layer through ``backends.steps``: checked and
+    chosen on the first layer, then the fused kernel prepared once for the step (``auto``
+    made to pick it: the tests turn its measurement off). Every row still equals the whole
+    recompute (``_run``'s rule), and no layer's call goes through ``registry.run``."""
+    from multihead.backends import fused, registry, steps
+
+    monkeypatch.setattr(registry, "_CHOICES", {})
+    monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
+    stepped, routed, ran = [], [], []
+    attend, route, run = steps.attend, steps._route, registry.run
+    monkeypatch.setattr(steps, "attend", lambda *a: stepped.append(a[0].shape) or attend(*a))
+    monkeypatch.setattr(steps, "_route", lambda *a: routed.append(1) or route(*a))
+    monkeypatch.setattr(registry, "run", lambda *a: ran.append(a[0].shape) or run(*a))
+    stack = _stack()
+    window = 4 if kind == "rolling" else None
+    _run(stack, mh.KVCache(2, 3, H_KV, D, window=window), window=window)
+    one_token = sum(1 for s in STEPS if max(s) == 1)  # steps whose every row has one token
+    assert len(stepped) == 2 * one_token  # both layers of each
+    assert len(routed) == one_token  # the first layer works the route out, the second reuses it
+    # registry.run saw the prompts, the 3-token step and the full recomputes, no step's call
+    assert all(shape[2] != 1 for shape in ran)
+
+
+def test_the_short_path_is_not_taken_for_training_or_a_bias(monkeypatch):
+    """Dropout while training and an explicit bias take ``attention`` as before; the same
+    step in eval mode takes the short path."""
+    from multihead.backends import steps
+
+    attn = mh.MultiHeadAttention(E, H, num_kv_heads=H_KV, dropout=0.5)
+    cache = mh.KVCache(1, 1, H_KV, D)
+    calls = []
+    real = steps.attend
+    monkeypatch.setattr(steps, "attend", lambda *a: calls.append(1) or real(*a))
+    cache.begin(1)
+    attn.train()
+    attn(torch.randn(1, 1, E), cache=cache[0])
+    cache.begin(1)
+    attn.eval()
+    with torch.no_grad():
+        attn(torch.randn(1, 1, E), cache=cache[0], bias=torch.zeros(1, H, 1, 2))
+    assert calls == []
+    cache.begin(1)
+    with torch.no_grad():
+        attn(torch.randn(1, 1, E), cache=cache[0])
+    assert calls == [1]
+
+
 def test_growing_cache_grows_and_fixed_refuses():
     stack = _stack(1)
     cache = mh.KVCache(1, 1, H_KV, D)

@@ -1,16 +1,18 @@
-"""The decoding step's attention call on a short path: one query row over a KV cache.
+"""A decoding step's attention calls on a short path: one query row over a KV cache, every
+layer of the step with the same mask object.
 
-Inside ``generate()`` transformers calls the attention function once per layer and new token,
-with L = 1 and the mask ``make_mask`` made once for the step. What such a call needs besides
-its tensors (the mask as the kernel runs it, whether its heads fold, the backend ``auto``
-picks) depends only on that mask object and the call's shapes, dtypes, devices and scale: it
-is worked out on the step's first call, after the whole validation of
-``multihead.attention``, and kept on the mask for the calls of the other layers, which then
-go straight to the chosen backend prepared for them (``registry.prepared``: the fused kernel
-with its work list and other arguments made once), or where it prepares nothing to
-``registry.run``; a prepared kernel that meets NaN or ±inf hands the call to ``registry.run``,
-whose careful path applies the NaN rule. A new step (a longer cache, other padding) brings a
-new mask, so nothing kept can be stale.
+At a decoding step the model calls attention once per layer with L = 1 and the one mask made
+for the step (transformers' ``make_mask``, a ``KVCache``'s step mask). What such a call needs
+besides its tensors (the mask as the kernel runs it, whether its heads fold, the backend
+``auto`` picks, that backend prepared for the call) depends only on that mask object and the
+call's shapes, dtypes, devices and scale: it is worked out on the step's first call, after the
+whole validation of ``multihead.attention``, and kept on the mask for the calls of the other
+layers (calls without a mask keep theirs by signature, and a growing cache makes each step's
+signature new). Those calls go straight to the chosen backend prepared for them
+(``registry.prepared``: the fused kernel with its work list and other arguments made once), or
+where it prepares nothing to ``registry.run``; a prepared kernel that meets NaN or ±inf hands
+the call to ``registry.run``, whose careful path applies the NaN rule. A new step (a longer
+cache, other padding) brings a new mask, so nothing kept can be stale.
 
 Grouped-query heads fold into query rows: at L = 1 the H / H_kv query heads of a group read
 the same key/value head and (where the mask is the same for every head) see the same keys,
@@ -27,15 +29,16 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .. import bias as mb
 from .. import masks
-from ..backends import registry
-from ..backends.call import Call, heads_as_rows, prepare
 from ..masks import Mask, TileKind
+from . import registry
+from .call import Call, heads_as_rows, prepare
 
-__all__ = ["attend"]
+__all__ = ["applies", "attend"]
 
 
 @dataclass(frozen=True)
@@ -58,9 +61,28 @@ class _Route:
 
 # the routes of each mask object, by call signature: they die with the step's mask
 _ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
-# the routes of unmasked calls, whose backend stays "auto" (no step bounds their life)
+# the routes of unmasked calls, by signature (a cache that grows makes each step's new; a
+# fixed one, as cross-attention's, keeps its route): at most _UNMASKED_KEPT
 _UNMASKED: dict[tuple, _Route] = {}
 _UNMASKED_KEPT = 64
+
+
+def applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
+    """Whether ``attend`` may take a call as a decoding step's: one query row (B, H, 1, D), no
+    gradient wanted and no graph being traced (torch.compile, torch.export and both ONNX
+    exporters, the TorchScript one through torch.jit: a graph takes the whole path). The
+    caller adds what its own call may carry besides (a bias, dropout)."""
+    return (
+        query.dim() == 4
+        and query.shape[2] == 1
+        and not (
+            torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
+        and not torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and not torch.jit.is_tracing()
+    )
 
 
 def attend(
@@ -140,8 +162,8 @@ def _route(
     softcap: float | None,
 ) -> _Route:
     """The route of a call: checked as ``multihead.attention`` checks it, folded where its
-    mask is the same for every head, with ``auto``'s choice for the call as run (without a
-    mask nothing bounds the route's life, so ``auto`` chooses on every call)."""
+    mask is the same for every head, with ``auto``'s choice for the call as run and that
+    backend prepared for it where it prepares calls."""
     cap = None if softcap is None else mb.softcap(float(softcap))
     call = prepare(query, key, value, mask, cap, scale, 0.0, False)  # every check
     b, h, h_kv, _, length_k, d = call.shape
@@ -154,12 +176,11 @@ def _route(
             )
     folded = None if grouped is None else (b, h_kv, h // h_kv, d)
     call = grouped or call  # the same call, its checks passed, as rows of the groups
-    backend = "auto" if mask is None else registry.select(call, "auto")
+    backend = registry.select(call, "auto")
     own = rows is mask
     out_shape = (b, 1, h, value.shape[-1])
-    # a backend chosen for the step may prepare its calls once (the mask object keeps the route
-    # no longer than the step, and every layer's call is alike)
-    direct = None if mask is None else registry.prepared(call, backend)
+    # the chosen backend may prepare the calls once: every layer's call of the step is alike
+    direct = registry.prepared(call, backend)
     route = _Route(folded, own, None if own else rows, backend, call.scale, call.softcap, out_shape)
     return dataclasses.replace(route, direct=direct)
 
