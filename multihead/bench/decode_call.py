@@ -38,7 +38,8 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     backend the bridge runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..backends import fused, steps
+    from .. import steps
+    from ..backends import fused
     from ..backends.call import Call
     from ..hf import attention, make_mask
 

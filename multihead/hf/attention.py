@@ -7,7 +7,7 @@ for what the architecture adds. It returns transformers' layout, the output (B, 
 the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention`` or
 ``attention_with_weights``: every keyword a model passes becomes multihead's own vocabulary,
 and one it cannot honour is refused by name. A decoding step's call (one query row) takes
-the short path of ``backends.steps.attend``, to the same result.
+the short path of ``steps.attend``, to the same result.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import bias as mb
-from ..backends import steps
+from .. import steps
 from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
+from .. import steps
 from .._saveable import saveable
-from ..backends import steps
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
 from .cache import LayerCache
@@ -176,7 +176,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self._dropout_p()
         stepping = cache is not None and bias is None and dropout_p == 0.0
         if stepping and (mask is None or isinstance(mask, Mask)) and steps.applies(q, k, v):
-            # a decoding step: every layer's call has the step's mask (backends/steps.py)
+            # a decoding step: every layer's call has the step's mask (multihead/steps.py)
             out = steps.attend(q, k, v, mask, None, None)
             return self.out_proj(out.reshape(out.shape[0], 1, -1))  # (B, 1, H, D_v) -> merged
         out = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p)

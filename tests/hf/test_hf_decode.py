@@ -1,4 +1,4 @@
-"""The decoding step's short path (``multihead/backends/steps.py``) through transformers'
+"""The decoding step's short path (``multihead/steps.py``) through transformers'
 attention interface: one query row per call, grouped heads folded into rows, the checks and
 the backend choice kept per mask object.
 
@@ -18,8 +18,7 @@ import transformers as tf
 from transformers import masking_utils as mu
 
 import multihead
-from multihead import bias, masks
-from multihead.backends import steps
+from multihead import bias, masks, steps
 from multihead.hf import attention as hf_attention
 from multihead.hf import capture, make_mask
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import bias as mb
-from .. import masks
-from ..masks import Mask, TileKind
-from . import registry
-from .call import Call, heads_as_rows, prepare
+from . import bias as mb
+from . import masks
+from .backends import registry
+from .backends.call import Call, heads_as_rows, prepare
+from .masks import Mask, TileKind
 
 __all__ = ["applies", "attend"]
 
