@@ -35,7 +35,7 @@ from torch import Tensor
 from . import bias as mb
 from . import masks
 from .backends import registry
-from .backends.call import Call, heads_as_rows, prepare
+from .backends.call import Call, heads_as_rows, prepare, traced
 from .masks import Mask, TileKind
 
 __all__ = ["applies", "attend"]
@@ -79,8 +79,7 @@ def applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
             torch.is_grad_enabled()
             and (query.requires_grad or key.requires_grad or value.requires_grad)
         )
-        and not torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
+        and not traced()
         and not torch.jit.is_tracing()
     )
 
@@ -124,10 +123,7 @@ def attend(
         if out is not None:
             return out.reshape(route.out_shape)
         # NaN or ±inf in what the kernel read: the NaN rule's careful path, through the registry
-    call = Call(
-        rows, key, value, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
-        softcap=route.softcap, traced=False, exported=False,
-    )  # fmt: skip
+    call = route_call(route, rows, key, value, mask)
     try:
         out = registry.run(call, route.backend)[0]
     except ValueError:
@@ -140,6 +136,15 @@ def attend(
     if out is None:
         raise RuntimeError(f"the attention backend {route.backend!r} returned no output")
     return out.reshape(route.out_shape)
+
+
+def route_call(route: _Route, rows: Tensor, key: Tensor, value: Tensor, mask: Mask | None) -> Call:
+    """The ``Call`` a route runs: ``rows`` the query as the route shapes it (folded or not),
+    ``mask`` the one the route is kept under, its checks already passed."""
+    return Call(
+        rows, key, value, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
+        softcap=route.softcap, traced=False, exported=False,
+    )  # fmt: skip
 
 
 def _kept(mask: Mask | None) -> dict[tuple, _Route]:
@@ -181,8 +186,8 @@ def _route(
     out_shape = (b, 1, h, value.shape[-1])
     # the chosen backend may prepare the calls once: every layer's call of the step is alike
     direct = registry.prepared(call, backend)
-    route = _Route(folded, own, None if own else rows, backend, call.scale, call.softcap, out_shape)
-    return dataclasses.replace(route, direct=direct)
+    mask_kept = None if own else rows
+    return _Route(folded, own, mask_kept, backend, call.scale, call.softcap, out_shape, direct)
 
 
 def _rows(mask: Mask, batch: int, length_k: int) -> tuple[bool, Mask | None]:

@@ -549,10 +549,11 @@ def prepared(call: Call) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | 
     decoding step's layers then pay the kernel and little else. The function returns None
     where a block the kernel read held NaN or ±inf. None for a call ``run`` would not hand to
     the kernel as it is: gradients, weights, chosen heads, a traced graph, or grouped heads
-    that ``run`` would fold itself."""
+    that ``run`` would fold itself. (``registry.prepared`` asks only for a call ``select``
+    gave this backend: its checks have passed.)"""
     if call.traced or call.needs_grad or call.return_weights or call.heads is not None:
         return None
-    if _folded(call) is not None or BACKEND.why_not(call) is not None:
+    if _folded(call) is not None:
         return None
     rest = _args(call, shared=True)[3:]
     forward = build().forward

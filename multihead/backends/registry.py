@@ -261,7 +261,7 @@ def _measured_lead(
         return leader, why, notes
     for name in able[1:]:  # as _choose: each against the leader so far
         measured = _registered[name].measured
-        rival = _rival(call, able, leader, name)
+        rival = None if measured is None else _rival(call, able, leader, name)
         if measured is None or rival is None:
             continue
         known = measured(call, None)

@@ -40,7 +40,6 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
 
     from .. import steps
     from ..backends import fused
-    from ..backends.call import Call
     from ..hf import attention, make_mask
 
     g = torch.Generator().manual_seed(0)
@@ -56,11 +55,9 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
     (route,) = steps._ROUTES[mask].values()
-    rows = q if route.folded is None else q.reshape(route.folded)
-    call = Call(
-        rows, k, v, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
-        softcap=None, traced=False, exported=False,
-    )  # fmt: skip
+    call = steps.route_call(
+        route, q if route.folded is None else q.reshape(route.folded), k, v, mask
+    )
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step
 
