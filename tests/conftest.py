@@ -17,6 +17,18 @@ os.environ.setdefault("MULTIHEAD_FUSED_AUTO", "0")
 os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
 
 
+@pytest.fixture
+def full_fp32():
+    """fp32 matmuls in full fp32 on a GPU (TF32 would round the inputs to 10 bits), restored
+    afterwards; nothing changes on the CPU."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(scope="session")
 def vader():
     """The folder of the VADER ground truth (the cache, filled from ../shared/data or the

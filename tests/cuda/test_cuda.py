@@ -25,12 +25,8 @@ SHAPE = (2, 4, 2, 67, 93, 32, 24)  # B, H, H_kv, L, S, D, D_v: odd lengths on pu
 
 
 @pytest.fixture(autouse=True)
-def _exact_fp32():
-    """fp32 matmuls in full fp32 (TF32 would round the inputs to 10 bits)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+def _exact_fp32(full_fp32):
+    """Every test here in full fp32 (conftest.py's ``full_fp32``)."""
 
 
 def _on(device, *tensors):

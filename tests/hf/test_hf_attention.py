@@ -90,14 +90,9 @@ def _rows(weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     ],
 )
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
-def test_parity_with_eager(arch, device):
+def test_parity_with_eager(arch, device, full_fp32):
     model = build(arch).to(device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32 on a GPU, as tests/cuda
-    try:
-        want, got = run(model, arch, "eager", device), run(model, arch, "multihead", device)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    want, got = run(model, arch, "eager", device), run(model, arch, "multihead", device)
     valid = want["valid"]
     scale = want["out"][valid].abs().max()
     assert (want["out"] - got["out"])[valid].abs().max() <= OUT_RTOL * scale

@@ -312,12 +312,9 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @pytest.fixture
-def cuda_fp32():
-    """fp32 matmuls in full fp32 on the GPU (TF32 rounds inputs to 10 bits), as tests/cuda."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield "cuda"
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+def cuda_fp32(full_fp32):
+    """The device of the GPU tests, in full fp32 (conftest.py's ``full_fp32``)."""
+    return "cuda"
 
 
 @CUDA
