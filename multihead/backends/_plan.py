@@ -4,8 +4,10 @@ For every tile of query rows the mask reports the visible key range and whether 
 fully visible or partly visible. A partly visible range is cut into key blocks the width of the
 tile: fully visible blocks need no mask, exact triangles run on a causal kernel, empty blocks are
 dropped, and only the rest keeps a bool block. The plan knows nothing about the kernels that
-execute it; it only asks the mask (``tile``, ``block``, ``blocks``, ``tile_rows``,
-``structure_key``), never which kind of mask it is.
+execute it; it only asks the mask (``tile``, ``rect_kind``, ``block``, ``blocks``,
+``tile_rows``, ``structure_key``), never which kind of mask it is. A key block the mask can
+call empty or fully visible (``rect_kind``) is never evaluated: a causal tile evaluates its
+diagonal square, not every key it sees.
 """
 
 from __future__ import annotations
@@ -98,36 +100,101 @@ def _kind(block: Tensor) -> str:
     return _pattern(block) or "mask"
 
 
-def _chunks(keep: Tensor, start: int) -> list[Chunk]:
-    """Split a partly visible block into key blocks the width of the tile, anchored at its right
-    end (where a band's diagonal is): fully visible blocks run without a mask, triangles run as
-    causal squares, empty blocks are dropped, and the rest is merged into masked chunks."""
-    rows, width = keep.shape[2], keep.shape[3]
-    keep = keep.expand(-1, -1, rows, -1)
-    step = max(rows, _MIN_FULL_RUN)
+Piece = tuple[int, int, str, "Tensor | None"]  # keys [k0, k1), its kind, its keep block
+
+
+def _pieces(
+    mask: Mask,
+    batch: int | None,
+    b: int,
+    size: tuple[int, int],
+    rows: tuple[int, int],
+    keys: tuple[int, int],
+    device,
+) -> list[Piece]:
+    """A partly visible key range of one query tile cut into key blocks the width of the tile,
+    anchored at its right end (where a band's diagonal is), each with its kind ("full",
+    "tril", "triu" or "mask"); empty blocks are left out. The mask is asked first
+    (``rect_kind``: exact for bands, cheap for the other kinds); only the blocks it cannot
+    call empty or fully visible are evaluated, so a band's tile evaluates its diagonal alone.
+    A block comes as [b|1, H|1, rows, width], with one row for a mask that does not depend on
+    the query (key padding), whose blocks are then the narrowest worth a kernel call; a fully
+    visible one as None."""
+    (length_q, length_k), (q0, q1), (start, stop) = size, rows, keys
+    width = stop - start
+    probe = mask.block(
+        length_q, length_k, q0, min(q0 + 2, q1), start, start + 1, batch=batch, device=device
+    )
+    height = q1 - q0 if probe.shape[2] > 1 else 1
+    step = max(height, _MIN_FULL_RUN)
     edges = sorted({0, *range(width, 0, -step)})
-    pieces: list[tuple[int, int, str]] = []  # (a, b, "full" | "tril" | "triu" | "mask")
-    for a, b in itertools.pairwise([*edges, width]):
-        kind = _kind(keep[..., a:b])
-        if kind == "empty":
+    pieces: list[Piece] = []
+    for a, z in itertools.pairwise([*edges, width]):
+        k0, k1 = start + a, start + z
+        known = mask.rect_kind(length_q, length_k, q0, q1, k0, k1, batch=b)
+        if known == TileKind.EMPTY:
             continue
-        if pieces and pieces[-1][1] == a and kind == pieces[-1][2] and kind in ("full", "mask"):
-            pieces[-1] = (pieces[-1][0], b, kind)  # merge neighbours of the same kind
+        if known == TileKind.FULL and k1 - k0 >= _MIN_FULL_RUN:
+            pieces.append((k0, k1, "full", None))
+            continue
+        block = mask.block(length_q, length_k, q0, q1, k0, k1, batch=batch, device=device)
+        # a mask that does not depend on the key gives a block one column wide: widen it, or
+        # only the first key would be read
+        block = block.expand(*block.shape[:2], height, k1 - k0)
+        kind = _kind(block)
+        if kind != "empty":
+            pieces.append((k0, k1, kind, block))
+    return pieces
+
+
+def _seeing(pieces: list[Piece], rows: int) -> tuple[int, int] | None:
+    """The first and one past the last of a tile's ``rows`` rows that see a key in ``pieces``;
+    None when none does. Blocks of one row stand for every row."""
+    if not pieces:
+        return None
+    if any(kind == "full" or block.shape[2] == 1 for _, _, kind, block in pieces):
+        return 0, rows
+    seeing = None
+    for *_, block in pieces:
+        assert block is not None  # only fully visible pieces come without a block
+        row = block.any(dim=-1).any(dim=1).any(dim=0)
+        seeing = row if seeing is None else seeing | row
+    assert seeing is not None
+    found = torch.nonzero(seeing).flatten()
+    return int(found[0]), int(found[-1]) + 1
+
+
+def _joined(blocks: list[Tensor]) -> Tensor:
+    """Neighbouring key blocks of one tile as one block (keys side by side)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    lead = torch.broadcast_shapes(*(t.shape[:3] for t in blocks))
+    return torch.cat([t.expand(*lead, t.shape[-1]) for t in blocks], dim=-1)
+
+
+def _chunks(pieces: list[Piece]) -> list[Chunk]:
+    """A tile's pieces as chunks: fully visible runs need no mask, triangles run as causal
+    squares, and neighbouring masked pieces merge into one masked chunk."""
+    runs: list[tuple[int, int, str, list]] = []  # (k0, k1, kind, blocks)
+    for k0, k1, kind, block in pieces:
+        last = runs[-1] if runs else None
+        if last is not None and last[1] == k0 and kind == last[2] and kind in ("full", "mask"):
+            runs[-1] = (last[0], k1, kind, [*last[3], block])
         else:
-            pieces.append((a, b, kind))
+            runs.append((k0, k1, kind, [block]))
     chunks = []
-    for a, b, kind in pieces:
+    for k0, k1, kind, blocks in runs:
         if kind == "full":
-            chunks.append(Chunk(start + a, start + b, None))
+            chunks.append(Chunk(k0, k1, None))
             continue
-        block = keep[..., a:b]
+        block = _joined(blocks)
         if kind == "mask":
             live, seen = block.any(dim=2)[..., None], block.any(dim=-1)
             live = None if bool(live.all()) else live
             seen = None if bool(seen.all()) else seen
-            chunks.append(Chunk(start + a, start + b, block, live, None, seen))
+            chunks.append(Chunk(k0, k1, block, live, None, seen))
         else:  # a triangle: every row and every key of the square takes part
-            chunks.append(Chunk(start + a, start + b, block, None, kind, None))
+            chunks.append(Chunk(k0, k1, block, None, kind, None))
     return chunks
 
 
@@ -271,22 +338,18 @@ def _items(mask, group, b, length_q, length_k, q0, q1, answer, device) -> list[I
     if answer.kind == TileKind.FULL:
         return [Item(group, q0, q1, (Chunk(answer.start, answer.stop, None),))]
     batch = None if group.start is None else b
-    keep = mask.block(
-        length_q, length_k, q0, q1, answer.start, answer.stop, batch=batch, device=device
-    )
-    # a mask that does not depend on the key gives a block one column wide: widen it, or only
-    # the first key would be read
-    keep = keep.expand(*keep.shape[:3], answer.stop - answer.start)
-    seeing = torch.nonzero(keep.any(dim=-1).any(dim=1).any(dim=0)).flatten()
-    if seeing.numel() == 0:
+    size, keys = (length_q, length_k), (answer.start, answer.stop)
+    pieces = _pieces(mask, batch, b, size, (q0, q1), keys, device)
+    seeing = _seeing(pieces, q1 - q0)
+    if seeing is None:
         return []
-    lo, hi = int(seeing[0]), int(seeing[-1]) + 1
-    if keep.shape[2] > 1 and (lo, hi) != (0, q1 - q0):
+    lo, hi = seeing
+    if (lo, hi) != (0, q1 - q0):
         trimmed = mask.tile(length_q, length_k, q0 + lo, q0 + hi, batch=b)
         if trimmed.kind == TileKind.EMPTY:
             return []
         return _items(mask, group, b, length_q, length_k, q0 + lo, q0 + hi, trimmed, device)
-    chunks = _chunks(keep, answer.start)
+    chunks = _chunks(pieces)
     if _mostly_hidden(chunks, q1 - q0):
         # a tile across a document boundary: split the rows
         mid = (q0 + q1) // 2
