@@ -162,9 +162,14 @@ def attention_with_weights(
     index = check_heads(heads, V.check_qkv(query, key, value)[1])
     call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
     if dropout_p == 0.0:  # one pass where the backend computes chosen heads' weights alone
-        chosen = replace(call, return_weights=True, heads=tuple(index))
-        name = registry.select(replace(chosen, heads=None), backend)
-        if registry.BACKENDS[name].capabilities.heads:
+        # chosen as the call without weights is: that pass is the plain call's with a few
+        # heads' weights written too, so the backend that leads the plain call leads it (a
+        # model's other layers have measured that class already, and its measurement never
+        # writes every head's weights, as a measurement of the all-heads weights call would)
+        name, chosen = registry.select(call, backend), replace(call, heads=tuple(index))
+        chosen = replace(chosen, return_weights=True)
+        runner = registry.BACKENDS[name]
+        if runner.capabilities.heads and runner.why_not(chosen) is None:
             out, weights = registry.run(chosen, name)
             return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
     out = registry.run(call, backend)[0]

@@ -619,6 +619,29 @@ def test_auto_times_a_proxy_of_long_calls(measuring, monkeypatch):
     assert (out.double() - want).abs().max() < 1e-5
 
 
+def test_chosen_heads_are_chosen_by_the_plain_call_and_measure_no_weights(measuring, monkeypatch):
+    """attention_with_weights(heads=) picks its backend as the call without weights is picked:
+    in a model the other layers have measured that class already, and its proxy never
+    writes every head's weights. The kernel then runs one pass for the chosen heads."""
+    q, k, v = qkv(1, 4, 2, 600, 600, 16, dtype=torch.float32, seed=3)
+    mask = masks.causal()
+    measuring += [1.0, 2.0]  # the plain class: the kernel, then sdpa
+    mh.attention(q, k, v, mask)  # another layer of the model
+    assert mh.explain_backend(q, k, v, mask).backend == "fused"
+    calls = []
+    real = fused._args
+    monkeypatch.setattr(
+        fused, "_args", lambda call, **kw: calls.append(call.heads) or real(call, **kw)
+    )
+    part = mh.attention_with_weights(q, k, v, mask, heads=[3, 0])
+    assert calls == [(3, 0)]  # one pass on the kernel, no measurement run
+    assert measuring == [] and len(fused._MEASURED) == 1
+    assert "not been timed yet" in mh.explain_backend(q, k, v, mask, weights=True).reasons["fused"]
+    want = mh.attention_with_weights(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(part.weights, want.weights[:, [3, 0]], rtol=0, atol=1e-6)
+    torch.testing.assert_close(part.output, want.output, rtol=0, atol=1e-6)
+
+
 def test_auto_measures_nothing_for_calls_fused_cannot_run(measuring):
     q, k, v = qkv(1, 2, 2, 8, 8, 4, dtype=torch.float32)
     assert mh.explain_backend(q, k, v, dropout_p=0.2).backend != "fused"
