@@ -166,8 +166,8 @@ def attention_with_weights(
         # heads' weights written too, so the backend that leads the plain call leads it (a
         # model's other layers have measured that class already, and its measurement never
         # writes every head's weights, as a measurement of the all-heads weights call would)
-        name, chosen = registry.select(call, backend), replace(call, heads=tuple(index))
-        chosen = replace(chosen, return_weights=True)
+        name = registry.select(call, backend)
+        chosen = replace(call, return_weights=True, heads=tuple(index))
         runner = registry.BACKENDS[name]
         if runner.capabilities.heads and runner.why_not(chosen) is None:
             out, weights = registry.run(chosen, name)

@@ -747,11 +747,13 @@ def test_decoding_calls_that_differ_by_head_do_not_fold(monkeypatch):
     assert seen == [(b, h, 1, d), (b, h, 1, d)]
 
 
-@pytest.mark.parametrize("length_q", [1, 5])
+@pytest.mark.parametrize("length_q", [1, 3, 5])
 def test_bf16_decoding_reads_the_cache_in_place_within_the_2x_rule(length_q):
-    """Decoding over a bf16 cache widens keys and values as it loads them (no float copy of
-    the cache) and keeps the 2x rule; an odd head dim takes the vector code's tails."""
-    for d in (64, 15):
+    """Decoding over a bf16 cache reads keys and values as they are stored (no float copy of
+    the cache; the scores by the CPU's bf16 dot products where it has them and the head dim is
+    a multiple of 32) and keeps the 2x rule, for 2, 6 and 10 query rows per key (1, 3, 8 + 2
+    rows at a time); an odd head dim takes the widening code's tails."""
+    for d in (128, 64, 15):
         q, k, v = (t.to(torch.bfloat16) for t in qkv(2, 4, 2, length_q, 1500, d, seed=length_q + d))
 
         def run(q, k, v):
