@@ -753,8 +753,80 @@ inline void gemm_nt_widened(int64_t m, int64_t n, int64_t k, float alpha, const 
                                next_n);
 }
 
+#if defined(__AVX512BF16__)
+// C[R, n] += P V for R rows of bf16 weights P (row stride ldp) over k value rows of V (bf16, row
+// stride ldb), n a multiple of 16, by the CPU's bf16 dot products: two consecutive value rows
+// are interleaved into pairs (one permute serves all R rows), and each instruction adds both
+// keys' products to 16 columns. An odd last key is widened and added on its own.
+template <int R>
+void values_rows_bf16(int64_t n, int64_t k, const at::BFloat16* pb, int64_t ldp,
+                      const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc) {
+  alignas(64) static constexpr uint16_t kPairs[32] = {
+      0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};  // row p, row p + 1
+  const __m512i pairs = _mm512_load_si512(kPairs);
+  const int64_t even = k / 2 * 2;
+  for (int64_t u = 0; u < n; u += 16) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < even; p += 2) {
+      const __m512i first = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * ldb + u)));
+      const __m512i second = _mm512_castsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (p + 1) * ldb + u)));
+      const __m512bh y = (__m512bh)_mm512_permutex2var_epi16(first, pairs, second);
+      for (int r = 0; r < R; ++r) {
+        int32_t w;  // the weights of keys p and p + 1, one pair
+        std::memcpy(&w, pb + r * ldp + p, sizeof(w));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(w), y);
+      }
+    }
+    if (even < k) {
+      const VF y = load_widened(b + even * ldb + u);
+      for (int r = 0; r < R; ++r) {
+        VF a;
+        std::memcpy(&a, &acc[r], sizeof(a));
+        a += static_cast<float>(pb[r * ldp + even]) * y;
+        std::memcpy(&acc[r], &a, sizeof(a));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* cr = c + r * ldc + u;
+      _mm512_storeu_ps(cr, _mm512_add_ps(_mm512_loadu_ps(cr), acc[r]));
+    }
+  }
+}
+
+// C[m, n] += round_bf16(A) V for decoding's product with a bf16 cache: the weights are rounded
+// to bf16 (as the block products of longer calls round them, and as the naive formula in bf16
+// does), then values_rows_bf16 8 rows at a time
+inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                      const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc) {
+  thread_local std::vector<at::BFloat16> rounded;
+  rounded.resize(m * k);
+  for (int64_t i = 0; i < m; ++i) to_bf16(rounded.data() + i * k, a + i * lda, k);
+  for (int64_t i = 0; i < m; i += 8) {
+    const at::BFloat16* pi = rounded.data() + i * k;
+    float* ci = c + i * ldc;
+    switch (std::min<int64_t>(8, m - i)) {
+      case 1: values_rows_bf16<1>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 2: values_rows_bf16<2>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 3: values_rows_bf16<3>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 4: values_rows_bf16<4>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 5: values_rows_bf16<5>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 6: values_rows_bf16<6>(n, k, pi, k, b, ldb, ci, ldc); break;
+      case 7: values_rows_bf16<7>(n, k, pi, k, b, ldb, ci, ldc); break;
+      default: values_rows_bf16<8>(n, k, pi, k, b, ldb, ci, ldc); break;
+    }
+  }
+}
+#endif
+
 inline void gemm_widened(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                          const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc) {
+#if defined(__AVX512BF16__)
+  if (n % 16 == 0) return gemm_bf16(m, n, k, a, lda, b, ldb, c, ldc);
+#endif
   if (n % kLanes == 0) return gemm_few<float, at::BFloat16>(m, n, k, a, lda, b, ldb, c, ldc);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t p = 0; p < k; ++p) {
@@ -1326,7 +1398,7 @@ template <typename T, typename E>
 void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
                   const T* p, int64_t ldp, T* acc) {
   if constexpr (Inputs<T, E>::kHalf) {
-    if (in.vt == nullptr) {  // decoding: the bf16 values in place, the weights in float
+    if (in.vt == nullptr) {  // decoding: the bf16 values in place (gemm_widened)
       gemm_widened(m, in.Dv, n, p, ldp, in.vrow(task.b, task.h, kb), in.vsr, acc, in.Dv);
       return;
     }
