@@ -562,6 +562,26 @@ inline VF load_as(const at::BFloat16* p) {
   return load_widened(p);
 }
 
+// f(i, rows) for the rows [i, i + R) of m, 8 at a time and then the rest, with R a constant
+// (std::integral_constant): decoding's row loops take their row count as a template argument,
+// so their R accumulators stay in registers.
+template <typename F>
+inline void in_row_blocks(int64_t m, F&& f) {
+  using std::integral_constant;
+  for (int64_t i = 0; i < m; i += 8) {
+    switch (std::min<int64_t>(8, m - i)) {
+      case 1: f(i, integral_constant<int, 1>{}); break;
+      case 2: f(i, integral_constant<int, 2>{}); break;
+      case 3: f(i, integral_constant<int, 3>{}); break;
+      case 4: f(i, integral_constant<int, 4>{}); break;
+      case 5: f(i, integral_constant<int, 5>{}); break;
+      case 6: f(i, integral_constant<int, 6>{}); break;
+      case 7: f(i, integral_constant<int, 7>{}); break;
+      default: f(i, integral_constant<int, 8>{}); break;
+    }
+  }
+}
+
 // C[R, n] = alpha * A B^T for R rows of A (T, row stride lda) and n rows of B (E, row stride
 // ldb): decoding's scores. Each vector of a key row is loaded (and widened) once and serves
 // all R query rows, whose sums over the vectors stay in R registers and are summed across
@@ -606,22 +626,12 @@ void gemm_nt(int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, 
              int64_t ldb, T* c, int64_t ldc, const E* next = nullptr, int64_t next_ld = 0,
              int64_t next_n = 0) {
   const int64_t ld = next_ld * sizeof(E), bytes = next_n * sizeof(E);
-  for (int64_t i = 0; i < m; i += 8) {
-    const T* ai = a + i * lda;
-    T* ci = c + i * ldc;
+  in_row_blocks(m, [&](int64_t i, auto rows) {
     // the values are fetched once, with the first rows
     const char* nx = i == 0 ? reinterpret_cast<const char*>(next) : nullptr;
-    switch (std::min<int64_t>(8, m - i)) {
-      case 1: dots_rows<T, E, 1>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 2: dots_rows<T, E, 2>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 3: dots_rows<T, E, 3>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 4: dots_rows<T, E, 4>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 5: dots_rows<T, E, 5>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 6: dots_rows<T, E, 6>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 7: dots_rows<T, E, 7>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      default: dots_rows<T, E, 8>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-    }
-  }
+    constexpr int R = decltype(rows)::value;
+    dots_rows<T, E, R>(n, k, alpha, a + i * lda, lda, b, ldb, c + i * ldc, ldc, nx, ld, bytes);
+  });
 }
 
 // C[R, u .. u + lanes) += A B for R rows of A (T, row stride lda) over k rows of B (E, row
@@ -662,20 +672,10 @@ void values_rows(int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int6
 template <typename T, typename E>
 void gemm_few(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const E* b, int64_t ldb,
               T* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; i += 8) {
-    const T* ai = a + i * lda;
-    T* ci = c + i * ldc;
-    switch (std::min<int64_t>(8, m - i)) {
-      case 1: values_rows<T, E, 1>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 2: values_rows<T, E, 2>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 3: values_rows<T, E, 3>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 4: values_rows<T, E, 4>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 5: values_rows<T, E, 5>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 6: values_rows<T, E, 6>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      case 7: values_rows<T, E, 7>(n, k, ai, lda, b, ldb, ci, ldc); break;
-      default: values_rows<T, E, 8>(n, k, ai, lda, b, ldb, ci, ldc); break;
-    }
-  }
+  in_row_blocks(m, [&](int64_t i, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    values_rows<T, E, R>(n, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -702,11 +702,7 @@ void dots_rows_bf16(int64_t n, int64_t k, float alpha, const at::BFloat16* a, in
       for (int r = 0; r < R; ++r)
         acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(a + r * lda + p), y);
     }
-    for (int r = 0; r < R; ++r) {
-      VF lanes;
-      std::memcpy(&lanes, &acc[r], sizeof(lanes));
-      c[r * ldc + j] = alpha * tree_sum(lanes);
-    }
+    for (int r = 0; r < R; ++r) c[r * ldc + j] = alpha * tree_sum(acc[r]);
   }
 }
 
@@ -715,21 +711,11 @@ inline void gemm_nt_bf16(int64_t m, int64_t n, int64_t k, float alpha, const at:
                          int64_t lda, const at::BFloat16* b, int64_t ldb, float* c, int64_t ldc,
                          const at::BFloat16* next, int64_t next_ld, int64_t next_n) {
   const int64_t ld = next_ld * 2, bytes = next_n * 2;
-  for (int64_t i = 0; i < m; i += 8) {
-    const at::BFloat16* ai = a + i * lda;
-    float* ci = c + i * ldc;
+  in_row_blocks(m, [&](int64_t i, auto rows) {
     const char* nx = i == 0 ? reinterpret_cast<const char*>(next) : nullptr;
-    switch (std::min<int64_t>(8, m - i)) {
-      case 1: dots_rows_bf16<1>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 2: dots_rows_bf16<2>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 3: dots_rows_bf16<3>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 4: dots_rows_bf16<4>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 5: dots_rows_bf16<5>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 6: dots_rows_bf16<6>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      case 7: dots_rows_bf16<7>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-      default: dots_rows_bf16<8>(n, k, alpha, ai, lda, b, ldb, ci, ldc, nx, ld, bytes); break;
-    }
-  }
+    constexpr int R = decltype(rows)::value;
+    dots_rows_bf16<R>(n, k, alpha, a + i * lda, lda, b, ldb, c + i * ldc, ldc, nx, ld, bytes);
+  });
 }
 #endif
 
@@ -782,12 +768,10 @@ void values_rows_bf16(int64_t n, int64_t k, const at::BFloat16* pb, int64_t ldp,
       }
     }
     if (even < k) {
-      const VF y = load_widened(b + even * ldb + u);
+      const __m512 y = load_widened(b + even * ldb + u);
       for (int r = 0; r < R; ++r) {
-        VF a;
-        std::memcpy(&a, &acc[r], sizeof(a));
-        a += static_cast<float>(pb[r * ldp + even]) * y;
-        std::memcpy(&acc[r], &a, sizeof(a));
+        const __m512 w = _mm512_set1_ps(static_cast<float>(pb[r * ldp + even]));
+        acc[r] = _mm512_fmadd_ps(w, y, acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -805,20 +789,10 @@ inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const float* a, int64_t l
   thread_local std::vector<at::BFloat16> rounded;
   rounded.resize(m * k);
   for (int64_t i = 0; i < m; ++i) to_bf16(rounded.data() + i * k, a + i * lda, k);
-  for (int64_t i = 0; i < m; i += 8) {
-    const at::BFloat16* pi = rounded.data() + i * k;
-    float* ci = c + i * ldc;
-    switch (std::min<int64_t>(8, m - i)) {
-      case 1: values_rows_bf16<1>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 2: values_rows_bf16<2>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 3: values_rows_bf16<3>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 4: values_rows_bf16<4>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 5: values_rows_bf16<5>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 6: values_rows_bf16<6>(n, k, pi, k, b, ldb, ci, ldc); break;
-      case 7: values_rows_bf16<7>(n, k, pi, k, b, ldb, ci, ldc); break;
-      default: values_rows_bf16<8>(n, k, pi, k, b, ldb, ci, ldc); break;
-    }
-  }
+  in_row_blocks(m, [&](int64_t i, auto rows) {
+    constexpr int R = decltype(rows)::value;
+    values_rows_bf16<R>(n, k, rounded.data() + i * k, k, b, ldb, c + i * ldc, ldc);
+  });
 }
 #endif
 
