@@ -58,6 +58,10 @@ class _Route:
     # the backend prepared for the route's calls (``registry.prepared``), or None
     direct: Callable[[Tensor, Tensor, Tensor], Tensor | None] | None = None
 
+    def rows(self, query: Tensor) -> Tensor:
+        """The query (B, H, 1, D) as the route runs it: folded into rows, or as it is."""
+        return query if self.folded is None else query.reshape(self.folded)
+
 
 # the routes of each mask object, by call signature: they die with the step's mask
 _ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
@@ -117,13 +121,12 @@ def attend(
     fresh = route is None
     if route is None:
         route = kept[signature] = _route(query, key, value, mask, scale, softcap)
-    rows = query if route.folded is None else query.reshape(route.folded)
     if route.direct is not None:
-        out = route.direct(rows, key, value)
+        out = route.direct(route.rows(query), key, value)
         if out is not None:
             return out.reshape(route.out_shape)
         # NaN or ±inf in what the kernel read: the NaN rule's careful path, through the registry
-    call = route_call(route, rows, key, value, mask)
+    call = route_call(route, query, key, value, mask)
     try:
         out = registry.run(call, route.backend)[0]
     except ValueError:
@@ -138,11 +141,12 @@ def attend(
     return out.reshape(route.out_shape)
 
 
-def route_call(route: _Route, rows: Tensor, key: Tensor, value: Tensor, mask: Mask | None) -> Call:
-    """The ``Call`` a route runs: ``rows`` the query as the route shapes it (folded or not),
-    ``mask`` the one the route is kept under, its checks already passed."""
+def route_call(route: _Route, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None) -> Call:
+    """The ``Call`` a route runs for ``query`` (B, H, 1, D), ``mask`` the one the route is kept
+    under, its checks already passed."""
+    own = mask if route.own_mask else route.mask
     return Call(
-        rows, key, value, mask if route.own_mask else route.mask, None, route.scale, 0.0, False,
+        route.rows(query), key, value, own, None, route.scale, 0.0, False,
         softcap=route.softcap, traced=False, exported=False,
     )  # fmt: skip
 

@@ -122,10 +122,12 @@ def _pieces(
     visible one as None."""
     (length_q, length_k), (q0, q1), (start, stop) = size, rows, keys
     width = stop - start
-    probe = mask.block(
-        length_q, length_k, q0, min(q0 + 2, q1), start, start + 1, batch=batch, device=device
-    )
-    height = q1 - q0 if probe.shape[2] > 1 else 1
+    height = q1 - q0
+    if height > 1:  # a two-row probe tells whether the mask depends on the query
+        probe = mask.block(
+            length_q, length_k, q0, q0 + 2, start, start + 1, batch=batch, device=device
+        )
+        height = height if probe.shape[2] > 1 else 1
     step = max(height, _MIN_FULL_RUN)
     edges = sorted({0, *range(width, 0, -step)})
     pieces: list[Piece] = []

@@ -55,9 +55,7 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
     (route,) = steps._ROUTES[mask].values()
-    call = steps.route_call(
-        route, q if route.folded is None else q.reshape(route.folded), k, v, mask
-    )
+    call = steps.route_call(route, q, k, v, mask)
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step
 
