@@ -339,7 +339,7 @@ class KVCache:
             (B, H_kv, S, D_v) of every token each row holds (views of the cache, no copy,
             except for a rolling cache), and the step's mask over (L, S).
         """
-        step = self.step
+        _ = self.step  # a cache with no step yet raises here, before the other checks
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise TypeError(f"layer must be an int. Received: layer={layer!r}")
         if not 0 <= layer < self.num_layers:
@@ -362,21 +362,30 @@ class KVCache:
                     f"{name} must have the cache's dtype {self.dtype}; build the cache with "
                     f"the model's dtype. Received: {name}.dtype={t.dtype}"
                 )
+        if self.window is None and V.tracing():
+            self._written.add(layer)
+            return self._update_traced(self._keys[layer], self._values[layer], key, value)
+        return self._append(layer, key, value)
+
+    def _append(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
+        """``update`` outside a traced graph, without its checks: for a caller that built
+        ``key`` and ``value`` to the cache's own shapes and dtype for this step
+        (``modules/stepping.py``)."""
+        step = self.step
         keys, values = self._keys[layer], self._values[layer]  # [B, H_kv, capacity, D]
         self._written.add(layer)
-        if self.window is None and V.tracing():
-            return self._update_traced(keys, values, key, value)
         if self.window is not None:
             out_k, out_v = torch.cat((keys, key), dim=2), torch.cat((values, value), dim=2)
             self._store(keys, values, key, value)
             return out_k, out_v, step.mask
         if self._slots is None:  # uniform rows: one slice
             start = self._offsets[0]
-            keys[:, :, start : start + self._width] = key
-            values[:, :, start : start + self._width] = value
+            keys.narrow(2, start, self._width).copy_(key)
+            values.narrow(2, start, self._width).copy_(value)
         else:
             self._store(keys, values, key, value)
-        return keys[:, :, : step.length], values[:, :, : step.length], step.mask
+        length = step.length
+        return keys.narrow(2, 0, length), values.narrow(2, 0, length), step.mask
 
     def _update_traced(
         self, keys: Tensor, values: Tensor, key: Tensor, value: Tensor

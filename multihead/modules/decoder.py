@@ -14,6 +14,7 @@ from .. import masks
 from .._saveable import saveable
 from ..functional import AttentionOutput
 from ..masks import Mask
+from . import stepping
 from .cache import KVCache, LayerCache
 from .transformer import StackOutput, _runner, check_layers, run_stack
 
@@ -158,6 +159,14 @@ class TransformerDecoder(nn.Module):
             (B, L, E), always a tensor; ``run`` gives weights and hidden states.
         """
         self._check_cache(cache)
+        if (
+            mask is None
+            and positions is None
+            and cache is not None
+            and stepping.applies(self.layers, TransformerDecoderLayer, x, cache)
+        ):
+            # a decoding step: the same operations without the module calls around them
+            return self.norm(stepping.step(self.layers, x, cache))
         for i, layer in enumerate(self.layers):
             x = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i])
         return self.norm(x)

@@ -1,0 +1,133 @@
+"""A decoder's decoding step on a short path: one new token per row over a ``KVCache``.
+
+A decoding step reads every weight of the model once and does little else, so what the
+modules do around the products (the module calls, the checks of every call, the choice of
+kernel per product, reshapes into and out of heads) is a large share of a small model's step.
+``step`` runs the step ``TransformerDecoder.forward`` runs, the same operations in the same
+order, so its result is the same to the bit, without what it need not repeat: the call is
+checked once for every layer, each product goes straight to the kernel or ``F.linear`` its
+module would choose (``quant.step_product``), the heads are views of the product rows, the
+keys and values go into the cache without its checks, and the attention takes the decoding
+short path the module takes (``multihead/steps.py``).
+
+It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
+``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
+(the blocks of every ``CausalLM`` here), outside autograd and traced graphs, without autocast,
+with every dropout inactive and no hooks on those modules (nor global ones). Their parts (the
+norms, a rotary embedding, the activation, a linear layer of another kind or with hooks) are
+called as the modules they are. Anything else takes the modules' path.
+
+Submodules are read from ``_modules`` rather than as attributes: ``nn.Module.__getattr__``
+costs about a microsecond, and a GPT-2-small step reads a few hundred of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+
+from .. import _validation as V
+from .. import steps
+from .attention import MultiHeadAttention
+from .cache import KVCache
+from .quant import kernel_fits, step_product
+from .transformer import FeedForward, GatedFeedForward
+
+__all__ = ["applies", "step"]
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _idle(dropout: nn.Module) -> bool:
+    """Whether a dropout module does nothing: a plain ``nn.Dropout`` at rate 0 or in eval
+    mode, with no hooks."""
+    return (
+        type(dropout) is nn.Dropout
+        and not _hooked(dropout)
+        and (dropout.p == 0.0 or not dropout.training)
+    )
+
+
+def _layer_applies(layer: nn.Module, kind: type, x: Tensor) -> bool:
+    parts: dict[str, Any] = layer._modules
+    attn, ff = parts["self_attn"], parts["feed_forward"]
+    if not (
+        type(layer) is kind
+        and not _hooked(layer)
+        and _idle(parts["dropout"])
+        and type(attn) is MultiHeadAttention
+        and not _hooked(attn)
+        and (attn.dropout == 0.0 or not attn.training)
+        and type(ff) in (FeedForward, GatedFeedForward)
+        and not _hooked(ff)
+        and _idle(ff._modules["dropout"])
+    ):
+        return False
+    q_proj: Any = attn._modules["q_proj"]
+    want = getattr(q_proj, "compute_dtype", None) or q_proj.weight.dtype
+    return x.dtype == want and x.shape[-1] == attn.embed_dim  # else the modules raise
+
+
+def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache | None) -> bool:
+    """Whether ``step`` may run ``x`` (B, 1, E) through ``layers`` over ``cache``: each layer
+    exactly of class ``kind`` (``TransformerDecoderLayer``, whose ``forward`` ``step``
+    reproduces; a subclass may change it)."""
+    if (
+        cache is None
+        or x.dim() != 3
+        or x.shape[1] != 1
+        or torch.is_grad_enabled()
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+        or torch.is_autocast_enabled(x.device.type)
+        or V.tracing()
+        or torch.jit.is_tracing()
+    ):
+        return False
+    return all(_layer_applies(layer, kind, x) for layer in layers._modules.values())
+
+
+def step(layers: nn.ModuleList, x: Tensor, cache: KVCache) -> Tensor:
+    """``x`` (B, 1, E) through ``layers``, each storing its keys and values in ``cache`` (after
+    ``cache.begin``): what the layers' own calls give, bit for bit, every part called with
+    the shapes the modules give it. Call it where ``applies`` says it may run."""
+    fits = kernel_fits(x)
+    for i, layer in enumerate(layers._modules.values()):
+        parts: dict[str, Any] = layer._modules
+        x = x + _attend(parts["self_attn"], parts["norm1"](x), cache, i, fits)
+        x = x + _feed_forward(parts["feed_forward"], parts["norm2"](x), fits)
+    return x
+
+
+def _heads(x: Tensor, heads: int) -> Tensor:
+    """(B, 1, heads * D) -> (B, heads, 1, D), as ``split_heads`` views it."""
+    return x.view(x.shape[0], 1, heads, -1).transpose(1, 2)
+
+
+def _attend(attn: MultiHeadAttention, x: Tensor, cache: KVCache, i: int, fits: bool) -> Tensor:
+    """The self-attention's output (B, 1, E_out) for x (B, 1, E)."""
+    parts: dict[str, Any] = attn._modules
+    q = _heads(step_product(parts["q_proj"], x, fits), attn.num_heads)
+    k = _heads(step_product(parts["k_proj"], x, fits), attn.num_kv_heads)
+    v = _heads(step_product(parts["v_proj"], x, fits), attn.num_kv_heads)
+    rotary = parts.get("rotary")  # a module, or None (then not among the modules)
+    if rotary is not None:
+        positions = cache.step.positions
+        q, k = rotary(q, positions), rotary(k, positions)
+    keys, values, mask = cache._append(i, k, v)
+    out = steps.attend(q, keys, values, mask, None, None)  # (B, 1, H, D_v)
+    return step_product(parts["out_proj"], out.reshape(out.shape[0], 1, -1), fits)
+
+
+def _feed_forward(ff: nn.Module, x: Tensor, fits: bool) -> Tensor:
+    parts: dict[str, Any] = ff._modules
+    if type(ff) is FeedForward:
+        hidden = parts["activation"](step_product(parts["linear1"], x, fits))
+        return step_product(parts["linear2"], hidden, fits)
+    gate = parts["activation"](step_product(parts["gate_proj"], x, fits))
+    return step_product(parts["down_proj"], gate * step_product(parts["up_proj"], x, fits), fits)

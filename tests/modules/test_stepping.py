@@ -1,0 +1,194 @@
+"""The decoding step's short path (modules/stepping.py): a TransformerDecoder's one-token steps
+give the modules' own result to the bit, for every kind of stack, linear layer and cache, and
+step aside for whatever the modules do that it does not (hooks, dropout, autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import multihead as mh
+from multihead.modules import quant, stepping
+
+E, H, H_KV, D = 32, 4, 2, 8
+
+
+def _gpt2_stack(layers: int = 2) -> mh.TransformerDecoder:
+    blocks = [
+        mh.TransformerDecoderLayer(
+            mh.MultiHeadAttention(E, H),
+            mh.FeedForward(E, 4 * E, activation="gelu_tanh"),
+            norm1=nn.LayerNorm(E),
+            norm2=nn.LayerNorm(E),
+        )
+        for _ in range(layers)
+    ]
+    return mh.TransformerDecoder(blocks, norm=nn.LayerNorm(E))
+
+
+def _llama_stack(layers: int = 2) -> mh.TransformerDecoder:
+    blocks = [
+        mh.TransformerDecoderLayer(
+            mh.MultiHeadAttention(
+                E, H, num_kv_heads=H_KV, bias=False, rotary=mh.RotaryEmbedding(D)
+            ),
+            mh.GatedFeedForward(E, 48),
+            norm1=mh.RMSNorm(E),
+            norm2=mh.RMSNorm(E),
+        )
+        for _ in range(layers)
+    ]
+    return mh.TransformerDecoder(blocks, norm=mh.RMSNorm(E))
+
+
+def _stack(kind: str, weights: str | None) -> mh.TransformerDecoder:
+    torch.manual_seed(0)
+    stack = (_gpt2_stack if kind == "gpt2" else _llama_stack)().eval()
+    return quant.pack_linears(stack, weights)
+
+
+def _cache(kind: str, b: int, cache_kind: str) -> mh.KVCache:
+    h_kv = H if kind == "gpt2" else H_KV
+    window = 4 if cache_kind == "rolling" else None
+    max_length = 16 if cache_kind == "fixed" else None
+    return mh.KVCache(2, b, h_kv, D, max_length=max_length, window=window)
+
+
+def _decode(stack, kind, prompts, cache_kind, *, short: bool, monkeypatch) -> list[torch.Tensor]:
+    """Prompts of the given lengths (rows right-padded), then five one-token steps: every
+    step's output, with the short path on or off."""
+    applies = stepping.applies
+    monkeypatch.setattr(stepping, "applies", applies if short else lambda *a: False)
+    g = torch.Generator().manual_seed(1)
+    b, width = len(prompts), max(prompts)
+    cache = _cache(kind, b, cache_kind)
+    outs = []
+    with torch.inference_mode():
+        x = torch.randn(b, width, E, generator=g)
+        cache.begin(torch.tensor(prompts), width)
+        outs.append(stack(x, cache=cache))
+        for _ in range(5):
+            cache.begin(1)
+            outs.append(stack(torch.randn(b, 1, E, generator=g), cache=cache))
+    monkeypatch.setattr(stepping, "applies", applies)
+    return outs
+
+
+@pytest.mark.parametrize("cache_kind", ["growing", "fixed", "rolling"])
+@pytest.mark.parametrize("prompts", [[6], [6, 6], [3, 7, 5]], ids=["B1", "B2", "padded"])
+@pytest.mark.parametrize("weights", [None, "bf16", "int8"], ids=["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_step_equals_the_modules_to_the_bit(kind, weights, prompts, cache_kind, monkeypatch):
+    """Every step's output equals the modules' path exactly (the same operations in the same
+    order), on the kernel and on F.linear alike; and the short path did run every step."""
+    stack = _stack(kind, weights)
+    ran = []
+    step = stepping.step
+    monkeypatch.setattr(stepping, "step", lambda *a: ran.append(1) or step(*a))
+    for kernel in (True, False):  # the float32 products' choice of the kernel or the BLAS
+        monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b, k=kernel: k)
+        ran.clear()
+        short = _decode(stack, kind, prompts, cache_kind, short=True, monkeypatch=monkeypatch)
+        assert len(ran) == 5
+        modules = _decode(stack, kind, prompts, cache_kind, short=False, monkeypatch=monkeypatch)
+        assert len(ran) == 5
+        for got, want in zip(short, modules):
+            assert torch.equal(got, want)
+
+
+def test_a_step_equals_a_float64_recompute():
+    """The independent reference: each step's output of a GPT-2-style stack on int8 weights
+    equals the same stack in float64 (weights dequantized) run on the whole sequence, within
+    float32 rounding (1e-5 on outputs of norm ~6)."""
+    stack = _stack("gpt2", "int8")
+    dense = _gpt2_stack()
+    dense.load_state_dict(
+        {k: v for k, v in stack.state_dict().items() if not k.endswith(("packed", "scale"))},
+        strict=False,
+    )
+    with torch.no_grad():
+        for m, d in zip(stack.modules(), dense.modules()):
+            if isinstance(m, quant.PackedLinear):
+                d.weight.copy_(m.weight)
+    dense = dense.double().eval()
+    g = torch.Generator().manual_seed(2)
+    seq = torch.randn(2, 9, E, generator=g)
+    cache = _cache("gpt2", 2, "growing")
+    with torch.inference_mode():
+        cache.begin(4)
+        stack(seq[:, :4], cache=cache)
+        for t in range(4, 9):
+            cache.begin(1)
+            got = stack(seq[:, t : t + 1], cache=cache)
+            want = dense(seq[:, : t + 1].double(), mask=mh.masks.causal())[:, -1:]
+            assert (got.double() - want).abs().max() <= 1e-5
+
+
+def _steps_taken(stack, monkeypatch, *, grad: bool = False) -> int:
+    ran = []
+    step = stepping.step
+    monkeypatch.setattr(stepping, "step", lambda *a: ran.append(1) or step(*a))
+    cache = _cache("llama", 1, "growing")
+    with torch.set_grad_enabled(grad):
+        for n in (3, 1, 1):
+            cache.begin(n)
+            stack(torch.randn(1, n, E), cache=cache)
+    monkeypatch.setattr(stepping, "step", step)
+    return len(ran)
+
+
+def test_hooks_run_where_they_are(monkeypatch):
+    """A hook on a layer or an attention keeps the whole step on the modules; one on a linear
+    layer keeps that product a module call. Each fires once per layer and step either way."""
+    stack = _stack("llama", None)
+    fired = []
+    handle = stack.layers[1].self_attn.register_forward_hook(lambda *a: fired.append("attn"))
+    assert _steps_taken(stack, monkeypatch) == 0
+    assert fired == ["attn"] * 3
+    handle.remove()
+    fired.clear()
+    proj = stack.layers[0].self_attn.k_proj
+    handle = proj.register_forward_pre_hook(lambda *a: fired.append("k_proj"))
+    assert _steps_taken(stack, monkeypatch) == 2
+    assert fired == ["k_proj"] * 3
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert _steps_taken(stack, monkeypatch) == 0
+    finally:
+        handle.remove()
+    assert _steps_taken(stack, monkeypatch) == 2
+
+
+def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
+    """Dropout while training, a step under autograd and a layer of a subclass (whose forward
+    may differ) take the modules' path; eval mode or a rate of 0 takes the short one."""
+    stack = _stack("llama", None)
+    stack.train()
+    assert _steps_taken(stack, monkeypatch) == 2  # every dropout's rate is 0
+    stack.layers[0].dropout.p = 0.1
+    assert _steps_taken(stack, monkeypatch) == 0
+    stack.eval()
+    assert _steps_taken(stack, monkeypatch) == 2
+    assert _steps_taken(stack, monkeypatch, grad=True) == 0
+
+    class Layer(mh.TransformerDecoderLayer):
+        pass
+
+    layer = stack.layers[1]
+    stack.layers[1] = Layer(layer.self_attn, layer.feed_forward, norm1=layer.norm1)
+    assert _steps_taken(stack, monkeypatch) == 0
+
+
+def test_a_wrong_dtype_raises_as_the_modules_do():
+    """The short path steps aside for input its modules would refuse, so their error comes
+    (here the attention's: the stack has no norms before it)."""
+    torch.manual_seed(0)
+    layers = [mh.TransformerDecoderLayer(mh.MultiHeadAttention(E, H), mh.FeedForward(E, E))]
+    stack = mh.TransformerDecoder(layers).eval()
+    cache = mh.KVCache(1, 1, H, D)
+    with torch.inference_mode():
+        cache.begin(1)
+        with pytest.raises(TypeError, match="dtype of the module's parameters"):
+            stack(torch.randn(1, 1, E, dtype=torch.float64), cache=cache)
