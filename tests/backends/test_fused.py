@@ -440,6 +440,38 @@ def test_blocks_no_row_reads_are_neither_packed_nor_checked(dtype, careful):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decoding_screens_its_reads_by_the_products(dtype, rows, careful):
+    """Decoding reads keys and values in place and screens them through the scores and the
+    outputs, checking a key block again only where the screen fires: NaN in a visible key or
+    value makes the rows NaN through the careful path; finite inputs whose scores or outputs
+    overflow are not NaN input, so they leave the kernel as it computes them, without the
+    careful path (and without an error: NonFiniteInput never escapes)."""
+    g = torch.Generator().manual_seed(3)
+    h, h_kv, s, d = 4, 2, 600, 32
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    q, k, v = rand(1, h, rows, d), rand(1, h_kv, s, d), rand(1, h_kv, s, d)
+    want = mh.attention(q, k, v, None, backend="fused")
+    assert torch.isfinite(want).all() and careful == []
+    # scores of about 1e38 * sqrt(d); outputs summing 600 weights of 1 times 1e38
+    huge_scores = (rand(1, h, rows, d, scale=1e19), rand(1, h_kv, s, d, scale=1e19), v)
+    huge_sums = (torch.zeros_like(q), k, torch.full_like(v, 1e38))
+    for huge in (huge_scores, huge_sums):
+        assert torch.isfinite(torch.cat([t.flatten() for t in huge])).all()
+        mh.attention(*huge, None, backend="fused")
+        assert careful == []
+    for which, value in ((1, torch.nan), (1, torch.inf), (2, torch.nan), (2, -torch.inf)):
+        bad = [q, k.clone(), v.clone()]
+        bad[which][0, 1, 550, 3] = value  # kv head 1: query heads 2 and 3 see it
+        got = mh.attention(*bad, None, backend="fused")
+        assert torch.isnan(got[:, 2:]).all() and torch.equal(got[:, :2], want[:, :2])
+    assert len(careful) == 4
+
+
 def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
     """attention_with_weights(heads=) on the kernel: one call gives every head's output and
     the weights of the chosen heads alone, in their order; they equal the full call's within

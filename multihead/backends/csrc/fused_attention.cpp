@@ -1334,6 +1334,20 @@ struct Inputs {
   }
 };
 
+// Where the blocks have no flags (decoding reads the keys and values in place), the
+// products screen them, a pass over a few values instead of over every key and value, and
+// only a block the screen flags is read again to be checked. With finite queries (checked
+// before) a raw score is non-finite whenever its key holds NaN or +-inf (inf times a nonzero
+// query term stays infinite or meets another to make NaN, times 0 it is NaN), and a row's
+// output sums weight * value over every key of a span, weights of 0 included (0 times NaN or
+// inf is NaN), so a non-finite value leaves it non-finite through any later rescaling. Scores
+// or outputs that overflow from finite inputs pass the second check: the signal stays "a key
+// or value read holds NaN or +-inf".
+template <typename T, typename E>
+bool checked_by_results(const Inputs<T, E>& in) {
+  return in.kflags.empty();
+}
+
 // Whether keys [kb, kb + n) or their values hold NaN or +-inf (the NaN rule's signal)
 template <typename T, typename E>
 bool block_nonfinite(const Inputs<T, E>& in, const Task& task, int64_t kb, int64_t n) {
@@ -1428,6 +1442,8 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
       if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
     }
     block_values(in, task, m, span0, width, scores, kKeys, acc);
+    if (checked_by_results(in) && !*bad && any_nonfinite(acc, m, Dv, Dv))
+      *bad |= block_nonfinite(in, task, span0, width);
     width = 0;
   };
   int64_t index = 0;
@@ -1450,9 +1466,10 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
       }
       T* part = scores + width;
       block_scores(in, task, m, kb, n, qt, part, kKeys);
-      // checked after the product has brought the keys (and, decoding, fetched the values)
-      // into cache: the check reads them there, not from memory
-      *bad |= block_nonfinite(in, task, kb, n);
+      // checked after the product has brought the keys and values into cache: the check
+      // reads them there, not from memory
+      if (!checked_by_results(in) || any_nonfinite(part, m, n, kKeys))
+        *bad |= block_nonfinite(in, task, kb, n);
       for (int64_t i = 0; i < m; ++i)
         top[i] = finish_row(part + i * kKeys, n, terms, task.b, task.h, task.r0 + i, kb,
                             keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, top[i]);
@@ -1786,10 +1803,15 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
   // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
   // lengths, causal rows); each task writes only its own rows, so which thread runs it does
   // not change a bit of the result
+  // each thread's scratch holds the tallest task's rows: one row for a decoding call, whose
+  // scratch is then a few KiB to clear instead of kRows rows (which would also push the keys
+  // and values out of the core's cache)
+  int64_t tallest = 1;
+  for (const Task& task : tasks) tallest = std::max(tallest, task.r1 - task.r0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
-    std::vector<T> scores(weights == nullptr ? kRows * kKeys : rows * widest), acc(kRows * Dv),
-        mx(kRows), sum(kRows), norm(kRows);
+    std::vector<T> scores(weights == nullptr ? tallest * kKeys : rows * widest),
+        acc(tallest * Dv), mx(tallest), sum(tallest), norm(tallest);
     for (int64_t t = next++; t < n_tasks; t = next++) {
       const Task& task = tasks[t];
       if (weights != nullptr && weights->slot[task.h] >= 0) {
