@@ -43,6 +43,7 @@ __all__ = [
     "memory_bandwidth",
     "quality",
     "run_decode_bench",
+    "short_path",
 ]
 
 FORMATS = (None, "bf16", "int8")  # gpt2.load(weights=...): fp32, then the packed formats
@@ -200,6 +201,66 @@ def _long_row(q, k, v, bandwidth: float, repeats: int, say: Callable[[str], None
         "kv_bytes": kv_bytes, "gb_per_s": rate, "fraction_of_bandwidth": fraction,
         "vs_sdpa": vs_sdpa, "goals": goals,
     }  # fmt: skip
+
+
+def short_path(
+    weights: str | None = None,
+    *,
+    shape: DecodeShape | None = None,
+    rounds: int = 8,
+    steps: int = 64,
+    say: Callable[[str], None] = print,
+) -> dict:
+    """A decoding step of ``multihead.models.gpt2`` with the short path through its layers
+    (``modules/stepping.py``) and without it, in one process on the same model and prompt:
+    each round times ``generate(ids, steps + 1)`` and ``generate(ids, 1)`` on both paths, best
+    of two each, and a step is their difference over ``steps``; medians of ``rounds``
+    alternating rounds, in ms per step. ``weights``: None (fp32), "bf16" or "int8"; ``shape``:
+    GPT-2 small by default (a small ``DecodeShape`` shows the overhead alone)."""
+    from .._machine import cpu_info
+    from ..models import gpt2
+    from ..modules import stepping
+    from .suite import matmul_peak
+
+    shape = shape or DecodeShape()
+    peaks = {str(d)[6:]: matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)}
+    say(
+        f"CPU: {cpu_info()[0]}; {torch.get_num_threads()} threads; matmul peak fp32 "
+        f"{peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; read bandwidth "
+        f"{memory_bandwidth():.1f} GB/s"
+    )
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _build(shape, Path(tmp))
+        model = gpt2.load(tmp, weights=weights)
+    ids = torch.randint(
+        0, shape.vocab, (1, shape.prompt), generator=torch.Generator().manual_seed(3)
+    )
+    was = stepping.enabled
+
+    def run(on: bool, new: int) -> tuple[float, torch.Tensor]:
+        stepping.enabled = on
+        start = time.perf_counter()
+        out = model.generate(ids, new)
+        return time.perf_counter() - start, out
+
+    try:
+        same = torch.equal(run(True, steps + 1)[1], run(False, steps + 1)[1])
+        per_step: dict[str, list[float]] = {"modules": [], "short path": []}
+        for _ in range(rounds):
+            for name, on in (("modules", False), ("short path", True)):
+                whole = min(run(on, steps + 1)[0] for _ in range(2))
+                first = min(run(on, 1)[0] for _ in range(2))
+                per_step[name].append((whole - first) / steps * 1e3)
+    finally:
+        stepping.enabled = was
+    med = {name: statistics.median(t) for name, t in per_step.items()}
+    say(
+        f"{shape.layers} layers, E={shape.embed_dim}, {_name(weights)}: a step on the modules' "
+        f"path {med['modules']:.2f} ms, on the short path {med['short path']:.2f} ms (medians of "
+        f"{rounds} rounds); tokens " + ("identical" if same else "DIFFER")
+    )
+    return {"ms_per_step": med, "rounds_ms": per_step, "tokens_identical": same}
 
 
 def _verdict(met: bool) -> str:

@@ -16,6 +16,7 @@ It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 with every dropout inactive and no hooks on those modules (nor global ones). Their parts (the
 norms, a rotary embedding, the activation, a linear layer of another kind or with hooks) are
 called as the modules they are. Anything else takes the modules' path.
+``MULTIHEAD_STEP_PATH=0`` (or ``stepping.enabled = False``) turns the short path off.
 
 Submodules are read from ``_modules`` rather than as attributes: ``nn.Module.__getattr__``
 costs about a microsecond, and a GPT-2-small step reads a few hundred of them.
@@ -23,6 +24,7 @@ costs about a microsecond, and a GPT-2-small step reads a few hundred of them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,7 +38,10 @@ from .cache import KVCache
 from .quant import kernel_fits, step_product
 from .transformer import FeedForward, GatedFeedForward
 
-__all__ = ["applies", "step"]
+__all__ = ["applies", "enabled", "step"]
+
+# whether decoding steps may take the short path at all
+enabled = os.environ.get("MULTIHEAD_STEP_PATH", "1") != "0"
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -78,7 +83,8 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache | None)
     exactly of class ``kind`` (``TransformerDecoderLayer``, whose ``forward`` ``step``
     reproduces; a subclass may change it)."""
     if (
-        cache is None
+        not enabled
+        or cache is None
         or x.dim() != 3
         or x.shape[1] != 1
         or torch.is_grad_enabled()

@@ -63,3 +63,27 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys):
     assert "long-context decode, float32" in out and "decoding steps alone" in out
     assert (tmp_path / "decode.png").stat().st_size > 5_000
     assert "tokens/s" in out
+
+
+def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
+    """``short_path`` times the same model's steps with the short path off and on, gives the
+    same tokens both ways, and leaves the switch as it found it."""
+    from multihead.bench import decode
+    from multihead.modules import stepping
+
+    monkeypatch.setattr(decode, "memory_bandwidth", lambda: 1.0)
+    taken = []
+    step = stepping.step
+    monkeypatch.setattr(stepping, "step", lambda *a: taken.append(1) or step(*a))
+    lines: list[str] = []
+    shape = decode.DecodeShape(
+        layers=2, embed_dim=32, heads=4, vocab=200, positions=32, prompt=8, new_tokens=4
+    )
+    report = decode.short_path("int8", shape=shape, rounds=1, steps=3, say=lines.append)
+    assert report["tokens_identical"] and stepping.enabled
+    assert set(report["ms_per_step"]) == {"modules", "short path"}
+    assert all(t > 0 for t in report["ms_per_step"].values())
+    # the short path ran its steps (3 per timed run, 2 runs, plus the tokens' run) and only
+    # in the runs meant to take it
+    assert len(taken) == 3 * 3
+    assert "short path" in lines[-1] and "identical" in lines[-1]

@@ -181,6 +181,16 @@ def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
     assert _steps_taken(stack, monkeypatch) == 0
 
 
+def test_the_switch_turns_the_short_path_off(monkeypatch):
+    """``stepping.enabled`` (``MULTIHEAD_STEP_PATH=0`` at import) keeps every step on the
+    modules' path."""
+    stack = _stack("llama", None)
+    monkeypatch.setattr(stepping, "enabled", False)
+    assert _steps_taken(stack, monkeypatch) == 0
+    monkeypatch.setattr(stepping, "enabled", True)
+    assert _steps_taken(stack, monkeypatch) == 2
+
+
 def test_a_wrong_dtype_raises_as_the_modules_do():
     """The short path steps aside for input its modules would refuse, so their error comes
     (here the attention's: the stack has no norms before it)."""
@@ -192,3 +202,16 @@ def test_a_wrong_dtype_raises_as_the_modules_do():
         cache.begin(1)
         with pytest.raises(TypeError, match="dtype of the module's parameters"):
             stack(torch.randn(1, 1, E, dtype=torch.float64), cache=cache)
+
+
+def test_the_environment_switch_is_read_at_import():
+    import os
+    import subprocess
+    import sys
+
+    code = "from multihead.modules import stepping; print(stepping.enabled)"
+    env = {**os.environ, "MULTIHEAD_STEP_PATH": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
