@@ -58,12 +58,13 @@ def _idle(dropout: nn.Module) -> bool:
     )
 
 
-def _layer_applies(layer: nn.Module, kind: type, x: Tensor) -> bool:
+def _layer_applies(layer: nn.Module, kind: type, x: Tensor, cache: KVCache) -> bool:
+    if type(layer) is not kind:
+        return False
     parts: dict[str, Any] = layer._modules
     attn, ff = parts["self_attn"], parts["feed_forward"]
     if not (
-        type(layer) is kind
-        and not _hooked(layer)
+        not _hooked(layer)
         and _idle(parts["dropout"])
         and type(attn) is MultiHeadAttention
         and not _hooked(attn)
@@ -75,7 +76,14 @@ def _layer_applies(layer: nn.Module, kind: type, x: Tensor) -> bool:
         return False
     q_proj: Any = attn._modules["q_proj"]
     want = getattr(q_proj, "compute_dtype", None) or q_proj.weight.dtype
-    return x.dtype == want and x.shape[-1] == attn.embed_dim  # else the modules raise
+    # what the modules' checks would refuse, they refuse themselves, with their errors: the
+    # input's dtype and width, and a cache of other heads, dims or dtype
+    return (
+        x.dtype == want == cache.dtype
+        and x.shape[-1] == attn.embed_dim
+        and (cache.num_kv_heads, cache.head_dim, cache.value_dim)
+        == (attn.num_kv_heads, attn.head_dim, attn.value_head_dim)
+    )
 
 
 def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache | None) -> bool:
@@ -93,9 +101,21 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache | None)
         or torch.is_autocast_enabled(x.device.type)
         or V.tracing()
         or torch.jit.is_tracing()
+        or not _step_begun(cache, x)
     ):
         return False
-    return all(_layer_applies(layer, kind, x) for layer in layers._modules.values())
+    return all(_layer_applies(layer, kind, x, cache) for layer in layers._modules.values())
+
+
+def _step_begun(cache: KVCache, x: Tensor) -> bool:
+    """A step begun for x's batch and one token per row, no layer stored yet (the modules
+    raise for a second forward pass without ``cache.begin``)."""
+    return (
+        cache._step is not None
+        and cache.batch_size == x.shape[0]
+        and cache._width == 1
+        and not cache._written
+    )
 
 
 def step(layers: nn.ModuleList, x: Tensor, cache: KVCache) -> Tensor:

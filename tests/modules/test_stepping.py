@@ -214,3 +214,37 @@ def test_the_environment_switch_is_read_at_import(monkeypatch):
         monkeypatch.delenv("MULTIHEAD_STEP_PATH")
         importlib.reload(stepping)
     assert stepping.enabled is True
+
+
+@pytest.mark.parametrize(
+    "cache, error, match",
+    [
+        (lambda: mh.KVCache(2, 1, 1, D), ValueError, "must have shape"),  # H_kv 1, not 2
+        (lambda: mh.KVCache(2, 1, H_KV, D, value_dim=4), ValueError, "must have shape"),
+        (lambda: mh.KVCache(2, 1, H_KV, D, dtype=torch.float64), TypeError, "cache's dtype"),
+        (lambda: mh.KVCache(2, 2, H_KV, D), ValueError, "must have shape"),  # B=2 for one row
+    ],
+    ids=["kv-heads", "value-dim", "dtype", "batch"],
+)
+def test_a_cache_that_does_not_fit_raises_as_the_modules_do(cache, error, match):
+    """The short path stores into the cache without its checks, so it steps aside for a cache
+    the modules would refuse (a broadcast would otherwise fill two heads from one)."""
+    stack = _stack("llama", None)
+    c = cache()
+    with torch.inference_mode():
+        c.begin(1)
+        with pytest.raises(error, match=match):
+            stack(torch.randn(1, 1, E), cache=c)
+
+
+def test_a_second_pass_without_begin_raises_as_the_modules_do():
+    stack = _stack("gpt2", None)
+    cache = _cache("gpt2", 1, "growing")
+    with torch.inference_mode():
+        cache.begin(1)
+        stack(torch.randn(1, 1, E), cache=cache)
+        with pytest.raises(ValueError, match="already stored its keys this step"):
+            stack(torch.randn(1, 1, E), cache=cache)
+        cache.begin(torch.tensor([1]), 2)  # a step two tokens wide, fed one
+        with pytest.raises(ValueError, match="must have shape"):
+            stack(torch.randn(1, 1, E), cache=cache)
