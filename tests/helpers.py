@@ -474,3 +474,22 @@ def vader_folder() -> Path:
         )
     assert code == 0, said.getvalue()
     return data.folder("vader")
+
+
+def llama_decoder(layers: int = 2, e: int = 32, h: int = 4, h_kv: int = 2, d: int = 8):
+    """A Llama-style decoder stack (rotary GQA attention, SwiGLU of width 48, RMSNorm), with
+    torch's default initialization (seed it first)."""
+    import multihead as mh
+
+    blocks = [
+        mh.TransformerDecoderLayer(
+            mh.MultiHeadAttention(
+                e, h, num_kv_heads=h_kv, bias=False, rotary=mh.RotaryEmbedding(d)
+            ),
+            mh.GatedFeedForward(e, 48),
+            norm1=mh.RMSNorm(e),
+            norm2=mh.RMSNorm(e),
+        )
+        for _ in range(layers)
+    ]
+    return mh.TransformerDecoder(blocks, norm=mh.RMSNorm(e))

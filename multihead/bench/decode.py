@@ -220,10 +220,10 @@ def short_path(
     from .._machine import cpu_info
     from ..models import gpt2
     from ..modules import stepping
-    from .suite import matmul_peak
+    from .suite import matmul_peaks
 
     shape = shape or DecodeShape()
-    peaks = {str(d)[6:]: matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)}
+    peaks = matmul_peaks(1024)
     say(
         f"CPU: {cpu_info()[0]}; {torch.get_num_threads()} threads; matmul peak fp32 "
         f"{peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; read bandwidth "
@@ -361,7 +361,7 @@ def run_decode_bench(
     (held-out text), add the packed formats' quality (``quality``)."""
     from .._machine import cpu_info
     from ..models import gpt2
-    from .suite import matmul_peak
+    from .suite import matmul_peaks
 
     shape, repeats = QUICK if options.quick else DecodeShape(), options.repeats or 3
     model, text = options.model, options.text
@@ -369,9 +369,7 @@ def run_decode_bench(
     cpu = cpu_info()[0]
     bandwidth = memory_bandwidth()
     size = 512 if shape.embed_dim < 256 else 1024
-    peaks = {
-        str(d).removeprefix("torch."): matmul_peak(d, size) for d in (torch.float32, torch.bfloat16)
-    }
+    peaks = matmul_peaks(size)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes about generation settings
         theirs = _build(shape, Path(tmp))

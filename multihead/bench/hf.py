@@ -673,7 +673,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     from ..backends import fused
     from .decode import memory_bandwidth
     from .decode_call import decoding_calls
-    from .suite import matmul_peak
+    from .suite import matmul_peaks
 
     quick, repeats = options.quick, options.repeats or 3
     out = V.check_out_dir("--out", options.out)
@@ -688,9 +688,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         capture_length //= 16
         generating = replace(GENERATE, layers=2, prompt=GENERATE.prompt // 16, new_tokens=4)
     cpu = cpu_info()[0]
-    peaks = {
-        str(d).removeprefix("torch."): matmul_peak(d, 1024) for d in (torch.float32, torch.bfloat16)
-    }
+    peaks = matmul_peaks(1024)
     bandwidth = memory_bandwidth()
     say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
     say(

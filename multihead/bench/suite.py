@@ -288,6 +288,11 @@ def matmul_peak(dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def matmul_peaks(n: int) -> dict[str, float]:
+    """``matmul_peak`` in float32 and bfloat16, by dtype name: the peaks a report prints."""
+    return {name: matmul_peak(getattr(torch, name), n) for name in ("float32", "bfloat16")}
+
+
 def _naive(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
     """The tutorial formula: softmax(Q K^T / sqrt(D)) V with a masked_fill."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -668,10 +673,7 @@ def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
     from ..backends import fused
 
     report.machine["cpu"] = cpu_info()[0]
-    report.peak_gflops = {
-        "float32": matmul_peak(torch.float32, n),
-        "bfloat16": matmul_peak(torch.bfloat16, n),
-    }
+    report.peak_gflops = matmul_peaks(n)
     blocks = ""
     if fused.build_error() is None:
         kernel = fused.build()

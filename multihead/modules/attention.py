@@ -289,9 +289,14 @@ class MultiHeadAttention(nn.Module):
                 f"value.shape={tuple(value.shape)}"
             )
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the inputs must have: the parameters' (packed bf16/int8 projections,
+        modules/quant.py, say their activations' dtype)."""
+        q_proj = self.q_proj
+        return getattr(q_proj, "compute_dtype", None) or q_proj.weight.dtype
+
     def _check_dtype(self, name: str, t: Tensor) -> None:
-        # packed bf16/int8 projections (modules/quant.py) say their activations' dtype
-        want = getattr(self.q_proj, "compute_dtype", None) or self.q_proj.weight.dtype
+        want = self._compute_dtype()
         if not t.is_floating_point():
             raise TypeError(
                 f"{name} must be a floating-point (B, L, E) tensor of embeddings; token ids go "

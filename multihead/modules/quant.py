@@ -162,6 +162,15 @@ def _kernel_faster(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return _faster[key]
 
 
+def _float_product(x: Tensor, weight: Tensor, bias: Tensor | None, fits: bool) -> Tensor:
+    """A ``RowsLinear``'s product: on the kernel where x fits it (``fits``, what
+    ``kernel_fits`` says of x), the weight is float32 and the kernel measured faster for the
+    shape, else ``F.linear``."""
+    if fits and weight.dtype == torch.float32 and _kernel_faster(x, weight, bias):
+        return _on_kernel(x, weight, None, bias)
+    return F.linear(x, weight, bias)
+
+
 def step_product(module: nn.Module, x: Tensor, fits: bool) -> Tensor:
     """``module(x)`` for x (..., in), the module call left out where it can be: a
     ``RowsLinear``, ``PackedLinear`` or ``nn.Linear`` without hooks computes here, with the
@@ -174,10 +183,7 @@ def step_product(module: nn.Module, x: Tensor, fits: bool) -> Tensor:
     kind = type(module)
     params: dict[str, Any] = module._parameters
     if kind is RowsLinear:
-        weight, bias = params["weight"], params.get("bias")
-        if fits and weight.dtype == torch.float32 and _kernel_faster(x, weight, bias):
-            return _on_kernel(x, weight, None, bias)
-        return F.linear(x, weight, bias)
+        return _float_product(x, params["weight"], params.get("bias"), fits)
     if kind is PackedLinear and fits:
         buffers: dict[str, Any] = module._buffers
         return _on_kernel(x, buffers["packed"], buffers["scale"], params.get("bias"))
@@ -198,10 +204,7 @@ class RowsLinear(nn.Linear):
     parameter."""
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = self.weight, self.bias  # each a module attribute lookup: once
-        if weight.dtype == torch.float32 and kernel_fits(x) and _kernel_faster(x, weight, bias):
-            return _on_kernel(x, weight, None, bias)
-        return F.linear(x, weight, bias)
+        return _float_product(x, self.weight, self.bias, kernel_fits(x))
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

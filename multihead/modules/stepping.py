@@ -74,8 +74,7 @@ def _layer_applies(layer: nn.Module, kind: type, x: Tensor, cache: KVCache) -> b
         and _idle(ff._modules["dropout"])
     ):
         return False
-    q_proj: Any = attn._modules["q_proj"]
-    want = getattr(q_proj, "compute_dtype", None) or q_proj.weight.dtype
+    want = attn._compute_dtype()
     # what the modules' checks would refuse, they refuse themselves, with their errors: the
     # input's dtype and width, and a cache of other heads, dims or dtype
     return (
@@ -86,13 +85,12 @@ def _layer_applies(layer: nn.Module, kind: type, x: Tensor, cache: KVCache) -> b
     )
 
 
-def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache | None) -> bool:
+def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> bool:
     """Whether ``step`` may run ``x`` (B, 1, E) through ``layers`` over ``cache``: each layer
     exactly of class ``kind`` (``TransformerDecoderLayer``, whose ``forward`` ``step``
     reproduces; a subclass may change it)."""
     if (
         not enabled
-        or cache is None
         or x.dim() != 3
         or x.shape[1] != 1
         or torch.is_grad_enabled()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import llama_decoder
 
 import multihead as mh
 from multihead import masks
@@ -15,18 +16,7 @@ E, H, H_KV, D = 32, 4, 2, 8
 def _stack(layers: int = 2) -> mh.TransformerDecoder:
     """A Llama-style stack: rotary GQA attention, SwiGLU, RMSNorm."""
     torch.manual_seed(0)
-    blocks = [
-        mh.TransformerDecoderLayer(
-            mh.MultiHeadAttention(
-                E, H, num_kv_heads=H_KV, bias=False, rotary=mh.RotaryEmbedding(D)
-            ),
-            mh.GatedFeedForward(E, 48),
-            norm1=mh.RMSNorm(E),
-            norm2=mh.RMSNorm(E),
-        )
-        for _ in range(layers)
-    ]
-    return mh.TransformerDecoder(blocks, norm=mh.RMSNorm(E)).eval()
+    return llama_decoder(layers, E, H, H_KV, D).eval()
 
 
 def _pad(chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

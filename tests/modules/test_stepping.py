@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
@@ -27,24 +28,9 @@ def _gpt2_stack(layers: int = 2) -> mh.TransformerDecoder:
     return mh.TransformerDecoder(blocks, norm=nn.LayerNorm(E))
 
 
-def _llama_stack(layers: int = 2) -> mh.TransformerDecoder:
-    blocks = [
-        mh.TransformerDecoderLayer(
-            mh.MultiHeadAttention(
-                E, H, num_kv_heads=H_KV, bias=False, rotary=mh.RotaryEmbedding(D)
-            ),
-            mh.GatedFeedForward(E, 48),
-            norm1=mh.RMSNorm(E),
-            norm2=mh.RMSNorm(E),
-        )
-        for _ in range(layers)
-    ]
-    return mh.TransformerDecoder(blocks, norm=mh.RMSNorm(E))
-
-
 def _stack(kind: str, weights: str | None) -> mh.TransformerDecoder:
     torch.manual_seed(0)
-    stack = (_gpt2_stack if kind == "gpt2" else _llama_stack)().eval()
+    stack = (_gpt2_stack() if kind == "gpt2" else llama_decoder(2, E, H, H_KV, D)).eval()
     return quant.pack_linears(stack, weights)
 
 

@@ -1758,12 +1758,17 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
   parts = std::max<int64_t>(parts, 1);
   std::vector<uint8_t> bad(n_tasks * parts, 0);  // per unit of work: no shared writes
   zero_unreached_rows(plan, in.B, in.H, in.L, Dv, out);
+  // each thread's scratch holds the tallest task's rows: one row for a decoding call, whose
+  // scratch is then a few KiB to clear instead of kRows rows (which would also push the keys
+  // and values out of the core's cache)
+  int64_t tallest = 1;
+  for (const Task& task : tasks) tallest = std::max(tallest, task.r1 - task.r0);
   if (parts > 1) {
     const int64_t stride = kDecodeRows * Dv;
     std::vector<T> accs(n_tasks * parts * stride), mxs(n_tasks * parts * kDecodeRows),
         sums(n_tasks * parts * kDecodeRows);
     at::parallel_for(0, n_tasks * parts, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<T> scores(kDecodeRows * kKeys);
+      std::vector<T> scores(tallest * kKeys);
       for (int64_t u = lo; u < hi; ++u) {
         const Task& task = tasks[u / parts];
         const int64_t part = u % parts, blocks = key_blocks(plan, task);
@@ -1803,11 +1808,6 @@ bool forward_impl(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& term
   // tasks are handed out one at a time (a mask's tasks differ in cost: documents of different
   // lengths, causal rows); each task writes only its own rows, so which thread runs it does
   // not change a bit of the result
-  // each thread's scratch holds the tallest task's rows: one row for a decoding call, whose
-  // scratch is then a few KiB to clear instead of kRows rows (which would also push the keys
-  // and values out of the core's cache)
-  int64_t tallest = 1;
-  for (const Task& task : tasks) tallest = std::max(tallest, task.r1 - task.r0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_tasks), 1, [&](int64_t, int64_t) {
     std::vector<T> scores(weights == nullptr ? tallest * kKeys : rows * widest),
