@@ -7,8 +7,9 @@ besides its tensors (the mask as the kernel runs it, whether its heads fold, the
 ``auto`` picks, that backend prepared for the call) depends only on that mask object and the
 call's shapes, dtypes, devices and scale: it is worked out on the step's first call, after the
 whole validation of ``multihead.attention``, and kept on the mask for the calls of the other
-layers (calls without a mask keep theirs by signature, and a growing cache makes each step's
-signature new). Those calls go straight to the chosen backend prepared for them
+layers. Calls without a mask keep theirs by signature, with the key length's class in
+place of the length: a growing cache's steps share one route, worked out once per doubling
+of the cache. Those calls go straight to the chosen backend prepared for them
 (``registry.prepared``: the fused kernel with its work list and other arguments made once), or
 where it prepares nothing to ``registry.run``; a prepared kernel that meets NaN or ±inf hands
 the call to ``registry.run``, whose careful path applies the NaN rule. A new step (a longer
@@ -35,6 +36,7 @@ from torch import Tensor
 from . import bias as mb
 from . import masks
 from .backends import registry
+from .backends._measure import length_class
 from .backends.call import Call, heads_as_rows, prepare, traced
 from .masks import Mask, TileKind
 
@@ -65,8 +67,8 @@ class _Route:
 
 # the routes of each mask object, by call signature: they die with the step's mask
 _ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
-# the routes of unmasked calls, by signature (a cache that grows makes each step's new; a
-# fixed one, as cross-attention's, keeps its route): at most _UNMASKED_KEPT
+# the routes of unmasked calls, by signature with the key length's class in place of the
+# length (``_signature``: a growing cache's steps share one): at most _UNMASKED_KEPT
 _UNMASKED: dict[tuple, _Route] = {}
 _UNMASKED_KEPT = 64
 
@@ -112,11 +114,8 @@ def attend(
         rule and fallback as ``multihead.attention``, with the checks and the choice made once
         per mask object and call signature.
     """
-    signature = (
-        query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-        query.device, key.device, value.device, scale, softcap,
-    )  # fmt: skip
     kept = _kept(mask)
+    signature = _signature(query, key, value, mask, scale, softcap)
     route = kept.get(signature)
     fresh = route is None
     if route is None:
@@ -148,6 +147,30 @@ def route_call(route: _Route, query: Tensor, key: Tensor, value: Tensor, mask: M
     return Call(
         route.rows(query), key, value, own, None, route.scale, 0.0, False,
         softcap=route.softcap, traced=False, exported=False,
+    )  # fmt: skip
+
+
+def _signature(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    scale: float | None,
+    softcap: float | None,
+) -> tuple:
+    """What a route is kept under beside its mask. An unmasked call with keys keeps it under
+    its key length's class, not the length (``_measure.length_class``): a growing cache's
+    steps then share one route until the length reaches the next class. That route serves
+    them all: the checks ``multihead.attention`` makes read S only to compare the key's with
+    the value's (compared here), ``auto``'s choice depends on S only through its class, and a
+    backend prepares an unmasked call for keys of any length (``Backend.prepared``)."""
+    k: tuple[int, ...] = key.shape
+    v: tuple[int, ...] = value.shape
+    if mask is None and len(k) == len(v) == 4 and k[2] == v[2] > 0:
+        k, v = (k[0], k[1], -length_class(k[2]), k[3]), (v[0], v[1], v[3])
+    return (
+        query.shape, k, v, query.dtype, key.dtype, value.dtype,
+        query.device, key.device, value.device, scale, softcap,
     )  # fmt: skip
 
 

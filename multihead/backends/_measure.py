@@ -37,6 +37,7 @@ __all__ = [
     "best_time",
     "compare",
     "faster",
+    "length_class",
     "proxy",
     "shape_class",
     "switched_off",
@@ -58,10 +59,16 @@ def switched_off(variable: str) -> bool:
     return os.environ.get(variable, "1") == "0"
 
 
+def length_class(n: int) -> int:
+    """The class of a length (or count) in a shape class: lengths in [2^(c-1), 2^c) share
+    class c; 0 and 1 are class 1."""
+    return max(n, 1).bit_length()
+
+
 def shape_class(call: Call) -> Hashable:
     """The key a measurement is remembered under: calls with equal keys run alike."""
     b, h, h_kv, length_q, length_k, d = call.shape
-    bucket = lambda n: max(n, 1).bit_length()  # noqa: E731  powers of two
+    bucket = length_class
     mask = None if call.mask is None else (type(call.mask).__name__, call.mask.structure_key)
     bias = None if call.bias is None else (type(call.bias).__name__, call.bias.computed)
     return (

@@ -546,23 +546,55 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
 def prepared(call: Call) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:
     """``Backend.prepared``: the kernel for eager inference calls alike to ``call``, with its
     arguments besides q, k and v (the mask's work list, the bias terms, the cap) made once: a
-    decoding step's layers then pay the kernel and little else. The function returns None
-    where a block the kernel read held NaN or ±inf. None for a call ``run`` would not hand to
-    the kernel as it is: gradients, weights, chosen heads, a traced graph, or grouped heads
-    that ``run`` would fold itself. (``registry.prepared`` asks only for a call ``select``
-    gave this backend: its checks have passed.)"""
+    decoding step's layers then pay the kernel and little else. For an unmasked call without
+    bias it takes keys of any length, only the end of the span its rows read made per call.
+    The function returns None where a block the kernel read held NaN or ±inf. None for a
+    call ``run`` would not hand to the kernel as it is: gradients, weights, chosen heads, a
+    traced graph, grouped heads that ``run`` would fold itself, or an unmasked call whose
+    work list is not one span (the planner makes none such). (``registry.prepared`` asks
+    only for a call ``select`` gave this backend: its checks have passed.)"""
     if call.traced or call.needs_grad or call.return_weights or call.heads is not None:
         return None
     if _folded(call) is not None:
         return None
     rest = _args(call, shared=True)[3:]
     forward = build().forward
+    if call.mask is None and call.bias is None:
+        # unmasked: the function takes keys of any length (a growing cache's steps). Every
+        # row of one item reads one span of all the keys, whose end is the one change
+        if not _one_span(rest[0], rest[1], call):
+            return None
+        items, after = rest[0], rest[2:]
+        last = (call.shape[4], rest[1])  # (key length, its span): a step's layers share it
+
+        def attend_any(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+            nonlocal last
+            length, span = last
+            if key.shape[2] != length:
+                length = key.shape[2]
+                span = torch.tensor(((0, length, -1, 0, 0, 0),), dtype=torch.long)
+                last = (length, span)
+            result = forward(query, key, value, items, span, *after, False, _NO_HEADS)
+            return None if bool(result[-1]) else result[0]
+
+        return attend_any
 
     def attend(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
         result = forward(query, key, value, *rest, False, _NO_HEADS)
         return None if bool(result[-1]) else result[0]
 
     return attend
+
+
+def _one_span(items: Tensor, chunks: Tensor, call: Call) -> bool:
+    """Whether an unmasked call's work list is one item over all its query rows with one
+    chunk over all its keys (the kernel tiles the rows itself)."""
+    _, _, _, length_q, length_k, _ = call.shape
+    return (
+        length_k > 0
+        and items.tolist() == [[-1, -1, 0, length_q, 0, 1]]
+        and chunks.tolist() == [[0, length_k, -1, 0, 0, 0]]
+    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -134,11 +134,13 @@ class Backend:
             rule skips its own pass over them (at decode that pass reads the whole cache).
         prepared: ``prepared(call) -> run or None``, optional, for a backend that checks its
             inputs as it reads them: a function of (query, key, value) that runs calls alike
-            to ``call`` (the same mask object, bias, shapes, dtypes and scale) with everything
-            else worked out once, returning the output, or None where a block it read held
-            NaN or ±inf (the caller then runs the call through ``registry.run``, whose careful
-            path applies the NaN rule). None where the call cannot run so. A decoding step's
-            layers make such calls (``multihead.hf``'s decoding route).
+            to ``call`` (the same mask object, bias, shapes, dtypes and scale; for a call
+            without mask or bias, keys and values of any length S >= 1, as a growing cache's
+            decoding steps give) with everything else worked out once, returning the output,
+            or None where a block it read held NaN or ±inf (the caller then runs the call
+            through ``registry.run``, whose careful path applies the NaN rule). None where the
+            call cannot run so. A decoding step's layers make such calls
+            (``multihead/steps.py``).
         compiles: the first call of each shape compiles a kernel (seconds, many times the
             call). ``auto`` times no backend against it: a backend that times itself is timed
             against the first able backend that does not compile (the one this backend's rule

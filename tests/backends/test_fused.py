@@ -871,3 +871,21 @@ def test_two_checkouts_of_the_same_sources_build_apart(tmp_path):
     (tmp_path / "one" / "kernel.cpp").write_text("int f() { return 2; }\n")
     changed = _extension.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
     assert changed != names[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [4, 300])
+def test_an_unmasked_prepared_call_takes_keys_of_any_length(dtype, rows):
+    """``prepared`` for an unmasked call (a decoding step's rows, or more than a query tile)
+    gives one function for keys of every length: each length's output is the kernel's
+    ``run`` on that call, to the bit, whichever length came before (lengths repeat and go
+    back)."""
+    q, k, v = qkv(2, 3, 1, rows, 300, 16, seed=7)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    attend = fused.prepared(prepare(q, k[:, :, :50], v[:, :, :50], None, None, None, 0.0, False))
+    assert attend is not None
+    with torch.inference_mode():
+        for length in (50, 51, 51, 300, 1, 50):
+            call = prepare(q, k[:, :, :length], v[:, :, :length], None, None, None, 0.0, False)
+            got = attend(q, k[:, :, :length], v[:, :, :length])
+            assert torch.equal(got, fused.run(call)[0])

@@ -74,7 +74,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture
 def routes(monkeypatch) -> list[tuple]:
-    """The routes worked out (each a call to ``steps._route``), in order."""
+    """The routes worked out (each a call to ``steps._route``), in order, from none kept."""
+    monkeypatch.setattr(steps, "_UNMASKED", {})
     made: list[tuple] = []
     original = steps._route
 
@@ -218,6 +219,38 @@ def test_new_padding_is_never_served_a_kept_route(routes):
     q, k, v = _qkv(length_k=S + 1)
     longer = _decode_mask(S + 1, attention_mask=_padding(S + 1))
     _close(_bridge(q, k, v, longer), _whole(q, k, v, longer))
+
+
+def test_a_growing_unmasked_cache_takes_one_route_per_length_class(kernel_leads, routes):
+    """Unmasked steps over a growing cache (B = 1 without padding) share one route while the
+    cache length stays in its class (``_measure.length_class``: powers of two): the kernel
+    prepared once takes keys of every length, each step's result is the whole path's, and
+    nothing goes through ``registry.run``."""
+    q, k, v = _qkv(length_k=40)
+    for length in range(17, 41):  # classes [16, 32) and [32, 64)
+        keys, values = k[:, :, :length], v[:, :, :length]
+        got = _bridge(q, keys, values, None, scaling=0.3)
+        assert kernel_leads == []
+        _close(got, _whole(q, keys, values, None, scale=0.3))
+        kernel_leads.clear()
+    assert len(routes) == 2
+    assert all(route.backend == "fused" and route.direct is not None for _, route in routes)
+
+
+def test_a_shared_unmasked_route_still_meets_nan_and_bad_lengths(kernel_leads, routes):
+    """A route shared across lengths keeps the NaN rule (a NaN key in a later, longer step
+    makes its rows NaN through the careful path) and the length check (keys and values of
+    different lengths raise as ``multihead.attention`` does)."""
+    q, k, v = _qkv(length_k=30)
+    _bridge(q, k[:, :, :20], v[:, :, :20], None)
+    k[1, 0, 25, 0] = float("nan")
+    got = _bridge(q, k[:, :, :28], v[:, :, :28], None)
+    assert len(routes) == 1 and len(kernel_leads) == 1  # the careful path ran
+    want = _whole(q, k[:, :, :28], v[:, :, :28], None)
+    torch.testing.assert_close(got, want, rtol=0, atol=RTOL * 10, equal_nan=True)
+    assert got[1].isnan().any() and not got[0].isnan().any()
+    with pytest.raises(ValueError, match="the same length S"):
+        _bridge(q, k[:, :, :22], v[:, :, :21], None)
 
 
 def test_a_kept_backend_that_refuses_is_chosen_again(routes):
