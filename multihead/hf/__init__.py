@@ -14,7 +14,9 @@ run every attention call of the model through ``multihead.attention`` (or
 grouped-query attention without repeated keys, ``output_attentions=True`` on the fast path.
 ``capture(model, layers=, heads=)`` records the weights of chosen heads only, or statistics
 of them (``stats=``); ``ablate``, ``knockout`` and ``patch`` act on chosen heads inside the
-kernel call (see the guide "Acting on attention").
+kernel call (see the guide "Acting on attention"). ``decoding_linears(model)`` puts the
+model's float32 linear layers on multihead's few-row kernel, which is what makes its
+``generate()`` faster on the CPU: a decoding step is mostly those products.
 
 Needs the ``hf`` extra (transformers); ``import multihead`` never imports transformers.
 """
@@ -28,6 +30,7 @@ _extras.require("transformers", "hf", "multihead.hf")
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import Capture, attention_layers, capture  # noqa: E402
 from .edits import ablate, knockout, patch  # noqa: E402
+from .linears import decoding_linears  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402
 
@@ -38,6 +41,7 @@ __all__ = [
     "attention_forward",
     "attention_layers",
     "capture",
+    "decoding_linears",
     "knockout",
     "make_mask",
     "patch",
