@@ -34,8 +34,10 @@ def decoding_linears(model: nn.Module) -> nn.Module:
     differ from ``F.linear``'s by float32 rounding (another order of the same sums).
 
     Other layers (embeddings, norms, linear layers of other classes or dtypes) are left as
-    they are. Calling it again changes nothing. Where the kernel cannot be built (no C++
-    compiler) a warning says so, and the layers keep running ``F.linear``.
+    they are; among them transformers' ``Conv1D`` (GPT-2's projections, stored transposed),
+    so a GPT-2 model moves its ``lm_head`` only. Calling it again changes nothing. Where the
+    kernel cannot be built (no C++ compiler) a warning says so, and the layers keep running
+    ``F.linear``.
 
     Args:
         model: a module, typically a transformers model on the CPU in float32.
