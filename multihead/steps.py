@@ -68,7 +68,7 @@ class _Route:
 # the routes of each mask object, by call signature: they die with the step's mask
 _ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
 # the routes of unmasked calls, by signature with the key length's class in place of the
-# length (``_signature``: a growing cache's steps share one): at most _UNMASKED_KEPT
+# length (``_unmasked_signature``: a growing cache's steps share one): at most _UNMASKED_KEPT
 _UNMASKED: dict[tuple, _Route] = {}
 _UNMASKED_KEPT = 64
 
@@ -115,7 +115,13 @@ def attend(
         per mask object and call signature.
     """
     kept = _kept(mask)
-    signature = _signature(query, key, value, mask, scale, softcap)
+    if mask is None:
+        signature = _unmasked_signature(query, key, value, scale, softcap)
+    else:
+        signature = (
+            query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+            query.device, key.device, value.device, scale, softcap,
+        )  # fmt: skip
     route = kept.get(signature)
     fresh = route is None
     if route is None:
@@ -150,23 +156,23 @@ def route_call(route: _Route, query: Tensor, key: Tensor, value: Tensor, mask: M
     )  # fmt: skip
 
 
-def _signature(
+def _unmasked_signature(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    mask: Mask | None,
     scale: float | None,
     softcap: float | None,
 ) -> tuple:
-    """What a route is kept under beside its mask. An unmasked call with keys keeps it under
-    its key length's class, not the length (``_measure.length_class``): a growing cache's
-    steps then share one route until the length reaches the next class. That route serves
-    them all: the checks ``multihead.attention`` makes read S only to compare the key's with
-    the value's (compared here), ``auto``'s choice depends on S only through its class, and a
-    backend prepares an unmasked call for keys of any length (``Backend.prepared``)."""
+    """What the route of an unmasked call is kept under: its signature, with the key length's
+    class in place of the length (``_measure.length_class``) where keys and values have one
+    length, so a growing cache's steps share one route until the length reaches the next
+    class. That route serves them all: the checks ``multihead.attention`` makes read S only
+    to compare the key's with the value's (compared here), ``auto``'s choice depends on S only
+    through its class, and a backend prepares an unmasked call for keys of any length
+    (``Backend.prepared``)."""
     k: tuple[int, ...] = key.shape
     v: tuple[int, ...] = value.shape
-    if mask is None and len(k) == len(v) == 4 and k[2] == v[2] > 0:
+    if len(k) == len(v) == 4 and k[2] == v[2] > 0:
         k, v = (k[0], k[1], -length_class(k[2]), k[3]), (v[0], v[1], v[3])
     return (
         query.shape, k, v, query.dtype, key.dtype, value.dtype,
