@@ -68,16 +68,15 @@ def length_class(n: int) -> int:
 def shape_class(call: Call) -> Hashable:
     """The key a measurement is remembered under: calls with equal keys run alike."""
     b, h, h_kv, length_q, length_k, d = call.shape
-    bucket = length_class
     mask = None if call.mask is None else (type(call.mask).__name__, call.mask.structure_key)
     bias = None if call.bias is None else (type(call.bias).__name__, call.bias.computed)
     return (
         str(call.query.device),
         call.query.dtype,
-        bucket(b * h),
+        length_class(b * h),
         h // h_kv,
-        bucket(length_q),
-        bucket(length_k),
+        length_class(length_q),
+        length_class(length_k),
         d,
         call.value.shape[-1],
         mask,

@@ -425,18 +425,32 @@ def _traced_plan(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     return items, chunks, keep.flatten().to(device)
 
 
+def _unmasked_plan(length_q: int, length_k: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """The planner's work list for an unmasked call, without planning: one item over every
+    query row, reading one chunk of every key (the kernel tiles the rows itself); nothing
+    where there are no rows or no keys."""
+    if length_q == 0 or length_k == 0:
+        items, chunks = torch.zeros(0, 6, dtype=torch.long), torch.zeros(0, 6, dtype=torch.long)
+    else:
+        items = torch.tensor(((-1, -1, 0, length_q, 0, 1),), dtype=torch.long)
+        chunks = torch.tensor(((0, length_k, -1, 0, 0, 0),), dtype=torch.long)
+    return items, chunks, torch.zeros(0, dtype=torch.bool, device=device)
+
+
 def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor, Tensor]:
-    structure = None if mask is None else mask.structure_key
-    key = ("none" if mask is None else structure, length_q, length_k, tile, str(device))
-    if mask is not None and structure is None:  # kept on the mask, as its plan is
+    if mask is None:
+        return _unmasked_plan(length_q, length_k, device)
+    structure = mask.structure_key
+    if structure is None:  # kept on the mask, as its plan is
         kept = on_mask(mask, "_fused_plans")
-        key = (b, *key[1:])
+        key = (b, length_q, length_k, tile, str(device))
         if key in kept:
             return kept[key]
         flat = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
         if flat[2].numel() <= KEPT_BITS:
             remember(kept, key, flat)
         return flat
+    key = (structure, length_q, length_k, tile, str(device))
     if key not in _FLAT:
         if len(_FLAT) >= _FLAT_KEPT:
             _FLAT.popitem(last=False)
@@ -547,34 +561,32 @@ def prepared(call: Call) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | 
     """``Backend.prepared``: the kernel for eager inference calls alike to ``call``, with its
     arguments besides q, k and v (the mask's work list, the bias terms, the cap) made once: a
     decoding step's layers then pay the kernel and little else. For an unmasked call without
-    bias it takes keys of any length, only the end of the span its rows read made per call.
+    bias it takes keys of any length, the work list made once per length.
     The function returns None where a block the kernel read held NaN or ±inf. None for a
     call ``run`` would not hand to the kernel as it is: gradients, weights, chosen heads, a
-    traced graph, grouped heads that ``run`` would fold itself, or an unmasked call whose
-    work list is not one span (the planner makes none such). (``registry.prepared`` asks
-    only for a call ``select`` gave this backend: its checks have passed.)"""
+    traced graph, or grouped heads that ``run`` would fold itself. (``registry.prepared``
+    asks only for a call ``select`` gave this backend: its checks have passed.)"""
     if call.traced or call.needs_grad or call.return_weights or call.heads is not None:
         return None
     if _folded(call) is not None:
         return None
     rest = _args(call, shared=True)[3:]
     forward = build().forward
-    if call.mask is None and call.bias is None:
-        # unmasked: the function takes keys of any length (a growing cache's steps). Every
-        # row of one item reads one span of all the keys, whose end is the one change
-        if not _one_span(rest[0], rest[1], call):
-            return None
-        items, after = rest[0], rest[2:]
-        last = (call.shape[4], rest[1])  # (key length, its span): a step's layers share it
+    _, _, _, length_q, length_k, _ = call.shape
+    if call.mask is None and call.bias is None and length_k > 0:
+        # unmasked: the function takes keys of any length (a growing cache's steps), with
+        # the work list of each length made once (a step's layers share it)
+        after = rest[3:]
+        last = (length_k, rest[:3])
 
         def attend_any(query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
             nonlocal last
-            length, span = last
+            length, plan = last
             if key.shape[2] != length:
                 length = key.shape[2]
-                span = torch.tensor(((0, length, -1, 0, 0, 0),), dtype=torch.long)
-                last = (length, span)
-            result = forward(query, key, value, items, span, *after, False, _NO_HEADS)
+                plan = _unmasked_plan(length_q, length, query.device)
+                last = (length, plan)
+            result = forward(query, key, value, *plan, *after, False, _NO_HEADS)
             return None if bool(result[-1]) else result[0]
 
         return attend_any
@@ -584,17 +596,6 @@ def prepared(call: Call) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | 
         return None if bool(result[-1]) else result[0]
 
     return attend
-
-
-def _one_span(items: Tensor, chunks: Tensor, call: Call) -> bool:
-    """Whether an unmasked call's work list is one item over all its query rows with one
-    chunk over all its keys (the kernel tiles the rows itself)."""
-    _, _, _, length_q, length_k, _ = call.shape
-    return (
-        length_k > 0
-        and items.tolist() == [[-1, -1, 0, length_q, 0, 1]]
-        and chunks.tolist() == [[0, length_k, -1, 0, 0, 0]]
-    )
 
 
 # ------------------------------------------------------------------------------------------

@@ -889,3 +889,13 @@ def test_an_unmasked_prepared_call_takes_keys_of_any_length(dtype, rows):
             call = prepare(q, k[:, :, :length], v[:, :, :length], None, None, None, 0.0, False)
             got = attend(q, k[:, :, :length], v[:, :, :length])
             assert torch.equal(got, fused.run(call)[0])
+
+
+@pytest.mark.parametrize(("length_q", "length_k"), [(1, 1), (4, 300), (700, 40), (0, 5), (3, 0)])
+def test_an_unmasked_work_list_is_the_planners(length_q, length_k):
+    """Unmasked calls skip the planner: their work list is the one it makes for no mask."""
+    from multihead.backends._plan import plan
+
+    got = fused._unmasked_plan(length_q, length_k, "cpu")
+    want = fused._flatten(plan(None, 2, length_q, length_k, 64, "cpu"), "cpu")
+    assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
