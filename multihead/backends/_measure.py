@@ -11,10 +11,10 @@ microseconds (decoding steps) are timed in up to five such rounds, alternating, 
 5 ms (``compare``).
 
 The timing runs on a proxy of the call (``proxy``): its middle ``PROXY_ROWS`` query rows
-against every key, with the mask and the bias cropped to them, so the same kernel paths run
-(the same mask kind and tile answers, the same bias lowering, the weights when the call wants
-them) at a bounded cost: at L = 6144 the measurement costs a fraction of the call it precedes,
-and never the memory of a rival that materializes every weight of the whole call.
+against the keys they can see, with the mask and the bias cropped to them, so the same kernel
+paths run (the same mask kind and tile answers, the same bias lowering, the weights when the
+call wants them) at a bounded cost: at L = 6144 the measurement costs a fraction of the call
+it precedes, and never the memory of a rival that materializes every weight of the whole call.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from ..masks import TileKind
 from ._nonfinite import NonFiniteInput
 from .call import Call
 
@@ -90,21 +91,44 @@ def shape_class(call: Call) -> Hashable:
 
 
 def proxy(call: Call) -> Call:
-    """The call cut to its middle ``PROXY_ROWS`` query rows (itself when it has no more): what
-    a measurement times. The mask and the bias are cropped to those rows (``Mask.crop``,
-    ``ScoreModifier.crop``), so a causal proxy sees about half the keys, as the whole call's
-    rows do on average, and hidden tiles are still skipped."""
+    """The call cut to its middle ``PROXY_ROWS`` query rows (itself when it has no more)
+    against the keys those rows can see: what a measurement times. The mask and the bias are
+    cropped to that rectangle (``Mask.crop``, ``ScoreModifier.crop``), so the same kernel
+    paths run: a causal proxy's rows see about half the keys, as the whole call's rows do on
+    average, and hidden tiles are still skipped. Cropping the keys too keeps the work that
+    grows with the keys alone (packing them, checking them for NaN) in the same proportion
+    to the rows' work as in the whole call: 256 rows of packed documents see a few documents,
+    and would otherwise pay for every key of the call."""
     _, _, _, length_q, length_k, _ = call.shape
     if length_q <= PROXY_ROWS:
         return call
     q0 = (length_q - PROXY_ROWS) // 2
     q1 = q0 + PROXY_ROWS
+    k0, k1 = _visible_keys(call, q0, q1)
     return replace(
         call,
         query=call.query[:, :, q0:q1],
-        mask=None if call.mask is None else call.mask.crop(length_q, length_k, q0, q1, 0, length_k),
-        bias=None if call.bias is None else call.bias.crop(length_q, length_k, q0, q1, 0, length_k),
+        key=call.key[:, :, k0:k1],
+        value=call.value[:, :, k0:k1],
+        mask=None if call.mask is None else call.mask.crop(length_q, length_k, q0, q1, k0, k1),
+        bias=None if call.bias is None else call.bias.crop(length_q, length_k, q0, q1, k0, k1),
     )
+
+
+def _visible_keys(call: Call, q0: int, q1: int) -> tuple[int, int]:
+    """The smallest key range holding every key query rows ``[q0, q1)`` may see in any batch
+    entry (the mask's ``tile`` answers); every key without a mask, with an unstructured one,
+    or where those rows see nothing."""
+    _, _, _, length_q, length_k, _ = call.shape
+    mask = call.mask
+    if mask is None or mask.arbitrary:
+        return 0, length_k
+    batches = call.query.shape[0] if mask.batch_size not in (None, 1) else 1
+    tiles = [mask.tile(length_q, length_k, q0, q1, batch=b) for b in range(batches)]
+    seen = [t for t in tiles if t.kind != TileKind.EMPTY]
+    if not seen:
+        return 0, length_k
+    return min(t.start for t in seen), max(t.stop for t in seen)
 
 
 def best_time(fn: Callable[[], object], repeats: int = 3) -> float:

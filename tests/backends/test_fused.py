@@ -615,18 +615,19 @@ def test_auto_picks_fused_only_where_it_measured_faster(measuring):
 
 
 def test_auto_times_a_proxy_of_long_calls(measuring, monkeypatch):
-    """The measurement runs the call's middle PROXY_ROWS query rows with the mask cropped to
-    them (the same kernel paths at a bounded cost), never the whole call: a long call's
+    """The measurement runs the call's middle PROXY_ROWS query rows against the keys they
+    see, with the mask cropped to them (the same kernel paths at a bounded cost), never the
+    whole call: a long call's
     first use costs little more than the call, and a rival that materializes every weight
     does so for the proxy's rows only. The call itself then runs whole."""
     from multihead.backends import _measure
 
-    seen: list[tuple[str, int, object]] = []
+    seen: list[tuple[str, int, object, int]] = []
     real_fused, real_sdpa = fused.BACKEND.run, registry.BACKENDS["sdpa"].run
 
     def spy(name, run):
         def wrapped(call):
-            seen.append((name, call.shape[3], call.mask))
+            seen.append((name, call.shape[3], call.mask, call.shape[4]))
             return run(call)
 
         return wrapped
@@ -641,10 +642,11 @@ def test_auto_times_a_proxy_of_long_calls(measuring, monkeypatch):
     measuring += [1.0, 2.0]
     out = mh.attention(q, k, v, masks.causal())
     timed = seen[:-1]
-    assert {name for name, _, _ in timed} == {"fused", "sdpa"}
-    assert all(rows == _measure.PROXY_ROWS for _, rows, _ in timed)
+    assert {name for name, _, _, _ in timed} == {"fused", "sdpa"}
+    assert all(rows == _measure.PROXY_ROWS for _, rows, _, _ in timed)
     # rows [372, 628) of the causal 1000 x 1000 problem: row i sees keys [0, i]
-    cropped = timed[0][2].to_dense(_measure.PROXY_ROWS, 1000)[0, 0]
+    assert all(keys == 628 for _, _, _, keys in timed)
+    cropped = timed[0][2].to_dense(_measure.PROXY_ROWS, 628)[0, 0]
     assert cropped.sum(-1).tolist() == list(range(373, 629))
     assert seen[-1][:2] == ("fused", 1000)  # then the call itself, on the winner
     want, _ = naive_attention(q, k, v, masks.causal().to_dense(1000, 1000))

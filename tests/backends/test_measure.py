@@ -1,10 +1,19 @@
 """``auto``'s timing of one backend against another (``backends/_measure.compare``): calls of
 tens of microseconds are timed in several alternating rounds, so a burst of other work in one
-round cannot hand the process to the slower backend; long calls are timed once."""
+round cannot hand the process to the slower backend; long calls are timed once. What is timed
+is a proxy of the call (``_measure.proxy``): some of its rows, exactly as the call computes
+them."""
 
 from __future__ import annotations
 
-from multihead.backends import _measure
+import pytest
+import torch
+from helpers import MASK_KINDS, make_case, qkv
+
+import multihead as mh
+from multihead import masks
+from multihead.backends import _measure, registry
+from multihead.backends.call import prepare
 
 
 def _scripted(times: dict[str, list[float]], order: list[str]):
@@ -48,3 +57,55 @@ def test_long_calls_are_timed_once():
     order: list[str] = []
     assert _measure.compare(lambda: "mine", lambda: "rival", clock=_scripted(times, order))
     assert order == ["mine", "rival"]
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_a_proxy_computes_the_calls_own_rows(kind):
+    """The proxy is the middle PROXY_ROWS query rows against the keys they can see: run on
+    its own, it gives exactly those rows of the whole call (float64, the reference
+    backend, to float64 rounding), for every mask kind, with a bias cropped alongside."""
+    b, h, length = 2, 2, 600
+    q, k, v = qkv(b, h, h, length, length, 8, dtype=torch.float64, seed=4)
+    case = make_case(kind, b, h, length, length)
+    bias = torch.randn(b, h, length, length, dtype=torch.float64)
+    call = prepare(q, k, v, case.mask, bias, None, 0.0, False)
+    part = _measure.proxy(call)
+    q0 = (length - _measure.PROXY_ROWS) // 2
+    assert torch.equal(part.query, q[:, :, q0 : q0 + _measure.PROXY_ROWS])
+    whole = mh.attention(q, k, v, case.mask, bias=bias, backend="reference")
+    rows = registry.BACKENDS["reference"].run(part)[0]
+    # float64: a product over fewer keys rounds its sums in another order (600 terms, 1e-16)
+    torch.testing.assert_close(rows, whole[:, :, q0 : q0 + _measure.PROXY_ROWS], rtol=0, atol=1e-13)
+
+
+PACKED = torch.arange(12).repeat_interleave(100)  # 12 documents of 100 tokens
+NARROWING = {
+    "documents": (masks.documents(torch.stack([PACKED, PACKED])), True),
+    "documents&causal": (masks.documents(PACKED) & masks.causal(), True),
+    "window": (masks.sliding_window(64), True),
+    "causal": (masks.causal(), False),
+}
+
+
+@pytest.mark.parametrize("kind", list(NARROWING))
+def test_a_proxy_keeps_only_the_keys_its_rows_see(kind):
+    """Keys no proxy row can see are cut away (packed documents: a few documents of the
+    call's many), and none that one of them sees."""
+    mask, narrow = NARROWING[kind]
+    b, h, length = 2, 2, 1200
+    q, k, v = qkv(b, h, h, length, length, 4, seed=5)
+    part = _measure.proxy(prepare(q, k, v, mask, None, None, 0.0, False))
+    q0 = (length - _measure.PROXY_ROWS) // 2
+    keep = mask.to_dense(length, length)[..., q0 : q0 + _measure.PROXY_ROWS, :]
+    seen = keep.reshape(-1, length).any(dim=0).nonzero()
+    first, last = int(seen.min()), int(seen.max()) + 1
+    assert part.key.shape[2] == part.value.shape[2] == last - first
+    assert torch.equal(part.key, k[:, :, first:last])
+    assert torch.equal(part.value, v[:, :, first:last])
+    assert (part.key.shape[2] < length // 2) == narrow
+
+
+def test_a_proxy_of_an_unmasked_call_keeps_every_key():
+    q, k, v = qkv(1, 2, 2, 700, 900, 4)
+    part = _measure.proxy(prepare(q, k, v, None, None, None, 0.0, False))
+    assert part.key.shape[2] == part.value.shape[2] == 900
