@@ -4,11 +4,18 @@ embeddings with the model's linear layers in bf16 where that is faster on this m
 bf16 here means: each ``nn.Linear`` keeps its weight and bias in bf16 and multiplies in bf16
 (``Bf16Linear``: the input cast to bf16, the product cast back to fp32), so the linear layers
 run at the bf16 matmul rate; everything between them stays fp32: the residual stream, layer
-norms, attention (scores, softmax statistics, weights) and the pooling. One exception costs
-nothing in accuracy: inside a ``FeedForward`` the first layer's product stays bf16 through the
-activation into the second layer, which would round the activation's output to bf16 anyway
-(torch computes a bf16 GELU in fp32 and rounds once), and two casts of the widest tensor are
-saved. On all-MiniLM-L6-v2 the embeddings keep a cosine of at least 0.9999 to fp32 (the tests
+norms and the pooling. Two exceptions cost almost nothing in accuracy:
+
+* inside a ``FeedForward`` the first layer's product stays bf16 through the activation into
+  the second layer, which would round the activation's output to bf16 anyway (torch computes a
+  bf16 GELU in fp32 and rounds once), and two casts of the widest tensor are saved;
+* a ``MultiHeadAttention``'s query, key and value products stay bf16 into attention (the
+  fused kernel keeps scores, softmax statistics and sums in fp32 and rounds the weights to
+  bf16 for their product with the values), whose output goes to the output projection, which
+  rounds its input to bf16 anyway. The products' values are bf16 already: their casts to fp32
+  and back are saved, and attention reads half the bytes.
+
+On all-MiniLM-L6-v2 the embeddings keep a cosine of at least 0.9999 to fp32 (the tests
 hold them to 0.999 mean, 0.995 minimum).
 
 ``auto`` decides as ``multihead train --precision auto`` does (``precision.choose``): fp32
@@ -31,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules import FeedForward
+from ..modules import FeedForward, MultiHeadAttention
 from .precision import PrecisionChoice, choose
 
 if TYPE_CHECKING:
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = ["PRECISIONS", "Bf16Linear", "at_precision", "bf16_linears", "linear_precision"]
 
 PRECISIONS = ("auto", "fp32", "bf16")  # what --precision of embed and serve takes
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a MultiHeadAttention's, handing bf16 on
 # the timed pass's stand-in for input when none is given: about 60 tokens of ordinary words
 _FILLER = (
     "The committee met on a quiet Tuesday morning to review the plans for the new library, "
@@ -91,7 +99,8 @@ class Bf16Linear(nn.Module):
 
 def bf16_linears(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose ``nn.Linear`` layers are ``Bf16Linear`` (a ``FeedForward``'s
-    first one handing bf16 to its activation, see the module docstring).
+    first one handing bf16 to its activation, and an attention's query, key and value
+    projections bf16 to attention: see the module docstring).
 
     Every other parameter and buffer is the same tensor as in ``model``, not a copy, so the
     copy costs only its bf16 linear weights; ``model`` itself is left as it was.
@@ -103,7 +112,8 @@ def bf16_linears(model: nn.Module) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 inner = isinstance(parent, FeedForward) and name == "linear1"
-                out = torch.bfloat16 if inner else torch.float32
+                projection = isinstance(parent, MultiHeadAttention) and name in _PROJECTIONS
+                out = torch.bfloat16 if inner or projection else torch.float32
                 setattr(parent, name, Bf16Linear(child, out_dtype=out))
     return twin.eval()
 

@@ -429,7 +429,7 @@ class Pretrained:
             hidden = self.model(
                 flat[None], mask=masks.documents(doc[None]), positions=positions[None]
             )[0]
-            sums = torch.zeros(len(row), hidden.shape[-1]).index_add_(0, doc, hidden)
+            sums = torch.zeros(len(row), hidden.shape[-1]).index_add_(0, doc, hidden.float())
             means = sums / sizes[:, None]
             result[torch.tensor(row)] = F.normalize(means, p=2, dim=1) if normalize else means
             if progress is not None:
