@@ -366,16 +366,31 @@ def test_exported_program_calls_the_op():
     [("none", None), ("causal", 10.0), ("window_both", None), ("lengths_per_query", None),
      ("documents", 10.0), ("dense", None)],
 )  # fmt: skip
-def test_bf16_block_products_keep_the_2x_rule(kind, scale):
+@pytest.mark.parametrize("layout", ["odd_dim", "heads_inside_rows", "odd_row_stride"])
+def test_bf16_block_products_keep_the_2x_rule(kind, scale, layout):
     """bf16 inputs run their block products on the bf16 microkernel where it is faster
     (``half_products``: keys and values packed in pairs, float statistics, the weights rounded
     to bf16 for the product with V) and widened to float elsewhere; either way outputs,
-    weights and gradients keep FlashAttention's 2x rule. An odd head dim (a zero column), more
-    than one key block and chunks starting at odd offsets (windows, documents, lengths)."""
-    b, h, h_kv, length_q, length_k, d = 2, 2, 1, 75, 1100, 15
+    weights and gradients keep FlashAttention's 2x rule. More than one key block and chunks
+    starting at odd offsets (windows, documents, lengths), in three layouts that the key
+    packing handles apart: an odd head dim (a zero column), an even one with the heads inside
+    each row as a module's projection gives them (a pair of dims is one 32-bit unit), and an
+    even one whose rows are an odd number of values apart (no such units)."""
+    b, h, h_kv, length_q, length_k = 2, 2, 1, 75, 1100
+    d = 15 if layout == "odd_dim" else 16
     g = torch.Generator().manual_seed(17)
     q = torch.randn(b, h, length_q, d, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(b, h_kv, length_k, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    if layout == "heads_inside_rows":  # (B, S, H_kv, D) seen as (B, H_kv, S, D)
+        k, v = (
+            torch.randn(b, length_k, h_kv, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+            for _ in range(2)
+        )
+    else:
+        wide = d + (layout == "odd_row_stride")
+        k, v = (
+            torch.randn(b, h_kv, length_k, wide, generator=g).to(torch.bfloat16)[..., -d:]
+            for _ in range(2)
+        )
     case = make_case(kind, b, h, length_q, length_k, seed=17)
     grad_out = torch.randn(b, h, length_q, d, generator=g)
 
@@ -390,6 +405,32 @@ def test_bf16_block_products_keep_the_2x_rule(kind, scale):
     naive = naive_attention(q, k, v, case.keep, scale=scale)[1]
     bound = 2 * (naive.double() - ref).abs().max() + torch.finfo(torch.bfloat16).eps * ref.max()
     assert w.dtype == torch.bfloat16 and (w.double() - ref).abs().max() <= bound
+
+
+@pytest.mark.parametrize("kind", ["none", "documents", "lengths"])
+def test_bf16_packing_is_the_same_in_every_layout(kind):
+    """The same keys and values give the same bits whichever way the key packing reads them:
+    as 32-bit pairs of dims (rows 4-byte aligned, even head dim) or value by value (rows an
+    odd number of values apart), with NaN and inf in values no query sees (zeroed as they
+    are packed)."""
+    b, h, length_q, length_k, d = 2, 4, 40, 1300, 32
+    q, k, v = (t.to(torch.bfloat16) for t in qkv(b, h, 2, length_q, length_k, d, seed=8))
+    mask = make_case(kind, b, h, length_q, length_k, seed=8).mask
+    if kind == "lengths":  # the last 3 keys are seen by no query
+        mask = masks.lengths(torch.tensor([1000, length_k - 3]))
+        v[:, :, -3:] = torch.tensor([torch.nan, torch.inf, -torch.inf]).to(torch.bfloat16)[:, None]
+
+    def odd_rows(t: torch.Tensor) -> torch.Tensor:
+        wide = torch.zeros(*t.shape[:3], d + 1, dtype=t.dtype)
+        wide[..., 1:] = t
+        return wide[..., 1:]
+
+    aligned = mh.attention(q, k, v, mask, backend="fused")
+    assert odd_rows(k).stride(2) % 2 == 1
+    unaligned = mh.attention(q, odd_rows(k), odd_rows(v), mask, backend="fused")
+    assert torch.equal(aligned, unaligned)
+    if kind == "lengths":
+        assert torch.isfinite(aligned).all()
 
 
 @pytest.fixture

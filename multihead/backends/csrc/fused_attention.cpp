@@ -1191,23 +1191,38 @@ at::Tensor blocked_transpose(const at::Tensor& x, const std::vector<uint8_t>* re
 
 // Keys for the half-precision block products: [B, H_kv, blocks, D2 / 2, kKeys, 2] with D2 the
 // head dim rounded up to even: each block of kKeys keys as the columns of K^T, pairs of
-// consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded.
+// consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded. Where
+// the head dim is even and every row starts on a 4-byte boundary, a pair of dims is one 32-bit
+// unit and a block is a transpose of (keys x pairs) such units.
 template <typename E>
 at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
+  static_assert(sizeof(E) == 2, "pairs of 16-bit values");
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
   at::Tensor out = empty_large({B, H, n, pairs, kKeys, 2}, x.options());
   const E* src = x.data_ptr<E>();
   E* dst = out.data_ptr<E>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  const bool units = d % 2 == 0 && sb % 2 == 0 && sh % 2 == 0 && sr % 2 == 0 &&
+                     reinterpret_cast<uintptr_t>(src) % 4 == 0 && x.stride(3) == 1;
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
+      const int64_t cols = std::min(kKeys, S - j0);
       E* block = dst + u * pairs * kKeys * 2;
+      const E* first = src + b * sb + h * sh + j0 * sr;
+      if (units) {
+        auto* out32 = reinterpret_cast<uint32_t*>(block);
+        transpose(reinterpret_cast<const uint32_t*>(first), cols, pairs, sr / 2, out32, kKeys);
+        if (cols < kKeys)
+          for (int64_t p = 0; p < pairs; ++p)
+            std::fill(out32 + p * kKeys + cols, out32 + (p + 1) * kKeys, uint32_t(0));
+        continue;
+      }
       for (int64_t j = 0; j < kKeys; ++j) {
-        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
-        const bool real = j0 + j < S;
+        const E* row = first + j * sr;
+        const bool real = j < cols;
         for (int64_t p = 0; p < 2 * pairs; ++p)
           block[(p / 2) * kKeys * 2 + j * 2 + p % 2] = real && p < d ? row[p] : E(0);
       }
@@ -1219,26 +1234,34 @@ at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nul
 // Values for the half-precision block products: [B, H_kv, blocks, kKeys / 2, Dv, 2], pairs of
 // consecutive keys interleaved (VNNI), zero-padded. Non-finite values become 0 here: a row
 // that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
-// read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN.
+// read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN. The test
+// reads the 16-bit pattern: all exponent bits set is infinite or NaN, in bf16 and in fp16.
 template <typename E>
 at::Tensor pack_values(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
+  static_assert(sizeof(E) == 2, "16-bit values");
+  constexpr uint16_t exponent = std::is_same_v<E, at::BFloat16> ? 0x7F80 : 0x7C00;
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
   at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
-  const E* src = x.data_ptr<E>();
-  E* dst = out.data_ptr<E>();
-  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<E>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<E>());
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2), sc = x.stride(3);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
-      E* block = dst + u * kKeys * d;
+      const int64_t rows = std::min(kKeys, S - j0);
+      uint16_t* block = dst + u * kKeys * d;
       for (int64_t j = 0; j < kKeys; ++j) {
-        const E* row = src + b * sb + h * sh + (j0 + j) * sr;
-        E* pair = block + (j / 2) * d * 2 + j % 2;
+        uint16_t* pair = block + (j / 2) * d * 2 + j % 2;
+        if (j >= rows) {
+          for (int64_t c = 0; c < d; ++c) pair[c * 2] = 0;
+          continue;
+        }
+        const uint16_t* row = src + b * sb + h * sh + (j0 + j) * sr;
         for (int64_t c = 0; c < d; ++c) {
-          const float value = j0 + j < S ? static_cast<float>(row[c]) : 0.0f;
-          pair[c * 2] = std::isfinite(value) ? E(value) : E(0);
+          const uint16_t bits = row[c * sc];
+          pair[c * 2] = (bits & exponent) == exponent ? uint16_t(0) : bits;
         }
       }
     }
