@@ -37,9 +37,9 @@ class EmbedOptions:
     max_tokens: int = option(1536, "tokens per packed row", parse=positive_int)
     precision: str = option(
         "fp32",
-        "the linear layers' precision; bf16: weights and products in bf16 (norms, attention "
-        "and pooling stay fp32); auto: bf16 where an embedding pass of the input's first "
-        "texts measures faster with it on this machine (timed once), else fp32",
+        "the linear layers' precision; bf16: weights and products in bf16, attention on the "
+        "bf16 projections (norms and pooling stay fp32); auto: bf16 where an embedding pass of "
+        "the input's first texts measures faster with it on this machine (timed once), else fp32",
         choices=PRECISIONS,
     )
     ray: bool = option(False, "run on Ray Data: an actor pool, each with the model")

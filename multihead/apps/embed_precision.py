@@ -62,14 +62,15 @@ class Bf16Linear(nn.Module):
     ``y = out_dtype(bf16(x) @ weight.T + bias)`` with ``weight`` (out, in) and ``bias`` (out,)
     stored in bf16: the product runs at the bf16 matmul rate (the BLAS accumulates in fp32 and
     rounds once). It takes float32 (or bf16) and returns ``out_dtype``, float32 by default, so
-    the layers around it (norms, attention, residual sums) are unchanged. Unlike
+    the layers around it (norms, residual sums) are unchanged. Unlike
     ``modules.quant.PackedLinear`` ("bf16" weights, float32 activations), the activations are
     rounded too: that is what makes the product itself faster.
 
     Attributes:
         weight: (out, in) bfloat16, no gradient.
         bias: (out,) bfloat16 or None.
-        out_dtype: float32, or bfloat16 where the next layer rounds to bf16 anyway.
+        out_dtype: float32, or bfloat16 where what follows takes bf16 anyway (a feed-forward's
+            activation, attention after the query, key and value projections).
     """
 
     def __init__(self, linear: nn.Linear, *, out_dtype: torch.dtype = torch.float32) -> None:

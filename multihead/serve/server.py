@@ -190,9 +190,9 @@ class ServeOptions:
     threads: int | None = option(None, "torch/onnxruntime threads (default: all)")
     precision: str = option(
         "fp32",
-        "the linear layers' precision (torch runtime); bf16: weights and products in bf16 "
-        "(norms, attention and pooling stay fp32); auto: bf16 where an embedding pass measures "
-        "faster with it on this machine (timed at start-up), else fp32",
+        "the linear layers' precision (torch runtime); bf16: weights and products in bf16, "
+        "attention on the bf16 projections (norms and pooling stay fp32); auto: bf16 where an "
+        "embedding pass measures faster with it on this machine (timed at start-up), else fp32",
         choices=PRECISIONS,
     )
     limits: Limits = field(default_factory=Limits)
