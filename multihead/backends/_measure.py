@@ -123,8 +123,8 @@ def _visible_keys(call: Call, q0: int, q1: int) -> tuple[int, int]:
     mask = call.mask
     if mask is None or mask.arbitrary:
         return 0, length_k
-    batches = call.query.shape[0] if mask.batch_size not in (None, 1) else 1
-    tiles = [mask.tile(length_q, length_k, q0, q1, batch=b) for b in range(batches)]
+    # a mask without its own batch dimension answers alike for every batch entry
+    tiles = [mask.tile(length_q, length_k, q0, q1, batch=b) for b in range(mask.batch_size or 1)]
     seen = [t for t in tiles if t.kind != TileKind.EMPTY]
     if not seen:
         return 0, length_k

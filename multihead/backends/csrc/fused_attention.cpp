@@ -338,9 +338,13 @@ bool any_nonfinite(const T* x, int64_t rows, int64_t cols, int64_t ld) {
   return tail != T(0);
 }
 
-// The same for 16-bit storage (bf16: exponent bits 0x7f80, fp16: 0x7c00), on the bits: a value
-// is NaN or infinite exactly when its exponent bits are all set. Whole vectors of 16-bit
-// words are compared at once (decoding over a bf16 cache checks every key it reads).
+// The exponent bits of 16-bit storage (bf16: 0x7f80, fp16: 0x7c00): a value is NaN or infinite
+// exactly when all of them are set.
+template <typename E>
+constexpr uint16_t kExponentBits = std::is_same_v<E, at::Half> ? 0x7c00 : 0x7f80;
+
+// The same for 16-bit storage, on the bits (kExponentBits). Whole vectors of 16-bit words are
+// compared at once (decoding over a bf16 cache checks every key it reads).
 template <uint16_t kExponent, typename E>
 bool any_nonfinite_bits(const E* x, int64_t rows, int64_t cols, int64_t ld) {
   typedef uint16_t Words __attribute__((vector_size(kVecBytes)));
@@ -365,10 +369,10 @@ bool any_nonfinite_bits(const E* x, int64_t rows, int64_t cols, int64_t ld) {
   return tail != 0;
 }
 inline bool any_nonfinite(const at::BFloat16* x, int64_t rows, int64_t cols, int64_t ld) {
-  return any_nonfinite_bits<0x7f80>(x, rows, cols, ld);
+  return any_nonfinite_bits<kExponentBits<at::BFloat16>>(x, rows, cols, ld);
 }
 inline bool any_nonfinite(const at::Half* x, int64_t rows, int64_t cols, int64_t ld) {
-  return any_nonfinite_bits<0x7c00>(x, rows, cols, ld);
+  return any_nonfinite_bits<kExponentBits<at::Half>>(x, rows, cols, ld);
 }
 
 // Row reductions, exp and tanh over whole vectors: without -ffast-math (which would break -inf)
@@ -1204,7 +1208,7 @@ at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nul
   E* dst = out.data_ptr<E>();
   const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   const bool units = d % 2 == 0 && sb % 2 == 0 && sh % 2 == 0 && sr % 2 == 0 &&
-                     reinterpret_cast<uintptr_t>(src) % 4 == 0 && x.stride(3) == 1;
+                     reinterpret_cast<uintptr_t>(src) % 4 == 0;
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (unread(read, u % n)) continue;
@@ -1235,17 +1239,17 @@ at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nul
 // consecutive keys interleaved (VNNI), zero-padded. Non-finite values become 0 here: a row
 // that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
 // read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN. The test
-// reads the 16-bit pattern: all exponent bits set is infinite or NaN, in bf16 and in fp16.
+// reads the bits (kExponentBits).
 template <typename E>
 at::Tensor pack_values(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
   static_assert(sizeof(E) == 2, "16-bit values");
-  constexpr uint16_t exponent = std::is_same_v<E, at::BFloat16> ? 0x7F80 : 0x7C00;
+  constexpr uint16_t exponent = kExponentBits<E>;
   const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys;
   at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<E>());
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<E>());
-  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2), sc = x.stride(3);
+  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (unread(read, u % n)) continue;
@@ -1260,7 +1264,7 @@ at::Tensor pack_values(const at::Tensor& x, const std::vector<uint8_t>* read = n
         }
         const uint16_t* row = src + b * sb + h * sh + (j0 + j) * sr;
         for (int64_t c = 0; c < d; ++c) {
-          const uint16_t bits = row[c * sc];
+          const uint16_t bits = row[c];
           pair[c * 2] = (bits & exponent) == exponent ? uint16_t(0) : bits;
         }
       }
