@@ -6,9 +6,10 @@ bf16 here means: each ``nn.Linear`` keeps its weight and bias in bf16 and multip
 run at the bf16 matmul rate; everything between them stays fp32: the residual stream, layer
 norms and the pooling. Two exceptions cost almost nothing in accuracy:
 
-* inside a ``FeedForward`` the first layer's product stays bf16 through the activation into
-  the second layer, which would round the activation's output to bf16 anyway (torch computes a
-  bf16 GELU in fp32 and rounds once), and two casts of the widest tensor are saved;
+* inside a ``FeedForward`` the first layer applies the activation to its fp32 product and
+  hands bf16 to the second layer, which would round the activation's output to bf16 anyway:
+  the activation reads the unrounded product (one rounding instead of two), and the widest
+  tensor is neither cast nor passed over again;
 * a ``MultiHeadAttention``'s query, key and value products stay bf16 into attention (the
   fused kernel keeps scores, softmax statistics and sums in fp32 and rounds the weights to
   bf16 for their product with the values), whose output goes to the output projection, which
@@ -29,6 +30,7 @@ about 0.6x fp32, a Zen 4 EPYC at 2x or more.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -44,10 +46,31 @@ from .precision import PrecisionChoice, choose
 if TYPE_CHECKING:
     from ..models.bert import Pretrained
 
-__all__ = ["PRECISIONS", "Bf16Linear", "at_precision", "bf16_linears", "linear_precision"]
+__all__ = [
+    "FUSED",
+    "PRECISIONS",
+    "Bf16Linear",
+    "at_precision",
+    "bf16_linears",
+    "linear_precision",
+]
 
 PRECISIONS = ("auto", "fp32", "bf16")  # what --precision of embed and serve takes
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a MultiHeadAttention's, handing bf16 on
+# the activations a Bf16Linear applies inside its product: oneDNN's post-op (attr, algorithm)
+# and the same function outside it, as modules.transformer.ACTIVATIONS defines them
+_ONEDNN: dict[str | None, tuple[str, str]] = {
+    None: ("none", ""),
+    "gelu": ("gelu", "none"),
+    "gelu_tanh": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
+_FALLBACK: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+FUSED = tuple(_FALLBACK)
 # the timed pass's stand-in for input when none is given: about 60 tokens of ordinary words
 _FILLER = (
     "The committee met on a quiet Tuesday morning to review the plans for the new library, "
@@ -59,28 +82,53 @@ _FILLER = (
 class Bf16Linear(nn.Module):
     """An inference-only linear layer that multiplies in bf16 between fp32 neighbours.
 
-    ``y = out_dtype(bf16(x) @ weight.T + bias)`` with ``weight`` (out, in) and ``bias`` (out,)
-    stored in bf16: the product runs at the bf16 matmul rate (the BLAS accumulates in fp32 and
-    rounds once). It takes float32 (or bf16) and returns ``out_dtype``, float32 by default, so
-    the layers around it (norms, residual sums) are unchanged. Unlike
+    ``y = out_dtype(act(bf16(x) @ weight.T + bias))`` with ``weight`` (out, in) and ``bias``
+    (out,) stored in bf16: the product runs at the bf16 matmul rate (the BLAS accumulates in
+    fp32 and rounds once). It takes float32 (or bf16) and returns ``out_dtype``, float32 by
+    default, so the layers around it (norms, residual sums) are unchanged. Unlike
     ``modules.quant.PackedLinear`` ("bf16" weights, float32 activations), the activations are
     rounded too: that is what makes the product itself faster.
+
+    Where oneDNN runs bf16 natively (``mkldnn._is_mkldnn_bf16_supported``), the product is
+    oneDNN's linear on a weight reordered once into its blocked layout, with the bias and the
+    activation applied to the fp32 accumulator inside the product: no pass that copies the
+    bias into the output first (what ``addmm`` does) and no pass over the product for the
+    activation. Elsewhere it is ``F.linear`` followed by the activation.
 
     Attributes:
         weight: (out, in) bfloat16, no gradient.
         bias: (out,) bfloat16 or None.
         out_dtype: float32, or bfloat16 where what follows takes bf16 anyway (a feed-forward's
             activation, attention after the query, key and value projections).
+        activation: None, or one of ``FUSED`` ("gelu", "gelu_tanh", "relu") applied to the
+            product before it is rounded (a feed-forward's first layer).
     """
 
-    def __init__(self, linear: nn.Linear, *, out_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        *,
+        out_dtype: torch.dtype = torch.float32,
+        activation: str | None = None,
+    ) -> None:
         super().__init__()
+        if activation is not None and activation not in FUSED:
+            raise ValueError(
+                f"activation must be None or one of {', '.join(map(repr, FUSED))}. "
+                f"Received: activation={activation!r}"
+            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.out_dtype = out_dtype
+        self.out_dtype, self.activation = out_dtype, activation
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
         self.weight = nn.Parameter(weight, requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), False)
+        self._reordered: tuple[Tensor, Tensor] | None = None  # (weight, oneDNN's copy of it)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_reordered"] = None  # oneDNN's opaque tensor: made again on the next call
+        return state
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -89,19 +137,53 @@ class Bf16Linear(nn.Module):
         return torch.float32
 
     def forward(self, x: Tensor) -> Tensor:  # (..., in) -> (..., out)
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(self.out_dtype)
+        x = x.to(torch.bfloat16)
+        reordered = self._onednn_weight(x)
+        if reordered is not None:
+            attr, algorithm = _ONEDNN[self.activation]
+            y = torch.ops.mkldnn._linear_pointwise(x, reordered, self.bias, attr, [], algorithm)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+            if self.activation is not None:
+                y = _FALLBACK[self.activation](y)
+        return y.to(self.out_dtype)
+
+    def _onednn_weight(self, x: Tensor) -> Tensor | None:
+        """The weight in oneDNN's layout, made on first use and again if ``weight`` was
+        replaced; None where oneDNN does not run this call (a GPU, no native bf16, autograd,
+        a graph being traced or compiled, which could not hold its opaque weight)."""
+        if x.device.type != "cpu" or not _onednn_bf16() or torch.is_grad_enabled():
+            return None
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return None
+        if self._reordered is None or self._reordered[0] is not self.weight:
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self._reordered = (self.weight, packed)
+        return self._reordered[1]
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, compute=bf16, out_dtype={self.out_dtype}"
+            + (f", activation={self.activation}" if self.activation else "")
         )
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 products natively here (its linear is then the fast path)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def bf16_linears(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose ``nn.Linear`` layers are ``Bf16Linear`` (a ``FeedForward``'s
-    first one handing bf16 to its activation, and an attention's query, key and value
-    projections bf16 to attention: see the module docstring).
+    first one applying its activation inside the product and handing bf16 on, and an
+    attention's query, key and value projections bf16 to attention: see the module
+    docstring).
 
     Every other parameter and buffer is the same tensor as in ``model``, not a copy, so the
     copy costs only its bf16 linear weights; ``model`` itself is left as it was.
@@ -111,12 +193,25 @@ def bf16_linears(model: nn.Module) -> nn.Module:
     twin = copy.deepcopy(model, shared)
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                inner = isinstance(parent, FeedForward) and name == "linear1"
-                projection = isinstance(parent, MultiHeadAttention) and name in _PROJECTIONS
-                out = torch.bfloat16 if inner or projection else torch.float32
-                setattr(parent, name, Bf16Linear(child, out_dtype=out))
+            if not isinstance(child, nn.Linear):
+                continue
+            inner = isinstance(parent, FeedForward) and name == "linear1"
+            projection = isinstance(parent, MultiHeadAttention) and name in _PROJECTIONS
+            out = torch.bfloat16 if inner or projection else torch.float32
+            activation = _activation_name(parent.activation) if inner else None
+            setattr(parent, name, Bf16Linear(child, out_dtype=out, activation=activation))
+            if activation is not None:  # applied inside linear1's product now
+                parent.activation = nn.Identity()
     return twin.eval()
+
+
+def _activation_name(module: nn.Module) -> str | None:
+    """The ``FUSED`` name of a feed-forward's activation module, or None (left outside)."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU:
+        return "gelu" if module.approximate == "none" else "gelu_tanh"
+    return None
 
 
 def linear_precision(model: nn.Module) -> str:

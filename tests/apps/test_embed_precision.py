@@ -96,14 +96,113 @@ def _widened(pretrained, bf16, kind: type[nn.Module]):
 
 
 def test_a_feed_forward_hands_bf16_to_its_activation_at_no_cost(pretrained, bf16):
-    """The first feed-forward layer returns bf16: the same embeddings, bit for bit, as
-    returning fp32 and letting the second layer round the activation's output."""
+    """The first feed-forward layer applies GELU inside its product and returns bf16: the same
+    embeddings, bit for bit, as returning fp32 and letting the second layer round it."""
     layer = bf16.model.encoder.layers[0]
-    assert layer.feed_forward.linear1.out_dtype == torch.bfloat16
-    assert layer.feed_forward.linear2.out_dtype == torch.float32
+    ff = layer.feed_forward
+    assert ff.linear1.out_dtype == torch.bfloat16 and ff.linear1.activation == "gelu"
+    assert isinstance(ff.activation, nn.Identity)  # applied once, inside linear1
+    assert ff.linear2.out_dtype == torch.float32 and ff.linear2.activation is None
     widened = _widened(pretrained, bf16, FeedForward)
     texts = sentences(6, min_words=20, max_words=60, seed=4)
     assert torch.equal(widened.embed(texts), bf16.embed(texts))
+
+
+def _linear(n_in: int, n_out: int, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(n_in, n_out)
+    nn.init.normal_(linear.weight, std=n_in**-0.5)
+    nn.init.normal_(linear.bias, std=0.5)
+    return linear
+
+
+def _reference(layer: E.Bf16Linear, x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """float64 ``act(bf16(x) @ W.T + b)`` on the layer's bf16 weights: the exact value the
+    layer rounds."""
+    y = torch.nn.functional.linear(x.bfloat16().double(), layer.weight.double(), None)
+    y = y + layer.bias.double()
+    if activation is None:
+        return y
+    if activation == "relu":
+        return y.clamp_min(0)
+    return torch.nn.functional.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@pytest.mark.parametrize("activation", [None, *E.FUSED])
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "plain"])
+def test_bf16_linear_rounds_its_product_once_or_twice(activation, onednn, monkeypatch):
+    """Each Bf16Linear output against float64 on the same bf16 inputs and weights.
+
+    On oneDNN the activation reads the fp32 accumulator and the result is rounded once to bf16:
+    within half a bf16 ulp (2^-8 relative) of the float64 value, plus fp32 summation over
+    K=384 terms (2^-24 * K * sum|x||w|, bounded by 1e-4 of it). Without oneDNN the product is
+    rounded before the activation and again after: within two half-ulps (2^-7 relative) plus
+    the activation's slope times the first rounding (GELU's slope is below 1.13)."""
+    if onednn and not E._onednn_bf16():
+        pytest.skip("oneDNN does not run bf16 natively on this CPU")
+    if not onednn:
+        monkeypatch.setattr(E, "_onednn_bf16", lambda: False)
+    layer = E.Bf16Linear(_linear(384, 256, 0), out_dtype=torch.bfloat16, activation=activation)
+    x = torch.randn(3, 70, 384, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.shape == (3, 70, 256) and y.dtype == torch.bfloat16
+    exact = _reference(layer, x, activation)
+    magnitude = torch.nn.functional.linear(
+        x.bfloat16().double().abs(), layer.weight.double().abs(), layer.bias.double().abs()
+    )
+    error = (y.double() - exact).abs()
+    if onednn:
+        bound = exact.abs() * 2.0**-8 + magnitude * 1e-4
+    else:
+        bound = (exact.abs() + 1.13 * magnitude) * 2.0**-7 + magnitude * 1e-4
+    assert (error <= bound).all(), float((error - bound).max())
+    if onednn:
+        assert layer._reordered is not None  # oneDNN's own weight ran
+
+
+def test_fused_activation_is_closer_to_exact_than_rounding_first(monkeypatch):
+    """GELU on the fp32 product (oneDNN) against GELU on the product rounded to bf16 (the
+    plain path): the one rounding leaves a smaller mean error to float64."""
+    if not E._onednn_bf16():
+        pytest.skip("oneDNN does not run bf16 natively on this CPU")
+    layer = E.Bf16Linear(_linear(384, 1536, 2), out_dtype=torch.bfloat16, activation="gelu")
+    x = torch.randn(200, 384, generator=torch.Generator().manual_seed(3))
+    exact = _reference(layer, x, "gelu")
+    with torch.inference_mode():
+        fused = layer(x)
+        monkeypatch.setattr(E, "_onednn_bf16", lambda: False)
+        plain = layer(x)
+    assert not torch.equal(fused, plain)
+    fused_error = (fused.double() - exact).abs().mean()
+    plain_error = (plain.double() - exact).abs().mean()
+    assert fused_error < 0.9 * plain_error, (float(fused_error), float(plain_error))
+
+
+def test_a_bf16_model_copies_and_pickles_after_use(pretrained, bf16):
+    """oneDNN's copy of a weight is opaque: a deep copy or a pickle leaves it out and makes it
+    again, with the same embeddings bit for bit; a replaced weight is reordered again."""
+    import pickle
+
+    texts = sentences(4, min_words=5, max_words=40, seed=8)
+    ours = bf16.embed(texts)
+    for twin in (copy.deepcopy(bf16.model), pickle.loads(pickle.dumps(bf16.model))):
+        other = copy.copy(bf16)
+        other.model = twin
+        assert torch.equal(other.embed(texts), ours)
+    layer = E.Bf16Linear(_linear(16, 8, 4))
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        before = layer(x)
+        layer.weight = nn.Parameter(-layer.weight.detach(), requires_grad=False)
+        after = layer(x)
+    expected = torch.nn.functional.linear(x.bfloat16(), layer.weight, layer.bias).float()
+    assert torch.equal(after, expected) and not torch.equal(before, after)
+
+
+def test_an_unknown_fused_activation_is_refused():
+    with pytest.raises(ValueError, match=r"activation must be None or one of 'gelu', "):
+        E.Bf16Linear(nn.Linear(4, 4), activation="silu")
 
 
 def test_attention_runs_in_bf16_on_the_projections_products(pretrained, bf16, monkeypatch):
