@@ -7,6 +7,11 @@ warmed. ``python -m multihead.bench.first_use WHAT LENGTH`` prints one JSON line
   warm-up) in the same process;
 * ``capture``: the first ``capture`` of 2 heads of layer 1, its time against the second's and
   its peak memory growth against the captured weights.
+
+Beside the first and second calls' times it reports what each spent on first touches of new
+memory: the minor page faults the call took and the system CPU seconds (``getrusage``), where
+the platform counts them. On a virtual machine whose host backs a guest's pages lazily a
+first touch costs far more than on bare metal, and only the first call touches that much.
 """
 
 from __future__ import annotations
@@ -37,7 +42,44 @@ def _clock(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _forward(length: int) -> dict[str, float]:
+def _usage() -> tuple[int, float] | None:
+    """(minor page faults, system CPU seconds) of this process so far; None where the
+    platform has no ``resource`` module."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_minflt, used.ru_stime
+
+
+def _faults(fn: Callable[[], object], seconds: Callable[[Callable[[], object]], float]) -> dict:
+    """``seconds(fn)`` with the page faults and system seconds the call took ("_s", "faults",
+    "sys_s"; the last two None where they cannot be read)."""
+    before = _usage()
+    took = seconds(fn)
+    after = _usage()
+    if before is None or after is None:
+        return {"s": took, "faults": None, "sys_s": None}
+    return {"s": took, "faults": after[0] - before[0], "sys_s": after[1] - before[1]}
+
+
+def _first_two(fn: Callable[[], object], first: Callable[[Callable[[], object]], float]) -> dict:
+    """The first call timed by ``first``, the second by ``_clock``; each call's time, page
+    faults and system seconds, flat ("first_s", "first_faults", ..., "second_sys_s"), and the
+    page size ("page_bytes")."""
+    found: dict = {"page_bytes": None}
+    if _usage() is not None:
+        import resource
+
+        found["page_bytes"] = resource.getpagesize()
+    for name, seconds in (("first", first), ("second", _clock)):
+        for key, value in _faults(fn, seconds).items():
+            found[f"{name}_{key}"] = value
+    return found
+
+
+def _forward(length: int) -> dict[str, float | int | None]:
     import multihead.hf  # noqa: F401  registers "multihead"
 
     model, ids = _model(length)
@@ -47,15 +89,13 @@ def _forward(length: int) -> dict[str, float]:
             return model(ids, use_cache=False, output_attentions=True).attentions
 
     model.set_attn_implementation("multihead")
-    first = _clock(weights)
-    second = _clock(weights)
+    found = _first_two(weights, _clock)
     model.set_attn_implementation("eager")
     weights()  # warm-up
-    eager = statistics.median(_clock(weights) for _ in range(2))
-    return {"first_s": first, "second_s": second, "eager_s": eager}
+    return {**found, "eager_s": statistics.median(_clock(weights) for _ in range(2))}
 
 
-def _capture(length: int) -> dict[str, float]:
+def _capture(length: int) -> dict[str, float | int | None]:
     from multihead.hf import capture
 
     from .hf import peak_growth
@@ -68,18 +108,17 @@ def _capture(length: int) -> dict[str, float]:
             model(ids, use_cache=False)
         return cap.weights[1]
 
-    start = time.perf_counter()
-    growth, found = peak_growth(grab)
-    first = time.perf_counter() - start
-    captured = found.numel() * found.element_size()
-    del found
-    second = _clock(grab)
-    return {
-        "first_s": first,
-        "second_s": second,
-        "growth_bytes": float("nan") if growth is None else growth,
-        "captured_bytes": captured,
-    }
+    measured: dict = {}
+
+    def first(fn: Callable[[], object]) -> float:  # also its peak growth and the weights' size
+        start = time.perf_counter()
+        growth, found = peak_growth(fn)
+        took = time.perf_counter() - start
+        measured["growth_bytes"] = float("nan") if growth is None else growth
+        measured["captured_bytes"] = found.numel() * found.element_size()
+        return took
+
+    return {**_first_two(grab, first), **measured}
 
 
 if __name__ == "__main__":

@@ -678,9 +678,29 @@ def first_use(forward_length: int, capture_length: int, say: Callable[[str], Non
         f"{capture['growth_bytes'] / 2**20:.0f} MiB for {capture['captured_bytes'] / 2**20:.0f}"
         " MiB captured"
     )
+    for name, found in (("forward", forward), ("capture", capture)):
+        line = _first_touches(found)
+        if line:
+            say(f"  {name}: {line}")
     for g in goals:
         say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
     return {"forward": forward, "capture": capture, "goals": goals}
+
+
+def _first_touches(found: dict[str, Any]) -> str | None:
+    """What the first and second calls spent on first touches of memory (page faults, system
+    seconds), with the system time per fault; None where the platform does not count them."""
+    if found.get("first_faults") is None or found.get("second_faults") is None:
+        return None
+    parts = []
+    for call in ("first", "second"):
+        faults, sys_s = found[f"{call}_faults"], found[f"{call}_sys_s"]
+        per = f", {sys_s / faults * 1e6:.1f} us each" if faults else ""
+        parts.append(
+            f"{call} call {faults} page faults ({faults * found['page_bytes'] / 2**20:.0f} MiB),"
+            f" {sys_s * 1e3:.0f} ms system time{per}"
+        )
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from multihead import cli
-from multihead.bench.hf import FIRST_USE_GOALS, GENERATE, LINEARS, WORKLOADS, peak_growth
+from multihead.bench.hf import (
+    FIRST_USE_GOALS,
+    GENERATE,
+    LINEARS,
+    WORKLOADS,
+    _first_touches,
+    peak_growth,
+)
 
 
 def test_hf_bench_runs_and_reports(tmp_path, capsys):
@@ -59,6 +67,8 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
     first = report["first_use"]
     assert [g["text"] for g in first["goals"]] == list(FIRST_USE_GOALS.values())
     assert first["forward"]["first_s"] > 0 and first["capture"]["captured_bytes"] > 0
+    assert first["capture"]["first_faults"] > 0 and first["forward"]["second_sys_s"] >= 0
+    assert "forward: first call" in printed and " page faults (" in printed
     assert "first use, a new process with an empty cache" in printed
 
 
@@ -73,3 +83,34 @@ def test_peak_growth_sees_an_allocation():
     growth, result = peak_growth(allocate)
     assert result == 64 * 2**20
     assert growth is None or growth >= 60 * 2**20
+
+
+def test_first_use_counts_what_each_call_spent_on_new_memory():
+    """The first-use rows report each call's page faults and system seconds: a call that
+    writes 256 MiB of new memory (above glibc's mmap threshold: fresh pages on every call)
+    takes page faults; the line the bench prints divides the system time by them."""
+    pytest.importorskip("resource")
+    from multihead.bench import first_use
+
+    def touch() -> float:
+        return float(torch.ones(64 * 2**20).sum())
+
+    found = first_use._first_two(touch, first_use._clock)
+    assert found["page_bytes"] >= 4096
+    for call in ("first", "second"):
+        assert found[f"{call}_s"] > 0 and found[f"{call}_sys_s"] >= 0
+        assert found[f"{call}_faults"] > 0
+    line = _first_touches(
+        {
+            "page_bytes": 4096,
+            "first_faults": 51_200,
+            "first_sys_s": 0.8,
+            "second_faults": 0,
+            "second_sys_s": 0.01,
+        }
+    )
+    assert line == (
+        "first call 51200 page faults (200 MiB), 800 ms system time, 15.6 us each; "
+        "second call 0 page faults (0 MiB), 10 ms system time"
+    )
+    assert _first_touches({"first_faults": None, "second_faults": None}) is None
