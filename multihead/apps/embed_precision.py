@@ -123,7 +123,8 @@ class Bf16Linear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), False)
-        self._reordered: tuple[Tensor, Tensor] | None = None  # (weight, oneDNN's copy of it)
+        # (the weight, its state when reordered, oneDNN's copy of it)
+        self._reordered: tuple[Tensor, tuple, Tensor] | None = None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -149,17 +150,23 @@ class Bf16Linear(nn.Module):
         return y.to(self.out_dtype)
 
     def _onednn_weight(self, x: Tensor) -> Tensor | None:
-        """The weight in oneDNN's layout, made on first use and again if ``weight`` was
-        replaced; None where oneDNN does not run this call (a GPU, no native bf16, autograd,
-        a graph being traced or compiled, which could not hold its opaque weight)."""
+        """The weight in oneDNN's layout, made on first use and again whenever ``weight``
+        changed (replaced, its storage swapped, written in place); None where oneDNN does not
+        run this call (a GPU, no native bf16, autograd, a graph being traced or compiled,
+        which could not hold its opaque weight)."""
         if x.device.type != "cpu" or not _onednn_bf16() or torch.is_grad_enabled():
             return None
         if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return None
-        if self._reordered is None or self._reordered[0] is not self.weight:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-            self._reordered = (self.weight, packed)
-        return self._reordered[1]
+        w = self.weight
+        # the storage, dtype and in-place write count (an inference tensor has none: it
+        # cannot be written outside inference mode)
+        state = (w.data_ptr(), w.dtype, None if w.is_inference() else w._version)
+        old = self._reordered
+        if old is None or old[0] is not w or old[1] != state:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self._reordered = (w, state, packed)
+        return self._reordered[2]
 
     def extra_repr(self) -> str:
         return (

@@ -181,7 +181,8 @@ def test_fused_activation_is_closer_to_exact_than_rounding_first(monkeypatch):
 
 def test_a_bf16_model_copies_and_pickles_after_use(pretrained, bf16):
     """oneDNN's copy of a weight is opaque: a deep copy or a pickle leaves it out and makes it
-    again, with the same embeddings bit for bit; a replaced weight is reordered again."""
+    again, with the same embeddings bit for bit; a weight replaced, written in place or loaded
+    from a state dict is reordered again."""
     import pickle
 
     texts = sentences(4, min_words=5, max_words=40, seed=8)
@@ -192,12 +193,25 @@ def test_a_bf16_model_copies_and_pickles_after_use(pretrained, bf16):
         assert torch.equal(other.embed(texts), ours)
     layer = E.Bf16Linear(_linear(16, 8, 4))
     x = torch.randn(5, 16)
-    with torch.inference_mode():
-        before = layer(x)
-        layer.weight = nn.Parameter(-layer.weight.detach(), requires_grad=False)
-        after = layer(x)
-    expected = torch.nn.functional.linear(x.bfloat16(), layer.weight, layer.bias).float()
-    assert torch.equal(after, expected) and not torch.equal(before, after)
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return layer(x)
+
+    def plain() -> torch.Tensor:
+        return torch.nn.functional.linear(x.bfloat16(), layer.weight, layer.bias).float()
+
+    before = run()
+    layer.weight = nn.Parameter(-layer.weight.detach(), requires_grad=False)  # replaced
+    assert torch.equal(run(), plain()) and not torch.equal(run(), before)
+    for change in (
+        lambda: layer.weight.mul_(0.5),  # written in place
+        lambda: layer.load_state_dict({"weight": torch.ones(8, 16), "bias": torch.zeros(8)}),
+    ):
+        earlier = run()
+        with torch.no_grad():
+            change()
+        assert torch.equal(run(), plain()) and not torch.equal(run(), earlier)
 
 
 def test_an_unknown_fused_activation_is_refused():
