@@ -127,7 +127,7 @@ class Bf16Linear(nn.Module):
         self._reordered: tuple[Tensor, tuple, Tensor] | None = None
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_reordered"] = None  # oneDNN's opaque tensor: made again on the next call
         return state
 
