@@ -9,14 +9,15 @@ warmed. ``python -m multihead.bench.first_use WHAT LENGTH`` prints one JSON line
   its peak memory growth against the captured weights.
 
 Beside the first and second calls' times it reports what each spent on first touches of new
-memory: the minor page faults the call took and the system CPU seconds (``getrusage``), where
-the platform counts them. On a virtual machine whose host backs a guest's pages lazily a
-first touch costs far more than on bare metal, and only the first call touches that much.
+memory: the minor page faults the call took and the system CPU seconds (``getrusage``). On a
+virtual machine whose host backs a guest's pages lazily a first touch costs far more than on
+bare metal, and only the first call touches that much.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import statistics
 import sys
 import time
@@ -42,44 +43,30 @@ def _clock(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _usage() -> tuple[int, float] | None:
-    """(minor page faults, system CPU seconds) of this process so far; None where the
-    platform has no ``resource`` module."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    used = resource.getrusage(resource.RUSAGE_SELF)
-    return used.ru_minflt, used.ru_stime
-
-
-def _faults(fn: Callable[[], object], seconds: Callable[[Callable[[], object]], float]) -> dict:
-    """``seconds(fn)`` with the page faults and system seconds the call took ("_s", "faults",
-    "sys_s"; the last two None where they cannot be read)."""
-    before = _usage()
+def _counted(fn: Callable[[], object], seconds: Callable[[Callable[[], object]], float]) -> dict:
+    """``seconds(fn)`` with the minor page faults and system CPU seconds the call took
+    ("s", "faults", "sys_s")."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
     took = seconds(fn)
-    after = _usage()
-    if before is None or after is None:
-        return {"s": took, "faults": None, "sys_s": None}
-    return {"s": took, "faults": after[0] - before[0], "sys_s": after[1] - before[1]}
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "s": took,
+        "faults": after.ru_minflt - before.ru_minflt,
+        "sys_s": after.ru_stime - before.ru_stime,
+    }
 
 
 def _first_two(fn: Callable[[], object], first: Callable[[Callable[[], object]], float]) -> dict:
     """The first call timed by ``first``, the second by ``_clock``; each call's time, page
     faults and system seconds, flat ("first_s", "first_faults", ..., "second_sys_s"), and the
     page size ("page_bytes")."""
-    found: dict = {"page_bytes": None}
-    if _usage() is not None:
-        import resource
-
-        found["page_bytes"] = resource.getpagesize()
+    found: dict = {"page_bytes": resource.getpagesize()}
     for name, seconds in (("first", first), ("second", _clock)):
-        for key, value in _faults(fn, seconds).items():
-            found[f"{name}_{key}"] = value
+        found.update({f"{name}_{key}": value for key, value in _counted(fn, seconds).items()})
     return found
 
 
-def _forward(length: int) -> dict[str, float | int | None]:
+def _forward(length: int) -> dict[str, float | int]:
     import multihead.hf  # noqa: F401  registers "multihead"
 
     model, ids = _model(length)
@@ -95,7 +82,7 @@ def _forward(length: int) -> dict[str, float | int | None]:
     return {**found, "eager_s": statistics.median(_clock(weights) for _ in range(2))}
 
 
-def _capture(length: int) -> dict[str, float | int | None]:
+def _capture(length: int) -> dict[str, float | int]:
     from multihead.hf import capture
 
     from .hf import peak_growth

@@ -689,7 +689,8 @@ def first_use(forward_length: int, capture_length: int, say: Callable[[str], Non
 
 def _first_touches(found: dict[str, Any]) -> str | None:
     """What the first and second calls spent on first touches of memory (page faults, system
-    seconds), with the system time per fault; None where the platform does not count them."""
+    seconds), with the system time per fault; None for a report without them (one written
+    before they were counted)."""
     if found.get("first_faults") is None or found.get("second_faults") is None:
         return None
     parts = []
