@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import _validation as V
 from ..modules import FeedForward, MultiHeadAttention
+from ..modules.transformer import ACTIVATIONS
 from .precision import PrecisionChoice, choose
 
 if TYPE_CHECKING:
@@ -57,20 +59,15 @@ __all__ = [
 
 PRECISIONS = ("auto", "fp32", "bf16")  # what --precision of embed and serve takes
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # a MultiHeadAttention's, handing bf16 on
-# the activations a Bf16Linear applies inside its product: oneDNN's post-op (attr, algorithm)
-# and the same function outside it, as modules.transformer.ACTIVATIONS defines them
+# oneDNN's post-op (attr, algorithm) for each activation of modules.transformer.ACTIVATIONS
+# a Bf16Linear applies inside its product
 _ONEDNN: dict[str | None, tuple[str, str]] = {
     None: ("none", ""),
     "gelu": ("gelu", "none"),
     "gelu_tanh": ("gelu", "tanh"),
     "relu": ("relu", ""),
 }
-_FALLBACK: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
-FUSED = tuple(_FALLBACK)
+FUSED = tuple(name for name in _ONEDNN if name is not None)
 # the timed pass's stand-in for input when none is given: about 60 tokens of ordinary words
 _FILLER = (
     "The committee met on a quiet Tuesday morning to review the plans for the new library, "
@@ -119,6 +116,8 @@ class Bf16Linear(nn.Module):
             )
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype, self.activation = out_dtype, activation
+        # the activation as a module of its own, for the plain path
+        self.outside = nn.Identity() if activation is None else ACTIVATIONS[activation]()
         weight = linear.weight.detach().to(torch.bfloat16).contiguous()
         self.weight = nn.Parameter(weight, requires_grad=False)
         bias = linear.bias
@@ -144,19 +143,17 @@ class Bf16Linear(nn.Module):
             attr, algorithm = _ONEDNN[self.activation]
             y = torch.ops.mkldnn._linear_pointwise(x, reordered, self.bias, attr, [], algorithm)
         else:
-            y = F.linear(x, self.weight, self.bias)
-            if self.activation is not None:
-                y = _FALLBACK[self.activation](y)
+            y = self.outside(F.linear(x, self.weight, self.bias))
         return y.to(self.out_dtype)
 
     def _onednn_weight(self, x: Tensor) -> Tensor | None:
         """The weight in oneDNN's layout, made on first use and again whenever ``weight``
         changed (replaced, its storage swapped, written in place); None where oneDNN does not
-        run this call (a GPU, no native bf16, autograd, a graph being traced or compiled,
-        which could not hold its opaque weight)."""
-        if x.device.type != "cpu" or not _onednn_bf16() or torch.is_grad_enabled():
+        run this call (a GPU, no native bf16, autograd, a graph being traced, compiled or
+        exported, which could not hold its opaque weight)."""
+        if V.tracing() or torch.jit.is_tracing():  # first: nothing below enters the graph
             return None
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if x.device.type != "cpu" or not _onednn_bf16() or torch.is_grad_enabled():
             return None
         w = self.weight
         # the storage, dtype and in-place write count (an inference tensor has none: it

@@ -214,6 +214,20 @@ def test_a_bf16_model_copies_and_pickles_after_use(pretrained, bf16):
         assert torch.equal(run(), plain()) and not torch.equal(run(), earlier)
 
 
+def test_an_exported_bf16_layer_runs_the_plain_product(monkeypatch):
+    """torch.export traces the plain path (F.linear, then the activation): oneDNN's opaque
+    weight and its checks stay out of the graph, whose output is the plain path's."""
+    layer = E.Bf16Linear(_linear(16, 8, 5), activation="gelu")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        exported = torch.export.export(layer, (x,))
+        targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+        assert "aten.linear.default" in targets and "aten.gelu.default" in targets
+        assert not any("mkldnn" in t for t in targets), targets
+        monkeypatch.setattr(E, "_onednn_bf16", lambda: False)
+        assert torch.equal(exported.module()(x), layer(x))
+
+
 def test_an_unknown_fused_activation_is_refused():
     with pytest.raises(ValueError, match=r"activation must be None or one of 'gelu', "):
         E.Bf16Linear(nn.Linear(4, 4), activation="silu")
