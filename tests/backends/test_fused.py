@@ -407,6 +407,32 @@ def test_bf16_block_products_keep_the_2x_rule(kind, scale, layout):
     assert w.dtype == torch.bfloat16 and (w.double() - ref).abs().max() <= bound
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sentence_length_rows_keep_the_2x_rule(dtype, window):
+    """Packed sentences as embeddings run them: documents of every length modulo the vector
+    width (a row's keys end anywhere inside a vector, whose tail the softmax runs through the
+    same vector code), alone and under a window (rows with keep bits). Against float64 on the
+    same rounded inputs: within twice the error of the naive formula in ``dtype``, plus one
+    ulp of the largest output (the weights' rounding to bf16 for their product with V)."""
+    lengths = [1, 2, 15, 16, 17, 31, 33, 47, 64, 109, 3]
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    length, h, d = ids.numel(), 3, 32
+    q, k, v = (t.to(dtype) for t in qkv(1, h, h, length, length, d, seed=21))
+    mask = masks.documents(ids)
+    keep = ids[:, None] == ids[None, :]
+    if window is not None:
+        mask = mask & masks.sliding_window(window)  # keys i - window .. i
+        behind = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+        keep = keep & (behind >= 0) & (behind <= window)
+    out = mh.attention(q, k, v, mask, backend="fused")
+    ref = naive_attention(*(t.double() for t in (q, k, v)), keep)[0]
+    naive = naive_attention(q, k, v, keep)[0]
+    bound = 2 * (naive.double() - ref).abs().max() + torch.finfo(dtype).eps * ref.abs().max()
+    assert out.dtype == dtype
+    assert (out.double() - ref).abs().max() <= bound
+
+
 @pytest.mark.parametrize("kind", ["none", "documents", "lengths"])
 def test_bf16_packing_is_the_same_in_every_layout(kind):
     """The same keys and values give the same bits whichever way the key packing reads them:

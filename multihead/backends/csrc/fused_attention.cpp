@@ -4,11 +4,14 @@
 // (query tiles, each with its key chunks and, for partly visible chunks, a small keep block),
 // and it never knows which mask produced it. Per block of query rows it walks the key blocks
 // of every chunk with an online softmax (FlashAttention's recipe): scores by one GEMM, each
-// row finished in one vector pass (scale, soft cap, additive terms, keep bits, maximum), exp
-// and row sums in a second, output by another GEMM; sink logits join each row's denominator
-// at the end. Softmax statistics and accumulators are float32 (float64 for float64 inputs).
-// bf16 inputs run their block products in bf16 where this CPU's bf16 microkernel is faster
-// (half_products), else they are widened once per call; both keep the 2x error rule. With
+// row finished in one vector pass (soft cap, additive terms, keep bits, maximum), exp and row
+// sums in a second (which also applies the scale when there is neither cap nor terms, and
+// writes the bf16 weights of a half-precision product directly), output by another GEMM; sink
+// logits join each row's denominator at the end. Softmax statistics and accumulators are
+// float32 (float64 for float64 inputs). bf16 inputs run their block products in bf16 where
+// this CPU's bf16 microkernel is faster (half_products), else they are widened once per call;
+// both keep the 2x error rule. Keys and values are packed for those products, and checked
+// for NaN and inf, in one pass per block (pack_half). With
 // weights, a task keeps its rows' scores over their key span in cache and writes every weight
 // once (attend_weights).
 //
@@ -392,11 +395,30 @@ inline VF load(const float* p) {
   return v;
 }
 inline void store(float* p, VF v) { std::memcpy(p, &v, sizeof(VF)); }
-// the first `count` lanes from p, the rest `fill` (row tails run through the same vector code)
+// the first `count` lanes from p, the rest `fill` (row tails run through the same vector code);
+// with AVX-512 one masked load (a memcpy of a variable count is a library call)
 inline VF load_part(const float* p, int64_t count, float fill) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(fill),
+                                        static_cast<__mmask16>((1u << count) - 1), p);
+  VF r;
+  std::memcpy(&r, &v, sizeof(r));
+  return r;
+#else
   VF v = VF{} + fill;
   std::memcpy(&v, p, count * sizeof(float));
   return v;
+#endif
+}
+
+// the first `count` lanes of v to p
+inline void store_part(float* p, VF v, int64_t count) {
+#if defined(__AVX512F__)
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << count) - 1),
+                        reinterpret_cast<const __m512&>(v));
+#else
+  std::memcpy(p, &v, count * sizeof(float));
+#endif
 }
 
 // exp_nonpositive for a vector of floats: the same steps, lane by lane
@@ -540,6 +562,94 @@ inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
     std::memcpy(dst + j, &narrow, sizeof(narrow));
   }
   for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+
+// The softmax steps of a call with neither soft cap nor additive terms ("plain", float
+// statistics): a block's raw scores are only masked and maxed, and the scale joins the exp.
+
+// The larger of `best` and scale * max_j row[j] (scale > 0), with the keep bits applied in
+// place first when given (hidden keys become -inf). NaN never wins. A row's tail runs through
+// the vector code too (rows as short as a sentence spend much of their time in it).
+inline float scaled_row_max(float* row, int64_t n, float scale, const uint8_t* keep,
+                            float best) {
+  typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+  const float inf = std::numeric_limits<float>::infinity();
+  VF top = VF{} - inf;
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j);
+    VF x = count == kLanes ? load(row + j) : load_part(row + j, count, -inf);
+    if (keep != nullptr) {
+      Bytes bits = {};
+      if (count == kLanes) {
+        std::memcpy(&bits, keep + j, sizeof(bits));
+      } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        const __m128i part = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1),
+                                                  keep + j);
+        std::memcpy(&bits, &part, sizeof(bits));
+#else
+        std::memcpy(&bits, keep + j, count);
+#endif
+      }
+      const VI seen = __builtin_convertvector(bits, VI) != 0;
+      x = seen ? x : VF{} - inf;
+      if (count == kLanes)
+        store(row + j, x);
+      else
+        store_part(row + j, x, count);
+    }
+    top = x > top ? x : top;
+  }
+  const float raw = hmax(top, -inf);
+  return raw == -inf ? best : std::max(best, scale * raw);
+}
+
+// x[j] = exp(scale * x[j] - shift) in place; returns the sum
+inline float exp_scaled(float* x, int64_t n, float scale, float shift) {
+  const float inf = std::numeric_limits<float>::infinity();
+  VF sum = {};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j);
+    const VF e = exp_vec((count == kLanes ? load(x + j) : load_part(x + j, count, -inf)) *
+                             scale - shift);
+    if (count == kLanes)
+      store(x + j, e);
+    else
+      store_part(x + j, e, count);
+    sum += e;  // lanes past the row hold exp(-inf) = 0
+  }
+  return tree_sum(sum);
+}
+
+// dst[j] = bf16(exp(scale * x[j] - shift)), rounded to nearest even, in one pass (the weights
+// the half-precision value product reads); returns the sum of the unrounded exps
+inline float exp_scaled_bf16(const float* x, int64_t n, float scale, float shift,
+                             at::BFloat16* dst) {
+  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
+  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+  const float inf = std::numeric_limits<float>::infinity();
+  VF sum = {};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, n - j);
+    const VF e = exp_vec((count == kLanes ? load(x + j) : load_part(x + j, count, -inf)) *
+                             scale - shift);
+    sum += e;
+    Bits bits;
+    std::memcpy(&bits, &e, sizeof(bits));
+    bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    const Half16 narrow = __builtin_convertvector(bits, Half16);
+    if (count == kLanes) {
+      std::memcpy(dst + j, &narrow, sizeof(narrow));
+    } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+      _mm256_mask_storeu_epi16(dst + j, static_cast<__mmask16>((1u << count) - 1),
+                               reinterpret_cast<const __m256i&>(narrow));
+#else
+      std::memcpy(dst + j, &narrow, count * 2);
+#endif
+    }
+  }
+  return tree_sum(sum);
 }
 
 // kLanes bf16 values widened to float (bf16 is the top half of a float32)
@@ -1193,84 +1303,94 @@ at::Tensor blocked_transpose(const at::Tensor& x, const std::vector<uint8_t>* re
   return out;
 }
 
-// Keys for the half-precision block products: [B, H_kv, blocks, D2 / 2, kKeys, 2] with D2 the
-// head dim rounded up to even: each block of kKeys keys as the columns of K^T, pairs of
-// consecutive dims interleaved (the VNNI form the bf16 microkernel reads), zero-padded. Where
-// the head dim is even and every row starts on a 4-byte boundary, a pair of dims is one 32-bit
-// unit and a block is a transpose of (keys x pairs) such units.
+// Keys and values for the half-precision block products, packed in one pass over both (one
+// task per block of kKeys keys, which packs its keys and values while they are in cache).
+//
+// Keys: [B, H_kv, blocks, D2 / 2, kKeys, 2] with D2 the head dim rounded up to even: each
+// block of kKeys keys as the columns of K^T, pairs of consecutive dims interleaved (the VNNI
+// form the bf16 microkernel reads), zero-padded. Where the head dim is even and every row
+// starts on a 4-byte boundary, a pair of dims is one 32-bit unit and a block is a transpose of
+// (keys x pairs) such units.
+//
+// Values: [B, H_kv, blocks, kKeys / 2, Dv, 2], pairs of consecutive keys interleaved (VNNI):
+// entry c of a pair of rows is one 32-bit unit, the first row's bits low. Zero-padded.
+// Non-finite values become 0 here: a row that may see one is flagged (the NaN rule runs it
+// again), and a key next to a chunk's edge, read with a weight of 0 to keep the pairs aligned,
+// must not turn that 0 into NaN. The test reads the bits (kExponentBits).
+//
+// With kflags and vflags, each block's flag (see block_flags) is set in the same pass.
 template <typename E>
-at::Tensor pack_keys(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
+std::pair<at::Tensor, at::Tensor> pack_half(const at::Tensor& k, const at::Tensor& v,
+                                            const std::vector<uint8_t>* read,
+                                            std::vector<uint8_t>* kflags,
+                                            std::vector<uint8_t>* vflags) {
   static_assert(sizeof(E) == 2, "pairs of 16-bit values");
-  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
+  constexpr uint16_t exponent = kExponentBits<E>;
+  const int64_t B = k.size(0), H = k.size(1), S = k.size(2), d = k.size(3), dv = v.size(3);
   const int64_t n = (S + kKeys - 1) / kKeys, pairs = (d + 1) / 2;
-  at::Tensor out = empty_large({B, H, n, pairs, kKeys, 2}, x.options());
-  const E* src = x.data_ptr<E>();
-  E* dst = out.data_ptr<E>();
-  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
-  const bool units = d % 2 == 0 && sb % 2 == 0 && sh % 2 == 0 && sr % 2 == 0 &&
-                     reinterpret_cast<uintptr_t>(src) % 4 == 0;
+  at::Tensor kt = empty_large({B, H, n, pairs, kKeys, 2}, k.options());
+  at::Tensor vt = empty_large({B, H, n, kKeys / 2, dv, 2}, v.options());
+  if (kflags != nullptr) kflags->assign(B * H * n, 0), vflags->assign(B * H * n, 0);
+  const E* ksrc = k.data_ptr<E>();
+  const auto* vsrc = reinterpret_cast<const uint16_t*>(v.data_ptr<E>());
+  E* kdst = kt.data_ptr<E>();
+  auto* vdst = reinterpret_cast<uint32_t*>(vt.data_ptr<E>());
+  const int64_t ksb = k.stride(0), ksh = k.stride(1), ksr = k.stride(2);
+  const int64_t vsb = v.stride(0), vsh = v.stride(1), vsr = v.stride(2);
+  const bool units = d % 2 == 0 && ksb % 2 == 0 && ksh % 2 == 0 && ksr % 2 == 0 &&
+                     reinterpret_cast<uintptr_t>(ksrc) % 4 == 0;
   at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (unread(read, u % n)) continue;
       const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
       const int64_t cols = std::min(kKeys, S - j0);
-      E* block = dst + u * pairs * kKeys * 2;
-      const E* first = src + b * sb + h * sh + j0 * sr;
+      // the keys
+      E* block = kdst + u * pairs * kKeys * 2;
+      const E* first = ksrc + b * ksb + h * ksh + j0 * ksr;
       if (units) {
         auto* out32 = reinterpret_cast<uint32_t*>(block);
-        transpose(reinterpret_cast<const uint32_t*>(first), cols, pairs, sr / 2, out32, kKeys);
+        transpose(reinterpret_cast<const uint32_t*>(first), cols, pairs, ksr / 2, out32, kKeys);
         if (cols < kKeys)
           for (int64_t p = 0; p < pairs; ++p)
             std::fill(out32 + p * kKeys + cols, out32 + (p + 1) * kKeys, uint32_t(0));
-        continue;
-      }
-      for (int64_t j = 0; j < kKeys; ++j) {
-        const E* row = first + j * sr;
-        const bool real = j < cols;
-        for (int64_t p = 0; p < 2 * pairs; ++p)
-          block[(p / 2) * kKeys * 2 + j * 2 + p % 2] = real && p < d ? row[p] : E(0);
-      }
-    }
-  });
-  return out;
-}
-
-// Values for the half-precision block products: [B, H_kv, blocks, kKeys / 2, Dv, 2], pairs of
-// consecutive keys interleaved (VNNI), zero-padded. Non-finite values become 0 here: a row
-// that may see one is flagged (the NaN rule runs it again), and a key next to a chunk's edge,
-// read with a weight of 0 to keep the pairs aligned, must not turn that 0 into NaN. The test
-// reads the bits (kExponentBits).
-template <typename E>
-at::Tensor pack_values(const at::Tensor& x, const std::vector<uint8_t>* read = nullptr) {
-  static_assert(sizeof(E) == 2, "16-bit values");
-  constexpr uint16_t exponent = kExponentBits<E>;
-  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), d = x.size(3);
-  const int64_t n = (S + kKeys - 1) / kKeys;
-  at::Tensor out = empty_large({B, H, n, kKeys / 2, d, 2}, x.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<E>());
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<E>());
-  const int64_t sb = x.stride(0), sh = x.stride(1), sr = x.stride(2);
-  at::parallel_for(0, B * H * n, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t u = lo; u < hi; ++u) {
-      if (unread(read, u % n)) continue;
-      const int64_t b = u / (H * n), h = (u / n) % H, j0 = (u % n) * kKeys;
-      const int64_t rows = std::min(kKeys, S - j0);
-      uint16_t* block = dst + u * kKeys * d;
-      for (int64_t j = 0; j < kKeys; ++j) {
-        uint16_t* pair = block + (j / 2) * d * 2 + j % 2;
-        if (j >= rows) {
-          for (int64_t c = 0; c < d; ++c) pair[c * 2] = 0;
-          continue;
-        }
-        const uint16_t* row = src + b * sb + h * sh + (j0 + j) * sr;
-        for (int64_t c = 0; c < d; ++c) {
-          const uint16_t bits = row[c];
-          pair[c * 2] = (bits & exponent) == exponent ? uint16_t(0) : bits;
+      } else {
+        for (int64_t j = 0; j < kKeys; ++j) {
+          const E* row = first + j * ksr;
+          const bool real = j < cols;
+          for (int64_t p = 0; p < 2 * pairs; ++p)
+            block[(p / 2) * kKeys * 2 + j * 2 + p % 2] = real && p < d ? row[p] : E(0);
         }
       }
+      if (kflags != nullptr) (*kflags)[u] = any_nonfinite(first, cols, d, ksr);  // in cache
+      // the values, a pair of rows at a time
+      uint32_t* out = vdst + u * (kKeys / 2) * dv;
+      const uint16_t* vfirst = vsrc + b * vsb + h * vsh + j0 * vsr;
+      uint32_t seen = 0;  // any non-finite value
+      for (int64_t j = 0; j < kKeys; j += 2, out += dv) {
+        const uint16_t* r0 = vfirst + j * vsr;
+        if (j + 1 < cols) {
+          const uint16_t* r1 = r0 + vsr;
+          for (int64_t c = 0; c < dv; ++c) {
+            const uint32_t x0 = r0[c], x1 = r1[c];
+            const bool bad0 = (x0 & exponent) == exponent, bad1 = (x1 & exponent) == exponent;
+            seen |= bad0 | bad1;
+            out[c] = (bad0 ? 0u : x0) | (bad1 ? 0u : x1 << 16);
+          }
+        } else if (j < cols) {
+          for (int64_t c = 0; c < dv; ++c) {
+            const uint32_t x0 = r0[c];
+            const bool bad0 = (x0 & exponent) == exponent;
+            seen |= bad0;
+            out[c] = bad0 ? 0u : x0;
+          }
+        } else {
+          std::fill(out, out + dv, 0u);
+        }
+      }
+      if (vflags != nullptr) (*vflags)[u] = seen != 0;
     }
   });
-  return out;
+  return {kt, vt};
 }
 
 // Per (batch entry, key/value head, block of kKeys keys): whether the block holds NaN or +-inf
@@ -1323,14 +1443,15 @@ struct Inputs {
         blocks((k_.size(2) + kKeys - 1) / kKeys) {
     if (!blocked) return;
     if constexpr (kHalf) {
-      kt_ = pack_keys<E>(k_, read), vt_ = pack_values<E>(v_, read);
+      std::tie(kt_, vt_) = pack_half<E>(k_, v_, read, backward ? nullptr : &kflags,
+                                        backward ? nullptr : &vflags);
     } else {
       kt_ = blocked_transpose<T>(k_, read);
       if (backward) vt_ = blocked_transpose<T>(v_, read);
+      if (!backward) kflags = block_flags<E>(k_, read), vflags = block_flags<E>(v_, read);
     }
     kt = kt_.data_ptr<E>();
     if (vt_.defined()) vt = vt_.data_ptr<E>();
-    if (!backward) kflags = block_flags<E>(k_, read), vflags = block_flags<E>(v_, read);
   }
 
   const E* qrow(int64_t b, int64_t h, int64_t i) const { return q + b * qsb + h * qsh + i * qsr; }
@@ -1455,20 +1576,57 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
   *bad |= any_nonfinite(qt, m, D, in.qsr);
   T top[kRows];  // each row's maximum over the running maximum and the span
   int64_t span0 = 0, width = 0;  // the span: keys [span0, span0 + width)
+  // plain (see scaled_row_max): a span's rows hold raw scores, the scale joins the exp
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const bool plain = kFloat && terms.cap == 0 && terms.dense == nullptr &&
+                     terms.table == nullptr && terms.scale > 0;
+  const T exp_scale = plain ? terms.scale : T(1);
   auto flush = [&] {
     if (width == 0) return;
-    for (int64_t i = 0; i < m; ++i) {
-      T* row = scores + i * kKeys;
-      if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
-        std::fill(row, row + width, T(0));
-        continue;
+    bool paired_done = false;
+    if constexpr (Inputs<T, E>::kHalf) {
+      if (in.vt != nullptr) {  // the weights exp'd straight into bf16, as block_values pairs them
+        thread_local std::vector<E> rounded;
+        const int64_t lead = (span0 % kKeys) % 2, paired = (lead + width + 1) / 2 * 2;
+        rounded.resize(m * paired);
+        for (int64_t i = 0; i < m; ++i) {
+          E* r = rounded.data() + i * paired;
+          r[0] = E(0);
+          r[paired - 1] = E(0);
+          if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
+            std::fill(r, r + paired, E(0));
+            continue;
+          }
+          const T alpha = exp_nonpositive(mx[i] - top[i]);
+          sum[i] = sum[i] * alpha + exp_scaled_bf16(scores + i * kKeys, width, exp_scale,
+                                                    top[i], r + lead);
+          mx[i] = top[i];
+          if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+        }
+        block_gemm_vnni(m, Dv, paired, rounded.data(), paired,
+                        in.vpair(task.b, task.h, span0 - lead), Dv, true, acc, Dv);
+        paired_done = true;
       }
-      const T alpha = exp_nonpositive(mx[i] - top[i]);
-      sum[i] = sum[i] * alpha + exp_shifted(row, width, top[i]);
-      mx[i] = top[i];
-      if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
     }
-    block_values(in, task, m, span0, width, scores, kKeys, acc);
+    if (!paired_done) {
+      for (int64_t i = 0; i < m; ++i) {
+        T* row = scores + i * kKeys;
+        if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
+          std::fill(row, row + width, T(0));
+          continue;
+        }
+        const T alpha = exp_nonpositive(mx[i] - top[i]);
+        T total;
+        if constexpr (kFloat)
+          total = exp_scaled(row, width, exp_scale, top[i]);
+        else
+          total = exp_shifted(row, width, top[i]);
+        sum[i] = sum[i] * alpha + total;
+        mx[i] = top[i];
+        if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+      }
+      block_values(in, task, m, span0, width, scores, kKeys, acc);
+    }
     if (checked_by_results(in) && !*bad && any_nonfinite(acc, m, Dv, Dv))
       *bad |= block_nonfinite(in, task, span0, width);
     width = 0;
@@ -1497,9 +1655,18 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
       // reads them there, not from memory
       if (!checked_by_results(in) || any_nonfinite(part, m, n, kKeys))
         *bad |= block_nonfinite(in, task, kb, n);
-      for (int64_t i = 0; i < m; ++i)
-        top[i] = finish_row(part + i * kKeys, n, terms, task.b, task.h, task.r0 + i, kb,
-                            keep == nullptr ? nullptr : keep + i * keep_rs, nullptr, top[i]);
+      for (int64_t i = 0; i < m; ++i) {
+        T* row = part + i * kKeys;
+        const uint8_t* row_keep = keep == nullptr ? nullptr : keep + i * keep_rs;
+        if constexpr (kFloat) {
+          if (plain) {
+            top[i] = scaled_row_max(row, n, terms.scale, row_keep, top[i]);
+            continue;
+          }
+        }
+        top[i] = finish_row(row, n, terms, task.b, task.h, task.r0 + i, kb, row_keep, nullptr,
+                            top[i]);
+      }
       width += n;
     }
   }
