@@ -549,16 +549,23 @@ T exp_shifted(T* x, int64_t n, T shift, T* moment = nullptr) {
   return total;
 }
 
+// kLanes 16-bit words
+typedef uint16_t VH __attribute__((vector_size(kLanes * 2)));
+
+// bf16(v) lane by lane, rounded to nearest even (finite inputs)
+inline VH round_bf16(VF v) {
+  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
+  Bits bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  return __builtin_convertvector(bits, VH);
+}
+
 // dst[j] = bf16(src[j]), rounded to nearest even (finite inputs)
 inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
-  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
-  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
-    Bits bits;
-    std::memcpy(&bits, src + j, sizeof(bits));
-    bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-    const Half16 narrow = __builtin_convertvector(bits, Half16);
+    const VH narrow = round_bf16(load(src + j));
     std::memcpy(dst + j, &narrow, sizeof(narrow));
   }
   for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
@@ -604,49 +611,35 @@ inline float scaled_row_max(float* row, int64_t n, float scale, const uint8_t* k
   return raw == -inf ? best : std::max(best, scale * raw);
 }
 
-// x[j] = exp(scale * x[j] - shift) in place; returns the sum
-inline float exp_scaled(float* x, int64_t n, float scale, float shift) {
+// dst[j] = exp(scale * x[j] - shift) (dst may be x), as float or as bf16 rounded to nearest
+// even (the weights the half-precision value product reads, made in the same pass); returns
+// the sum of the unrounded exps
+template <typename Out>
+inline float exp_scaled(const float* x, int64_t n, float scale, float shift, Out* dst) {
   const float inf = std::numeric_limits<float>::infinity();
   VF sum = {};
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j);
-    const VF e = exp_vec((count == kLanes ? load(x + j) : load_part(x + j, count, -inf)) *
-                             scale - shift);
-    if (count == kLanes)
-      store(x + j, e);
-    else
-      store_part(x + j, e, count);
+    const bool whole = count == kLanes;
+    const VF e = exp_vec((whole ? load(x + j) : load_part(x + j, count, -inf)) * scale - shift);
     sum += e;  // lanes past the row hold exp(-inf) = 0
-  }
-  return tree_sum(sum);
-}
-
-// dst[j] = bf16(exp(scale * x[j] - shift)), rounded to nearest even, in one pass (the weights
-// the half-precision value product reads); returns the sum of the unrounded exps
-inline float exp_scaled_bf16(const float* x, int64_t n, float scale, float shift,
-                             at::BFloat16* dst) {
-  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
-  typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
-  const float inf = std::numeric_limits<float>::infinity();
-  VF sum = {};
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const int64_t count = std::min<int64_t>(kLanes, n - j);
-    const VF e = exp_vec((count == kLanes ? load(x + j) : load_part(x + j, count, -inf)) *
-                             scale - shift);
-    sum += e;
-    Bits bits;
-    std::memcpy(&bits, &e, sizeof(bits));
-    bits = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-    const Half16 narrow = __builtin_convertvector(bits, Half16);
-    if (count == kLanes) {
-      std::memcpy(dst + j, &narrow, sizeof(narrow));
+    if constexpr (std::is_same_v<Out, float>) {
+      if (whole)
+        store(dst + j, e);
+      else
+        store_part(dst + j, e, count);
     } else {
+      const VH narrow = round_bf16(e);
+      if (whole) {
+        std::memcpy(dst + j, &narrow, sizeof(narrow));
+      } else {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-      _mm256_mask_storeu_epi16(dst + j, static_cast<__mmask16>((1u << count) - 1),
-                               reinterpret_cast<const __m256i&>(narrow));
+        _mm256_mask_storeu_epi16(dst + j, static_cast<__mmask16>((1u << count) - 1),
+                                 reinterpret_cast<const __m256i&>(narrow));
 #else
-      std::memcpy(dst + j, &narrow, count * 2);
+        std::memcpy(dst + j, &narrow, count * 2);
 #endif
+      }
     }
   }
   return tree_sum(sum);
@@ -654,9 +647,8 @@ inline float exp_scaled_bf16(const float* x, int64_t n, float scale, float shift
 
 // kLanes bf16 values widened to float (bf16 is the top half of a float32)
 inline VF load_widened(const at::BFloat16* p) {
-  typedef uint16_t Half16 __attribute__((vector_size(kLanes * 2)));
   typedef uint32_t Bits __attribute__((vector_size(kVecBytes)));
-  Half16 narrow;
+  VH narrow;
   std::memcpy(&narrow, p, sizeof(narrow));
   const Bits bits = __builtin_convertvector(narrow, Bits) << 16;
   VF v;
@@ -1526,10 +1518,28 @@ void block_scores(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t k
   }
 }
 
+// acc [m, Dv] += W V over keys [kb, kb + n) for half-precision products against the packed
+// values: write(i, dst) puts row i's n weights in bf16 at dst, in a buffer whose pairs of
+// columns line up with the packed values (a key block starting at an odd offset gets a
+// leading column of 0).
+template <typename T, typename E, typename Write>
+void paired_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
+                   T* acc, Write&& write) {
+  thread_local std::vector<E> rounded;
+  const int64_t lead = (kb % kKeys) % 2, width = (lead + n + 1) / 2 * 2;
+  rounded.resize(m * width);
+  for (int64_t i = 0; i < m; ++i) {
+    E* r = rounded.data() + i * width;
+    r[0] = E(0);
+    r[width - 1] = E(0);
+    write(i, r + lead);
+  }
+  block_gemm_vnni(m, in.Dv, width, rounded.data(), width, in.vpair(task.b, task.h, kb - lead),
+                  in.Dv, true, acc, in.Dv);
+}
+
 // acc [m, Dv] += P V over keys [kb, kb + n), P row stride ldp. Half-precision products round
-// P to bf16 (as the naive formula in bf16 rounds its weights) into a buffer whose pairs of
-// columns line up with the packed values: a key block starting at an odd offset gets a
-// leading column of 0.
+// P to bf16 (as the naive formula in bf16 rounds its weights; paired_values).
 template <typename T, typename E>
 void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t kb, int64_t n,
                   const T* p, int64_t ldp, T* acc) {
@@ -1538,17 +1548,8 @@ void block_values(const Inputs<T, E>& in, const Task& task, int64_t m, int64_t k
       gemm_widened(m, in.Dv, n, p, ldp, in.vrow(task.b, task.h, kb), in.vsr, acc, in.Dv);
       return;
     }
-    thread_local std::vector<E> rounded;
-    const int64_t lead = (kb % kKeys) % 2, width = (lead + n + 1) / 2 * 2;
-    rounded.resize(m * width);
-    for (int64_t i = 0; i < m; ++i) {
-      E* r = rounded.data() + i * width;
-      r[0] = E(0);
-      r[width - 1] = E(0);
-      to_bf16(r + lead, p + i * ldp, n);
-    }
-    block_gemm_vnni(m, in.Dv, width, rounded.data(), width, in.vpair(task.b, task.h, kb - lead),
-                    in.Dv, true, acc, in.Dv);
+    paired_values(in, task, m, kb, n, acc,
+                  [&](int64_t i, E* dst) { to_bf16(dst, p + i * ldp, n); });
   } else {
     const T* vr = in.vrow(task.b, task.h, kb);
     if (in.kt != nullptr)
@@ -1583,47 +1584,38 @@ void attend(const Inputs<T, E>& in, const Plan& plan, const Terms<T>& terms, con
   const T exp_scale = plain ? terms.scale : T(1);
   auto flush = [&] {
     if (width == 0) return;
-    bool paired_done = false;
+    // row i's online-softmax update over the span: its weights made by exp (which returns
+    // their sum), the running sum and accumulator rescaled to the new maximum; false (and
+    // nothing done) for a row that sees nothing yet, whose weights are 0
+    const auto update = [&](int64_t i, auto&& exp) {
+      if (top[i] == neg_inf<T>()) return false;
+      const T alpha = exp_nonpositive(mx[i] - top[i]);
+      sum[i] = sum[i] * alpha + exp(scores + i * kKeys);
+      mx[i] = top[i];
+      if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+      return true;
+    };
+    bool paired = false;
     if constexpr (Inputs<T, E>::kHalf) {
-      if (in.vt != nullptr) {  // the weights exp'd straight into bf16, as block_values pairs them
-        thread_local std::vector<E> rounded;
-        const int64_t lead = (span0 % kKeys) % 2, paired = (lead + width + 1) / 2 * 2;
-        rounded.resize(m * paired);
-        for (int64_t i = 0; i < m; ++i) {
-          E* r = rounded.data() + i * paired;
-          r[0] = E(0);
-          r[paired - 1] = E(0);
-          if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
-            std::fill(r, r + paired, E(0));
-            continue;
-          }
-          const T alpha = exp_nonpositive(mx[i] - top[i]);
-          sum[i] = sum[i] * alpha + exp_scaled_bf16(scores + i * kKeys, width, exp_scale,
-                                                    top[i], r + lead);
-          mx[i] = top[i];
-          if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
-        }
-        block_gemm_vnni(m, Dv, paired, rounded.data(), paired,
-                        in.vpair(task.b, task.h, span0 - lead), Dv, true, acc, Dv);
-        paired_done = true;
+      if (in.vt != nullptr) {  // the weights exp'd straight into bf16 for the packed values
+        paired_values(in, task, m, span0, width, acc, [&](int64_t i, E* dst) {
+          const auto exp = [&](const T* row) {
+            return exp_scaled(row, width, exp_scale, top[i], dst);
+          };
+          if (!update(i, exp)) std::fill(dst, dst + width, E(0));
+        });
+        paired = true;
       }
     }
-    if (!paired_done) {
+    if (!paired) {
       for (int64_t i = 0; i < m; ++i) {
-        T* row = scores + i * kKeys;
-        if (top[i] == neg_inf<T>()) {  // nothing visible in this row yet
-          std::fill(row, row + width, T(0));
-          continue;
-        }
-        const T alpha = exp_nonpositive(mx[i] - top[i]);
-        T total;
-        if constexpr (kFloat)
-          total = exp_scaled(row, width, exp_scale, top[i]);
-        else
-          total = exp_shifted(row, width, top[i]);
-        sum[i] = sum[i] * alpha + total;
-        mx[i] = top[i];
-        if (alpha != T(1)) scale_row(acc + i * Dv, Dv, alpha);
+        const auto exp = [&](T* row) {
+          if constexpr (kFloat)
+            return exp_scaled(row, width, exp_scale, top[i], row);
+          else
+            return exp_shifted(row, width, top[i]);
+        };
+        if (!update(i, exp)) std::fill(scores + i * kKeys, scores + i * kKeys + width, T(0));
       }
       block_values(in, task, m, span0, width, scores, kKeys, acc);
     }
