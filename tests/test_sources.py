@@ -55,3 +55,15 @@ def test_the_check_finds_what_it_looks_for():
     for word in ("measured", "Xeon", "6%", "before the backward gathered", "used to", "3x slower"):
         assert word in found
     assert "line 3" not in found and "'was'" not in found
+
+
+# the whole C++ frontend: its headers take about half of a kernel's compile (the install, a
+# user's first-use build in the cache, and this suite's clean-cache build all pay it)
+FRONTEND = re.compile(r"#include\s*<torch/(extension|torch|all)\.h>")
+
+
+@pytest.mark.parametrize("path", SOURCES)
+def test_kernels_include_only_the_headers_they_use(path):
+    text = (ROOT / path).read_text(encoding="utf-8")
+    assert not FRONTEND.search(text), f"{path} includes torch's whole C++ frontend"
+    assert FRONTEND.search("#include <torch/extension.h>")

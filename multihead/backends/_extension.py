@@ -219,7 +219,7 @@ def compile_in_cache(kernel: Kernel) -> ModuleType:
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob(f"{name}*.so")):  # a compile, not a load from the cache
         print(
-            f"multihead: building {kernel.label} for this machine into {folder} (once, about "
+            f"multihead: building {kernel.label} for this machine into {folder} (once, under "
             f"a minute; {kernel.switch}=0 turns it off)",
             file=sys.stderr,
             flush=True,

@@ -67,7 +67,7 @@ _looked = False  # whether this process has looked for a build (packaged or cach
 _origin = ""  # where the loaded extension came from, for multihead doctor
 _told = False  # whether this process has said once that the kernel is missing
 NOT_BUILT = (
-    "not built on this machine yet: multihead doctor builds it (about a minute), as does the "
+    "not built on this machine yet: multihead doctor builds it (about half a minute), as does the "
     "first call with backend='fused'; auto never starts the compile"
 )
 

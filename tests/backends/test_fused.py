@@ -622,7 +622,7 @@ def test_failed_build_reports_the_compiler_error(monkeypatch, unbuilt):
 
 @pytest.mark.slow
 def test_builds_from_a_clean_cache_and_past_a_lock_left_by_a_killed_build(monkeypatch, unbuilt):
-    """The first use compiles into the per-user cache (about a minute on two cores).
+    """The first use compiles into the per-user cache (about half a minute on two cores).
 
     torch's build lock file, left behind by a process killed while building or loading, made
     every later load wait for it forever; a build now holds an OS lock that dies with its

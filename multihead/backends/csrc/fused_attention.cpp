@@ -19,11 +19,24 @@
 // governs it. Every output row, and in the backward pass every key's gradient, is written by
 // exactly one task in a fixed order: results are bitwise reproducible for a thread count.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
+// ATen's per-operator headers and torch's pybind casters rather than torch/extension.h, which
+// pulls in the whole C++ frontend (autograd, nn, optim) and doubles the compile time
+#include <torch/csrc/utils/pybind.h>
 #include <torch/version.h>
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <atomic>
