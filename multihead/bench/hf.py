@@ -171,14 +171,24 @@ class _Contender:
         return out.logits
 
 
-def _time(workload: HfWorkload, repeats: int, say: Callable[[str], None]) -> dict:
+def _time(
+    workload: HfWorkload,
+    repeats: int,
+    say: Callable[[str], None],
+    leave_out: dict[str, str] | None = None,
+) -> dict:
+    """``workload``'s contenders timed, except those ``leave_out`` names (with why: they are
+    reported among the skipped)."""
     import multihead.hf  # noqa: F401  registers "multihead"
 
     model = _build(workload)
     ids = torch.randint(0, VOCAB, (1, workload.length), generator=torch.Generator().manual_seed(1))
     runs: dict[str, _Contender] = {}
-    logits, skipped = {}, {}
+    logits: dict[str, torch.Tensor] = {}
+    skipped = {n: why for n, why in (leave_out or {}).items() if n in workload.contenders}
     for name in workload.contenders:  # warm-up: compiles, measured kernel choices, the logits
+        if name in skipped:
+            continue
         try:
             run = runs[name] = _Contender(model, ids, name)
             logits[name] = run.run()
@@ -708,7 +718,9 @@ def _first_touches(found: dict[str, Any]) -> str | None:
 class HfBenchOptions(Timed):
     """What ``multihead bench hf`` takes (``multihead bench hf --help``)."""
 
-    quick: bool = option(False, "1/16 of the lengths: a smoke test, not for comparison")
+    quick: bool = option(
+        False, "1/16 of the lengths, without FlexAttention: a smoke test, not for comparison"
+    )
 
 
 def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print) -> dict:
@@ -727,7 +739,11 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     fused.build_error()
     workloads = list(WORKLOADS)
     capture_length, acting_length, generating = CAPTURE_LENGTH, ACTING_LENGTH, GENERATE
+    leave_out = {}
     if quick:
+        # Inductor compiles a FlexAttention kernel per workload: about 6 s each on two cores,
+        # most of a smoke test's time (bench suite and tests/backends/test_flex.py cover it)
+        leave_out["flex_attention"] = "--quick leaves out FlexAttention's compile"
         acting_length //= 16
         workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]
         capture_length //= 16
@@ -754,7 +770,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
         warnings.simplefilter("ignore")  # transformers' notes on flex compilation, configs
         for w in workloads:
             bar.begin(w.name)
-            results.append(_time(w, repeats, tell))
+            results.append(_time(w, repeats, tell, leave_out))
         bar.begin("capture")
         memory = _capture(capture_length, tell)
         bar.begin("acting")

@@ -34,6 +34,9 @@ def test_hf_bench_runs_and_reports(tmp_path, capsys):
             base = rows[spec.baseline]["median_s"]
             assert abs(row["speedup_vs_" + spec.baseline] - base / row["median_s"]) < 1e-9
         assert set(rows) | set(workload["skipped"]) == set(spec.contenders)
+        # --quick leaves FlexAttention's compiles out, and says so
+        assert "flex_attention" not in rows
+        assert "--quick leaves out" in workload["skipped"]["flex_attention"]
         assert len(workload["goals"]) == len(spec.goals)
     growth = report["capture"]["peak_growth_bytes"]
     assert set(growth) >= {"capture 2 heads of layer 1", "eager output_attentions"}
