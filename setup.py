@@ -3,7 +3,8 @@
 Installed into an environment that already holds torch and a C++ compiler (``pip install
 --no-build-isolation``, as the README's commands do), every kernel of
 ``multihead/backends/_extension.py``'s ``KERNELS`` is compiled with torch's C++ extension
-tooling and placed inside the package, with a record of what it was built from. Without torch
+tooling (the kernels at the same time, one per core) and placed inside the package, with a
+record of what it was built from. Without torch
 in the build environment (pip's default build isolation), without a compiler, or when a
 kernel fails to compile, the package installs without it and says so; at run time the kernel
 is then compiled on demand into the per-user cache (``multihead doctor``).
@@ -16,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from setuptools import setup
@@ -63,11 +65,35 @@ def _kernels() -> dict:
         return {}
 
     class BuildKernels(BuildExtension):
-        """torch's extension builder, where one kernel failing leaves the others and the
-        package installable, and every built kernel gets its record beside it."""
+        """torch's extension builder, where the kernels compile at the same time, one failing
+        leaves the others and the package installable, and every built kernel gets its
+        record beside it."""
+
+        _lock = threading.Lock()
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            if self.parallel is None:  # no -j given: each kernel is one source file, one core
+                self.parallel = max(1, min(len(ext.KERNELS), os.cpu_count() or 1))
+
+        def _own_folders(self) -> None:
+            """Each kernel's objects in a folder of its own: torch's compile writes one
+            build.ninja per folder, so two kernels sharing one would overwrite each other's."""
+            with self._lock:
+                if getattr(self.compiler, "_multihead_folders", False):
+                    return
+                shared = self.compiler.compile
+
+                def compile(sources, output_dir=None, *args, **kwargs):
+                    folder = Path(output_dir or self.build_temp) / Path(sources[0]).stem
+                    return shared(sources, str(folder), *args, **kwargs)
+
+                self.compiler.compile = compile
+                self.compiler._multihead_folders = True
 
         def build_extension(self, extension) -> None:
             kernel = next(k for k in ext.KERNELS if k.module == extension.name)
+            self._own_folders()
             try:
                 super().build_extension(extension)
             except Exception as e:  # any failure: the package still installs without it

@@ -15,9 +15,11 @@ places a compiled kernel comes from.
   named by a digest of the same things, so a change of any of them builds afresh and nothing
   else ever rebuilds.
 
-Both use ``cflags()`` / ``ldflags()``: ``-O3``, ``-march=native`` on x86 (the kernels' exp and
-row loops are written for the compiler to vectorize with every instruction set of the machine
-they are built on; the CPU is part of every record and digest), and ``-fopenmp`` where torch
+Both use ``cflags()`` / ``ldflags()``: ``-O3``, ``-g0`` (the package build would otherwise take
+Python's ``-g``: debug information that makes the compile slower and the module 13 times
+larger), ``-march=native`` on x86 (the kernels' exp and row loops are written for the compiler
+to vectorize with every instruction set of the machine they are built on; the CPU is part of
+every record and digest), and ``-fopenmp`` where torch
 runs on OpenMP (at::parallel_for is a header template: built without OpenMP it runs every task
 on the calling thread; the kernel then shares the libgomp torch has loaded).
 
@@ -117,7 +119,7 @@ def _on_openmp() -> bool:
 def cflags() -> list[str]:
     """The compiler flags of every kernel, in the package build and in the cache alike."""
     native = ["-march=native"] if platform.machine().lower() in ("x86_64", "amd64") else []
-    return ["-O3", *native, *(["-fopenmp"] if _on_openmp() else [])]
+    return ["-O3", "-g0", *native, *(["-fopenmp"] if _on_openmp() else [])]
 
 
 def ldflags() -> list[str]:

@@ -186,3 +186,48 @@ def test_build_error_carries_the_mark_torch_compile_reads():
     assert {k: v for k, v in vars(marked).items()} == {
         k: v for k, v in vars(fused.build_error).items() if k != "__wrapped__"
     }
+
+
+_FAKE_CXX = """#!/bin/sh
+# a stand-in compiler: notes when each compile starts and ends, and where its object goes
+out=""
+prev=""
+for arg in "$@"; do
+  [ "$prev" = "-o" ] && out="$arg"
+  prev="$arg"
+done
+case " $* " in
+  *" -c "*)
+    echo "start $(date +%s.%N) $out" >> "$FAKE_CXX_LOG"
+    sleep 2
+    : > "$out"
+    echo "end $(date +%s.%N) $out" >> "$FAKE_CXX_LOG"
+    ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def test_the_package_build_compiles_the_kernels_at_once_each_in_its_own_folder(tmp_path):
+    """Each kernel is one source file, so one compile keeps one core busy: the package build
+    compiles them at the same time. torch's compile writes one build.ninja per folder, so each
+    kernel's objects get a folder of their own (in one shared folder the second kernel's
+    build file replaced the first's)."""
+    compiler = tmp_path / "c++"
+    compiler.write_text(_FAKE_CXX)
+    compiler.chmod(0o755)
+    log = tmp_path / "compiles.log"
+    env = dict(os.environ, CXX=str(compiler), FAKE_CXX_LOG=str(log))
+    done = _setup_build(tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [line.split() for line in log.read_text().splitlines()]
+    starts = {Path(out).stem: float(t) for kind, t, out in events if kind == "start"}
+    ends = {Path(out).stem: float(t) for kind, t, out in events if kind == "end"}
+    sources = {Path(k.source).stem for k in _extension.KERNELS}
+    assert set(starts) == set(ends) == sources
+    if (os.cpu_count() or 1) > 1:  # every compile began before any ended
+        assert max(starts.values()) < min(ends.values()), events
+    # tmp/<source's stem>/<the source's path>.o, a build.ninja in each stem's folder
+    folders = {Path(out).relative_to(tmp_path / "tmp").parts[0] for _, _, out in events}
+    assert folders == sources
+    assert all((tmp_path / "tmp" / folder / "build.ninja").exists() for folder in folders)
