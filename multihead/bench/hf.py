@@ -171,6 +171,29 @@ class _Contender:
         return out.logits
 
 
+def _warm(
+    workload: HfWorkload, leave_out: dict[str, str]
+) -> tuple[dict[str, _Contender], dict[str, torch.Tensor], dict[str, str]]:
+    """The warm-up of ``workload``'s contenders (compiles, measured kernel choices): each one
+    that ran and its logits, and why each other did not run."""
+    import multihead.hf  # noqa: F401  registers "multihead"
+
+    model = _build(workload)
+    ids = torch.randint(0, VOCAB, (1, workload.length), generator=torch.Generator().manual_seed(1))
+    runs: dict[str, _Contender] = {}
+    logits: dict[str, torch.Tensor] = {}
+    skipped = {n: why for n, why in leave_out.items() if n in workload.contenders}
+    for name in workload.contenders:
+        if name in skipped:
+            continue
+        try:
+            run = runs[name] = _Contender(model, ids, name)
+            logits[name] = run.run()
+        except Exception as err:  # an implementation this machine or model cannot run
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return runs, logits, skipped
+
+
 def _time(
     workload: HfWorkload,
     repeats: int,
@@ -179,21 +202,7 @@ def _time(
 ) -> dict:
     """``workload``'s contenders timed, except those ``leave_out`` names (with why: they are
     reported among the skipped)."""
-    import multihead.hf  # noqa: F401  registers "multihead"
-
-    model = _build(workload)
-    ids = torch.randint(0, VOCAB, (1, workload.length), generator=torch.Generator().manual_seed(1))
-    runs: dict[str, _Contender] = {}
-    logits: dict[str, torch.Tensor] = {}
-    skipped = {n: why for n, why in (leave_out or {}).items() if n in workload.contenders}
-    for name in workload.contenders:  # warm-up: compiles, measured kernel choices, the logits
-        if name in skipped:
-            continue
-        try:
-            run = runs[name] = _Contender(model, ids, name)
-            logits[name] = run.run()
-        except Exception as err:  # an implementation this machine or model cannot run
-            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    runs, logits, skipped = _warm(workload, leave_out or {})
     names = [n for n in workload.contenders if n in logits]
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
