@@ -4,10 +4,10 @@ Installed into an environment that already holds torch and a C++ compiler (``pip
 --no-build-isolation``, as the README's commands do), every kernel of
 ``multihead/backends/_extension.py``'s ``KERNELS`` is compiled with torch's C++ extension
 tooling (the kernels at the same time, one per core) and placed inside the package, with a
-record of what it was built from. Without torch
-in the build environment (pip's default build isolation), without a compiler, or when a
-kernel fails to compile, the package installs without it and says so; at run time the kernel
-is then compiled on demand into the per-user cache (``multihead doctor``).
+record of what it was built from. Without torch in the build environment (pip's default build
+isolation), without a compiler, or when a kernel fails to compile, the package installs
+without it and says so; at run time the kernel is then compiled on demand into the per-user
+cache (``multihead doctor``).
 ``MULTIHEAD_BUILD_KERNELS=0`` builds the package without them (a wheel to publish).
 """
 

@@ -19,9 +19,9 @@ Both use ``cflags()`` / ``ldflags()``: ``-O3``, ``-g0`` (the package build would
 Python's ``-g``: debug information that makes the compile slower and the module 13 times
 larger), ``-march=native`` on x86 (the kernels' exp and row loops are written for the compiler
 to vectorize with every instruction set of the machine they are built on; the CPU is part of
-every record and digest), and ``-fopenmp`` where torch
-runs on OpenMP (at::parallel_for is a header template: built without OpenMP it runs every task
-on the calling thread; the kernel then shares the libgomp torch has loaded).
+every record and digest), and ``-fopenmp`` where torch runs on OpenMP (at::parallel_for is a
+header template: built without OpenMP it runs every task on the calling thread; the kernel
+then shares the libgomp torch has loaded).
 
 ``torch.utils.cpp_extension.load`` guards a build folder with a plain ``lock`` file that a
 process killed while building or loading leaves behind; every later load in that folder then

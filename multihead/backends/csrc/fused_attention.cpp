@@ -584,6 +584,25 @@ inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
   for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
 }
 
+// Which of the `count` keys from keep on a row may be seen (a keep byte that is not 0), as a
+// lane mask; lanes past count are not. With AVX-512 one masked byte load (a memcpy of a
+// variable count is a library call).
+inline VI keep_lanes(const uint8_t* keep, int64_t count) {
+  typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
+  Bytes bits = {};
+  if (count == kLanes) {
+    std::memcpy(&bits, keep, sizeof(bits));
+  } else {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m128i part = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1), keep);
+    std::memcpy(&bits, &part, sizeof(bits));
+#else
+    std::memcpy(&bits, keep, count);
+#endif
+  }
+  return __builtin_convertvector(bits, VI) != 0;
+}
+
 // The softmax steps of a call with neither soft cap nor additive terms ("plain", float
 // statistics): a block's raw scores are only masked and maxed, and the scale joins the exp.
 
@@ -592,27 +611,13 @@ inline void to_bf16(at::BFloat16* dst, const float* src, int64_t n) {
 // the vector code too (rows as short as a sentence spend much of their time in it).
 inline float scaled_row_max(float* row, int64_t n, float scale, const uint8_t* keep,
                             float best) {
-  typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
   const float inf = std::numeric_limits<float>::infinity();
   VF top = VF{} - inf;
   for (int64_t j = 0; j < n; j += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, n - j);
     VF x = count == kLanes ? load(row + j) : load_part(row + j, count, -inf);
     if (keep != nullptr) {
-      Bytes bits = {};
-      if (count == kLanes) {
-        std::memcpy(&bits, keep + j, sizeof(bits));
-      } else {
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-        const __m128i part = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1),
-                                                  keep + j);
-        std::memcpy(&bits, &part, sizeof(bits));
-#else
-        std::memcpy(&bits, keep + j, count);
-#endif
-      }
-      const VI seen = __builtin_convertvector(bits, VI) != 0;
-      x = seen ? x : VF{} - inf;
+      x = keep_lanes(keep + j, count) ? x : VF{} - inf;
       if (count == kLanes)
         store(row + j, x);
       else
@@ -1096,15 +1101,9 @@ inline float finish_row(float* row, int64_t n, const Terms<float>& terms, int64_
       }
     }
     if (table != nullptr) x += whole ? load(table + j) : load_part(table + j, count, 0.0f);
-    if (keep != nullptr) {
-      typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
-      Bytes bits = {};
-      std::memcpy(&bits, keep + j, count);
-      const VI seen = __builtin_convertvector(bits, VI) != 0;
-      x = seen ? x : VF{} - inf;
-    }
+    if (keep != nullptr) x = keep_lanes(keep + j, count) ? x : VF{} - inf;
     if (!whole) {
-      std::memcpy(row + j, &x, count * sizeof(float));
+      store_part(row + j, x, count);
       float pad[kLanes];
       store(pad, x);
       for (int64_t l = 0; l < count; ++l) best = std::max(best, pad[l]);

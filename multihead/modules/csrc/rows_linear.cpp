@@ -183,8 +183,7 @@ void rows_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
   });
 }
 
-at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale,
-                          at::Tensor bias) {
+at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (M, K)");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w must be (N, K) with x's K");
   x = x.contiguous();
