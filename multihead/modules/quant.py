@@ -6,7 +6,8 @@ BLAS runs such a product as a matrix-vector product on one core; ``rows_linear``
 kernel, ``csrc/rows_linear.cpp``, built on first use into the same per-user cache as the fused
 attention kernel) splits the output channels over torch's intra-op pool, so every core
 streams its share, and reads weights stored as float32, bfloat16 or int8 (converted to float32
-in registers; activations and sums stay float32).
+in registers; activations and sums stay float32). ``rows_linear_stacked`` runs several matrices
+of one input (a layer's q, k and v) as one call, each output the bits of its own product.
 
 * ``RowsLinear``: an ``nn.Linear`` (same parameters, state dict and gradients) whose
   products of at most ``MAX_ROWS`` rows, outside autograd and outside traced graphs, run on
@@ -29,6 +30,7 @@ numbers (``PackedLinear`` dequantizing each call): slower, never different beyon
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,8 @@ __all__ = [
     "pack_linears",
     "quantize_int8",
     "rows_linear",
+    "rows_linear_stacked",
+    "stacked_products",
     "step_product",
 ]
 
@@ -114,6 +118,25 @@ def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | 
     kernel = _module if _module is not None else _build()
     return kernel.rows_linear(
         x, weight, _NONE if scale is None else scale, _NONE if bias is None else bias
+    )
+
+
+def rows_linear_stacked(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    scales: Sequence[Tensor | None],
+    biases: Sequence[Tensor | None],
+) -> Tensor:
+    """The products ``rows_linear(x, weights[i], scales[i], biases[i])`` side by side in one
+    (M, N_0 + N_1 + ...) output, in one kernel call: the matrices share x's width K and one
+    dtype, and each output holds the bits ``rows_linear`` gives it. Raises RuntimeError when
+    the kernel cannot be built."""
+    kernel = _module if _module is not None else _build()
+    return kernel.rows_linear_stacked(
+        x,
+        list(weights),
+        [_NONE if s is None else s for s in scales],
+        [_NONE if b is None else b for b in biases],
     )
 
 
@@ -190,6 +213,59 @@ def step_product(module: nn.Module, x: Tensor, fits: bool) -> Tensor:
     if kind is nn.Linear:
         return F.linear(x, params["weight"], params.get("bias"))
     return module(x)
+
+
+def stacked_products(modules: Sequence[nn.Module], x: Tensor, fits: bool) -> list[Tensor] | None:
+    """What ``[step_product(m, x, fits) for m in modules]`` gives for the products of one
+    input (a layer's q, k and v projections; a gated feed-forward's gate and up), as one
+    kernel call: where each of them would run on the kernel, over weights of one dtype
+    (``rows_linear_stacked``: the same bits, one call and one pass of the threads instead of
+    one per product). None where they cannot: a module with hooks, a product ``F.linear``
+    would run, matrices of different dtypes."""
+    stack = _stackable(modules, x, fits)
+    if stack is None:
+        return None
+    weights, scales, biases = stack
+    rows = x.reshape(-1, x.shape[-1])
+    out = rows_linear_stacked(rows, weights, scales, biases)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    # each product contiguous, as its own call gives it (a no-op for one row): an elementwise
+    # op after it (the activation, a rotary embedding) may round a row's last partial vector
+    # differently in another layout
+    return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)]
+
+
+def _stackable(
+    modules: Sequence[nn.Module], x: Tensor, fits: bool
+) -> tuple[list[Tensor], list[Tensor | None], list[Tensor | None]] | None:
+    """(weights, scales, biases) of products that would each run on the kernel over weights of
+    one dtype (what ``step_product`` would hand it), else None."""
+    if not fits:
+        return None
+    weights: list[Tensor] = []
+    scales: list[Tensor | None] = []
+    biases: list[Tensor | None] = []
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks:
+            return None
+        kind = type(module)
+        params: dict[str, Any] = module._parameters
+        bias = params.get("bias")
+        if kind is PackedLinear:
+            buffers: dict[str, Any] = module._buffers
+            weight, scale = buffers["packed"], buffers["scale"]
+        elif kind is RowsLinear:
+            weight, scale = params["weight"], None
+            if weight.dtype != torch.float32 or not _kernel_faster(x, weight, bias):
+                return None
+        else:
+            return None
+        if weights and weight.dtype != weights[0].dtype:
+            return None
+        weights.append(weight)
+        scales.append(scale)
+        biases.append(bias)
+    return weights, scales, biases
 
 
 def kernel_choices() -> dict[tuple[int, int, int], str]:

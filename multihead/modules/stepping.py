@@ -6,7 +6,9 @@ kernel per product, reshapes into and out of heads) is a large share of a small 
 ``step`` runs the step ``TransformerDecoder.forward`` runs, the same operations in the same
 order, so its result is the same to the bit, without what it need not repeat: the call is
 checked once for every layer, each product goes straight to the kernel or ``F.linear`` its
-module would choose (``quant.step_product``), the heads are views of the product rows, the
+module would choose (``quant.step_product``), the products of one input (q, k and v; a gated
+feed-forward's gate and up) run as one kernel call where each would run on the kernel
+(``quant.stacked_products``, the same bits), the heads are views of the product rows, the
 keys and values go into the cache without its checks, and the attention takes the decoding
 short path the module takes (``multihead/steps.py``).
 
@@ -35,7 +37,7 @@ from .. import _validation as V
 from .. import steps
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .quant import kernel_fits, step_product
+from .quant import kernel_fits, stacked_products, step_product
 from .transformer import FeedForward, GatedFeedForward
 
 __all__ = ["applies", "enabled", "step"]
@@ -136,9 +138,11 @@ def _heads(x: Tensor, heads: int) -> Tensor:
 def _attend(attn: MultiHeadAttention, x: Tensor, cache: KVCache, i: int, fits: bool) -> Tensor:
     """The self-attention's output (B, 1, E_out) for x (B, 1, E)."""
     parts: dict[str, Any] = attn._modules
-    q = _heads(step_product(parts["q_proj"], x, fits), attn.num_heads)
-    k = _heads(step_product(parts["k_proj"], x, fits), attn.num_kv_heads)
-    v = _heads(step_product(parts["v_proj"], x, fits), attn.num_kv_heads)
+    projections = (parts["q_proj"], parts["k_proj"], parts["v_proj"])
+    q, k, v = stacked_products(projections, x, fits) or [
+        step_product(m, x, fits) for m in projections
+    ]
+    q, k, v = _heads(q, attn.num_heads), _heads(k, attn.num_kv_heads), _heads(v, attn.num_kv_heads)
     rotary = parts.get("rotary")  # a module, or None (then not among the modules)
     if rotary is not None:
         positions = cache.step.positions
@@ -153,5 +157,10 @@ def _feed_forward(ff: nn.Module, x: Tensor, fits: bool) -> Tensor:
     if type(ff) is FeedForward:
         hidden = parts["activation"](step_product(parts["linear1"], x, fits))
         return step_product(parts["linear2"], hidden, fits)
-    gate = parts["activation"](step_product(parts["gate_proj"], x, fits))
-    return step_product(parts["down_proj"], gate * step_product(parts["up_proj"], x, fits), fits)
+    both = stacked_products((parts["gate_proj"], parts["up_proj"]), x, fits)
+    if both is None:
+        gate = parts["activation"](step_product(parts["gate_proj"], x, fits))
+        up = step_product(parts["up_proj"], x, fits)
+    else:
+        gate, up = parts["activation"](both[0]), both[1]
+    return step_product(parts["down_proj"], gate * up, fits)

@@ -70,6 +70,102 @@ def test_kernel_is_bitwise_the_same_for_any_thread_count_and_row_count(rows):
     assert torch.equal(alone, two)
 
 
+def _matrices(fmt: str, sizes: list[int], k: int, g: torch.Generator) -> tuple[list, list]:
+    """Weights of the given output sizes in fmt, with their scales (int8) or Nones."""
+    weights, scales = [], []
+    for n in sizes:
+        w = torch.randn(n, k, generator=g)
+        scale = None
+        if fmt == "int8":
+            w, scale = quant.quantize_int8(w)
+        elif fmt == "bf16":
+            w = w.bfloat16()
+        weights.append(w)
+        scales.append(scale)
+    return weights, scales
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_stacked_products_are_each_product_to_the_bit(fmt, rows):
+    """rows_linear_stacked gives each matrix's outputs side by side with exactly the bits of
+    its own rows_linear call, on one thread or two: sizes 37, 16 and 301 put the task
+    boundaries inside matrices and across them, K = 100 leaves a tail, one matrix has no
+    bias. And it is the float64 product of the dequantized weights within rounding."""
+    g = torch.Generator().manual_seed(3)
+    weights, scales = _matrices(fmt, [37, 16, 301], 100, g)
+    biases = [torch.randn(37, generator=g), None, torch.randn(301, generator=g)]
+    x = torch.randn(rows, 100, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            got = quant.rows_linear_stacked(x, weights, scales, biases)
+            each = [quant.rows_linear(x, *args) for args in zip(weights, scales, biases)]
+            assert got.shape == (rows, 37 + 16 + 301)
+            assert torch.equal(got, torch.cat(each, dim=1))
+    finally:
+        torch.set_num_threads(threads)
+    dense = [
+        quant.dequantize_int8(w, s).double() if s is not None else w.double()
+        for w, s in zip(weights, scales)
+    ]
+    want = torch.cat(
+        [x.double() @ d.T + (0 if b is None else b.double()) for d, b in zip(dense, biases)],
+        dim=1,
+    )
+    bound = _bound(x, torch.cat(dense)) + 2.0**-23 * want.abs() + 1e-12
+    assert (got.double() - want).abs().le(bound).all()
+
+
+def test_stacked_products_refuse_matrices_that_do_not_stack():
+    x = torch.randn(2, 8)
+    w = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        quant.rows_linear_stacked(x, [w, w.bfloat16()], [None, None], [None, None])
+    with pytest.raises(RuntimeError, match="with x's K"):
+        quant.rows_linear_stacked(x, [w, torch.randn(4, 9)], [None, None], [None, None])
+    with pytest.raises(RuntimeError, match="one scale and one bias"):
+        quant.rows_linear_stacked(x, [w, w], [None], [None, None])
+
+
+def _layers(weights: str | None, hooked: bool = False) -> list[torch.nn.Module]:
+    torch.manual_seed(4)
+    layers = torch.nn.Sequential(*(torch.nn.Linear(24, n) for n in (24, 8, 8)))
+    layers = quant.pack_linears(layers, weights)
+    if hooked:
+        layers[1].register_forward_hook(lambda *a: None)
+    return list(layers)
+
+
+@pytest.mark.parametrize("weights", [None, "bf16", "int8"], ids=["fp32", "bf16", "int8"])
+def test_stacked_step_products_equal_the_module_calls(weights, monkeypatch):
+    """stacked_products: the modules' own outputs to the bit, each contiguous as its own call
+    makes it (B = 3 rows, where a view of the stacked output would not be), from one kernel
+    call; None where one product would not run on the kernel or has hooks."""
+    monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
+    calls = []
+    real = quant.rows_linear_stacked
+    monkeypatch.setattr(quant, "rows_linear_stacked", lambda *a: calls.append(1) or real(*a))
+    layers = _layers(weights)
+    x = torch.randn(3, 1, 24)
+    with torch.inference_mode():
+        got = quant.stacked_products(layers, x, quant.kernel_fits(x))
+        want = [layer(x) for layer in layers]
+        assert got is not None and len(calls) == 1
+        for g, w in zip(got, want):
+            assert g.is_contiguous() and torch.equal(g, w)
+        assert quant.stacked_products(_layers(weights, hooked=True), x, True) is None
+        assert quant.stacked_products(layers, x, False) is None
+    if weights is None:  # a product the BLAS would run keeps its own call
+        monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: w.shape[0] != 8)
+        with torch.inference_mode():
+            assert quant.stacked_products(layers, x, True) is None
+    mixed = _layers("int8")[:1] + _layers("bf16")[1:]
+    with torch.inference_mode():
+        assert quant.stacked_products(mixed, x, True) is None
+
+
 @pytest.mark.parametrize("kernel_faster", [True, False])
 def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_faster):
     """RowsLinear times the kernel against F.linear once per (rows, out, in) (the clock the

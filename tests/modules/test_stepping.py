@@ -83,6 +83,21 @@ def test_a_step_equals_the_modules_to_the_bit(kind, weights, prompts, cache_kind
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_layers_products_of_one_input_are_one_kernel_call(kind, monkeypatch):
+    """At each step, a layer's q, k and v products (and a gated feed-forward's gate and up)
+    run as one stacked kernel call; the prompt takes the modules' own calls."""
+    stack = _stack(kind, "int8")
+    calls = []
+    real = quant.rows_linear_stacked
+    monkeypatch.setattr(
+        quant, "rows_linear_stacked", lambda *a: calls.append(len(a[1])) or real(*a)
+    )
+    _decode(stack, kind, [6], "growing", short=True, monkeypatch=monkeypatch)
+    per_layer = [3] if kind == "gpt2" else [3, 2]
+    assert calls == per_layer * 2 * 5  # two layers, five steps
+
+
 def test_a_step_equals_a_float64_recompute():
     """The independent reference: each step's output of a GPT-2-style stack on int8 weights
     equals the same stack in float64 (weights dequantized) run on the whole sequence, within

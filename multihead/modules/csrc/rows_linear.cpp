@@ -18,6 +18,11 @@
 // Every output is summed the same way whatever the blocking and the task it falls in: 16 lane
 // sums over k in order, a fixed tree over the lanes, then the K % 16 tail in order. Results are
 // therefore bitwise the same for any thread count, row count and channel split.
+//
+// rows_linear_stacked runs several matrices of one input width (a layer's q, k and v
+// projections; a gated feed-forward's gate and up) as the one matrix of their channels
+// stacked, in one parallel loop: each output is the bits rows_linear gives it, and a
+// decoding step pays one call, one dispatch to the threads and one output for the group.
 
 // ATen's per-operator headers and torch's pybind casters rather than torch/extension.h, which
 // pulls in the whole C++ frontend and doubles the compile time
@@ -30,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -138,9 +144,10 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sum
   }
 }
 
-// Channels [n, n + NB) for rows [0, M): R rows at a time, then the output's scale and bias.
+// Channels [n, n + NB) for rows [0, M): R rows at a time, then the output's scale and bias;
+// output row r starts at out + r * ldo.
 template <int NB, typename W>
-inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n, int64_t N,
+inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n, int64_t ldo,
                      const float* scale, const float* bias, float* out) {
   float sums[kRowBlock * NB];
   for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
@@ -162,60 +169,115 @@ inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n
         const int64_t c = n + j;
         const float s = scale ? scale[c] : 1.0f;
         const float b = bias ? bias[c] : 0.0f;
-        out[(r0 + r) * N + c] = sums[r * NB + j] * s + b;
+        out[(r0 + r) * ldo + c] = sums[r * NB + j] * s + b;
       }
     }
   }
 }
 
+// One matrix of a product: w (N, K), its scale and bias (or null), and where its channels
+// start in the output row.
 template <typename W>
-void rows_kernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
-                 const float* scale, const float* bias, float* out) {
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    // more rows hold more accumulators: fewer channels at a time keep them in registers
-    if (M <= 4) {
-      for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, w, n, N, scale, bias, out);
-    } else {
-      for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, w, n, N, scale, bias, out);
+struct Part {
+  const W* w;
+  int64_t N;
+  const float* scale;
+  const float* bias;
+  int64_t column;
+};
+
+// Channels [n0, n1) of one part, NB at a time (more rows hold more accumulators: fewer
+// channels at a time keep them in registers), into out with row stride ldo.
+template <typename W>
+void part_channels(const float* x, int64_t M, int64_t K, const Part<W>& p, int64_t n0,
+                   int64_t n1, int64_t ldo, float* out) {
+  float* o = out + p.column;
+  int64_t n = n0;
+  if (M <= 4) {
+    for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+  } else {
+    for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+  }
+  for (; n < n1; ++n) channels<1>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+}
+
+// The parts' channels, numbered through one after another, split over the threads: a task's
+// range takes its share of each part it overlaps.
+template <typename W>
+void rows_kernel(const float* x, int64_t M, int64_t K, const std::vector<Part<W>>& parts,
+                 int64_t ldo, float* out) {
+  at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
+    for (const Part<W>& p : parts) {
+      const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
+      if (lo < hi) part_channels(x, M, K, p, lo - p.column, hi - p.column, ldo, out);
     }
-    for (; n < n1; ++n) channels<1>(x, M, K, w, n, N, scale, bias, out);
   });
 }
 
-at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
+// The float32 data of an optional (N,) vector: null when empty
+const float* optional_vector(at::Tensor& t, int64_t N, const char* what) {
+  if (!t.numel()) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == N, what, ": float32 (N,)");
+  t = t.contiguous();
+  return t.data_ptr<float>();
+}
+
+// out (M, N_1 + ... + N_n) = x against each (w_i, scale_i, bias_i), the matrices in one dtype
+// and of x's width; an empty scale or bias means none. The tensors made contiguous are held in
+// ws, scales and biases for the call.
+at::Tensor stacked(at::Tensor x, std::vector<at::Tensor>& ws, std::vector<at::Tensor>& scales,
+                   std::vector<at::Tensor>& biases) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (M, K)");
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "w must be (N, K) with x's K");
+  TORCH_CHECK(!ws.empty() && scales.size() == ws.size() && biases.size() == ws.size(),
+              "one scale and one bias (either may be empty) per weight matrix");
   x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "rows_linear takes at most 16 rows");
-  const float* s = nullptr;
-  const float* b = nullptr;
-  if (scale.numel()) {
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N, "scale: float32 (N,)");
-    scale = scale.contiguous();
-    s = scale.data_ptr<float>();
+  const at::ScalarType dtype = ws[0].scalar_type();
+  std::vector<Part<void>> raw;
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    TORCH_CHECK(ws[i].dim() == 2 && ws[i].size(1) == K, "w must be (N, K) with x's K");
+    TORCH_CHECK(ws[i].scalar_type() == dtype, "the stacked matrices must share one dtype");
+    ws[i] = ws[i].contiguous();
+    const int64_t N = ws[i].size(0);
+    raw.push_back({ws[i].data_ptr(), N, optional_vector(scales[i], N, "scale"),
+                   optional_vector(biases[i], N, "bias"), total});
+    total += N;
   }
-  if (bias.numel()) {
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "bias: float32 (N,)");
-    bias = bias.contiguous();
-    b = bias.data_ptr<float>();
-  }
-  auto out = at::empty({M, N}, x.options());
+  auto out = at::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (w.scalar_type()) {
-    case at::kFloat: rows_kernel(xp, M, K, w.data_ptr<float>(), N, s, b, op); break;
-    case at::kBFloat16: rows_kernel(xp, M, K, w.data_ptr<c10::BFloat16>(), N, s, b, op); break;
-    case at::kChar: rows_kernel(xp, M, K, w.data_ptr<int8_t>(), N, s, b, op); break;
+  auto run = [&](auto tag) {
+    using W = decltype(tag);
+    std::vector<Part<W>> parts;
+    for (const Part<void>& p : raw)
+      parts.push_back({static_cast<const W*>(p.w), p.N, p.scale, p.bias, p.column});
+    rows_kernel(xp, M, K, parts, total, op);
+  };
+  switch (dtype) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kChar: run(int8_t{}); break;
     default: TORCH_CHECK(false, "w must be float32, bfloat16 or int8");
   }
   return out;
+}
+
+at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
+  std::vector<at::Tensor> ws{w}, scales{scale}, biases{bias};
+  return stacked(x, ws, scales, biases);
+}
+
+at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
+                               std::vector<at::Tensor> scales, std::vector<at::Tensor> biases) {
+  return stacked(x, ws, scales, biases);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "few-row linear over float32/bf16/int8 weights");
+  m.def("rows_linear_stacked", &rows_linear_stacked,
+        "few-row linear over several matrices of one dtype and width, their outputs side by side");
 }
