@@ -417,7 +417,7 @@ def run_decode_bench(
                     tell,
                 )
             )
-    # the reading the fractions above are against, and one after every timing: a virtual
+    # the reading the fractions above are against, and one after all the timings: a virtual
     # machine's read bandwidth can move by 2x within a run (neighbours, host placement)
     readings = [bandwidth, memory_bandwidth()]
     if max(readings) > BANDWIDTH_MOVED * min(readings):
