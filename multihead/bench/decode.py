@@ -417,14 +417,7 @@ def run_decode_bench(
                     tell,
                 )
             )
-    # the reading the fractions above are against, and one after all the timings: a virtual
-    # machine's read bandwidth can move by 2x within a run (neighbours, host placement)
-    readings = [bandwidth, memory_bandwidth()]
-    if max(readings) > BANDWIDTH_MOVED * min(readings):
-        say(
-            f"\nthe read bandwidth moved during the run: {readings[0]:.1f} GB/s at the start, "
-            f"{readings[1]:.1f} GB/s at the end; the fractions above are against the start's"
-        )
+    readings = _read_again(bandwidth, results, say)
     report = {
         "command": "multihead bench decode" + (f" --repeats {repeats}" if repeats != 3 else ""),
         "cpu": cpu,
@@ -447,6 +440,31 @@ def run_decode_bench(
     chart = _chart(report, out / "decode.png")
     say(f"\nwrote {out / 'decode.json'}" + (f" and {chart}" if chart else ""))
     return report
+
+
+def _read_again(bandwidth: float, results: list[dict], say: Callable[[str], None]) -> list[float]:
+    """[the start's reading, a reading after all the timings]: a virtual machine's read
+    bandwidth can move by 2x within a run (neighbours, host placement). Each row gets its
+    decoding steps' fractions against the second reading too; the lines say so when the two
+    differ by more than ``BANDWIDTH_MOVED``."""
+    readings = [bandwidth, memory_bandwidth()]
+    for row in results:
+        row["step_fraction_of_end_bandwidth"] = {
+            name: fraction * bandwidth / readings[1]
+            for name, fraction in row["step_fraction_of_bandwidth"].items()
+        }
+    if max(readings) > BANDWIDTH_MOVED * min(readings):
+        say(
+            f"\nthe read bandwidth moved during the run: {readings[0]:.1f} GB/s at the start, "
+            f"{readings[1]:.1f} GB/s at the end; the fractions above are against the start's"
+        )
+        for row in results:
+            at_end = row["step_fraction_of_end_bandwidth"]
+            say(
+                f"  B={row['batch']}, decoding steps against the end's reading: "
+                + ", ".join(f"{name} {at_end[name]:.0%}" for name in map(_name, FORMATS))
+            )
+    return readings
 
 
 def _attention_calls(shape: DecodeShape, batch_sizes, say: Callable[[str], None]) -> dict:

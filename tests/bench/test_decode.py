@@ -24,6 +24,7 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         assert call["sdpa_us"] > 0 and call["multihead_us"] > 0
         assert call["above_sdpa_us"] == call["multihead_us"] - call["sdpa_us"]
     fp32, hf = "multihead fp32", "transformers generate (dynamic cache)"
+    out = capsys.readouterr().out
     for row in report["results"]:
         assert set(row["tokens_per_s"]) >= {fp32, "multihead bf16 weights",
                                             "multihead int8 weights", hf}  # fmt: skip
@@ -48,6 +49,9 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         fraction = row["step_fraction_of_bandwidth"][fp32]
         bytes_per_token = row["bytes_read_per_token"][fp32]
         assert abs(fraction - bytes_per_token * steps / 1e9 / report["bandwidth_gb_s"]) < 1e-9
+        at_end = row["step_fraction_of_end_bandwidth"][fp32]
+        assert abs(at_end - bytes_per_token * steps / 1e9 / 60.0) < 1e-9
+        assert f"B={row['batch']}, decoding steps against the end's reading: {fp32} " in out
         goals = {g["text"]: g for g in row["goals"]}
         assert len(goals) == (4 if row["batch"] == 1 else 0)
         for goal in goals.values():
@@ -64,7 +68,6 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         assert [g["met"] for g in row["goals"]] == [
             row["vs_sdpa"] >= 2.0, row["fraction_of_bandwidth"] >= 0.7
         ]  # fmt: skip
-    out = capsys.readouterr().out
     assert "long-context decode, float32" in out and "decoding steps alone" in out
     assert (tmp_path / "decode.png").stat().st_size > 5_000
     assert "tokens/s" in out
