@@ -98,11 +98,25 @@ class RotaryEmbedding(nn.Module):
                 f"positions must have shape (L,) or (B, L) = {(b, length)}. "
                 f"Received: positions.shape={tuple(positions.shape)}"
             )
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        angle = self.angles(positions.to(x.device), work)  # [B|., L, D/2]
+        return self.rotate(x, *self.cos_sin(positions, x.dtype, x.device))
+
+    def cos_sin(
+        self, positions: Tensor, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """The cosines and sines ``forward`` rotates by, for integer positions (L,) or (B, L)
+        (checked by the caller): each (L, D / 2) or (B, 1, L, D / 2), computed in float32
+        (float64 for float64) and cast to ``dtype``. A decoding step makes them once for all
+        its layers (``stepping.py``)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        angle = self.angles(positions.to(device), work)  # [B|., L, D/2]
         if angle.dim() == 3:
             angle = angle[:, None]  # [B, 1, L, D/2]: the same rotation for every head
-        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x (B, H, L, D) rotated by ``cos_sin``'s cosines and sines, in this embedding's
+        layout of pairs."""
+        d = x.shape[-1]
         if self.interleaved:
             pairs = x.unflatten(-1, (d // 2, 2))
             a, c = pairs[..., 0], pairs[..., 1]

@@ -9,8 +9,9 @@ checked once for every layer, each product goes straight to the kernel or ``F.li
 module would choose (``quant.step_product``), the products of one input (q, k and v; a gated
 feed-forward's gate and up) run as one kernel call where each would run on the kernel
 (``quant.stacked_products``, the same bits), the heads are views of the product rows, the
-keys and values go into the cache without its checks, and the attention takes the decoding
-short path the module takes (``multihead/steps.py``).
+keys and values go into the cache without its checks, a rotary embedding's cosines and sines
+are made once for all the layers, and the attention takes the decoding short path the module
+takes (``multihead/steps.py``).
 
 It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 ``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
@@ -38,6 +39,7 @@ from .. import steps
 from .attention import MultiHeadAttention
 from .cache import KVCache
 from .quant import kernel_fits, stacked_products, step_product
+from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 
 __all__ = ["applies", "enabled", "step"]
@@ -123,9 +125,10 @@ def step(layers: nn.ModuleList, x: Tensor, cache: KVCache) -> Tensor:
     ``cache.begin``): what the layers' own calls give, bit for bit, every part called with
     the shapes the modules give it. Call it where ``applies`` says it may run."""
     fits = kernel_fits(x)
+    turns: dict[tuple, tuple[Tensor, Tensor]] = {}  # the step's rotary cosines and sines
     for i, layer in enumerate(layers._modules.values()):
         parts: dict[str, Any] = layer._modules
-        x = x + _attend(parts["self_attn"], parts["norm1"](x), cache, i, fits)
+        x = x + _attend(parts["self_attn"], parts["norm1"](x), cache, i, fits, turns)
         x = x + _feed_forward(parts["feed_forward"], parts["norm2"](x), fits)
     return x
 
@@ -135,8 +138,11 @@ def _heads(x: Tensor, heads: int) -> Tensor:
     return x.view(x.shape[0], 1, heads, -1).transpose(1, 2)
 
 
-def _attend(attn: MultiHeadAttention, x: Tensor, cache: KVCache, i: int, fits: bool) -> Tensor:
-    """The self-attention's output (B, 1, E_out) for x (B, 1, E)."""
+def _attend(
+    attn: MultiHeadAttention, x: Tensor, cache: KVCache, i: int, fits: bool, turns: dict
+) -> Tensor:
+    """The self-attention's output (B, 1, E_out) for x (B, 1, E); ``turns``: the step's rotary
+    cosines and sines so far (``_rotated``)."""
     parts: dict[str, Any] = attn._modules
     projections = (parts["q_proj"], parts["k_proj"], parts["v_proj"])
     q, k, v = stacked_products(projections, x, fits) or [
@@ -145,11 +151,26 @@ def _attend(attn: MultiHeadAttention, x: Tensor, cache: KVCache, i: int, fits: b
     q, k, v = _heads(q, attn.num_heads), _heads(k, attn.num_kv_heads), _heads(v, attn.num_kv_heads)
     rotary = parts.get("rotary")  # a module, or None (then not among the modules)
     if rotary is not None:
-        positions = cache.step.positions
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = _rotated(rotary, q, k, cache.step.positions, turns)
     keys, values, mask = cache._append(i, k, v)
     out = steps.attend(q, keys, values, mask, None, None)  # (B, 1, H, D_v)
     return step_product(parts["out_proj"], out.reshape(out.shape[0], 1, -1), fits)
+
+
+def _rotated(
+    rotary: nn.Module, q: Tensor, k: Tensor, positions: Tensor, turns: dict
+) -> tuple[Tensor, Tensor]:
+    """``rotary(q, positions), rotary(k, positions)``, the cosines and sines made once per step
+    for every layer whose ``RotaryEmbedding`` has the same head dim and base (the same
+    operations on the same positions: the same bits). A subclass, a module with hooks or a
+    query whose head dim it does not take is called as it is."""
+    if type(rotary) is not RotaryEmbedding or _hooked(rotary) or q.shape[-1] != rotary.head_dim:
+        return rotary(q, positions), rotary(k, positions)
+    key = (rotary.head_dim, rotary.base, q.dtype)
+    turn = turns.get(key)
+    if turn is None:
+        turn = turns[key] = rotary.cos_sin(positions, q.dtype, q.device)
+    return rotary.rotate(q, *turn), rotary.rotate(k, *turn)
 
 
 def _feed_forward(ff: nn.Module, x: Tensor, fits: bool) -> Tensor:

@@ -98,6 +98,31 @@ def test_a_layers_products_of_one_input_are_one_kernel_call(kind, monkeypatch):
     assert calls == per_layer * 2 * 5  # two layers, five steps
 
 
+def test_a_steps_rotary_turns_are_made_once_for_all_layers(monkeypatch):
+    """The step makes the rotary cosines and sines once for every layer with the same head dim
+    and base (a rotary of another base gets its own), with the modules' bits; a rotary with
+    hooks is called as the module, its hooks firing for q and k."""
+    stack = _stack("llama", "int8")
+    stack.layers[1].self_attn.rotary = mh.RotaryEmbedding(D, base=500.0)
+    made = []
+    real = mh.RotaryEmbedding.cos_sin
+    monkeypatch.setattr(
+        mh.RotaryEmbedding, "cos_sin", lambda self, *a: made.append(self.base) or real(self, *a)
+    )
+    short = _decode(stack, "llama", [3, 7, 5], "growing", short=True, monkeypatch=monkeypatch)
+    # the modules' path makes them in every call: two layers, q and k, per pass
+    assert made[-5 * 2 :] == [10000.0, 500.0] * 5
+    made.clear()
+    modules = _decode(stack, "llama", [3, 7, 5], "growing", short=False, monkeypatch=monkeypatch)
+    assert len(made) == 6 * 4
+    for got, want in zip(short, modules):
+        assert torch.equal(got, want)
+    fired = []
+    stack.layers[0].self_attn.rotary.register_forward_hook(lambda *a: fired.append(1))
+    _decode(stack, "llama", [3], "growing", short=True, monkeypatch=monkeypatch)
+    assert len(fired) == 6 * 2  # the prompt and five steps, q and k
+
+
 def test_a_step_equals_a_float64_recompute():
     """The independent reference: each step's output of a GPT-2-style stack on int8 weights
     equals the same stack in float64 (weights dequantized) run on the whole sequence, within
