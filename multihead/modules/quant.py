@@ -201,16 +201,14 @@ def step_product(module: nn.Module, x: Tensor, fits: bool) -> Tensor:
     ``fits``: what ``kernel_fits`` says of x, asked once by the caller for all its products
     of the same rows. (Parameters and hooks are read from the module's own dicts: this runs
     72 times in a GPT-2 decoding step.)"""
+    args = _kernel_args(module, x, fits)
+    if args is not None:
+        return _on_kernel(x, *args)
     if module._forward_hooks or module._forward_pre_hooks:
         return module(x)
     kind = type(module)
-    params: dict[str, Any] = module._parameters
-    if kind is RowsLinear:
-        return _float_product(x, params["weight"], params.get("bias"), fits)
-    if kind is PackedLinear and fits:
-        buffers: dict[str, Any] = module._buffers
-        return _on_kernel(x, buffers["packed"], buffers["scale"], params.get("bias"))
-    if kind is nn.Linear:
+    if kind is RowsLinear or kind is nn.Linear:
+        params: dict[str, Any] = module._parameters
         return F.linear(x, params["weight"], params.get("bias"))
     return module(x)
 
@@ -222,10 +220,16 @@ def stacked_products(modules: Sequence[nn.Module], x: Tensor, fits: bool) -> lis
     (``rows_linear_stacked``: the same bits, one call and one pass of the threads instead of
     one per product). None where they cannot: a module with hooks, a product ``F.linear``
     would run, matrices of different dtypes."""
-    stack = _stackable(modules, x, fits)
-    if stack is None:
-        return None
-    weights, scales, biases = stack
+    weights: list[Tensor] = []
+    scales: list[Tensor | None] = []
+    biases: list[Tensor | None] = []
+    for module in modules:
+        args = _kernel_args(module, x, fits)
+        if args is None or (weights and args[0].dtype != weights[0].dtype):
+            return None
+        weights.append(args[0])
+        scales.append(args[1])
+        biases.append(args[2])
     rows = x.reshape(-1, x.shape[-1])
     out = rows_linear_stacked(rows, weights, scales, biases)
     out = out.view(*x.shape[:-1], out.shape[-1])
@@ -235,37 +239,24 @@ def stacked_products(modules: Sequence[nn.Module], x: Tensor, fits: bool) -> lis
     return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)]
 
 
-def _stackable(
-    modules: Sequence[nn.Module], x: Tensor, fits: bool
-) -> tuple[list[Tensor], list[Tensor | None], list[Tensor | None]] | None:
-    """(weights, scales, biases) of products that would each run on the kernel over weights of
-    one dtype (what ``step_product`` would hand it), else None."""
-    if not fits:
+def _kernel_args(
+    module: nn.Module, x: Tensor, fits: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+    """(weight, scale, bias) the kernel takes for ``module(x)`` where the module's own
+    ``forward`` would run x on it (a ``PackedLinear`` always, a ``RowsLinear`` where the
+    kernel measured faster), the module without hooks; else None."""
+    if not fits or module._forward_hooks or module._forward_pre_hooks:
         return None
-    weights: list[Tensor] = []
-    scales: list[Tensor | None] = []
-    biases: list[Tensor | None] = []
-    for module in modules:
-        if module._forward_hooks or module._forward_pre_hooks:
-            return None
-        kind = type(module)
-        params: dict[str, Any] = module._parameters
-        bias = params.get("bias")
-        if kind is PackedLinear:
-            buffers: dict[str, Any] = module._buffers
-            weight, scale = buffers["packed"], buffers["scale"]
-        elif kind is RowsLinear:
-            weight, scale = params["weight"], None
-            if weight.dtype != torch.float32 or not _kernel_faster(x, weight, bias):
-                return None
-        else:
-            return None
-        if weights and weight.dtype != weights[0].dtype:
-            return None
-        weights.append(weight)
-        scales.append(scale)
-        biases.append(bias)
-    return weights, scales, biases
+    kind = type(module)
+    params: dict[str, Any] = module._parameters
+    if kind is PackedLinear:
+        buffers: dict[str, Any] = module._buffers
+        return buffers["packed"], buffers["scale"], params.get("bias")
+    if kind is RowsLinear:
+        weight, bias = params["weight"], params.get("bias")
+        if weight.dtype == torch.float32 and _kernel_faster(x, weight, bias):
+            return weight, None, bias
+    return None
 
 
 def kernel_choices() -> dict[tuple[int, int, int], str]:
