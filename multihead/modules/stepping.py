@@ -161,12 +161,12 @@ def _rotated(
     rotary: nn.Module, q: Tensor, k: Tensor, positions: Tensor, turns: dict
 ) -> tuple[Tensor, Tensor]:
     """``rotary(q, positions), rotary(k, positions)``, the cosines and sines made once per step
-    for every layer whose ``RotaryEmbedding`` has the same head dim and base (the same
-    operations on the same positions: the same bits). A subclass, a module with hooks or a
-    query whose head dim it does not take is called as it is."""
+    for every layer whose ``RotaryEmbedding`` has the same head dim and base, on the same
+    dtype and device (the same operations on the same positions: the same bits). A subclass,
+    a module with hooks or a query whose head dim it does not take is called as it is."""
     if type(rotary) is not RotaryEmbedding or _hooked(rotary) or q.shape[-1] != rotary.head_dim:
         return rotary(q, positions), rotary(k, positions)
-    key = (rotary.head_dim, rotary.base, q.dtype)
+    key = (rotary.head_dim, rotary.base, q.dtype, q.device)
     turn = turns.get(key)
     if turn is None:
         turn = turns[key] = rotary.cos_sin(positions, q.dtype, q.device)
