@@ -175,11 +175,10 @@ inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n
   }
 }
 
-// One matrix of a product: w (N, K), its scale and bias (or null), and where its channels
-// start in the output row.
-template <typename W>
+// One matrix of a product: w (N, K) of the call's weight type, its scale and bias (or null),
+// and where its channels start in the output row.
 struct Part {
-  const W* w;
+  const void* w;
   int64_t N;
   const float* scale;
   const float* bias;
@@ -189,27 +188,28 @@ struct Part {
 // Channels [n0, n1) of one part, NB at a time (more rows hold more accumulators: fewer
 // channels at a time keep them in registers), into out with row stride ldo.
 template <typename W>
-void part_channels(const float* x, int64_t M, int64_t K, const Part<W>& p, int64_t n0,
+void part_channels(const float* x, int64_t M, int64_t K, const Part& p, int64_t n0,
                    int64_t n1, int64_t ldo, float* out) {
+  const W* w = static_cast<const W*>(p.w);
   float* o = out + p.column;
   int64_t n = n0;
   if (M <= 4) {
-    for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+    for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, w, n, ldo, p.scale, p.bias, o);
   } else {
-    for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+    for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, w, n, ldo, p.scale, p.bias, o);
   }
-  for (; n < n1; ++n) channels<1>(x, M, K, p.w, n, ldo, p.scale, p.bias, o);
+  for (; n < n1; ++n) channels<1>(x, M, K, w, n, ldo, p.scale, p.bias, o);
 }
 
 // The parts' channels, numbered through one after another, split over the threads: a task's
 // range takes its share of each part it overlaps.
 template <typename W>
-void rows_kernel(const float* x, int64_t M, int64_t K, const std::vector<Part<W>>& parts,
+void rows_kernel(const float* x, int64_t M, int64_t K, const std::vector<Part>& parts,
                  int64_t ldo, float* out) {
   at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
-    for (const Part<W>& p : parts) {
+    for (const Part& p : parts) {
       const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
-      if (lo < hi) part_channels(x, M, K, p, lo - p.column, hi - p.column, ldo, out);
+      if (lo < hi) part_channels<W>(x, M, K, p, lo - p.column, hi - p.column, ldo, out);
     }
   });
 }
@@ -223,10 +223,10 @@ const float* optional_vector(at::Tensor& t, int64_t N, const char* what) {
 }
 
 // out (M, N_1 + ... + N_n) = x against each (w_i, scale_i, bias_i), the matrices in one dtype
-// and of x's width; an empty scale or bias means none. The tensors made contiguous are held in
-// ws, scales and biases for the call.
-at::Tensor stacked(at::Tensor x, std::vector<at::Tensor>& ws, std::vector<at::Tensor>& scales,
-                   std::vector<at::Tensor>& biases) {
+// and of x's width; an empty scale or bias means none. The vectors hold the tensors made
+// contiguous for the call.
+at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
+                               std::vector<at::Tensor> scales, std::vector<at::Tensor> biases) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (M, K)");
   TORCH_CHECK(!ws.empty() && scales.size() == ws.size() && biases.size() == ws.size(),
               "one scale and one bias (either may be empty) per weight matrix");
@@ -234,44 +234,31 @@ at::Tensor stacked(at::Tensor x, std::vector<at::Tensor>& ws, std::vector<at::Te
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M <= kMaxRows, "rows_linear takes at most 16 rows");
   const at::ScalarType dtype = ws[0].scalar_type();
-  std::vector<Part<void>> raw;
+  std::vector<Part> parts;
   int64_t total = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     TORCH_CHECK(ws[i].dim() == 2 && ws[i].size(1) == K, "w must be (N, K) with x's K");
     TORCH_CHECK(ws[i].scalar_type() == dtype, "the stacked matrices must share one dtype");
     ws[i] = ws[i].contiguous();
     const int64_t N = ws[i].size(0);
-    raw.push_back({ws[i].data_ptr(), N, optional_vector(scales[i], N, "scale"),
-                   optional_vector(biases[i], N, "bias"), total});
+    parts.push_back({ws[i].data_ptr(), N, optional_vector(scales[i], N, "scale"),
+                     optional_vector(biases[i], N, "bias"), total});
     total += N;
   }
   auto out = at::empty({M, total}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  auto run = [&](auto tag) {
-    using W = decltype(tag);
-    std::vector<Part<W>> parts;
-    for (const Part<void>& p : raw)
-      parts.push_back({static_cast<const W*>(p.w), p.N, p.scale, p.bias, p.column});
-    rows_kernel(xp, M, K, parts, total, op);
-  };
   switch (dtype) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kChar: run(int8_t{}); break;
+    case at::kFloat: rows_kernel<float>(xp, M, K, parts, total, op); break;
+    case at::kBFloat16: rows_kernel<c10::BFloat16>(xp, M, K, parts, total, op); break;
+    case at::kChar: rows_kernel<int8_t>(xp, M, K, parts, total, op); break;
     default: TORCH_CHECK(false, "w must be float32, bfloat16 or int8");
   }
   return out;
 }
 
 at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
-  std::vector<at::Tensor> ws{w}, scales{scale}, biases{bias};
-  return stacked(x, ws, scales, biases);
-}
-
-at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
-                               std::vector<at::Tensor> scales, std::vector<at::Tensor> biases) {
-  return stacked(x, ws, scales, biases);
+  return rows_linear_stacked(x, {w}, {scale}, {bias});
 }
 
 }  // namespace
