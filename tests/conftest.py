@@ -98,9 +98,11 @@ CHROMIUM_FLAGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """Debian's headless Chromium driven by playwright (never a downloaded browser)."""
+    """Debian's headless Chromium driven by playwright (never a downloaded browser), one per
+    test file: playwright's sync API keeps an asyncio loop running in the thread while it is
+    open, and any later test that calls ``asyncio.run`` (``bench serve``) would fail on it."""
     executable = shutil.which("chromium")
     if executable is None:
         pytest.fail("Debian's chromium is needed for the browser tests; `make test` installs it")
