@@ -52,5 +52,10 @@ lint: install-test
 	# resolved from the docstrings, the CLI reference generated from the parser
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
 
+# the suite on TEST_WORKERS workers (pytest-xdist), each test file whole on one worker and
+# torch's threads shared out between them (tests/conftest.py); `$(BIN)/python -m pytest` alone
+# runs it in one process
+TEST_WORKERS ?= 2
+
 test: lint browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

@@ -17,6 +17,17 @@ os.environ.setdefault("MULTIHEAD_FUSED_AUTO", "0")
 os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs a worker per core) each worker takes its share of
+    the cores for torch's intra-op threads, so two workers' threads do not spin against each
+    other; a test that needs several threads sets them itself (and restores them)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 @pytest.fixture
 def full_fp32():
     """fp32 matmuls in full fp32 on a GPU (TF32 would round the inputs to 10 bits), restored
