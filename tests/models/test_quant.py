@@ -70,6 +70,46 @@ def test_kernel_is_bitwise_the_same_for_any_thread_count_and_row_count(rows):
     assert torch.equal(alone, two)
 
 
+def _documented_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (N, K).T summed in the order rows_linear.cpp's comment gives, for K a
+    multiple of 16: lane l of 16 adds x[k] * w[n, k] for k = l, l + 16, ... by fused
+    multiply-adds, then the lanes are summed in a tree (pairs 8 apart, then 4, 2, 1). A fused
+    multiply-add is emulated as the exact product plus the sum in float64, rounded to
+    float32: one rounding, but for a tie that the float64 step can create (about 2^-28 of the
+    steps; the inputs are fixed)."""
+    k = x.shape[1]
+    xs = x.double().reshape(x.shape[0], 1, k // 16, 16)
+    ws = w.double().reshape(1, w.shape[0], k // 16, 16)
+    acc = torch.zeros(x.shape[0], w.shape[0], 16)
+    for b in range(k // 16):
+        acc = (acc.double() + xs[:, :, b] * ws[:, :, b]).float()
+    half = 8
+    while half:
+        acc = acc[..., :half] + acc[..., half : 2 * half]  # float32 additions
+        half //= 2
+    return acc[..., 0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_kernel_sums_in_its_documented_order(fmt, rows):
+    """The bits of every output are those of the order rows_linear.cpp documents (lane sums,
+    then the fixed tree over the lanes), for one thread or two and every channel blocking
+    (1 and 3 rows take 4 channels at a time, 9 rows 2; N = 301 leaves single channels). A
+    vector reduction that added the lanes in another order would change the bits."""
+    g = torch.Generator().manual_seed(4)
+    (w,), _ = _matrices(fmt, [301], 160, g)
+    x = torch.randn(rows, 160, generator=g)
+    want = _documented_sums(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(quant.rows_linear(x, w, None, None), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _matrices(fmt: str, sizes: list[int], k: int, g: torch.Generator) -> tuple[list, list]:
     """Weights of the given output sizes in fmt, with their scales (int8) or Nones."""
     weights, scales = [], []

@@ -98,6 +98,17 @@ inline void prefetch(const void*) {}
 #endif
 
 // The lanes' sum in a fixed tree (the same on every path): pairs 8 apart, then 4, 2, 1.
+#if defined(__AVX512F__)
+inline float lanes_sum(Vec v) {
+  // the tree's levels as halves of the register added together: lanes l and l + 8, then
+  // l and l + 4, l and l + 2, and lane 0 and lane 1
+  const __m256 hi8 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi8);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#else
 inline float lanes_sum(Vec v) {
   float a[kLanes];
   vstore(a, v);
@@ -106,6 +117,7 @@ inline float lanes_sum(Vec v) {
   }
   return a[0];
 }
+#endif
 
 // R rows of x (row stride ldx) against NB weight rows starting at w (row stride K):
 // sums[r * NB + j] = sum_k x[r, k] * w[j, k].
