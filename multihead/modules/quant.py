@@ -185,11 +185,17 @@ def _kernel_faster(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return _faster[key]
 
 
-def _float_product(x: Tensor, weight: Tensor, bias: Tensor | None, fits: bool) -> Tensor:
-    """A ``RowsLinear``'s product: on the kernel where x fits it (``fits``, what
+def _float_on_kernel(x: Tensor, weight: Tensor, bias: Tensor | None, fits: bool) -> bool:
+    """Whether a ``RowsLinear``'s product runs on the kernel: x fits it (``fits``, what
     ``kernel_fits`` says of x), the weight is float32 and the kernel measured faster for the
-    shape, else ``F.linear``."""
-    if fits and weight.dtype == torch.float32 and _kernel_faster(x, weight, bias):
+    shape."""
+    return fits and weight.dtype == torch.float32 and _kernel_faster(x, weight, bias)
+
+
+def _float_product(x: Tensor, weight: Tensor, bias: Tensor | None, fits: bool) -> Tensor:
+    """A ``RowsLinear``'s product: on the kernel where ``_float_on_kernel`` says so, else
+    ``F.linear``."""
+    if _float_on_kernel(x, weight, bias, fits):
         return _on_kernel(x, weight, None, bias)
     return F.linear(x, weight, bias)
 
@@ -243,8 +249,8 @@ def _kernel_args(
     module: nn.Module, x: Tensor, fits: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
     """(weight, scale, bias) the kernel takes for ``module(x)`` where the module's own
-    ``forward`` would run x on it (a ``PackedLinear`` always, a ``RowsLinear`` where the
-    kernel measured faster), the module without hooks; else None."""
+    ``forward`` would run x on it (a ``PackedLinear`` always, a ``RowsLinear`` where
+    ``_float_on_kernel`` says so), the module without hooks; else None."""
     if not fits or module._forward_hooks or module._forward_pre_hooks:
         return None
     kind = type(module)
@@ -254,7 +260,7 @@ def _kernel_args(
         return buffers["packed"], buffers["scale"], params.get("bias")
     if kind is RowsLinear:
         weight, bias = params["weight"], params.get("bias")
-        if weight.dtype == torch.float32 and _kernel_faster(x, weight, bias):
+        if _float_on_kernel(x, weight, bias, fits):
             return weight, None, bias
     return None
 
