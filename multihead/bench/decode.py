@@ -31,7 +31,7 @@ import torch
 from .. import _validation as V
 from .._flags import option
 from .._progress import stages
-from .options import Timed
+from .options import Timed, goal_line
 
 __all__ = [
     "DecodeBenchOptions",
@@ -199,7 +199,7 @@ def _long_row(q, k, v, bandwidth: float, repeats: int, say: Callable[[str], None
         f"{bandwidth:.1f}), SDPA {med['sdpa'] * 1e3:.2f} ms: {vs_sdpa:.2f}x"
     )
     for goal in goals:
-        say(f"  goal {goal['text']}: {goal['figure']:.2f} -> {_verdict(goal['met'])}")
+        say(goal_line(goal))
     return {
         "dtype": name, "backend": backend, "median_s": med, "times_s": times,
         "kv_bytes": kv_bytes, "gb_per_s": rate, "fraction_of_bandwidth": fraction,
@@ -265,10 +265,6 @@ def short_path(
         f"{rounds} rounds); tokens " + ("identical" if same else "DIFFER")
     )
     return {"ms_per_step": med, "rounds_ms": per_step, "tokens_identical": same}
-
-
-def _verdict(met: bool) -> str:
-    return "met" if met else "MISSED"
 
 
 def _build(shape: DecodeShape, folder: Path):
@@ -588,7 +584,7 @@ def _say_row(row: dict, bound: float, say: Callable[[str], None]) -> None:
         fraction = row["step_fraction_of_bandwidth"][name]
         say(f"  {name:40} {rate:7.1f} tokens/s = {fraction:.0%} of the read bandwidth")
     for goal in row["goals"]:
-        say(f"  goal {goal['text']}: {goal['figure']:.2f} -> {_verdict(goal['met'])}")
+        say(goal_line(goal))
 
 
 def quality(

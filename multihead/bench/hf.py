@@ -42,7 +42,7 @@ import torch
 from .. import _validation as V
 from .._flags import option
 from .._progress import stages
-from .options import Timed
+from .options import Timed, goal_line
 
 __all__ = [
     "GENERATE",
@@ -233,7 +233,7 @@ def _time(
     for n, why in skipped.items():
         say(f"  {n:20} did not run: {why}")
     for g in goals:
-        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+        say(goal_line(g))
     return {
         "name": workload.name,
         "title": workload.title,
@@ -486,7 +486,7 @@ def _say_acting(
     for name, value in med.items():
         say(f"  {name:24} {value * 1e3:9.1f} ms  {value / med['multihead']:6.2f}x multihead")
     for g in goals:
-        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+        say(goal_line(g))
     extra, size = memory["stats_extra_growth_bytes"], memory["stats_bytes"]
     grown = "n/a" if extra is None else f"{extra / 2**20:.2f} MiB"
     say(
@@ -702,7 +702,7 @@ def first_use(forward_length: int, capture_length: int, say: Callable[[str], Non
         if line:
             say(f"  {name}: {line}")
     for g in goals:
-        say(f"  goal {g['text']}: {g['figure']:.2f} -> {'met' if g['met'] else 'MISSED'}")
+        say(goal_line(g))
     return {"forward": forward, "capture": capture, "goals": goals}
 
 

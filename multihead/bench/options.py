@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .._flags import option, positive_int
 
-__all__ = ["Results", "Timed"]
+__all__ = ["Results", "Timed", "goal_line"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,3 +26,10 @@ class Timed(Results):
         "timed repeats per contender (default: 3; kernels: 5, with --quick 3)",
         parse=positive_int,
     )
+
+
+def goal_line(goal: dict) -> str:
+    """A goal as the benchmarks print it: ``goal TEXT: FIGURE -> met`` (or ``MISSED``), the
+    figure to three significant digits, so one that falls just short of its threshold never
+    reads as the threshold itself (0.697 against 0.70)."""
+    return f"  goal {goal['text']}: {goal['figure']:.3g} -> {'met' if goal['met'] else 'MISSED'}"

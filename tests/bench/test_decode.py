@@ -6,6 +6,7 @@ import json
 
 from multihead import cli
 from multihead.bench import decode
+from multihead.bench.options import goal_line
 
 
 def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
@@ -58,6 +59,8 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
             assert goal["met"] == (
                 goal["figure"] >= (2.0 if "transformers" in goal["text"] else 0.7)
             )
+            verdict = "met" if goal["met"] else "MISSED"
+            assert f"  goal {goal['text']}: {goal['figure']:.3g} -> {verdict}" in out
     # one query row per head over a long cache (small with --quick), fp32 and bf16
     assert [r["dtype"] for r in report["long_context"]] == ["float32", "bfloat16"]
     for row in report["long_context"]:
@@ -75,6 +78,13 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         "the read bandwidth moved during the run: 30.0 GB/s at the start, 60.0 GB/s at the end; "
         "the fractions above are against the start's"
     ) in out
+
+
+def test_a_goal_just_short_of_its_threshold_prints_below_it():
+    # 0.6971 of the bandwidth against a 70% goal printed "0.70 -> MISSED" with two decimals
+    short = {"text": "int8 decoding steps >= 70% of read bandwidth", "figure": 0.6971}
+    assert goal_line({**short, "met": False}).endswith(": 0.697 -> MISSED")
+    assert goal_line({"text": "x", "figure": 24.2417, "met": True}) == "  goal x: 24.2 -> met"
 
 
 def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
