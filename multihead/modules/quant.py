@@ -112,9 +112,10 @@ def kernel_error() -> str | None:
 
 
 def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    """``x @ (weight * scale[:, None]).T + bias`` on the kernel: x float32 (M, K), weight
-    (N, K) float32 / bfloat16 / int8, scale and bias float32 (N,) or None. Raises
-    RuntimeError when the kernel cannot be built."""
+    """``x @ (weight * scale[:, None]).T + bias`` on the kernel: x float32 (..., K), its
+    leading dimensions the rows (``MAX_ROWS`` at most), weight (N, K) float32 / bfloat16 /
+    int8, scale and bias float32 (N,) or None; the output (..., N). Raises RuntimeError when
+    the kernel cannot be built."""
     kernel = _module if _module is not None else _build()
     return kernel.rows_linear(
         x, weight, _NONE if scale is None else scale, _NONE if bias is None else bias
@@ -128,7 +129,7 @@ def rows_linear_stacked(
     biases: Sequence[Tensor | None],
 ) -> Tensor:
     """The products ``rows_linear(x, weights[i], scales[i], biases[i])`` side by side in one
-    (M, N_0 + N_1 + ...) output, in one kernel call: the matrices share x's width K and one
+    (..., N_0 + N_1 + ...) output, in one kernel call: the matrices share x's width K and one
     dtype, and each output holds the bits ``rows_linear`` gives it. Raises RuntimeError when
     the kernel cannot be built."""
     kernel = _module if _module is not None else _build()
@@ -156,8 +157,11 @@ def kernel_fits(x: Tensor) -> bool:
 
 
 def _on_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return rows_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    """``rows_linear``, called here: this runs for every product of a decoding step."""
+    kernel = _module if _module is not None else _build()
+    return kernel.rows_linear(
+        x, weight, _NONE if scale is None else scale, _NONE if bias is None else bias
+    )
 
 
 def _clock(fn) -> float:  # the timer of kernel against BLAS (tests replace it)
@@ -227,22 +231,21 @@ def stacked_products(modules: Sequence[nn.Module], x: Tensor, fits: bool) -> lis
     one per product). None where they cannot: a module with hooks, a product ``F.linear``
     would run, matrices of different dtypes."""
     weights: list[Tensor] = []
-    scales: list[Tensor | None] = []
-    biases: list[Tensor | None] = []
+    scales: list[Tensor] = []
+    biases: list[Tensor] = []
     for module in modules:
         args = _kernel_args(module, x, fits)
         if args is None or (weights and args[0].dtype != weights[0].dtype):
             return None
-        weights.append(args[0])
-        scales.append(args[1])
-        biases.append(args[2])
-    rows = x.reshape(-1, x.shape[-1])
-    out = rows_linear_stacked(rows, weights, scales, biases)
-    out = out.view(*x.shape[:-1], out.shape[-1])
-    # each product contiguous, as its own call gives it (a no-op for one row): an elementwise
-    # op after it (the activation, a rotary embedding) may round a row's last partial vector
-    # differently in another layout
-    return [t.contiguous() for t in out.split([w.shape[0] for w in weights], dim=-1)]
+        weight, scale, bias = args
+        weights.append(weight)
+        scales.append(_NONE if scale is None else scale)
+        biases.append(_NONE if bias is None else bias)
+    kernel = _module if _module is not None else _build()
+    # each product contiguous, as its own call gives it (views of the one output for one
+    # row): an elementwise op after it (the activation, a rotary embedding) may round a row's
+    # last partial vector differently in another layout
+    return kernel.rows_linear_parts(x, weights, scales, biases)
 
 
 def _kernel_args(

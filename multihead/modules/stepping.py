@@ -31,6 +31,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
@@ -128,9 +129,34 @@ def step(layers: nn.ModuleList, x: Tensor, cache: KVCache) -> Tensor:
     turns: dict[tuple, tuple[Tensor, Tensor]] = {}  # the step's rotary cosines and sines
     for i, layer in enumerate(layers._modules.values()):
         parts: dict[str, Any] = layer._modules
-        x = x + _attend(parts["self_attn"], parts["norm1"](x), cache, i, fits, turns)
-        x = x + _feed_forward(parts["feed_forward"], parts["norm2"](x), fits)
+        x = x + _attend(parts["self_attn"], _normed(parts["norm1"], x), cache, i, fits, turns)
+        x = x + _feed_forward(parts["feed_forward"], _normed(parts["norm2"], x), fits)
     return x
+
+
+def _normed(norm: nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)``: an ``nn.LayerNorm`` without hooks computes here, as its ``forward`` does
+    (``F.layer_norm`` with the module's own arguments), without the module call; any other
+    norm is called."""
+    if type(norm) is nn.LayerNorm and not _hooked(norm):
+        params: dict[str, Any] = norm._parameters
+        return F.layer_norm(x, norm.normalized_shape, params["weight"], params["bias"], norm.eps)
+    return norm(x)
+
+
+def _activated(activation: nn.Module, x: Tensor) -> Tensor:
+    """``activation(x)``: the activations a feed-forward here is built with (``nn.GELU``,
+    ``nn.ReLU``, ``nn.SiLU``), without hooks, compute here as their ``forward`` does, without
+    the module call; any other module is called."""
+    if not _hooked(activation):
+        kind = type(activation)
+        if kind is nn.GELU:
+            return F.gelu(x, approximate=activation.approximate)
+        if kind is nn.SiLU:
+            return F.silu(x, inplace=activation.inplace)
+        if kind is nn.ReLU:
+            return F.relu(x, inplace=activation.inplace)
+    return activation(x)
 
 
 def _heads(x: Tensor, heads: int) -> Tensor:
@@ -175,13 +201,14 @@ def _rotated(
 
 def _feed_forward(ff: nn.Module, x: Tensor, fits: bool) -> Tensor:
     parts: dict[str, Any] = ff._modules
+    activation = parts["activation"]
     if type(ff) is FeedForward:
-        hidden = parts["activation"](step_product(parts["linear1"], x, fits))
+        hidden = _activated(activation, step_product(parts["linear1"], x, fits))
         return step_product(parts["linear2"], hidden, fits)
     both = stacked_products((parts["gate_proj"], parts["up_proj"]), x, fits)
     if both is None:
-        gate = parts["activation"](step_product(parts["gate_proj"], x, fits))
+        gate = _activated(activation, step_product(parts["gate_proj"], x, fits))
         up = step_product(parts["up_proj"], x, fits)
     else:
-        gate, up = parts["activation"](both[0]), both[1]
+        gate, up = _activated(activation, both[0]), both[1]
     return step_product(parts["down_proj"], gate * up, fits)

@@ -158,6 +158,36 @@ def test_stacked_products_are_each_product_to_the_bit(fmt, rows):
     assert (got.double() - want).abs().le(bound).all()
 
 
+@pytest.mark.parametrize("lead", [(), (1,), (1, 1), (3, 1), (2, 2, 1)])
+def test_the_kernel_takes_rows_in_any_leading_dimensions(lead):
+    """rows_linear and rows_linear_stacked over x (..., K) give (..., N): the (M, K) call's
+    bits in x's leading shape (a decoding step's (B, 1, E) needs no reshape on either side);
+    a matrix's part of the stacked output is its own contiguous tensor; K = 0 gives the bias."""
+    g = torch.Generator().manual_seed(6)
+    weights, scales = _matrices("int8", [20, 12], 40, g)
+    biases = [torch.randn(20, generator=g), None]
+    x = torch.randn(*lead, 40, generator=g)
+    flat = x.reshape(-1, 40)
+    kernel = quant._build()
+    for w, s, b in zip(weights, scales, biases):
+        got = quant.rows_linear(x, w, s, b)
+        assert got.shape == (*lead, w.shape[0])
+        assert torch.equal(got.reshape(-1, w.shape[0]), quant.rows_linear(flat, w, s, b))
+    both = quant.rows_linear_stacked(x, weights, scales, biases)
+    assert both.shape == (*lead, 32)
+    none = torch.empty(0)
+    parts = kernel.rows_linear_parts(x, weights, scales, [biases[0], none])
+    for part, w, s, b in zip(parts, weights, scales, biases):
+        assert part.is_contiguous() and torch.equal(part, quant.rows_linear(x, w, s, b))
+    strided = torch.randn(2, 80, generator=g)[:, ::2]  # rows that are not contiguous
+    assert torch.equal(
+        quant.rows_linear(strided, weights[0], scales[0], biases[0]),
+        quant.rows_linear(strided.contiguous(), weights[0], scales[0], biases[0]),
+    )
+    empty = quant.rows_linear(torch.randn(2, 0), torch.randn(5, 0), None, torch.arange(5.0))
+    assert torch.equal(empty, torch.arange(5.0).expand(2, 5))
+
+
 def test_stacked_products_refuse_matrices_that_do_not_stack():
     x = torch.randn(2, 8)
     w = torch.randn(4, 8)
@@ -185,8 +215,9 @@ def test_stacked_step_products_equal_the_module_calls(weights, monkeypatch):
     call; None where one product would not run on the kernel or has hooks."""
     monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
     calls = []
-    real = quant.rows_linear_stacked
-    monkeypatch.setattr(quant, "rows_linear_stacked", lambda *a: calls.append(1) or real(*a))
+    compiled = quant._build()
+    real = compiled.rows_linear_parts
+    monkeypatch.setattr(compiled, "rows_linear_parts", lambda *a: calls.append(1) or real(*a))
     layers = _layers(weights)
     x = torch.randn(3, 1, 24)
     with torch.inference_mode():
@@ -215,7 +246,8 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
     monkeypatch.setattr(quant, "_faster", {})
     timed = []
     ran = []
-    real_kernel = quant.rows_linear
+    compiled = quant._build()
+    real_kernel = compiled.rows_linear
 
     def kernel(*args):
         ran.append("kernel")
@@ -228,7 +260,7 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
         timed.append("kernel" if on_kernel else "blas")
         return 1e-3 if on_kernel == kernel_faster else 2e-3
 
-    monkeypatch.setattr(quant, "rows_linear", kernel)
+    monkeypatch.setattr(compiled, "rows_linear", kernel)
     monkeypatch.setattr(quant, "_clock", clock)
     layer = quant.pack_linears(torch.nn.Sequential(torch.nn.Linear(40, 24)), None)[0]
     x = torch.randn(3, 40)

@@ -89,10 +89,9 @@ def test_a_layers_products_of_one_input_are_one_kernel_call(kind, monkeypatch):
     run as one stacked kernel call; the prompt takes the modules' own calls."""
     stack = _stack(kind, "int8")
     calls = []
-    real = quant.rows_linear_stacked
-    monkeypatch.setattr(
-        quant, "rows_linear_stacked", lambda *a: calls.append(len(a[1])) or real(*a)
-    )
+    kernel = quant._build()
+    real = kernel.rows_linear_parts
+    monkeypatch.setattr(kernel, "rows_linear_parts", lambda *a: calls.append(len(a[1])) or real(*a))
     _decode(stack, kind, [6], "growing", short=True, monkeypatch=monkeypatch)
     per_layer = [3] if kind == "gpt2" else [3, 2]
     assert calls == per_layer * 2 * 5  # two layers, five steps

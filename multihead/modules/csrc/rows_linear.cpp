@@ -133,7 +133,8 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sum
   // the NB streams is only K weights long, too short for the hardware prefetcher to ramp up.
   constexpr int64_t kLine = 64 / sizeof(W);
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
-  const int64_t ahead = (kAheadBytes + NB * row_bytes - 1) / (NB * row_bytes) * NB * K;
+  const int64_t ahead =
+      row_bytes ? (kAheadBytes + NB * row_bytes - 1) / (NB * row_bytes) * NB * K : 0;
   for (int64_t k = 0; k < whole; k += kLanes) {
     if (k % kLine == 0) {
       for (int j = 0; j < NB; ++j) prefetch(w + ahead + j * K + k);
@@ -234,16 +235,19 @@ const float* optional_vector(at::Tensor& t, int64_t N, const char* what) {
   return t.data_ptr<float>();
 }
 
-// out (M, N_1 + ... + N_n) = x against each (w_i, scale_i, bias_i), the matrices in one dtype
-// and of x's width; an empty scale or bias means none. The vectors hold the tensors made
-// contiguous for the call.
+// out (..., N_1 + ... + N_n) = x (..., K) against each (w_i, scale_i, bias_i), the matrices in
+// one dtype and of x's width K; an empty scale or bias means none. x's leading dimensions are
+// its rows. The vectors hold the tensors made contiguous for the call.
 at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
                                std::vector<at::Tensor> scales, std::vector<at::Tensor> biases) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (M, K)");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat, "x must be float32 (..., K)");
   TORCH_CHECK(!ws.empty() && scales.size() == ws.size() && biases.size() == ws.size(),
               "one scale and one bias (either may be empty) per weight matrix");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<int64_t> shape = x.sizes().vec();
+  const int64_t K = shape.back();
+  int64_t M = 1;
+  for (size_t d = 0; d + 1 < shape.size(); ++d) M *= shape[d];
+  x = x.reshape({M, K}).contiguous();
   TORCH_CHECK(M <= kMaxRows, "rows_linear takes at most 16 rows");
   const at::ScalarType dtype = ws[0].scalar_type();
   std::vector<Part> parts;
@@ -257,7 +261,8 @@ at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
                      optional_vector(biases[i], N, "bias"), total});
     total += N;
   }
-  auto out = at::empty({M, total}, x.options());
+  shape.back() = total;
+  auto out = at::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   switch (dtype) {
@@ -267,6 +272,21 @@ at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
     default: TORCH_CHECK(false, "w must be float32, bfloat16 or int8");
   }
   return out;
+}
+
+// rows_linear_stacked's output cut into each matrix's (..., N_i), each contiguous: views of the
+// one output where x holds one row, copies otherwise
+std::vector<at::Tensor> rows_linear_parts(at::Tensor x, std::vector<at::Tensor> ws,
+                                          std::vector<at::Tensor> scales,
+                                          std::vector<at::Tensor> biases) {
+  at::Tensor out = rows_linear_stacked(x, ws, scales, biases);
+  std::vector<at::Tensor> cut;
+  int64_t column = 0;
+  for (const at::Tensor& w : ws) {
+    cut.push_back(out.narrow(-1, column, w.size(0)).contiguous());
+    column += w.size(0);
+  }
+  return cut;
 }
 
 at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
@@ -279,4 +299,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "few-row linear over float32/bf16/int8 weights");
   m.def("rows_linear_stacked", &rows_linear_stacked,
         "few-row linear over several matrices of one dtype and width, their outputs side by side");
+  m.def("rows_linear_parts", &rows_linear_parts,
+        "rows_linear_stacked's output as one contiguous tensor per matrix");
 }
