@@ -16,9 +16,11 @@ takes (``multihead/steps.py``).
 It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 ``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
 (the blocks of every ``CausalLM`` here), outside autograd and traced graphs, without autocast,
-with every dropout inactive and no hooks on those modules (nor global ones). Their parts (the
-norms, a rotary embedding, the activation, a linear layer of another kind or with hooks) are
-called as the modules they are. Anything else takes the modules' path.
+with every dropout inactive and no hooks on those modules (nor global ones). A LayerNorm and
+the activations a feed-forward is built with (GELU, ReLU, SiLU), without hooks, are computed
+as their ``forward`` computes them, without the module call; their other parts (another norm,
+a rotary embedding, a linear layer of another kind, anything with hooks) are called as the
+modules they are. Anything else takes the modules' path.
 ``MULTIHEAD_STEP_PATH=0`` (or ``stepping.enabled = False``) turns the short path off.
 
 Submodules are read from ``_modules`` rather than as attributes: ``nn.Module.__getattr__``

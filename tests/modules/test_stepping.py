@@ -186,6 +186,59 @@ def test_hooks_run_where_they_are(monkeypatch):
     assert _steps_taken(stack, monkeypatch) == 2
 
 
+def test_a_hooked_norm_or_activation_is_called_as_a_module(monkeypatch):
+    """The step computes a LayerNorm and an activation itself, without their module calls;
+    one with a hook is called, so the hook fires once per layer and step, and the step
+    still takes the short path."""
+    torch.manual_seed(0)
+    stack = _gpt2_stack().eval()
+    fired = []
+    norm = stack.layers[1].norm2
+    activation = stack.layers[0].feed_forward.activation
+    hooks = [
+        norm.register_forward_hook(lambda *a: fired.append("norm2")),
+        activation.register_forward_pre_hook(lambda *a: fired.append("activation")),
+    ]
+    cache = _cache("gpt2", 1, "growing")
+    ran = []
+    step = stepping.step
+    monkeypatch.setattr(stepping, "step", lambda *a: ran.append(1) or step(*a))
+    with torch.inference_mode():
+        for n in (3, 1, 1):
+            cache.begin(n)
+            stack(torch.randn(1, n, E), cache=cache)
+    assert len(ran) == 2
+    assert sorted(fired) == ["activation"] * 3 + ["norm2"] * 3
+    for hook in hooks:
+        hook.remove()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "silu"])
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_each_activation_and_norm_steps_to_the_bit(activation, norm_bias, monkeypatch):
+    """The activations a feed-forward here is built with, and LayerNorms with and without a
+    bias, computed by the step give the modules' bits; an in-place ReLU too."""
+    torch.manual_seed(2)
+    blocks = [
+        mh.TransformerDecoderLayer(
+            mh.MultiHeadAttention(E, H),
+            mh.FeedForward(E, 4 * E, activation=activation),
+            norm1=nn.LayerNorm(E, bias=norm_bias, eps=1e-3),
+            norm2=nn.LayerNorm(E, bias=norm_bias),
+        )
+        for _ in range(2)
+    ]
+    stack = mh.TransformerDecoder(blocks, norm=nn.LayerNorm(E)).eval()
+    if activation == "relu":
+        stack.layers[1].feed_forward.activation.inplace = True
+    for weights in (None, "int8"):
+        packed = quant.pack_linears(stack, weights)
+        short = _decode(packed, "gpt2", [5], "growing", short=True, monkeypatch=monkeypatch)
+        modules = _decode(packed, "gpt2", [5], "growing", short=False, monkeypatch=monkeypatch)
+        for got, want in zip(short, modules):
+            assert torch.equal(got, want)
+
+
 def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
     """Dropout while training, a step under autograd and a layer of a subclass (whose forward
     may differ) take the modules' path; eval mode or a rate of 0 takes the short one."""
