@@ -10,8 +10,9 @@ from multihead.bench.options import goal_line
 
 
 def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
-    # the read bandwidth as a virtual machine can give it: twice as high at the end of a run
-    readings = iter([30.0, 60.0])
+    # the read bandwidth as a virtual machine can give it: 30 at the start; beside B=1's one
+    # repeat 40 and 44, beside B=8's 20 and 50; twice as high at the end of the run
+    readings = iter([30.0, 40.0, 44.0, 20.0, 50.0, 60.0])
     monkeypatch.setattr(decode, "memory_bandwidth", lambda: next(readings))
     args = ["bench", "decode", "--quick", "--repeats", "1", "--out", str(tmp_path)]
     assert cli.main(args) == 0
@@ -50,11 +51,19 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         fraction = row["step_fraction_of_bandwidth"][fp32]
         bytes_per_token = row["bytes_read_per_token"][fp32]
         assert abs(fraction - bytes_per_token * steps / 1e9 / report["bandwidth_gb_s"]) < 1e-9
+        beside = {1: [40.0, 44.0], 8: [20.0, 50.0]}[row["batch"]]
+        assert row["bandwidth_beside_gb_s"] == beside
+        got = row["step_fraction_of_bandwidth_beside"][fp32]
+        assert abs(got - bytes_per_token * steps / 1e9 / (sum(beside) / 2)) < 1e-9
         at_end = row["step_fraction_of_end_bandwidth"][fp32]
         assert abs(at_end - bytes_per_token * steps / 1e9 / 60.0) < 1e-9
         assert f"B={row['batch']}, decoding steps against the end's reading: {fp32} " in out
         goals = {g["text"]: g for g in row["goals"]}
         assert len(goals) == (4 if row["batch"] == 1 else 0)
+        for name, fraction in row["step_fraction_of_bandwidth_beside"].items():
+            if row["batch"] == 1 and name.startswith("multihead"):  # the goals take these
+                goal = goals[f"{name} decoding steps >= 70% of the read bandwidth beside them"]
+                assert goal["figure"] == fraction
         for goal in goals.values():
             assert goal["met"] == (
                 goal["figure"] >= (2.0 if "transformers" in goal["text"] else 0.7)
@@ -76,8 +85,10 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
     assert "tokens/s" in out
     assert (
         "the read bandwidth moved during the run: 30.0 GB/s at the start, 60.0 GB/s at the end; "
-        "the fractions above are against the start's"
+        "the whole runs' fractions above are against the start's, the goals against the "
+        "readings beside the repeats"
     ) in out
+    assert "against the 2 readings beside the repeats (median 42.0 GB/s; 40.0, 44.0)" in out
 
 
 def test_a_goal_just_short_of_its_threshold_prints_below_it():
