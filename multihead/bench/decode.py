@@ -312,19 +312,38 @@ def _name(weights: str | None) -> str:
     return "multihead fp32" if weights is None else f"multihead {weights} weights"
 
 
+class _Stamps:
+    """A streamer (transformers' ``put`` / ``end`` protocol, which ``generate`` takes on both
+    sides) that notes when each put came: the prompt's first, then every new token's."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: object) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def _contenders(models: dict, theirs, ids: torch.Tensor, new: int) -> dict[str, Callable]:
+    """Each contender's ``generate`` of ``new`` tokens, as a function of a streamer."""
     mask = torch.ones_like(ids)
 
     def hf(**kw):
-        def call():
+        def call(streamer: _Stamps):
             with torch.inference_mode():
                 return theirs.generate(
-                    ids, attention_mask=mask, max_new_tokens=new, do_sample=False, **kw
-                )
+                    ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                    streamer=streamer, **kw,
+                )  # fmt: skip
 
         return call
 
-    ours = {_name(w): (lambda m=m: m.generate(ids, new)) for w, m in models.items()}
+    ours = {
+        _name(w): (lambda streamer, m=m: m.generate(ids, new, streamer=streamer))
+        for w, m in models.items()
+    }
     return {
         **ours,
         "transformers generate (dynamic cache)": hf(),
@@ -476,41 +495,46 @@ def _attention_calls(shape: DecodeShape, batch_sizes, say: Callable[[str], None]
     return calls
 
 
-def _timed(contenders: dict, firsts: dict, repeats: int) -> tuple[dict, dict, list[float]]:
-    """Each contender's whole runs and prompt-only runs, ``repeats`` times, the order of the
-    contenders rotating from one repeat to the next; and the read bandwidth measured before
-    each repeat and after the last (GB/s): the readings beside the timings."""
+def _timed(contenders: dict, repeats: int) -> tuple[dict, dict, dict, list[float]]:
+    """Each contender's runs, ``repeats`` times, the order of the contenders rotating from one
+    repeat to the next: per run its whole time, its time to the first new token (the prompt)
+    and the time from the first new token to the last (the decoding steps), each from its
+    streamer's stamps; and the read bandwidth measured before each repeat and after the last
+    (GB/s): the readings beside the timings."""
     names = list(contenders)
     times: dict[str, list[float]] = {name: [] for name in names}
     first_times: dict[str, list[float]] = {name: [] for name in names}
+    step_spans: dict[str, list[float]] = {name: [] for name in names}
     readings = []
     for r in range(repeats):
         readings.append(memory_bandwidth())
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            for runs, fns in ((times, contenders), (first_times, firsts)):
-                start = time.perf_counter()
-                fns[name]()
-                runs[name].append(time.perf_counter() - start)
+            stamps = _Stamps()
+            start = time.perf_counter()
+            contenders[name](stamps)
+            times[name].append(time.perf_counter() - start)
+            tokens = stamps.times[1:]  # the first put is the prompt
+            first_times[name].append(tokens[0] - start)
+            step_spans[name].append(tokens[-1] - tokens[0])
     readings.append(memory_bandwidth())
-    return times, first_times, readings
+    return times, first_times, step_spans, readings
 
 
 def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, cache_bytes,
                 bandwidth, say) -> dict:  # fmt: skip
     ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
     contenders = _contenders(models, theirs, ids, shape.new_tokens)
-    # the prompt and the first token alone: what the run costs besides its decoding steps
-    firsts = _contenders(models, theirs, ids, 1)
     names = list(contenders)
-    outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens
-    times, first_times, readings = _timed(contenders, firsts, repeats)
+    # warm-up, and the tokens
+    outputs = {name: fn(_Stamps()) for name, fn in contenders.items()}
+    times, first_times, step_spans, readings = _timed(contenders, repeats)
     beside = statistics.median(readings)
     med = {name: statistics.median(t) for name, t in times.items()}
     med_first = {name: statistics.median(t) for name, t in first_times.items()}
-    # decoding steps alone: the tokens after the first, over the time the prompt did not take
-    steps = {
-        name: b * (shape.new_tokens - 1) / max(med[name] - med_first[name], 1e-9) for name in names
-    }
+    med_spans = {name: statistics.median(t) for name, t in step_spans.items()}
+    # decoding steps alone: the tokens after the first, over the time from the first new
+    # token to the last (stamped as they came, in the same runs)
+    steps = {name: b * (shape.new_tokens - 1) / max(med_spans[name], 1e-9) for name in names}
     tokens = b * shape.new_tokens
     # a step reads every weight once for the whole batch, plus each row's cache
     mean_keys = shape.prompt + (shape.new_tokens - 1) / 2
@@ -532,7 +556,8 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
         "fraction_of_bandwidth": {
             name: per_token[name] * rate[name] / 1e9 / bandwidth for name in names
         },
-        "prompt_s": med_first,
+        "prompt_s": med_first,  # the time to the first new token
+        "steps_s": med_spans,  # the time from the first new token to the last
         "step_tokens_per_s": steps,
         "step_fraction_of_bandwidth": {
             name: per_token[name] * steps[name] / 1e9 / bandwidth for name in names
@@ -594,7 +619,7 @@ def _say_row(row: dict, bound: float, say: Callable[[str], None]) -> None:
         say(f"  {name:40} {rate:7.1f} tokens/s{extra}")
     readings = row["bandwidth_beside_gb_s"]
     say(
-        "  decoding steps alone (the prompt and first token's time taken out), against the "
+        "  decoding steps alone (from the first new token to the last), against the "
         f"start's reading and against the {len(readings)} readings beside the repeats (median "
         f"{statistics.median(readings):.1f} GB/s; {', '.join(f'{r:.1f}' for r in readings)}):"
     )

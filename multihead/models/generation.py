@@ -59,6 +59,7 @@ class Generation:
         padding_side: str = "right",
         attention_mask: Tensor | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        streamer: Any = None,
     ) -> Tensor:
         """Greedy or sampled continuation of every row, with a ``KVCache``: token ids in,
         token ids out (text goes through ``generate_text`` and ``stream_text``).
@@ -83,6 +84,10 @@ class Generation:
                 0/1 mask, as in ``forward``.
             eos_token_id: stop a row at this token (or any of these): its later tokens are
                 ``pad_token_id``. Default: never (every row gets max_new_tokens tokens).
+            streamer: an object with ``put`` and ``end``, as transformers' ``generate`` takes
+                (``transformers.TextStreamer``, a ``BaseStreamer`` of your own): ``put`` gets
+                ``input_ids`` first, then each step's new token of every row (B,) as soon as
+                it is chosen; ``end()`` comes after the last.
 
         Raises:
             TypeError: text instead of ids (call ``generate_text``).
@@ -105,11 +110,23 @@ class Generation:
         stop = _eos_list(eos_token_id)
         ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         self._check_budget(ids.shape[0], int(lengths.max()), max_new_tokens)
+        if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                         and callable(getattr(streamer, "end", None))):  # fmt: skip
+            raise TypeError(
+                "streamer must have put(ids) and end() methods, as transformers' streamers "
+                f"do. Received: {type(streamer).__name__}"
+            )
         new = torch.full(
             (ids.shape[0], max_new_tokens), self.pad_token_id, dtype=ids.dtype, device=ids.device
         )
+        if streamer is not None:
+            streamer.put(input_ids)
         for t, token in enumerate(self._steps(ids, lengths, max_new_tokens, choose, stop)):
             new[:, t] = token
+            if streamer is not None:
+                streamer.put(token)
+        if streamer is not None:
+            streamer.end()
         if shift is not None:
             return torch.cat((input_ids, new), dim=1)
         real = torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]

@@ -44,10 +44,14 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
         assert row["bytes_read_per_token"][fp32] > weights[fp32] / row["batch"]
         assert weights["multihead int8 weights"] < 0.3 * weights[fp32]
         assert weights["multihead bf16 weights"] == weights[fp32] // 2
-        # the decoding steps alone: the prompt-only run's time taken out of the whole run's
+        # the decoding steps alone: from the first new token to the last, stamped by a
+        # streamer in the same runs, inside each run's time and after its prompt
         steps = row["step_tokens_per_s"][fp32]
-        span = row["median_s"][fp32] - row["prompt_s"][fp32]
+        span = row["steps_s"][fp32]
         assert abs(steps - row["batch"] * (report["shape"]["new_tokens"] - 1) / span) < 1e-6
+        for name in row["tokens_per_s"]:
+            assert 0 < row["prompt_s"][name] < row["median_s"][name]
+            assert 0 < row["steps_s"][name] < row["median_s"][name] - row["prompt_s"][name]
         fraction = row["step_fraction_of_bandwidth"][fp32]
         bytes_per_token = row["bytes_read_per_token"][fp32]
         assert abs(fraction - bytes_per_token * steps / 1e9 / report["bandwidth_gb_s"]) < 1e-9

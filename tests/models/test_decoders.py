@@ -193,6 +193,43 @@ def test_sampling_filters_equal_transformers_warpers():
         assert torch.equal(mine[~mine.isinf()], scores[~mine.isinf()])
 
 
+class _Recorder:
+    """A streamer (transformers' put / end protocol) that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ends += 1
+
+
+def test_a_streamer_gets_what_transformers_gives_it(pair):
+    """generate(streamer=) calls put and end as transformers' generate does on the same
+    weights: the prompt, then each step's new token of every row, then end() once."""
+    _, ours, hf = pair
+    left, lengths = pad(ROWS, "left")
+    mine, theirs = _Recorder(), _Recorder()
+    ours.generate(left, 16, lengths=lengths, padding_side="left", streamer=mine)
+    with torch.no_grad():
+        hf.generate(
+            left,
+            attention_mask=_real(left, lengths, "left").long(),
+            max_new_tokens=16,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=EOS,
+            streamer=theirs,
+        )
+    assert len(mine.puts) == len(theirs.puts) == 17 and mine.ends == theirs.ends == 1
+    for got, want in zip(mine.puts, theirs.puts):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="put"):
+        ours.generate(left, 2, streamer=print)
+
+
 def test_eos_stops_a_row_and_pads_it(pair):
     _, ours, _ = pair
     ids, lengths = pad(ROWS, "right")
