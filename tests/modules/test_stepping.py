@@ -239,6 +239,23 @@ def test_each_activation_and_norm_steps_to_the_bit(activation, norm_bias, monkey
             assert torch.equal(got, want)
 
 
+def test_the_steps_dtype_rule_is_the_attentions_own():
+    """stepping reads the dtype an attention takes from its module dicts; it is what the
+    attention's own _compute_dtype says, for every kind of projection."""
+
+    class Linear(nn.Linear):  # a subclass: read through the module
+        pass
+
+    for weights in (None, "bf16", "int8"):
+        attn = quant.pack_linears(mh.MultiHeadAttention(E, H), weights)
+        assert stepping._compute_dtype(attn) == attn._compute_dtype() == torch.float32
+    half = mh.MultiHeadAttention(E, H).to(torch.bfloat16)  # plain nn.Linear in bf16
+    assert stepping._compute_dtype(half) == half._compute_dtype() == torch.bfloat16
+    custom = mh.MultiHeadAttention(E, H)
+    custom.q_proj = Linear(E, E, dtype=torch.float64)
+    assert stepping._compute_dtype(custom) == custom._compute_dtype() == torch.float64
+
+
 def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
     """Dropout while training, a step under autograd and a layer of a subclass (whose forward
     may differ) take the modules' path; eval mode or a rate of 0 takes the short one."""
