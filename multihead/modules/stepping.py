@@ -96,7 +96,7 @@ def _compute_dtype(attn: MultiHeadAttention) -> torch.dtype:
     """``attn._compute_dtype()``, read from the module dicts for the linear layers here (an
     attribute lookup on a module that has no such attribute costs microseconds, and this runs
     for every layer of every step)."""
-    q_proj = attn._modules["q_proj"]
+    q_proj: Any = attn._modules["q_proj"]
     kind = type(q_proj)
     if kind is PackedLinear:
         return q_proj.compute_dtype  # a property of the class: no module attribute lookup
@@ -159,7 +159,7 @@ def _normed(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x)
 
 
-def _activated(activation: nn.Module, x: Tensor) -> Tensor:
+def _activated(activation: Any, x: Tensor) -> Tensor:
     """``activation(x)``: the activations a feed-forward here is built with (``nn.GELU``,
     ``nn.ReLU``, ``nn.SiLU``), without hooks, compute here as their ``forward`` does, without
     the module call; any other module is called."""
