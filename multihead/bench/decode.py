@@ -529,9 +529,7 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
     outputs = {name: fn(_Stamps()) for name, fn in contenders.items()}
     times, first_times, step_spans, readings = _timed(contenders, repeats)
     beside = statistics.median(readings)
-    med = {name: statistics.median(t) for name, t in times.items()}
-    med_first = {name: statistics.median(t) for name, t in first_times.items()}
-    med_spans = {name: statistics.median(t) for name, t in step_spans.items()}
+    med, med_first, med_spans = map(_medians, (times, first_times, step_spans))
     # decoding steps alone: the tokens after the first, over the time from the first new
     # token to the last (stamped as they came, in the same runs)
     steps = {name: b * (shape.new_tokens - 1) / max(med_spans[name], 1e-9) for name in names}
@@ -551,23 +549,17 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
         "tokens_per_s": rate,
         "vs_transformers": {name: rate[name] / rate[hf] for name in names},
         "bytes_read_per_token": per_token,
-        "gb_per_s": {name: per_token[name] * rate[name] / 1e9 for name in names},
+        "gb_per_s": _fractions(per_token, rate, 1.0),
         "bandwidth_bound_tokens_per_s": bandwidth * 1e9 / per_token[_name(None)],
-        "fraction_of_bandwidth": {
-            name: per_token[name] * rate[name] / 1e9 / bandwidth for name in names
-        },
+        "fraction_of_bandwidth": _fractions(per_token, rate, bandwidth),
         "prompt_s": med_first,  # the time to the first new token
         "steps_s": med_spans,  # the time from the first new token to the last
         "step_tokens_per_s": steps,
-        "step_fraction_of_bandwidth": {
-            name: per_token[name] * steps[name] / 1e9 / bandwidth for name in names
-        },
+        "step_fraction_of_bandwidth": _fractions(per_token, steps, bandwidth),
         # the same against the readings taken between the timed repeats (their median): the
         # bandwidth while these steps ran, which a virtual machine can move by 2x in minutes
         "bandwidth_beside_gb_s": readings,
-        "step_fraction_of_bandwidth_beside": {
-            name: per_token[name] * steps[name] / 1e9 / beside for name in names
-        },
+        "step_fraction_of_bandwidth_beside": _fractions(per_token, steps, beside),
         # fp32 against transformers must be identical; packed formats: the share of tokens
         # equal to fp32's (a different token early changes every later one)
         "identical_tokens": {
@@ -582,6 +574,15 @@ def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, ca
     row["goals"] = _goals(row) if b == 1 else []
     _say_row(row, bandwidth * 1e9 / per_token[_name(None)], say)
     return row
+
+
+def _medians(runs: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(t) for name, t in runs.items()}
+
+
+def _fractions(per_token: dict, rates: dict, reading: float) -> dict[str, float]:
+    """Each contender's bytes per token x tokens/s, in GB/s, over ``reading`` (GB/s)."""
+    return {name: per_token[name] * rates[name] / 1e9 / reading for name in rates}
 
 
 # issue 33's goals at B=1: decoding steps at >= 70% of the read bandwidth (fp32, and the

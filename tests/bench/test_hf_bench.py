@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from multihead import cli
 from multihead.bench.hf import (
@@ -96,17 +95,26 @@ def test_peak_growth_sees_an_allocation():
     assert growth is None or growth >= 60 * 2**20
 
 
+FIRST_TWO = """
+import json, torch
+from multihead.bench import first_use
+touch = lambda: float(torch.ones(64 * 2**20).sum())
+print(json.dumps(first_use._first_two(touch, first_use._clock)))
+"""
+
+
 def test_first_use_counts_what_each_call_spent_on_new_memory():
     """The first-use rows report each call's page faults and system seconds: a call that
     writes 256 MiB of new memory (above glibc's mmap threshold: fresh pages on every call)
-    takes page faults; the line the bench prints divides the system time by them."""
+    takes page faults, in a process of its own (under make test's workers a call in a process
+    that earlier test files had run in took none); the line the bench prints divides the
+    system time by them."""
     pytest.importorskip("resource")
-    from multihead.bench import first_use
-
-    def touch() -> float:
-        return float(torch.ones(64 * 2**20).sum())
-
-    found = first_use._first_two(touch, first_use._clock)
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_TWO], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
     assert found["page_bytes"] >= 4096
     for call in ("first", "second"):
         assert found[f"{call}_s"] > 0 and found[f"{call}_sys_s"] >= 0

@@ -40,14 +40,15 @@ def on_kernel(monkeypatch) -> list[tuple[int, int, int]]:
     """The kernel leads every product it may run (the tests do not time it against the BLAS);
     lists (rows, out, in) of each product it ran."""
     ran: list[tuple[int, int, int]] = []
-    original = quant.rows_linear
+    compiled = quant._build()
+    original = compiled.rows_linear
 
-    def spy(x, weight, scale, bias):
-        ran.append((x.shape[0], *weight.shape))
+    def spy(x, weight, scale, bias):  # x (..., K): its leading dimensions are the rows
+        ran.append((x.numel() // x.shape[-1], *weight.shape))
         return original(x, weight, scale, bias)
 
     monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
-    monkeypatch.setattr(quant, "rows_linear", spy)
+    monkeypatch.setattr(compiled, "rows_linear", spy)
     return ran
 
 
