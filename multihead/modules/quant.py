@@ -156,14 +156,6 @@ def kernel_fits(x: Tensor) -> bool:
     return _module is not None or kernel_error() is None
 
 
-def _on_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    """``rows_linear``, called here: this runs for every product of a decoding step."""
-    kernel = _module if _module is not None else _build()
-    return kernel.rows_linear(
-        x, weight, _NONE if scale is None else scale, _NONE if bias is None else bias
-    )
-
-
 def _clock(fn) -> float:  # the timer of kernel against BLAS (tests replace it)
     from ..backends import _measure
 
@@ -200,7 +192,7 @@ def _float_product(x: Tensor, weight: Tensor, bias: Tensor | None, fits: bool) -
     """A ``RowsLinear``'s product: on the kernel where ``_float_on_kernel`` says so, else
     ``F.linear``."""
     if _float_on_kernel(x, weight, bias, fits):
-        return _on_kernel(x, weight, None, bias)
+        return rows_linear(x, weight, None, bias)
     return F.linear(x, weight, bias)
 
 
@@ -213,7 +205,7 @@ def step_product(module: nn.Module, x: Tensor, fits: bool) -> Tensor:
     72 times in a GPT-2 decoding step.)"""
     args = _kernel_args(module, x, fits)
     if args is not None:
-        return _on_kernel(x, *args)
+        return rows_linear(x, *args)
     if module._forward_hooks or module._forward_pre_hooks:
         return module(x)
     kind = type(module)
@@ -349,7 +341,7 @@ class PackedLinear(nn.Module):
                 f"with dtype=torch.float32. Received: input dtype {x.dtype}"
             )
         if kernel_fits(x):
-            return _on_kernel(x, self.packed, self.scale, self.bias)
+            return rows_linear(x, self.packed, self.scale, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
