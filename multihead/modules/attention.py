@@ -5,6 +5,8 @@ The module holds parameters and reshapes; all attention math lives in ``multihea
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -291,9 +293,16 @@ class MultiHeadAttention(nn.Module):
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype the inputs must have: the parameters' (packed bf16/int8 projections,
-        modules/quant.py, say their activations' dtype)."""
-        q_proj = self.q_proj
-        return getattr(q_proj, "compute_dtype", None) or q_proj.weight.dtype
+        modules/quant.py, say their activations' dtype). Read from the module's dicts and its
+        class: a decoding step asks it of every layer, and an attribute a module lacks costs
+        an exception inside ``nn.Module.__getattr__``."""
+        q_proj: Any = self._modules["q_proj"]
+        if hasattr(type(q_proj), "compute_dtype") or "compute_dtype" in vars(q_proj):
+            declared = q_proj.compute_dtype
+            if declared:
+                return declared
+        weight = q_proj._parameters.get("weight")
+        return (q_proj.weight if weight is None else weight).dtype
 
     def _check_dtype(self, name: str, t: Tensor) -> None:
         want = self._compute_dtype()

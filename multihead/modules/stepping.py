@@ -41,7 +41,7 @@ from .. import _validation as V
 from .. import steps
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .quant import PackedLinear, RowsLinear, kernel_fits, stacked_products, step_product
+from .quant import kernel_fits, stacked_products, step_product
 from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 
@@ -81,7 +81,7 @@ def _layer_applies(layer: nn.Module, kind: type, x: Tensor, cache: KVCache) -> b
         and _idle(ff._modules["dropout"])
     ):
         return False
-    want = _compute_dtype(attn)
+    want = attn._compute_dtype()
     # what the modules' checks would refuse, they refuse themselves, with their errors: the
     # input's dtype and width, and a cache of other heads, dims or dtype
     return (
@@ -90,19 +90,6 @@ def _layer_applies(layer: nn.Module, kind: type, x: Tensor, cache: KVCache) -> b
         and (cache.num_kv_heads, cache.head_dim, cache.value_dim)
         == (attn.num_kv_heads, attn.head_dim, attn.value_head_dim)
     )
-
-
-def _compute_dtype(attn: MultiHeadAttention) -> torch.dtype:
-    """``attn._compute_dtype()``, read from the module dicts for the linear layers here (an
-    attribute lookup on a module that has no such attribute costs microseconds, and this runs
-    for every layer of every step)."""
-    q_proj: Any = attn._modules["q_proj"]
-    kind = type(q_proj)
-    if kind is PackedLinear:
-        return q_proj.compute_dtype  # a property of the class: no module attribute lookup
-    if kind is RowsLinear or kind is nn.Linear:
-        return q_proj._parameters["weight"].dtype
-    return attn._compute_dtype()
 
 
 def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> bool:

@@ -239,21 +239,25 @@ def test_each_activation_and_norm_steps_to_the_bit(activation, norm_bias, monkey
             assert torch.equal(got, want)
 
 
-def test_the_steps_dtype_rule_is_the_attentions_own():
-    """stepping reads the dtype an attention takes from its module dicts; it is what the
-    attention's own _compute_dtype says, for every kind of projection."""
+def test_the_attentions_dtype_rule_for_every_kind_of_projection():
+    """The dtype an attention takes (which the step checks for every layer, read from the
+    module dicts): float32 for packed projections, the weight's dtype otherwise, a
+    projection's own compute_dtype where it states one."""
 
-    class Linear(nn.Linear):  # a subclass: read through the module
+    class Linear(nn.Linear):  # a subclass of its own
         pass
 
     for weights in (None, "bf16", "int8"):
         attn = quant.pack_linears(mh.MultiHeadAttention(E, H), weights)
-        assert stepping._compute_dtype(attn) == attn._compute_dtype() == torch.float32
+        assert attn._compute_dtype() == torch.float32
     half = mh.MultiHeadAttention(E, H).to(torch.bfloat16)  # plain nn.Linear in bf16
-    assert stepping._compute_dtype(half) == half._compute_dtype() == torch.bfloat16
+    assert half._compute_dtype() == torch.bfloat16
     custom = mh.MultiHeadAttention(E, H)
     custom.q_proj = Linear(E, E, dtype=torch.float64)
-    assert stepping._compute_dtype(custom) == custom._compute_dtype() == torch.float64
+    assert custom._compute_dtype() == torch.float64
+    stated = mh.MultiHeadAttention(E, H)
+    stated.q_proj.compute_dtype = torch.float64  # an instance's own, over its weight's
+    assert stated._compute_dtype() == torch.float64
 
 
 def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
