@@ -1,4 +1,5 @@
-"""Looking inside a model: per-head statistics, top attended tokens, attention rollout.
+"""Looking inside a model: per-head statistics, top attended tokens, attention rollout, and
+the attention sinks set aside (``multihead.inspect.sinks``).
 
 Everything here takes the weights of ONE sequence without padding, stacked over layers:
 ``(layers, H, L, L)``. ``for_text`` cuts them out of a model's padded batch output.
@@ -13,7 +14,21 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["HeadStats", "Top", "for_text", "head_stats", "rollout", "top_tokens"]
+from ._shapes import _check, _check_tokens
+from .sinks import SINK_SHARE, Sinks, find_sinks, without_sinks
+
+__all__ = [
+    "SINK_SHARE",
+    "HeadStats",
+    "Sinks",
+    "Top",
+    "find_sinks",
+    "for_text",
+    "head_stats",
+    "rollout",
+    "top_tokens",
+    "without_sinks",
+]
 
 
 def for_text(weights: Sequence[Tensor], index: int, length: int) -> Tensor:
@@ -22,25 +37,6 @@ def for_text(weights: Sequence[Tensor], index: int, length: int) -> Tensor:
     if not weights:
         raise ValueError("weights must hold at least one layer. Received: an empty sequence")
     return torch.stack([w[index, :, :length, :length] for w in weights]).float()
-
-
-def _check(weights: Tensor) -> Tensor:
-    if not isinstance(weights, Tensor) or weights.dim() not in (3, 4):
-        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights).__name__
-        raise ValueError(
-            f"weights must be (layers, H, L, L) or (H, L, L). Received: weights.shape={shape}"
-        )
-    if weights.shape[-1] != weights.shape[-2]:
-        raise ValueError(
-            "weights must be self-attention weights, square in the last two dimensions. "
-            f"Received: weights.shape={tuple(weights.shape)}"
-        )
-    return weights[None] if weights.dim() == 3 else weights
-
-
-def _check_tokens(tokens: Sequence[str], n: int) -> None:
-    if len(tokens) != n:
-        raise ValueError(f"tokens must have one label per position ({n}). Received: {len(tokens)}")
 
 
 @dataclass(frozen=True)
@@ -130,16 +126,24 @@ def top_tokens(
     ]
 
 
-def rollout(weights: Tensor, *, residual: float = 0.5) -> Tensor:
+def rollout(
+    weights: Tensor, *, residual: float = 0.5, sinks: Sequence[int] | None = None
+) -> Tensor:
     """Attention rollout (Abnar & Zuidema, 2020, "Quantifying Attention Flow in Transformers").
 
     Each layer's heads are averaged, the residual connection is modelled as
     ``A' = residual * I + (1 - residual) * A`` (the paper uses 0.5), rows are renormalized, and
     the layers are multiplied from the first up: ``R = A'_last ... A'_2 A'_1``.
 
+    With ``sinks`` (key positions, as ``find_sinks(...).positions``), each layer's head mean is
+    first passed through ``without_sinks``: the sink columns set to 0 and the rows renormalized,
+    so the weight a layer parks on a sink flows to the words instead of swallowing the product.
+    A row whose weight was all on sinks (a causal model's first query) stays where it is: its
+    row of the layer becomes the identity's.
+
     Returns:
         (L, L): row i says how much each input token flows into position i at the last layer;
-        every row sums to 1.
+        every row sums to 1. With ``sinks``, a sink column is 0 outside its own row.
     """
     w = _check(weights).double()
     if not 0.0 <= residual <= 1.0:
@@ -148,7 +152,11 @@ def rollout(weights: Tensor, *, residual: float = 0.5) -> Tensor:
     eye = torch.eye(n, dtype=torch.float64)
     result = eye
     for layer in w:
-        a = residual * eye + (1.0 - residual) * layer.mean(0)
+        mean = layer.mean(0)
+        if sinks is not None:
+            mean = without_sinks(mean, sinks)
+            mean = mean + eye * (mean.sum(-1, keepdim=True) == 0)  # all on sinks: stays put
+        a = residual * eye + (1.0 - residual) * mean
         a = a / a.sum(-1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
         result = a @ result
     return result.float()
