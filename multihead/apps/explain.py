@@ -7,12 +7,16 @@ from the folder with its ``tokenizer.json`` (a decoder, an encoder, or the encod
 encoder-decoder), run on ``attn_implementation="multihead"`` with ``multihead.hf.capture``.
 
 Runs the text through the model with weights on, prints each head's most attended token from the
-focus word and the attention rollout, and writes the figures and the HTML head view.
+focus word and the attention rollout, and writes the figures and the HTML head view. The
+attention sinks (the first token, special tokens, keys most heads park on:
+``multihead.inspect.find_sinks``) are named and set aside, each row renormalized over the other
+tokens, before a head is chosen and a token ranked; ``--keep-sinks`` shows the raw weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,17 @@ from torch import Tensor
 from .. import _validation as V
 from .._flags import argument, option
 from .._progress import stages
-from ..inspect import HeadStats, for_text, head_stats, rollout, top_tokens
+from ..inspect import (
+    SINK_SHARE,
+    HeadStats,
+    Sinks,
+    find_sinks,
+    for_text,
+    head_stats,
+    rollout,
+    top_tokens,
+    without_sinks,
+)
 
 __all__ = ["ExplainOptions", "Explained", "find_focus", "pick_head", "run", "supported"]
 
@@ -63,6 +77,19 @@ class ExplainOptions:
         "layer's mean over heads, multihead.hf.capture's head_mean on a transformers folder) "
         "as rollout.png",
     )
+    keep_sinks: bool = option(
+        False,
+        "keep the attention sinks in: choose the head, rank the words and draw the rollout "
+        "on the raw weights (by default the weight on the sinks is set aside and each row "
+        "renormalized, the raw figures beside)",
+    )
+    sink_share: float = option(
+        SINK_SHARE,
+        "a key that takes at least this share of the weight of most rows in most heads of a "
+        "layer is a sink (as the first token and special tokens are), and a head with more "
+        "than this share of its weight on the sinks a sink head; in (0, 1]",
+        metavar="SHARE",
+    )
 
 
 @dataclass
@@ -73,9 +100,10 @@ class Explained:
     focus: int
     weights: Tensor  # (layers, H, L, L)
     stats: HeadStats
-    rollout: Tensor  # (L, L)
+    rollout: Tensor  # (L, L), with the sinks set aside unless --keep-sinks
     head: tuple[int, int]  # (layer, head) drawn alone: the one most fixed on one other word
     files: dict[str, Path]
+    sinks: Sinks | None = None  # None with --keep-sinks
 
 
 def find_focus(
@@ -275,15 +303,44 @@ def pick_head(
     return rows[r], cols[c]
 
 
-def _grid(top: list, tokens: list[str], focus: int, say: Callable[[str], None]) -> None:
+def _grid(
+    top: list, tokens: list[str], focus: int, say: Callable[[str], None], aside: str = ""
+) -> None:
     layers, heads = len(top), len(top[0])
     width = max(12, max(len(t) for t in tokens) + 6)
-    say(f"Most attended token from '{tokens[focus]}' for every head (rows) and layer (columns):")
+    say(f"Most attended token from '{tokens[focus]}' for every head (rows) and layer "
+        f"(columns){aside}:")  # fmt: skip
     say("head " + "".join(f"{'layer ' + str(layer):>{width}}" for layer in range(layers)))
     for h in range(heads):
         cells = [f"{top[layer][h][0].token} {100 * top[layer][h][0].weight:.0f}%" for layer in
                  range(layers)]  # fmt: skip
         say(f"{h:>4} " + "".join(f"{c:>{width}}" for c in cells))
+
+
+def _check_options(options: ExplainOptions) -> None:
+    """The checks that need no model, made before it loads."""
+    text, focus = options.text, options.focus
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
+    V.check_utf8_text("TEXT", text)
+    if focus is not None:
+        V.check_utf8_text("--focus", focus)
+    for name, value in (("--layer", options.layer), ("--head", options.head)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
+    share = options.sink_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(
+            "--sink-share must be in (0, 1]: the share of a row's weight that makes a key a "
+            f"sink. Received: --sink-share {share!r}"
+        )
+    if options.keep_sinks and share != SINK_SHARE:
+        raise ValueError(
+            "--sink-share has no use with --keep-sinks, which finds no sinks; give one of "
+            f"them. Received: --keep-sinks --sink-share {share!r}"
+        )
 
 
 def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Explained:
@@ -292,42 +349,46 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
 
     ``options.layer`` and ``options.head`` (counted from 0) choose the head drawn alone in
     head.png and head_surface.png; by default it is the head most fixed on one other word (the
-    strongest weight from the focus word onto a word at least two positions away), searched
-    within ``layer`` or ``head`` when only one is given.
+    strongest weight from the focus word onto a word at least two positions away, once the
+    weight on the sinks is set aside), searched within ``layer`` or ``head`` when only one is
+    given. ``options.keep_sinks`` keeps the raw weights throughout.
     """
-    text, focus, layer, head = options.text, options.focus, options.layer, options.head
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"the text to explain is empty; give a sentence. Received: {text!r}")
-    V.check_utf8_text("TEXT", text)
-    if focus is not None:
-        V.check_utf8_text("--focus", focus)
+    _check_options(options)
     folder = V.check_out_dir("--out", options.out)
     earlier = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if earlier:  # said before any work: the files of the same name are written over
         say(f"--out {folder} exists, holding {', '.join(earlier[:6])}"
             f"{' ...' if len(earlier) > 6 else ''}: this run writes its figures and "
             "attention.html over those of the same name")  # fmt: skip
-    for name, value in (("--layer", layer), ("--head", head)):  # before the model loads
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise ValueError(f"{name} must be a whole number >= 0. Received: {name} {value!r}")
     with stages("explain", _STAGES, say=say) as (progress, say):
         progress.begin(_STAGES[0])
         model = _load(options.model)
-        tokens, special, weights, causal = _attend(text, model)
+        tokens, special, weights, causal = _attend(options.text, model)
         progress.begin(_STAGES[1])
-        explained = _report(text, model, tokens, special, weights, causal, focus, layer, head,
+        sinks = None if options.keep_sinks else find_sinks(weights, special,
+                                                           share=options.sink_share)  # fmt: skip
+        explained = _report(options, model, _Run(tokens, special, weights, causal, sinks),
                             folder, progress, say)  # fmt: skip
         if options.rollout:
-            means = _head_means(text, model, weights)
-            explained.files["rollout"] = _rollout_figure(
-                rollout(means[:, None]), explained.tokens, explained.focus, folder
-            )
-            focus_token = explained.tokens[explained.focus]
-            say(f"  {explained.files['rollout']}  (rollout from '{focus_token}' through "
-                f"{means.shape[0]} layers)")  # fmt: skip
+            _draw_rollout(options.text, model, explained, folder, say)
         return explained
+
+
+def _draw_rollout(
+    text: str, model: Any, explained: Explained, folder: Path, say: Callable[[str], None]
+) -> None:
+    """rollout.png from each layer's head mean: without the sinks and raw side by side, or the
+    raw one alone with --keep-sinks."""
+    means = _head_means(text, model, explained.weights)
+    raw = rollout(means[:, None])
+    sinks = explained.sinks
+    flow = raw if sinks is None else rollout(means[:, None], sinks=sinks.positions)
+    path = _rollout_figure(flow, explained.tokens, explained.focus, folder,
+                           raw=None if sinks is None else raw)  # fmt: skip
+    explained.files["rollout"] = path
+    focus_token = explained.tokens[explained.focus]
+    both = "" if sinks is None else ", without the sinks and raw"
+    say(f"  {path}  (rollout from '{focus_token}' through {means.shape[0]} layers{both})")
 
 
 def _head_means(text: str, model: Any, weights: Tensor) -> Tensor:
@@ -346,19 +407,59 @@ def _head_means(text: str, model: Any, weights: Tensor) -> Tensor:
     return torch.stack([cap.stats[i]["head_mean"][0] for i in range(cap.num_layers)]).float()
 
 
-def _rollout_figure(flow: Tensor, tokens: list[str], focus: int, folder: Path) -> Path:
-    """Bars: how much each input token flows into the focus position at the last layer."""
+def _rollout_figure(
+    flow: Tensor, tokens: list[str], focus: int, folder: Path, *, raw: Tensor | None = None
+) -> Path:
+    """Bars: how much each input token flows into the focus position at the last layer; with
+    ``raw``, ``flow`` is the rollout without the sinks, drawn above the raw one."""
     from .common import figure, save_figure
 
-    row = flow[focus].tolist()
-    fig = figure(figsize=(max(4.0, 0.45 * len(tokens)), 3.0))
-    ax = fig.subplots()
-    ax.bar(range(len(tokens)), row, color=["tab:orange" if i == focus else "tab:blue"
-                                            for i in range(len(tokens))])  # fmt: skip
-    ax.set_xticks(range(len(tokens)), tokens, rotation=60, ha="right", fontsize=8)
-    ax.set_ylabel("share of the focus position")
-    ax.set_title(f"attention rollout into '{tokens[focus]}' (Abnar & Zuidema 2020)", fontsize=9)
+    n = len(tokens)
+    colours = ["tab:orange" if i == focus else "tab:blue" for i in range(n)]
+    title = f"attention rollout into '{tokens[focus]}' (Abnar & Zuidema 2020)"
+    panels = [(flow, title)]
+    if raw is not None:
+        panels = [(flow, f"{title}, without the sinks"), (raw, "the same with the sinks (raw)")]
+    fig = figure(figsize=(max(4.0, 0.45 * n), 3.0 * len(panels)))
+    for ax, (values, heading) in zip(fig.subplots(len(panels), 1, squeeze=False)[:, 0], panels):
+        ax.bar(range(n), values[focus].tolist(), color=colours)
+        ax.set_xticks(range(n), tokens, rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel("share of the focus position")
+        ax.set_title(heading, fontsize=9)
     return save_figure(fig, folder / "rollout.png")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the model gave for the text, and the sinks found in it (None: --keep-sinks)."""
+
+    tokens: list[str]
+    special: list[bool]
+    weights: Tensor  # (layers, H, L, L)
+    causal: bool
+    sinks: Sinks | None
+
+
+def _say_sinks(sinks: Sinks, tokens: list[str], say: Callable[[str], None]) -> None:
+    """Which positions are sinks and why, and which heads are sink heads, layer by layer."""
+    named = (f"'{tokens[p]}' (position {p}: {why})" for p, why in zip(sinks.positions,
+             sinks.reasons))  # fmt: skip
+    say(f"sinks: {', '.join(named)}")
+    layers, heads = sinks.heads.shape
+    say(f"sink heads, more than {100 * sinks.share:.0f}% of their weight on the sinks: "
+        f"{int(sinks.heads.sum())} of {layers * heads}")  # fmt: skip
+    # one layer's heads are never split over two lines: no-break spaces inside an entry
+    listed = "; ".join(
+        "\xa0".join(
+            ["layer", f"{layer}:", *map(str, sinks.heads[layer].nonzero().flatten().tolist())]
+        )
+        for layer in range(layers)
+        if sinks.heads[layer].any()
+    )
+    for line in textwrap.wrap(listed, 96):
+        say(f"  {line}".replace("\xa0", " "))
+    say("Below, the weight on the sinks is set aside and each row renormalized over the other "
+        "tokens (--keep-sinks: the raw weights).\n")  # fmt: skip
 
 
 def _say_findings(
@@ -366,88 +467,134 @@ def _say_findings(
     tokens: list[str],
     position: int,
     real: list[int],
-    flow: Tensor,
+    flows: tuple[Tensor, Tensor | None],
     say: Callable[[str], None],
-    split: str = "",
+    aside: str = "",
 ) -> None:
-    """The printed part: tokens, focus (``split``: how the focus word was split), every head's
-    top token, the strongest head per word and the rollout."""
+    """The printed part after the focus: every head's top token, the strongest head per word
+    and the rollout, from ``weights`` (the sinks set aside unless ``aside`` is empty), and the
+    raw rollout when ``flows`` holds one."""
     heads = weights.shape[1]
-    say(f"tokens: {' '.join(tokens)}")
-    say(f"focus: '{tokens[position]}' (position {position}){split}\n")
-    _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say)
+    _grid(top_tokens(weights, tokens, position, k=1), tokens, position, say, aside)
     # for every key: the strongest weight any head puts on it from the focus, and that head
     best, where = weights[:, :, position].flatten(0, 1).max(0)
-    say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5):")
+    say(f"\nStrongest head for each word '{tokens[position]}' attends to (top 5{aside}):")
     for i in sorted(real, key=lambda i: -float(best[i]))[:5]:
         lay, hd = divmod(int(where[i]), heads)
         say(f"  {tokens[i]:>12}  {100 * float(best[i]):3.0f}%  layer {lay} head {hd}")
-    ranked = flow[position].argsort(descending=True)[:5].tolist()
-    say(
-        f"Rollout (Abnar & Zuidema 2020) for '{tokens[position]}': "
-        + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
-    )
+    for flow, name in zip(
+        flows, (f"'{tokens[position]}'{aside}", f"'{tokens[position]}' with the sinks (raw)")
+    ):
+        if flow is None:
+            continue
+        ranked = flow[position].argsort(descending=True)[:5].tolist()
+        say(
+            f"Rollout (Abnar & Zuidema 2020) for {name}: "
+            + ", ".join(f"{tokens[i]} {100 * float(flow[position, i]):.0f}%" for i in ranked)
+        )
 
 
-def _report(text, model, tokens, special, weights, causal, focus, layer, head, folder,
-            progress, say) -> Explained:  # fmt: skip
+def _keys(tokens: list[str], special: list[bool], position: int, aside: list[int]) -> list[int]:
+    """The words the focus may look to: neither special nor a sink nor the focus itself."""
+    return [i for i in range(len(tokens)) if not special[i] and i != position and i not in aside]
+
+
+def _report(options: ExplainOptions, model: Any, run: _Run, folder: Path, progress: Any,
+            say: Callable[[str], None]) -> Explained:  # fmt: skip
     """Everything ``run`` prints and draws once the model has run the text."""
-    from ..viz import head_heatmap, heatmap_grid, surface
-    from ..viz.html import save_head_view
-
-    position, count = _focus(model.tokenizer, tokens, special, focus)
-    tokens = _labels(model.tokenizer, tokens)
+    focus, layer, head = options.focus, options.layer, options.head
+    position, count = _focus(model.tokenizer, run.tokens, run.special, focus)
+    tokens = _labels(model.tokenizer, run.tokens)
     split = ""
     if count > 1:  # the heads follow one token: say which piece of the word that is
         pieces = " ".join(f"'{t}'" for t in tokens[position : position + count])
         split = f", the first of the {count} pieces {pieces} that --focus {focus} is split into"
-    stats = head_stats(weights, special)
-    flow = rollout(weights)
+    weights, sinks = run.weights, run.sinks
+    aside = [] if sinks is None else list(sinks.positions)
+    shown = weights if sinks is None else without_sinks(weights, aside)
+    stats = head_stats(weights, run.special)
+    flow = rollout(weights, sinks=None if sinks is None else aside)
     layers, heads = weights.shape[:2]
-    real = [i for i in range(len(tokens)) if not special[i] and i != position]
+    real = _keys(tokens, run.special, position, aside)
     # the head drawn alone: strongest link to a real token at least two positions away
     # (neighbour links come from positional heads, not meaning)
-    far = [i for i in real if abs(i - position) > 1] or real
+    far = [i for i in real if abs(i - position) > 1] or real or [i for i in range(len(tokens))]
     chosen = "chosen by --layer/--head" if (layer, head) != (None, None) else ""
-    layer, head = pick_head(weights, position, far, layer=layer, head=head)
+    layer, head = pick_head(shown, position, far, layer=layer, head=head)
     chosen = chosen or f"the head most fixed on one other word from '{tokens[position]}'"
 
-    kind = ", causal: each token sees only earlier ones" if causal else ""
+    kind = ", causal: each token sees only earlier ones" if run.causal else ""
     say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
-    _say_findings(weights, tokens, position, real, flow, say, split)
+    say(f"tokens: {' '.join(tokens)}")
+    say(f"focus: '{tokens[position]}' (position {position}){split}" + ("" if sinks else "\n"))
+    if sinks is not None:
+        _say_sinks(sinks, tokens, say)
+    raw_flow = None if sinks is None else rollout(weights)
+    _say_findings(shown, tokens, position, real, (flow, raw_flow), say,
+                  "" if sinks is None else ", sinks set aside")  # fmt: skip
 
     progress.begin(_STAGES[2])
+    files = _write_figures(options.text, run, tokens, shown, (layer, head, chosen), position,
+                           stats, folder, say)  # fmt: skip
+    return Explained(tokens, position, weights, stats, flow, (layer, head), files, sinks)
+
+
+def _write_figures(text: str, run: _Run, tokens: list[str], shown: Tensor,
+                   drawn: tuple[int, int, str], position: int, stats: HeadStats, folder: Path,
+                   say: Callable[[str], None]) -> dict[str, Path]:  # fmt: skip
+    """heads_grid.png (raw), head.png (raw) and, with the sinks set aside, head_without_sinks.png
+    beside it, head_surface.png (as ``shown``) and attention.html; the list of them printed."""
+    from ..viz import head_heatmap, heatmap_grid, surface
+    from ..viz.html import save_head_view
+
+    layer, head, chosen = drawn
+    weights, sinks = run.weights, run.sinks
+    layers, heads = weights.shape[:2]
     folder.mkdir(exist_ok=True)
-    title = f"layer {layer} head {head}: attention weights"
-    files = {
-        "grid": folder / "heads_grid.png",
-        "head": folder / "head.png",
-        "surface": folder / "head_surface.png",
-        "html": folder / "attention.html",
-    }
-    for name, fig in (
-        ("grid", heatmap_grid(weights, tokens)),
-        ("head", head_heatmap(weights[layer, head], tokens, title=title)),
-        ("surface", surface(weights[layer, head], tokens, title=f"layer {layer} head {head}")),
-    ):
-        fig.savefig(files[name], dpi=110)
-    save_head_view(
-        files["html"],
+    name = f"layer {layer} head {head}"
+    raw, clean = weights[layer, head], shown[layer, head]
+    figures: list[tuple[str, str, Callable[[], Any], str]] = [
+        ("grid", "heads_grid.png", lambda: heatmap_grid(weights, tokens),
+         f"every head: {layers} layers (rows) x {heads} heads (columns)"),
+    ]  # fmt: skip
+    if sinks is None:
+        figures += [
+            ("head", "head.png", lambda: head_heatmap(raw, tokens,
+             title=f"{name}: attention weights"), f"{name} ({chosen})"),
+            ("surface", "head_surface.png", lambda: surface(raw, tokens, title=name),
+             f"{name}, as a 3-D surface"),
+        ]  # fmt: skip
+    else:
+        set_aside = ", ".join(f"'{tokens[p]}'" for p in sinks.positions)
+        figures += [
+            ("head", "head.png", lambda: head_heatmap(raw, tokens, title=f"{name}: raw "
+             "attention weights, sinks included"), f"{name} ({chosen}): the raw weights"),
+            ("clean", "head_without_sinks.png", lambda: head_heatmap(clean, tokens, title=f"{name}"
+             f" without the sinks {set_aside}, each row renormalized"),
+             f"{name} without the sinks, each row renormalized"),
+            ("surface", "head_surface.png", lambda: surface(clean, tokens, title=f"{name} "
+             "without the sinks"), f"{name} without the sinks, as a 3-D surface"),
+        ]  # fmt: skip
+    files = {key: folder / file for key, file, _, _ in figures}
+    for key, _, draw, _ in figures:
+        draw().savefig(files[key], dpi=110)
+    files["html"] = save_head_view(
+        folder / "attention.html",
         weights,
         tokens,
-        special=special,
+        special=run.special,
         stats=stats,
         focus=position,
-        title=f"{'causal attention' if causal else 'attention'}: {text}",
+        title=f"{'causal attention' if run.causal else 'attention'}: {text}",
+        sinks=sinks,
+        hide_sinks=sinks is not None,
     )
-    shows = {
-        "grid": f"every head: {layers} layers (rows) x {heads} heads (columns)",
-        "head": f"layer {layer} head {head} ({chosen})",
-        "surface": f"layer {layer} head {head}, as a 3-D surface",
-        "html": "every layer and head, clickable",
-    }
+    shows = {key: show for key, _, _, show in figures}
+    shows["html"] = "every layer and head, clickable" + (
+        "" if sinks is None else "; 'hide the sinks' sets them aside"
+    )
     say("\nwrote:")
-    for name, path in files.items():
-        say(f"  {path}  ({shows[name]})")
+    for key, path in files.items():
+        say(f"  {path}  ({shows[key]})")
     say(f"open {files['html']} in a browser (works offline) to click through every head.")
-    return Explained(tokens, position, weights, stats, flow, (layer, head), files)
+    return files

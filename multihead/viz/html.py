@@ -2,7 +2,8 @@
 
 Open the file from disk in any browser, offline. Pick a layer and any set of heads (each in its
 own colour), hover over a query token to see its attention lines, click to pin it; the weights
-and each head's statistics are listed beside the drawing.
+and each head's statistics are listed beside the drawing. A toggle hides the attention sinks
+(``multihead.inspect.find_sinks``) and shows each row renormalized over the other tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..inspect import HeadStats, _check, _check_tokens, head_stats
+from ..inspect import HeadStats, Sinks, _check, _check_tokens, find_sinks, head_stats
 
 __all__ = ["MAX_TOKENS", "MIN_WEIGHT", "head_view", "save_head_view"]
 
@@ -39,6 +40,8 @@ def head_view(
     stats: HeadStats | None = None,
     focus: int | None = None,
     title: str = "attention head view",
+    sinks: Sinks | None = None,
+    hide_sinks: bool = False,
 ) -> str:
     """The page as a string.
 
@@ -49,6 +52,9 @@ def head_view(
         stats: precomputed ``head_stats``; computed from ``weights`` when None.
         focus: query position selected when the page opens (default: none, all lines faint).
         title: page heading.
+        sinks: the sinks the toggle hides; ``find_sinks(weights, special)`` when None.
+        hide_sinks: open the page with the sinks hidden and the rows renormalized (the page
+            does what ``multihead.inspect.without_sinks`` does, on the embedded weights).
     """
     w = _check(weights).detach().float().cpu()
     layers, heads, n, _ = w.shape
@@ -62,12 +68,23 @@ def head_view(
         raise ValueError(f"focus must be a position in [0, {n}). Received: focus={focus}")
     special = [False] * n if special is None else [bool(s) for s in special]
     stats = head_stats(w, special) if stats is None else stats
+    sinks = find_sinks(w, special) if sinks is None else sinks
+    if sinks.mass.shape != (layers, heads) or any(not 0 <= p < n for p in sinks.positions):
+        raise ValueError(
+            f"sinks must be those of these weights: {layers} layers x {heads} heads, positions "
+            f"in [0, {n}). Received: sinks.mass.shape={tuple(sinks.mass.shape)}, "
+            f"positions={list(sinks.positions)}"
+        )
+    table = {**stats.as_dict(), "sinks": sinks.mass.tolist()}
     data = {
         "title": title,
         "tokens": list(tokens),
         "special": special,
         "weights": w.double().round(decimals=_DIGITS).tolist(),  # short decimals in JSON
-        "stats": {k: [[round(x, 4) for x in row] for row in v] for k, v in stats.as_dict().items()},
+        "stats": {k: [[round(x, 4) for x in row] for row in v] for k, v in table.items()},
+        "sinks": list(sinks.positions),
+        "sinkReasons": list(sinks.reasons),
+        "hideSinks": bool(hide_sinks),
         "focus": focus,
         "colours": [_COLOURS[h % len(_COLOURS)] for h in range(heads)],
         "minWeight": MIN_WEIGHT,
@@ -108,7 +125,9 @@ script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
   <button id="all-heads" type="button">all heads</button>
   <button id="no-heads" type="button">no heads</button>
   <button id="unpin" type="button">show every token</button>
+  <label><input type="checkbox" id="hide-sinks"> hide the sinks (renormalize the rest)</label>
 </div>
+<p class="hint" id="sinks-line"></p>
 <p class="hint">Hover over a token on the left to see where it looks; click to pin it.
 Line opacity and width follow the weight; lines under <span id="min-weight"></span> are not
 drawn. Each head's lines end in a column of its own beside the keys, at squares in its colour
@@ -121,7 +140,8 @@ filled as strongly as the weight.</p>
     <h2>Head statistics, layer <span id="stats-layer"></span></h2>
     <table id="stats"></table>
     <p class="hint">entropy in nats; distance in tokens; the other columns are shares of
-    the weight (special tokens, the token itself, the previous and the next token).</p>
+    the raw weight (special tokens, the token itself, the previous and the next token, the
+    sinks).</p>
   </div>
 </div>
 <script id="data" type="application/json">/*DATA*/</script>
@@ -141,6 +161,7 @@ h1 { font-size: 1.3em; } h2 { font-size: 1em; margin: 1em 0 0.3em; }
 svg text { font-size: 13px; cursor: pointer; dominant-baseline: middle; }
 svg text.special { fill: #888; }
 svg text.selected { font-weight: bold; fill: #c00; }
+svg text.sink { font-style: italic; } svg text.hidden-sink { opacity: 0.25; }
 table { border-collapse: collapse; font-size: 0.85em; }
 td, th { padding: 0.15em 0.5em; text-align: right; border-bottom: 1px solid #eee; }
 th { background: #f4f4f4; } td.tok { text-align: left; }
@@ -151,8 +172,26 @@ th { background: #f4f4f4; } td.tok { text-align: left; }
 _SCRIPT = """
 "use strict";
 const data = JSON.parse(document.getElementById("data").textContent);
-const state = { layer: 0, heads: new Set(), query: data.focus, pinned: data.focus !== null };
+const state = { layer: 0, heads: new Set(), query: data.focus, pinned: data.focus !== null,
+  hideSinks: data.hideSinks && data.sinks.length > 0 };
 for (let h = 0; h < data.heads; h++) state.heads.add(h);
+const sinks = new Set(data.sinks), cleaned = new Map();
+
+// The layer's weights as shown: raw, or with the sink columns set to 0 and each row
+// renormalized over the other keys (a row that was all on sinks becomes all 0), as
+// multihead.inspect.without_sinks computes them.
+function layerWeights() {
+  const raw = data.weights[state.layer];
+  if (!state.hideSinks) return raw;
+  if (!cleaned.has(state.layer)) {
+    cleaned.set(state.layer, raw.map((head) => head.map((row) => {
+      const kept = row.map((w, k) => (sinks.has(k) ? 0 : w));
+      const total = kept.reduce((a, b) => a + b, 0);
+      return kept.map((w) => (total > 0 ? w / total : 0));
+    })));
+  }
+  return cleaned.get(state.layer);
+}
 const ROW = 22, LEFT = 150, GAP = 260, TOP = 10, LANE = 8, MARK = 6;
 const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;",
   ">": "&gt;", "\\"": "&quot;"}[c]));
@@ -182,6 +221,13 @@ function setup() {
     state.query = null; state.pinned = false; render();
   };
   document.getElementById("min-weight").textContent = data.minWeight;
+  const hide = document.getElementById("hide-sinks");
+  hide.checked = state.hideSinks;
+  hide.disabled = data.sinks.length === 0;
+  hide.addEventListener("change", () => { state.hideSinks = hide.checked; render(); });
+  document.getElementById("sinks-line").textContent = data.sinks.length === 0 ?
+    "No attention sinks found." : "Attention sinks: " + data.sinks.map((p, i) =>
+      `${data.tokens[p]} (position ${p}: ${data.sinkReasons[i]})`).join(", ") + ".";
   const svg = document.getElementById("view");
   svg.setAttribute("width", LEFT * 2 + GAP);
   svg.setAttribute("height", TOP * 2 + ROW * data.tokens.length);
@@ -206,7 +252,7 @@ function setup() {
 // Each head's lines end in a lane of its own beside the keys, at a square outlined in the head's
 // colour: lines of many heads to one key would otherwise end on one spot and blend into one.
 function lines() {
-  const out = [], marks = [], W = data.weights[state.layer];
+  const out = [], marks = [], W = layerWeights();
   const queries = state.query === null ? data.tokens.map((_, i) => i) : [state.query];
   const heads = [...state.heads].sort((a, b) => a - b);
   const x1 = LEFT + 6;
@@ -245,8 +291,9 @@ function tokens() {
     const y = TOP + ROW * i + ROW / 2;
     return `<text class="token query${cls}" x="${LEFT}" y="${y}" text-anchor="end" ` +
       `data-index="${i}" id="query-${i}">${esc(t)}</text>` +
-      `<text class="token key${data.special[i] ? " special" : ""}" x="${LEFT + GAP}" ` +
-      `y="${y}" data-index="${i}" id="key-${i}">${esc(t)}</text>`;
+      `<text class="token key${data.special[i] ? " special" : ""}` +
+      `${sinks.has(i) ? " sink" + (state.hideSinks ? " hidden-sink" : "") : ""}" ` +
+      `x="${LEFT + GAP}" y="${y}" data-index="${i}" id="key-${i}">${esc(t)}</text>`;
   }).join("");
 }
 
@@ -258,12 +305,14 @@ function weightTable() {
     title.textContent = "Weights (pick a token and at least one head)";
     table.innerHTML = ""; return;
   }
-  title.textContent = `Weights from "${data.tokens[state.query]}" (position ${state.query})`;
-  const W = data.weights[state.layer];
+  title.textContent = `Weights from "${data.tokens[state.query]}" (position ${state.query})` +
+    (state.hideSinks ? ", the sinks set aside and the rest renormalized" : "");
+  const W = layerWeights();
   let s = "<tr><th>key</th>" + heads.map((h) =>
     `<th><span class="swatch" style="background:${data.colours[h]}"></span> ${h}</th>`)
     .join("") + "</tr>";
   data.tokens.forEach((t, k) => {
+    if (state.hideSinks && sinks.has(k)) return;
     s += `<tr><td class="tok">${k} ${esc(t)}</td>` + heads.map((h) =>
       `<td data-head="${h}" data-key="${k}">${(100 * W[h][state.query][k]).toFixed(1)}%</td>`)
       .join("") + "</tr>";
@@ -273,7 +322,7 @@ function weightTable() {
 
 function statsTable() {
   document.getElementById("stats-layer").textContent = state.layer;
-  const cols = ["entropy", "distance", "special", "itself", "previous", "next"];
+  const cols = ["entropy", "distance", "special", "itself", "previous", "next", "sinks"];
   let s = "<tr><th>head</th>" + cols.map((c) => `<th>${c}</th>`).join("") + "</tr>";
   for (let h = 0; h < data.heads; h++) {
     s += `<tr><td><span class="swatch" style="background:${data.colours[h]}"></span> ${h}</td>` +

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -11,15 +13,26 @@ from multihead.apps import explain
 from multihead.apps.explain import ExplainOptions as Options
 
 TEXT = "The animal didn't cross the street because it was too tired"
+DATA = Path(__file__).parent / "data"
+
+
+def _set_aside(weights: torch.Tensor, positions) -> torch.Tensor:
+    """The weights with the sink columns at 0 and each row renormalized, in float64."""
+    w = weights.double().clone()
+    w[..., list(positions)] = 0
+    total = w.sum(-1, keepdim=True)
+    return torch.where(total > 0, w / total.clamp_min(1e-300), torch.zeros_like(w))
 
 
 def test_explain_end_to_end(tmp_path, capsys):
     assert cli.main(["explain", TEXT, "--focus", "it", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "focus: 'it' (position 10)" in printed
-    assert "Rollout (Abnar & Zuidema 2020) for 'it':" in printed
+    assert "Rollout (Abnar & Zuidema 2020) for 'it', sinks set aside:" in printed
+    assert "Rollout (Abnar & Zuidema 2020) for 'it' with the sinks (raw): [CLS] " in printed
     assert printed.count("\n   ") >= 12  # a row per head
-    for name in ("heads_grid.png", "head.png", "head_surface.png", "attention.html"):
+    files = ("heads_grid.png", "head.png", "head_without_sinks.png", "head_surface.png")
+    for name in (*files, "attention.html"):
         path = tmp_path / name
         assert path.stat().st_size > 5_000, name
         assert str(path) in printed
@@ -31,8 +44,10 @@ def test_explain_values(tmp_path):
     assert got.tokens[got.focus] == "animal"
     assert got.weights.shape == (6, 12, 15, 15)
     torch.testing.assert_close(got.weights.sum(-1), torch.ones(6, 12, 15))
-    # the printed grid cell of layer 3 head 1 is that head's top token and weight
-    w = got.weights[3, 1, got.focus]
+    assert got.sinks.positions == (0, 14)  # [CLS] and [SEP]
+    # the printed grid cell of layer 3 head 1 is that head's top token and weight once the
+    # sinks are set aside
+    w = _set_aside(got.weights, got.sinks.positions)[3, 1, got.focus]
     token = got.tokens[int(w.argmax())]
     row = next(line for line in lines if line.startswith("   1 "))
     assert f"{token} {100 * float(w.max()):.0f}%" in row
@@ -156,15 +171,23 @@ def test_explain_layer_and_head_choose_the_figure_and_are_named(tmp_path, capsys
     argv = ["explain", TEXT, "--focus", "it", "--out", str(tmp_path), "--layer", "2"]
     assert cli.main([*argv, "--head", "5"]) == 0
     printed = capsys.readouterr().out
-    assert titles == ["layer 2 head 5: attention weights", "layer 2 head 5"]
-    assert f"{tmp_path / 'head.png'}  (layer 2 head 5 (chosen by --layer/--head))" in printed
+    assert titles == [
+        "layer 2 head 5: raw attention weights, sinks included",
+        "layer 2 head 5 without the sinks '[CLS]', '[SEP]', each row renormalized",
+        "layer 2 head 5 without the sinks",
+    ]
+    assert (
+        f"{tmp_path / 'head.png'}  (layer 2 head 5 (chosen by --layer/--head): the raw weights)"
+    ) in printed
+    assert f"{tmp_path / 'head_without_sinks.png'}  (layer 2 head 5 without the sinks" in printed
     assert f"{tmp_path / 'heads_grid.png'}  (every head: 6 layers (rows) x 12 heads" in printed
 
     # --layer alone: the strongest head of that layer, found independently
     got = explain.run(Options(text=TEXT, focus="it", out=tmp_path, layer=4), say=lambda s: None)
     real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
     far = [i for i in real if abs(i - got.focus) > 1]
-    assert got.head == _strongest_head(got.weights, got.focus, far, [4], range(12))
+    clean = _set_aside(got.weights, [0, 14])
+    assert got.head == _strongest_head(clean, got.focus, far, [4], range(12))
     assert got.head[0] == 4
 
 
@@ -173,11 +196,16 @@ def test_explain_default_head_is_the_one_most_fixed_on_a_far_word(tmp_path, caps
     printed = capsys.readouterr().out
     real = [i for i, t in enumerate(got.tokens) if t not in ("[CLS]", "[SEP]") and i != got.focus]
     far = [i for i in real if abs(i - got.focus) > 1]
-    layer, head = _strongest_head(got.weights, got.focus, far, range(6), range(12))
+    clean = _set_aside(got.weights, [0, 14])
+    layer, head = _strongest_head(clean, got.focus, far, range(6), range(12))
     assert got.head == (layer, head)
-    assert f"(layer {layer} head {head} (the head most fixed on one other word from 'it'))" in (
-        printed
-    )
+    # with --keep-sinks: the same search on the raw weights
+    got = explain.run(Options(text=TEXT, focus="it", out=tmp_path, keep_sinks=True))
+    assert got.head == _strongest_head(got.weights, got.focus, far, range(6), range(12))
+    assert (
+        f"(layer {layer} head {head} (the head most fixed on one other word from 'it'): the raw "
+        "weights)"
+    ) in printed
 
 
 @pytest.mark.parametrize(
