@@ -29,6 +29,7 @@ _extras.require("transformers", "hf", "multihead.hf")
 
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import Capture, attention_layers, capture  # noqa: E402
+from .compress import Compression, compress  # noqa: E402
 from .edits import ablate, knockout, patch  # noqa: E402
 from .linears import decoding_linears  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
@@ -37,10 +38,12 @@ from .registration import NAME, register  # noqa: E402
 __all__ = [
     "NAME",
     "Capture",
+    "Compression",
     "ablate",
     "attention_forward",
     "attention_layers",
     "capture",
+    "compress",
     "decoding_linears",
     "knockout",
     "make_mask",

@@ -23,7 +23,7 @@ from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
 from ..stats import Reducer, attention_stats
-from . import recording
+from . import kv_cache, recording
 from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
@@ -110,6 +110,9 @@ def attention_forward(
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
+    if plan is not None and plan.compress is not None:
+        _check_compressible(plan, position_bias, extra)
+        return _compressed(plan, plan.compress, module, query, key, value, mask, common), None
     if plan is not None:
         out, weights = _planned(plan, query, key, value, mask, common, output_attentions)
     elif wants:
@@ -130,7 +133,7 @@ def _planned(
 ) -> tuple[Tensor, Tensor | None]:
     """One call with everything the active blocks ask for: knockouts joined to the mask,
     the weights or statistics a capture records, patched heads, scaled heads."""
-    mask = _knocked_out(plan, mask, query.shape[2], key.shape[2])
+    mask = _knocked_out(plan, mask)
     cap, wants = plan.capture, _wants_weights(output_attentions)
     weights = None
     if wants or (cap is not None and (not cap.stat_names or common["dropout_p"] > 0)):
@@ -154,13 +157,111 @@ def _planned(
     return out, (weights if wants else None)
 
 
-def _knocked_out(
-    plan: recording.Plan, mask: Mask | None, length_q: int, length_k: int
-) -> Mask | None:
+def _compressed(
+    plan: recording.Plan,
+    block: recording.Compression,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    common: dict[str, Any],
+) -> Tensor:
+    """A call of a layer whose cache ``compress`` keeps: the prompt's call computes the
+    policy's statistic in its own pass and compresses the cache; a call over the compressed
+    cache reads the mask (made for the uncompressed sequence) at the kept positions and, for
+    policies that evict as they decode, reads its scores from the same pass. Returns the
+    output in transformers' layout (B, L, H, D_v)."""
+    policy = block.policy
+    assert policy is not None
+    state = kv_cache.state_of(block, module, plan.layer)
+    b, heads, length_q = query.shape[:3]
+    stat = policy.prompt_stat
+    rows = getattr(policy, "window", 1)  # window_mass: SnapKV's window, TOVA's newest row
+    if state is None:  # the call that filled the cache: the prompt
+        length_k = key.shape[2]
+        scores = None
+        if stat is None:
+            out = attention(query, key, value, mask, **common)
+        else:
+            out, found = _with_stat(query, key, value, mask, common, stat, rows)
+            scores = found[stat]
+        visible = _last_row_visible(mask, b, length_q, length_k, key.device)
+        kv_cache.start(block, module, plan.layer, key, value, scores, visible)
+        return out.transpose(1, 2).contiguous()
+    dense_full = None if mask is None else mask.to_dense(length_q, state.total, device=key.device)
+    seen = state.slot_mask(dense_full, heads)
+    slots = None if seen is None else dense(seen)
+    if policy.evicts_while_decoding and stat is not None:
+        step = "key_mass" if stat == "key_mass" else "window_mass"
+        out, found = _with_stat(query, key, value, slots, common, step, 1)
+        state.observe(kv_cache.grouped(found[step], key.shape[1]))
+        return out.transpose(1, 2).contiguous()
+    capped = common["bias"] is None or getattr(common["bias"], "label", None) == "softcap"
+    if slots is None and capped and common["dropout_p"] == 0 and steps.applies(query, key, value):
+        out = steps.attend(query, key, value, None, common["scale"], _softcap(common["bias"]))
+    else:
+        out = attention(query, key, value, slots, **common).transpose(1, 2).contiguous()
+    state.shrink()
+    return out
+
+
+def _with_stat(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    common: dict[str, Any],
+    stat: str,
+    rows: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The output and one statistic of every head from one kernel pass."""
+    window = rows if stat == "window_mass" else None
+    return attention_stats(
+        query, key, value, mask, stats=[stat], window=window, bias=common["bias"],
+        scale=common["scale"],
+    )  # fmt: skip
+
+
+def _last_row_visible(
+    mask: Mask | None, batch: int, length_q: int, length_k: int, device: torch.device
+) -> Tensor:
+    """(B, S) bool: the keys the prompt's last row may see in any head, which are the keys a
+    later token may see (padding and keys past a sliding window are not)."""
+    if mask is None:
+        return torch.ones(batch, length_k, dtype=torch.bool, device=device)
+    last = mask.crop(length_q, length_k, length_q - 1, length_q, 0, length_k)
+    seen = last.to_dense(1, length_k, device=device)  # (B|1, H|1, 1, S)
+    return seen.any(1)[:, 0].expand(batch, length_k)
+
+
+def _softcap(modifier: Any) -> float | None:
+    """The cap of a bias that is a soft-cap alone (what ``steps.attend`` takes)."""
+    return None if modifier is None else float(modifier.cap)
+
+
+def _check_compressible(
+    plan: recording.Plan, position_bias: Tensor | None, extra: Tensor | None
+) -> None:
+    others = plan.capture is not None or plan.scales or plan.knockouts or plan.patches
+    if others:
+        raise ValueError(
+            "compress does not combine with capture, ablate, knockout or patch on the same "
+            "layer: run them in separate blocks. Received: another block acting on layer "
+            f"{plan.layer} inside compress"
+        )
+    if position_bias is not None or extra is not None:
+        raise ValueError(
+            "compress reads the mask at the kept positions, which it cannot do for an additive "
+            "position bias or a float attention mask. Received: "
+            f"{'position_bias' if position_bias is not None else 'a float attention_mask'}"
+        )
+
+
+def _knocked_out(plan: recording.Plan, mask: Mask | None) -> Mask | None:
     """The call's mask with every active knockout of the layer joined to it."""
     for block in plan.knockouts:
         assert block.mask is not None
-        _check_positions(block.mask, length_q, length_k)
         mask = block.mask if mask is None else mask & block.mask
     return mask
 
@@ -276,21 +377,6 @@ def _wants_weights(output_attentions: bool | None) -> bool:
 
 def _shape(t: Tensor) -> str:
     return str(tuple(t.shape))
-
-
-def _check_positions(cut: Any, length_q: int, length_k: int) -> None:
-    """A full forward (L == S, no cache yet) holds positions [0, S): a knockout none of whose
-    query or key positions is among them blocks nothing and is refused. (Inside
-    ``generate()`` later positions are reached by the decoding steps, so one past the prompt
-    is fine as long as the block also names a position inside it.)"""
-    if length_q != length_k:
-        return
-    for name, chosen in (("queries", cut.queries), ("keys", cut.keys)):
-        if int(chosen[0]) >= length_k:
-            raise ValueError(
-                f"knockout {name} must include positions of the input, below its length "
-                f"{length_k}. Received: {name} from {int(chosen[0])} on"
-            )
 
 
 def _check_patch(weights: Tensor, layer: int, query: Tensor, key: Tensor) -> None:

@@ -167,7 +167,8 @@ def knockout(
     Raises:
         TypeError: ``model`` is not a transformers model, or positions of the wrong type.
         ValueError: a layer or head that does not exist, repeated, negative or empty
-            positions; at the first forward, a position past the input.
+            positions. (Positions past the input are taken: inside ``generate()`` the
+            decoding steps reach them.)
     """
     found = model_layers(model, "knockout")
     count = None if heads is None else _heads_of(model, "knockout")

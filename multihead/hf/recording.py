@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..kv import LayerState, Policy
 from ..masks import Mask
 from ..stats import KEY_STATS
 
-__all__ = ["Block", "Capture", "Edit", "Plan", "activate", "active", "plan_for"]
+__all__ = ["Block", "Capture", "Compression", "Edit", "Plan", "activate", "active", "plan_for"]
 
 
 @dataclass(eq=False)
@@ -121,6 +122,37 @@ class Edit(Block):
     targets: frozenset[tuple[int, int]] = frozenset()
 
 
+@dataclass(eq=False)
+class Compression(Block):
+    """What ``compress`` yields, filled as the model runs.
+
+    Attributes:
+        policy: the ``multihead.kv`` policy.
+        states: ``{layer: LayerState}``, each layer's compressed cache (of the last call that
+            started a cache: the prompt of a ``generate``).
+    """
+
+    policy: Policy | None = None
+    states: dict[int, LayerState] = field(default_factory=dict)
+    _caches: dict[nn.Module, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def kept(self) -> dict[int, Tensor | list[list[Tensor]]]:
+        """``{layer: positions}``: the positions each KV head keeps, ascending: a (B, H_kv, n)
+        LongTensor, or with adaptive budgets a list over batch rows of lists over KV heads of
+        1-D tensors."""
+        return {layer: state.kept() for layer, state in sorted(self.states.items())}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's kept keys and values."""
+        return sum(state.nbytes for state in self.states.values())
+
+    def cache_of(self, module: nn.Module) -> object:
+        """The cache the module's running call writes to (None: no cache)."""
+        return self._caches.get(module)
+
+
 @dataclass
 class Plan:
     """What the active blocks ask of one call from one layer."""
@@ -130,6 +162,7 @@ class Plan:
     scales: list[Tensor] = field(default_factory=list)
     knockouts: list[Edit] = field(default_factory=list)
     patches: list[Edit] = field(default_factory=list)
+    compress: Compression | None = None
 
 
 _ACTIVE: ContextVar[tuple[Block, ...]] = ContextVar("multihead_hf_blocks", default=())
@@ -154,6 +187,8 @@ def plan_for(module: nn.Module) -> Plan | None:
         if isinstance(block, Capture):
             if plan.capture is None:
                 plan.capture = block
+        elif isinstance(block, Compression):
+            plan.compress = block
         elif isinstance(block, Edit):
             if block.kind == "ablate":
                 scale = block.scales.get(layer)

@@ -1,0 +1,184 @@
+"""One layer's compressed cache: the kept keys and values, the original position of each slot,
+and the scores a policy keeps ranking by. transformers' caches (``multihead.hf.compress``) and
+the library's ``KVCache`` hold one per layer; both ask the same questions of it.
+
+Keys are cached after the rotary embedding, so a kept key keeps its position; new tokens are
+appended at the positions the uncompressed sequence gives them (``total`` counts them), and a
+mask made for the uncompressed sequence is read at the kept positions (``slot_mask``). The
+tensors are gathered into smaller ones when keys are evicted: the memory is freed, not masked.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .policies import Policy
+from .select import select, sink_bound
+
+__all__ = ["LayerState", "grouped"]
+
+
+def grouped(scores: Tensor, kv_heads: int) -> Tensor:
+    """(B, H, S) per query head -> (B, H_kv, S) summed over each KV head's group (query head h
+    reads KV head h // (H // H_kv))."""
+    b, h, s = scores.shape
+    return scores.reshape(b, kv_heads, h // kv_heads, s).sum(2)
+
+
+class LayerState:
+    """The compressed cache of one layer.
+
+    Attributes:
+        policy: the policy it follows.
+        budget: the keys each KV head keeps (on average, with adaptive budgets).
+        keys, values: (B, H_kv, n, D) and (B, H_kv, n, D_v), the kept slots.
+        positions: (B, H_kv, n) int64, the original position of each slot.
+        ok: (B, H_kv, n) bool, False at slots a head does not use (heads that keep fewer than
+            n), or None when every slot is used.
+        scores: (B, H_kv, n) float64, what the policy ranks by (H2O: accumulated attention;
+            TOVA: the newest row's), or None.
+        sinks_end: (B,) positions below it are each row's sinks.
+        total: the uncompressed length: every position so far is below it.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        budget: int,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        sinks_end: Tensor,
+        total: int,
+        scores: Tensor | None = None,
+        ok: Tensor | None = None,
+    ) -> None:
+        self.policy, self.budget = policy, budget
+        self.keys, self.values, self.positions = keys, values, positions
+        self.sinks_end, self.total = sinks_end, total
+        self.scores, self.ok = scores, ok
+
+    @classmethod
+    def from_prompt(
+        cls,
+        policy: Policy,
+        keys: Tensor,
+        values: Tensor,
+        scores: Tensor | None,
+        valid: Tensor,
+    ) -> LayerState:
+        """The prompt's cache compressed to the policy's budget.
+
+        Args:
+            keys, values: (B, H_kv, S, D) the whole prompt's, in position order.
+            scores: (B, H_kv, S) what the policy ranks by (None for StreamingLLM).
+            valid: (B, S) bool, the keys a later token can see (False for padding).
+        """
+        b, kv_heads, length = keys.shape[:3]
+        positions = torch.arange(length, device=keys.device).expand(b, kv_heads, length)
+        sinks_end = sink_bound(valid, policy.sinks)
+        state = cls(policy, policy.budget_for(length), keys, values, positions, sinks_end, length)
+        state.scores = None if scores is None else scores.to(torch.float64)
+        valid_slots = valid[:, None, :].expand(b, kv_heads, length)
+        state._keep(valid_slots, force=not bool(valid.all()))
+        return state
+
+    @property
+    def length(self) -> int:
+        """Slots per KV head."""
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the kept keys and values."""
+        return self.keys.nbytes + self.values.nbytes
+
+    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Add the new tokens' keys and values (B, H_kv, L, D) at the next positions; returns
+        the whole cache."""
+        b, kv_heads, new = keys.shape[:3]
+        fresh = torch.arange(self.total, self.total + new, device=keys.device)
+        self.keys = torch.cat([self.keys, keys], dim=2)
+        self.values = torch.cat([self.values, values], dim=2)
+        self.positions = torch.cat([self.positions, fresh.expand(b, kv_heads, new)], dim=2)
+        if self.ok is not None:
+            self.ok = torch.cat([self.ok, self.ok.new_ones(b, kv_heads, new)], dim=2)
+        if self.scores is not None:
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(b, kv_heads, new)], 2)
+        self.total += new
+        return self.keys, self.values
+
+    def observe(self, scores: Tensor) -> None:
+        """A call's scores over the slots (B, H_kv, n): added up (H2O) or in place of the last
+        (TOVA), then the cache shrunk back to its budget where the policy evicts as it
+        decodes."""
+        step = scores.to(torch.float64)
+        if self.policy.prompt_stat == "key_mass" and self.scores is not None:
+            self.scores = self.scores + step
+        else:
+            self.scores = step
+        self.shrink()
+
+    def shrink(self) -> None:
+        """Evict down to the budget (policies that evict while decoding)."""
+        if self.policy.evicts_while_decoding and self.length > self.budget:
+            self._keep(self._valid(), force=False)
+
+    def _valid(self) -> Tensor:
+        if self.ok is not None:
+            return self.ok
+        return torch.ones(self.positions.shape, dtype=torch.bool, device=self.keys.device)
+
+    def _keep(self, valid: Tensor, *, force: bool) -> None:
+        if self.length <= self.budget and not force:
+            return
+        chosen = select(
+            self.policy, scores=self.scores, positions=self.positions, valid=valid,
+            sinks_end=self.sinks_end, total=self.total, budget=self.budget,
+        )  # fmt: skip
+        index = chosen.index
+        self.positions = self.positions.gather(2, index)
+        self.keys = _gather_rows(self.keys, index)
+        self.values = _gather_rows(self.values, index)
+        if self.scores is not None:
+            self.scores = self.scores.gather(2, index)
+        ok = valid.gather(2, index)
+        if chosen.ok is not None:
+            ok = ok & chosen.ok
+        self.ok = None if bool(ok.all()) else ok
+
+    def slot_mask(self, dense: Tensor | None, heads: int) -> Tensor | None:
+        """What a call's queries may see of the slots: ``dense`` (broadcastable to
+        (B, H, L, total), the mask made for the uncompressed sequence, or None: everything)
+        read at each slot's position, and unused slots hidden. (B, H, L, n) bool, or None when
+        every slot is visible."""
+        if dense is None and self.ok is None:
+            return None
+        b, kv_heads, n = self.positions.shape
+        group = heads // kv_heads
+        if dense is None:
+            assert self.ok is not None
+            return self.ok.repeat_interleave(group, dim=1)[:, :, None, :]
+        length_q = dense.shape[-2]
+        full = dense.expand(b, heads, length_q, dense.shape[-1])
+        where = self.positions.repeat_interleave(group, dim=1)[:, :, None, :]
+        seen = full.gather(3, where.expand(b, heads, length_q, n))
+        if self.ok is not None:
+            seen = seen & self.ok.repeat_interleave(group, dim=1)[:, :, None, :]
+        return seen
+
+    def kept(self) -> Tensor | list[list[Tensor]]:
+        """The positions each KV head keeps, ascending: (B, H_kv, n), or where heads keep
+        different numbers a list over batch rows of lists over KV heads of 1-D tensors."""
+        ordered, order = self.positions.sort(dim=2)
+        if self.ok is None:
+            return ordered
+        ok = self.ok.gather(2, order)
+        return [[ordered[r, h][ok[r, h]] for h in range(ordered.shape[1])]
+                for r in range(ordered.shape[0])]  # fmt: skip
+
+
+def _gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
+    """tensor (B, H_kv, m, D) at slots index (B, H_kv, n) -> (B, H_kv, n, D), contiguous."""
+    return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))

@@ -1,0 +1,386 @@
+"""``multihead.hf.compress``: KV-cache compression on transformers models.
+
+Two independent references:
+- the kept positions equal a plain re-implementation of each policy computed from
+  transformers' eager attention weights (``output_attentions=True``) on the same model;
+- decoding on the compressed cache equals decoding on the full cache with every evicted key
+  knocked out (``multihead.hf.knockout``) from the query positions after its eviction, within
+  1e-5 on the logits (float32 sums over a few dozen keys in another order: a few ulps of
+  logits of size ~1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from hf_archs import ARCHS
+
+import multihead.hf as mhf
+from multihead import kv
+
+_ARCHS = {a.name: a for a in ARCHS}
+PROMPT = 40
+STEPS = 5
+
+
+def _model(name: str, impl: str = "multihead", **changes) -> tf.PreTrainedModel:
+    torch.manual_seed(0)
+    config = _ARCHS[name].make()
+    config.max_position_embeddings = 256
+    for key, value in changes.items():
+        setattr(config, key, value)
+    # each model its own config: set_attn_implementation writes into it
+    return tf.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=impl
+    ).eval()
+
+
+def _inputs(batch: int = 2, pad: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (batch, PROMPT), generator=gen)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :pad] = 0
+    return ids, mask
+
+
+POLICIES = {
+    "snapkv": lambda budget="uniform": kv.SnapKV(14, window=4, pool=3, sinks=2, budget=budget),
+    "h2o": lambda budget="uniform": kv.H2O(14, recent=3, sinks=2, budget=budget),
+    "tova": lambda budget="uniform": kv.TOVA(14, sinks=2, budget=budget),
+    "streaming": lambda budget="uniform": kv.StreamingLLM(14, sinks=2, budget=budget),
+}
+
+
+# ---- the reference: each policy from eager weights, written plainly --------------------------
+
+
+def _reference_kept(policy, attentions, valid, kv_heads):
+    """{layer: [[sorted kept positions] per KV head] per row} from eager weights (B, H, S, S)."""
+    found = {}
+    for layer, weights in enumerate(attentions):
+        w = weights.double()
+        b, h, s, _ = w.shape
+        group = h // kv_heads
+        rows = []
+        for r in range(b):
+            real = [p for p in range(s) if valid[r, p]]
+            heads = []
+            for g in range(kv_heads):
+                part = w[r, g * group : (g + 1) * group]  # (group, S, S)
+                heads.append(_one_head(policy, part, real, s))
+            rows.append(heads)
+        found[layer] = rows
+    return found
+
+
+def _scores(policy, part, s):
+    if isinstance(policy, kv.SnapKV):
+        mass = part[:, s - policy.window :].sum((0, 1))
+        r = policy.pool // 2
+        return [float(mass[max(0, p - r) : p + r + 1].max()) for p in range(s)]
+    if isinstance(policy, kv.H2O):
+        return part.sum((0, 1)).tolist()
+    if isinstance(policy, kv.TOVA):
+        return part[:, -1].sum(0).tolist()
+    return list(range(s))  # StreamingLLM: the newest first
+
+
+def _one_head(policy, part, real, s):
+    budget = policy.budget_for(s)
+    forced = set(real[: policy.sinks]) | {p for p in real if p >= s - policy.window_size}
+    scores = _scores(policy, part, s)
+    others = sorted((p for p in real if p not in forced), key=lambda p: (-scores[p], p))
+    return sorted(forced | set(others[: max(budget - len(forced), 0)]))
+
+
+def _eager_attentions(name, ids, mask):
+    model = _model(name, "eager")
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "streaming"])
+def test_kept_positions_equal_the_policy_computed_from_eager_weights(name):
+    policy = POLICIES[name]()
+    ids, mask = _inputs()
+    model = _model("llama")
+    with torch.inference_mode(), mhf.compress(model, policy) as block:
+        model(input_ids=ids, attention_mask=mask, use_cache=True)
+    want = _reference_kept(policy, _eager_attentions("llama", ids, mask), mask.bool(), 2)
+    for layer, kept in block.kept.items():
+        assert isinstance(kept, torch.Tensor) and kept.dtype == torch.long
+        got = [[row.tolist() for row in heads] for heads in kept]
+        # the padded row keeps as many keys as it has budget for among its 35 real ones
+        assert got == want[layer], f"layer {layer}"
+
+
+def _adaptive_reference(policy, attentions, valid, kv_heads):
+    """AdaKV's sharing, plainly: each head's forced keys, then its best floor(0.2 * free) by
+    its own normalized scores, then the row's remaining budget to the highest normalized
+    scores of any head (ties: lower head, then earlier position)."""
+    found = {}
+    for layer, weights in enumerate(attentions):
+        w = weights.double()
+        b, h, s, _ = w.shape
+        group = h // kv_heads
+        budget = policy.budget_for(s)
+        rows = []
+        for r in range(b):
+            real = [p for p in range(s) if valid[r, p]]
+            forced = set(real[: policy.sinks]) | {p for p in real if p >= s - policy.window_size}
+            picked, pool, left = [], [], 0
+            for g in range(kv_heads):
+                scores = _scores(policy, w[r, g * group : (g + 1) * group], s)
+                cand = [p for p in real if p not in forced]
+                total = sum(max(scores[p], 0.0) for p in cand)
+                norm = {p: max(scores[p], 0.0) / total for p in cand}
+                free = max(budget - len(forced), 0)
+                floor = int(free * 0.2)
+                best = sorted(cand, key=lambda p: (-norm[p], p))[:floor]
+                picked.append(forced | set(best))
+                pool += [(-norm[p], g, p) for p in cand if p not in best]
+                left += free - floor
+            for _, g, p in sorted(pool)[:left]:
+                picked[g].add(p)
+            rows.append([sorted(x) for x in picked])
+        found[layer] = rows
+    return found
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_adaptive_budgets_share_a_layer_by_concentration(name):
+    policy = POLICIES[name]("adaptive")
+    ids, mask = _inputs(batch=1)
+    model = _model("llama")
+    with torch.inference_mode(), mhf.compress(model, policy) as block:
+        model(input_ids=ids, attention_mask=mask, use_cache=True)
+    want = _adaptive_reference(policy, _eager_attentions("llama", ids, mask), mask.bool(), 2)
+    for layer, kept in block.kept.items():
+        got = (
+            kept.tolist()
+            if isinstance(kept, torch.Tensor)
+            else [[t.tolist() for t in heads] for heads in kept]
+        )
+        assert got == want[layer], f"layer {layer}"
+        # the layer keeps its whole budget, however it is shared
+        assert sum(len(h) for h in got[0]) == 2 * policy.budget_for(PROMPT)
+
+
+# ---- exact cache surgery ---------------------------------------------------------------------
+
+
+def _greedy(model, ids, mask, steps, cache, blocks=()):
+    """Greedy decoding one token a call; returns (tokens, logits of each call)."""
+    logits, tokens = [], []
+    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    for step in range(steps):
+        logits.append(out.logits[:, -1])
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(token)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        if step + 1 < steps:
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, 1), logits
+
+
+def _evictions(model, policy, ids, mask, steps):
+    """Run compressed, recording after each call which positions each (layer, KV head) keeps."""
+    history = []
+    with mhf.compress(model, policy) as block:
+        cache = tf.DynamicCache()
+        logits, tokens = [], []
+        m = mask
+        out = model(input_ids=ids, attention_mask=m, past_key_values=cache, use_cache=True)
+        history.append(block.kept)
+        for step in range(steps):
+            logits.append(out.logits[:, -1])
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token)
+            m = torch.cat([m, torch.ones_like(token)], dim=1)
+            if step + 1 < steps:
+                out = model(
+                    input_ids=token, attention_mask=m, past_key_values=cache, use_cache=True
+                )
+                history.append(block.kept)
+    return torch.cat(tokens, 1), logits, history
+
+
+def _knockouts(model, history, heads, kv_heads, end):
+    """Nested knockouts: a key evicted after the call that ended at position t is hidden from
+    every query position after t, in the heads of its KV head."""
+    stack = contextlib.ExitStack()
+    group = heads // kv_heads
+    seen: dict[tuple[int, int], set[int]] = {}
+    for call, kept in enumerate(history):
+        last = PROMPT - 1 + call  # the last position this call saw
+        for layer, positions in kept.items():
+            for g in range(kv_heads):
+                now = set(positions[0, g].tolist())
+                # what the call held: the last call's kept keys and its own new token
+                before = seen.get((layer, g), set(range(last))) | {last}
+                gone = sorted(p for p in before if p not in now and p <= last)
+                seen[(layer, g)] = now
+                if gone:
+                    stack.enter_context(
+                        mhf.knockout(
+                            model,
+                            queries=list(range(last + 1, end)),
+                            keys=gone,
+                            layers=[layer],
+                            heads=list(range(g * group, (g + 1) * group)),
+                        )
+                    )
+    return stack
+
+
+CASES = [("llama", p) for p in POLICIES] + [
+    ("qwen2", "snapkv"),
+    ("mistral", "snapkv"),
+    ("gemma2", "snapkv"),
+    ("mistral", "h2o"),
+]
+
+
+@pytest.mark.parametrize(("arch", "name"), CASES, ids=[f"{a}-{p}" for a, p in CASES])
+def test_decoding_on_a_compressed_cache_equals_the_full_cache_with_knockouts(arch, name):
+    policy = POLICIES[name]()
+    changes = {"sliding_window": 24} if arch == "mistral" else {}
+    model = _model(arch, **changes)
+    ids, mask = _inputs(batch=1)
+    with torch.inference_mode():
+        tokens, logits, history = _evictions(model, policy, ids, mask, STEPS)
+        config = model.config
+        kv_heads = config.num_key_value_heads
+        end = PROMPT + STEPS + 1
+        with _knockouts(model, history, config.num_attention_heads, kv_heads, end):
+            # the full cache, never sliding, so that knockout's key j is position j
+            want_tokens, want = _greedy(model, ids, mask, STEPS, tf.DynamicCache())
+    assert torch.equal(tokens, want_tokens)
+    for got, ref in zip(logits, want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    # something was evicted: the test compares two different caches
+    assert history[0][0].shape[-1] < PROMPT
+
+
+@pytest.mark.parametrize("keep", [1.0, PROMPT, 500])
+def test_keeping_everything_gives_the_tokens_of_a_plain_generate(keep):
+    model = _model("llama")
+    ids, mask = _inputs()
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        plain = model.generate(**args)
+        with mhf.compress(model, kv.SnapKV(keep, window=4, pool=3)):
+            packed = model.generate(**args)
+    assert torch.equal(plain, packed)
+
+
+def test_the_cache_holds_the_kept_share_of_the_full_cache_bytes():
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    with torch.inference_mode():
+        full = tf.DynamicCache()
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+        with mhf.compress(model, kv.SnapKV(0.25, window=4, pool=3)) as block:
+            small = tf.DynamicCache()
+            model(input_ids=ids, past_key_values=small, use_cache=True)
+    whole = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    kept = sum(layer.keys.nbytes + layer.values.nbytes for layer in small.layers)
+    assert kept == block.nbytes
+    assert kept * PROMPT == whole * round(0.25 * PROMPT)  # 10 of 40 keys per head
+    assert small.get_seq_length() == PROMPT  # positions continue as without compression
+
+
+def test_generated_tokens_keep_the_positions_of_the_uncompressed_sequence():
+    model = _model("llama")
+    ids, mask = _inputs()
+    with torch.inference_mode(), mhf.compress(model, kv.StreamingLLM(8, sinks=2)) as block:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    kept = block.kept[0]
+    # the prompt's 40 positions and 3 fed-back tokens: the newest is position 42
+    assert kept[:, :, -1].eq(PROMPT + 2).all()
+    # the padded row's sinks are its first real tokens, after its 5 pads
+    assert kept[1, 0, :2].tolist() == [5, 6] and kept[0, 0, :2].tolist() == [0, 1]
+
+
+def test_knockout_takes_query_positions_only_generated_tokens_reach():
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    with torch.inference_mode():
+        plain = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        with mhf.knockout(model, queries=[PROMPT + 1, PROMPT + 2], keys=list(range(PROMPT))):
+            cut = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    # the first new token comes from the prompt's call, which the block leaves alone
+    assert torch.equal(plain[:, : PROMPT + 2], cut[:, : PROMPT + 2])
+    assert not torch.equal(plain, cut)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_a_model_not_on_multihead_is_refused():
+    model = _model("llama", "sdpa")
+    with (
+        torch.inference_mode(),
+        pytest.raises(ValueError, match="Received: a model on 'sdpa'"),
+        mhf.compress(model, kv.SnapKV(0.5)),
+    ):
+        pass
+
+
+def test_gradients_enabled_are_refused():
+    model = _model("llama")
+    with (
+        pytest.raises(ValueError, match="Received: gradients enabled"),
+        mhf.compress(model, kv.SnapKV(0.5)),
+    ):
+        pass
+
+
+def test_two_compress_blocks_on_one_model_are_refused():
+    model = _model("llama")
+    with (
+        torch.inference_mode(),
+        mhf.compress(model, kv.SnapKV(0.5)),
+        pytest.raises(ValueError, match="a second compress block"),
+        mhf.compress(model, kv.H2O(0.5)),
+    ):
+        pass
+
+
+def test_a_static_cache_is_refused_with_the_reason():
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    cache = tf.StaticCache(config=model.config, max_cache_len=64)
+    with (
+        torch.inference_mode(),
+        mhf.compress(model, kv.SnapKV(0.5, window=4, pool=3)),
+        pytest.raises(ValueError, match="a static cache cannot do"),
+    ):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+
+def test_a_policy_must_be_a_policy_record():
+    model = _model("llama")
+    with (
+        torch.inference_mode(),
+        pytest.raises(TypeError, match="Received: policy of type str"),
+        mhf.compress(model, "snapkv"),  # type: ignore[arg-type]
+    ):
+        pass
+
+
+def test_compress_with_another_block_on_the_same_layer_is_refused():
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    with (
+        torch.inference_mode(),
+        mhf.compress(model, kv.SnapKV(0.5, window=4, pool=3)),
+        mhf.capture(model, layers=[0]),
+        pytest.raises(ValueError, match="does not combine with capture"),
+    ):
+        model(input_ids=ids, use_cache=True)
