@@ -24,7 +24,7 @@ class Sinks:
 
     positions: the sink positions, ascending.
     reasons: for each position, why it is a sink ("the first token", "a special token", "at
-        least 50% of the weight of most rows in most heads of layer 3").
+        least 50% of the weight of most rows in most heads of layers 3-5, 8").
     mass: (layers, H) each head's share of the weight on the sinks, averaged over query rows.
     heads: (layers, H) True for a sink head: ``mass`` above ``share``.
     share: the threshold both rules used.
@@ -49,6 +49,17 @@ def _layers_parking(w: Tensor, share: float) -> list[list[int]]:
     rows = (w >= share).double().mean(-2)  # (layers, H, L): share of rows parking on each key
     heads = (rows > 0.5).double().mean(1)  # (layers, L): share of heads doing so
     return [[int(x) for x in (heads[:, j] > 0.5).nonzero().flatten()] for j in range(w.shape[-1])]
+
+
+def _spans(numbers: list[int]) -> str:
+    """Ascending numbers written short: [2, 3, 4, 7, 9, 10] -> "2-4, 7, 9-10"."""
+    runs: list[list[int]] = []
+    for x in numbers:
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def find_sinks(
@@ -88,10 +99,9 @@ def find_sinks(
         why = ["the first token"] if j == 0 else []
         why += ["a special token"] if flags[j] else []
         if parking[j]:
-            layers = ", ".join(map(str, parking[j]))
             why.append(
                 f"at least {100 * share:.0f}% of the weight of most rows in most heads of "
-                f"layer{'s' if len(parking[j]) > 1 else ''} {layers}"
+                f"layer{'s' if len(parking[j]) > 1 else ''} {_spans(parking[j])}"
             )
         if why:
             positions.append(j)

@@ -88,6 +88,15 @@ def test_a_key_most_heads_park_on_is_found_in_its_layer():
     assert find_sinks(w, share=0.85).positions == (0,)
 
 
+def test_reasons_name_the_layers_in_spans():
+    w = _weights(7, layers=6)
+    for layer in (0, 1, 2, 4):
+        _park(w, layer, [0, 1, 2], key=5, share=0.9)
+    sinks = find_sinks(w)
+    assert sinks.positions == (0, 5)
+    assert sinks.reasons[1].endswith("most heads of layers 0-2, 4")
+
+
 def test_sink_heads_by_share():
     w = _weights(2, layers=1, heads=2)
     w[0, 0] = 0

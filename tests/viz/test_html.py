@@ -164,3 +164,78 @@ def test_script_closing_tag_in_a_token_is_escaped():
     page = head_view(w, ["</script><b>", "ok"])
     assert page.count("</script>") == 2  # the data and the code blocks, nothing injected
     assert re.search(r"<\\/script><b>", page)
+
+
+def _expected_without_sinks(weights, layer, heads, query, sinks):
+    """The lines the page draws with the sinks hidden: each row's sink columns at 0 and the
+    rest renormalized, in float64 from the embedded (rounded) weights."""
+    rows = []
+    for h in heads:
+        row = [0.0 if k in sinks else w for k, w in enumerate(weights[layer][h][query])]
+        total = sum(row)
+        rows += [(h, query, k, w / total) for k, w in enumerate(row) if w / total >= MIN_WEIGHT]
+    return sorted(rows)
+
+
+def test_hide_sinks_toggle_in_browser(page_file, browser, tmp_path):
+    path, weights, tokens, focus = page_file
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(path.as_uri())
+    page.wait_for_selector("line.attn")
+    data = _embedded(page)
+    assert data["sinks"] == [0, 14]  # [CLS] and [SEP], found by the page's builder
+    assert page.text_content("#sinks-line").startswith(
+        "Attention sinks: [CLS] (position 0: the first token, a special token"
+    )
+    toggle = page.locator("#hide-sinks")
+    assert not toggle.is_checked() and toggle.is_enabled()  # raw by default
+    raw = sorted(map(tuple, _drawn(page)))
+    assert raw == _expected(data["weights"], 0, range(12), focus)
+
+    toggle.check()
+    page.select_option("#layer", "3")
+    drawn = sorted(map(tuple, _drawn(page)))
+    want = _expected_without_sinks(data["weights"], 3, range(12), focus, {0, 14})
+    assert [d[:3] for d in drawn] == [w[:3] for w in want]
+    assert max(abs(d[3] - w[3]) for d, w in zip(drawn, want)) <= 1e-12
+    assert not {d[2] for d in drawn} & {0, 14}  # no line ends on a sink
+    assert "hidden-sink" in page.get_attribute("#key-0", "class")
+    # the table lists the other keys, renormalized, and says so
+    page.click("#no-heads")
+    page.click("#head-3")
+    cells = page.eval_on_selector_all(
+        "#weights td[data-head='3']", "els => els.map(e => [+e.dataset.key, e.textContent])"
+    )
+    row = [0.0 if k in (0, 14) else w for k, w in enumerate(data["weights"][3][3][focus])]
+    assert cells == [
+        [k, f"{100 * w / sum(row):.1f}%"] for k, w in enumerate(row) if k not in (0, 14)
+    ]
+    assert "the sinks set aside" in page.text_content("#weights-title")
+
+    toggle.uncheck()  # back to the raw weights
+    assert sorted(map(tuple, _drawn(page))) == _expected(data["weights"], 3, [3], focus)
+    assert "hidden-sink" not in page.get_attribute("#key-0", "class")
+    assert errors == []
+    page.close()
+
+    # a page written with hide_sinks=True opens with them hidden
+    hidden = tmp_path / "hidden.html"
+    save_head_view(hidden, weights, tokens, special=[t in ("[CLS]", "[SEP]") for t in tokens],
+                   focus=focus, hide_sinks=True)  # fmt: skip
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(hidden.as_uri())
+    page.wait_for_selector("line.attn")
+    assert page.locator("#hide-sinks").is_checked()
+    assert not {d[2] for d in _drawn(page)} & {0, 14}
+    page.close()
+
+
+def test_head_view_sinks_must_match_the_weights():
+    from multihead.inspect import find_sinks
+
+    w = torch.rand(1, 2, 3, 3).softmax(-1)
+    other = find_sinks(torch.rand(2, 2, 3, 3).softmax(-1))
+    with pytest.raises(ValueError, match=r"sinks must be those of these weights: 1 layers x 2"):
+        head_view(w, ["a", "b", "c"], sinks=other)
