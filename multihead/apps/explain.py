@@ -494,31 +494,47 @@ def _say_findings(
         )
 
 
-def _keys(tokens: list[str], special: list[bool], position: int, aside: list[int]) -> list[int]:
-    """The words the focus may look to: neither special nor a sink nor the focus itself."""
-    return [i for i in range(len(tokens)) if not special[i] and i != position and i not in aside]
+def _targets(
+    tokens: list[str], special: list[bool], position: int, sinks: Sinks | None
+) -> tuple[list[int], list[int]]:
+    """The words the focus may look to (neither special nor a sink nor the focus itself), and
+    those of them the head drawn alone is chosen by: at least two positions away (neighbour
+    links come from positional heads, not meaning), or any when none is."""
+    aside = () if sinks is None else sinks.positions
+    real = [i for i in range(len(tokens)) if not special[i] and i != position and i not in aside]
+    far = [i for i in real if abs(i - position) > 1] or real or list(range(len(tokens)))
+    return real, far
+
+
+def _views(weights: Tensor, sinks: Sinks | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the weights shown, the rollout shown, the raw rollout beside it): with the sinks set
+    aside, or the raw weights and rollout alone (--keep-sinks)."""
+    if sinks is None:
+        return weights, rollout(weights), None
+    aside = sinks.positions
+    return without_sinks(weights, aside), rollout(weights, sinks=aside), rollout(weights)
+
+
+def _split(tokens: list[str], position: int, count: int, focus: str | None) -> str:
+    """How the focus word was split, when the tokenizer split it (the heads follow one token:
+    say which piece of the word that is)."""
+    if count <= 1:
+        return ""
+    pieces = " ".join(f"'{t}'" for t in tokens[position : position + count])
+    return f", the first of the {count} pieces {pieces} that --focus {focus} is split into"
 
 
 def _report(options: ExplainOptions, model: Any, run: _Run, folder: Path, progress: Any,
             say: Callable[[str], None]) -> Explained:  # fmt: skip
     """Everything ``run`` prints and draws once the model has run the text."""
-    focus, layer, head = options.focus, options.layer, options.head
-    position, count = _focus(model.tokenizer, run.tokens, run.special, focus)
+    layer, head, sinks = options.layer, options.head, run.sinks
+    position, count = _focus(model.tokenizer, run.tokens, run.special, options.focus)
     tokens = _labels(model.tokenizer, run.tokens)
-    split = ""
-    if count > 1:  # the heads follow one token: say which piece of the word that is
-        pieces = " ".join(f"'{t}'" for t in tokens[position : position + count])
-        split = f", the first of the {count} pieces {pieces} that --focus {focus} is split into"
-    weights, sinks = run.weights, run.sinks
-    aside = [] if sinks is None else list(sinks.positions)
-    shown = weights if sinks is None else without_sinks(weights, aside)
+    weights = run.weights
+    shown, flow, raw_flow = _views(weights, sinks)
     stats = head_stats(weights, run.special)
-    flow = rollout(weights, sinks=None if sinks is None else aside)
     layers, heads = weights.shape[:2]
-    real = _keys(tokens, run.special, position, aside)
-    # the head drawn alone: strongest link to a real token at least two positions away
-    # (neighbour links come from positional heads, not meaning)
-    far = [i for i in real if abs(i - position) > 1] or real or [i for i in range(len(tokens))]
+    real, far = _targets(tokens, run.special, position, sinks)
     chosen = "chosen by --layer/--head" if (layer, head) != (None, None) else ""
     layer, head = pick_head(shown, position, far, layer=layer, head=head)
     chosen = chosen or f"the head most fixed on one other word from '{tokens[position]}'"
@@ -526,10 +542,10 @@ def _report(options: ExplainOptions, model: Any, run: _Run, folder: Path, progre
     kind = ", causal: each token sees only earlier ones" if run.causal else ""
     say(f"model: {model.path} ({layers} layers x {heads} heads{kind})")
     say(f"tokens: {' '.join(tokens)}")
-    say(f"focus: '{tokens[position]}' (position {position}){split}" + ("" if sinks else "\n"))
+    split = _split(tokens, position, count, options.focus)
+    say(f"focus: '{tokens[position]}' (position {position}){split}" + ("\n" * (sinks is None)))
     if sinks is not None:
         _say_sinks(sinks, tokens, say)
-    raw_flow = None if sinks is None else rollout(weights)
     _say_findings(shown, tokens, position, real, (flow, raw_flow), say,
                   "" if sinks is None else ", sinks set aside")  # fmt: skip
 
