@@ -31,7 +31,7 @@ class CompressedLayer(DynamicLayer):
         self.dtype, self.device = state.keys.dtype, state.keys.device
         self.is_initialized = True
 
-    @property  # type: ignore[override]
+    @property
     def keys(self) -> Tensor | None:
         state = self.__dict__.get("state")
         return None if state is None else state.keys
@@ -41,7 +41,7 @@ class CompressedLayer(DynamicLayer):
         if "state" in self.__dict__ and value is not None:
             self.state.keys = value
 
-    @property  # type: ignore[override]
+    @property
     def values(self) -> Tensor | None:
         state = self.__dict__.get("state")
         return None if state is None else state.values

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -134,7 +135,7 @@ class Compression(Block):
 
     policy: Policy | None = None
     states: dict[int, LayerState] = field(default_factory=dict)
-    _caches: dict[nn.Module, object] = field(default_factory=dict, repr=False)
+    _caches: dict[nn.Module, Any] = field(default_factory=dict, repr=False)
 
     @property
     def kept(self) -> dict[int, Tensor | list[list[Tensor]]]:
@@ -148,7 +149,7 @@ class Compression(Block):
         """Bytes of every layer's kept keys and values."""
         return sum(state.nbytes for state in self.states.values())
 
-    def cache_of(self, module: nn.Module) -> object:
+    def cache_of(self, module: nn.Module) -> Any:
         """The cache the module's running call writes to (None: no cache)."""
         return self._caches.get(module)
 

@@ -52,7 +52,7 @@ def select(
     positions: Tensor,
     valid: Tensor,
     sinks_end: Tensor,
-    total: int,
+    ends: Tensor,
     budget: int,
 ) -> Selection:
     """The slots to keep of a cache with m slots per KV head.
@@ -66,8 +66,8 @@ def select(
         positions: (B, H_kv, m) int64, the original position each slot holds.
         valid: (B, H_kv, m) bool, the slots that may be kept.
         sinks_end: (B,) int64, positions below it are the row's sinks (``sink_bound``).
-        total: the uncompressed length (positions are below it); the recent window is
-            positions >= total - window.
+        ends: (B,) int64, each row's uncompressed length (its positions are below it); the
+            recent window is positions >= end - window.
         budget: keys kept per KV head (uniform), or on average per KV head (adaptive).
 
     Returns:
@@ -75,7 +75,8 @@ def select(
     """
     h, m = valid.shape[1:]
     forced = valid & (
-        (positions < sinks_end[:, None, None]) | (positions >= total - policy.window_size)
+        (positions < sinks_end[:, None, None])
+        | (positions >= (ends - policy.window_size)[:, None, None])
     )
     if isinstance(policy, StreamingLLM) or scores is None:
         rank = positions.to(torch.float64)

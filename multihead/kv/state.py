@@ -39,7 +39,8 @@ class LayerState:
         scores: (B, H_kv, n) float64, what the policy ranks by (H2O: accumulated attention;
             TOVA: the newest row's), or None.
         sinks_end: (B,) positions below it are each row's sinks.
-        total: the uncompressed length: every position so far is below it.
+        ends: (B,) each row's uncompressed length: its next token takes this position.
+        total: the longest row's uncompressed length (every position so far is below it).
     """
 
     def __init__(
@@ -50,13 +51,14 @@ class LayerState:
         values: Tensor,
         positions: Tensor,
         sinks_end: Tensor,
-        total: int,
+        ends: Tensor,
         scores: Tensor | None = None,
         ok: Tensor | None = None,
     ) -> None:
         self.policy, self.budget = policy, budget
         self.keys, self.values, self.positions = keys, values, positions
-        self.sinks_end, self.total = sinks_end, total
+        self.sinks_end, self.ends = sinks_end, ends
+        self.total = int(ends.max()) if ends.numel() else 0
         self.scores, self.ok = scores, ok
 
     @classmethod
@@ -67,18 +69,24 @@ class LayerState:
         values: Tensor,
         scores: Tensor | None,
         valid: Tensor,
+        ends: Tensor | None = None,
     ) -> LayerState:
         """The prompt's cache compressed to the policy's budget.
 
         Args:
-            keys, values: (B, H_kv, S, D) the whole prompt's, in position order.
+            keys, values: (B, H_kv, S, D) the whole prompt's, slot s holding position s.
             scores: (B, H_kv, S) what the policy ranks by (None for StreamingLLM).
             valid: (B, S) bool, the keys a later token can see (False for padding).
+            ends: (B,) where each row's next token goes (default S for every row: left
+                padding, as transformers pads; right-padded rows pass their lengths).
         """
         b, kv_heads, length = keys.shape[:3]
         positions = torch.arange(length, device=keys.device).expand(b, kv_heads, length)
         sinks_end = sink_bound(valid, policy.sinks)
-        state = cls(policy, policy.budget_for(length), keys, values, positions, sinks_end, length)
+        if ends is None:
+            ends = torch.full((b,), length, dtype=torch.long, device=keys.device)
+        budget = policy.budget_for(length)
+        state = cls(policy, budget, keys, values, positions, sinks_end, ends)
         state.scores = None if scores is None else scores.to(torch.float64)
         valid_slots = valid[:, None, :].expand(b, kv_heads, length)
         state._keep(valid_slots, force=not bool(valid.all()))
@@ -98,14 +106,15 @@ class LayerState:
         """Add the new tokens' keys and values (B, H_kv, L, D) at the next positions; returns
         the whole cache."""
         b, kv_heads, new = keys.shape[:3]
-        fresh = torch.arange(self.total, self.total + new, device=keys.device)
+        fresh = self.ends[:, None] + torch.arange(new, device=keys.device)  # (B, L)
         self.keys = torch.cat([self.keys, keys], dim=2)
         self.values = torch.cat([self.values, values], dim=2)
-        self.positions = torch.cat([self.positions, fresh.expand(b, kv_heads, new)], dim=2)
+        self.positions = torch.cat([self.positions, fresh[:, None].expand(b, kv_heads, new)], 2)
         if self.ok is not None:
             self.ok = torch.cat([self.ok, self.ok.new_ones(b, kv_heads, new)], dim=2)
         if self.scores is not None:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(b, kv_heads, new)], 2)
+        self.ends = self.ends + new
         self.total += new
         return self.keys, self.values
 
@@ -135,7 +144,7 @@ class LayerState:
             return
         chosen = select(
             self.policy, scores=self.scores, positions=self.positions, valid=valid,
-            sinks_end=self.sinks_end, total=self.total, budget=self.budget,
+            sinks_end=self.sinks_end, ends=self.ends, budget=self.budget,
         )  # fmt: skip
         index = chosen.index
         self.positions = self.positions.gather(2, index)

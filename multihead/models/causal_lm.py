@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from .. import _validation as V
 from .. import masks
+from ..kv import Policy
 from ..modules import KVCache, MultiHeadAttention, TransformerDecoder
 from .generation import Generation
 from .sampling import filter_top_k, filter_top_p
@@ -118,9 +119,11 @@ class CausalLM(Generation, nn.Module):
         norm = self.decoder.norm
         return norm.weight if norm is not None else self.lm_head.weight
 
-    def new_cache(self, batch_size: int, max_length: int | None = None) -> KVCache:
+    def new_cache(
+        self, batch_size: int, max_length: int | None = None, *, policy: Policy | None = None
+    ) -> KVCache:
         """An empty ``KVCache`` for this model (its layers, H_kv, D, dtype and device);
-        ``max_length=None`` grows on demand."""
+        ``max_length=None`` grows on demand; ``policy`` compresses it (``multihead.kv``)."""
         attn, weight = self._attention, self._activations
         return KVCache(
             len(self.decoder.layers),
@@ -131,6 +134,7 @@ class CausalLM(Generation, nn.Module):
             value_dim=attn.value_head_dim,
             dtype=weight.dtype,
             device=weight.device,
+            policy=policy,
         )
 
     def _rotary_positions(self, positions: Tensor) -> Tensor | None:

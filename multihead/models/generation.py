@@ -12,6 +12,7 @@ from typing import Any, overload
 import torch
 from torch import Tensor
 
+from ..kv import Policy
 from .sampling import Sampler
 
 __all__ = ["Generation"]
@@ -60,6 +61,7 @@ class Generation:
         attention_mask: Tensor | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Any = None,
+        compress: Policy | None = None,
     ) -> Tensor:
         """Greedy or sampled continuation of every row, with a ``KVCache``: token ids in,
         token ids out (text goes through ``generate_text`` and ``stream_text``).
@@ -88,6 +90,9 @@ class Generation:
                 (``transformers.TextStreamer``, a ``BaseStreamer`` of your own): ``put`` gets
                 ``input_ids`` first, then each step's new token of every row (B,) as soon as
                 it is chosen; ``end()`` comes after the last.
+            compress: a ``multihead.kv`` policy: the KV cache is compressed from the
+                attention's own scores after the prompt (and kept at its budget while
+                decoding for H2O, TOVA and StreamingLLM); see ``KVCache(policy=)``.
 
         Raises:
             TypeError: text instead of ids (call ``generate_text``).
@@ -121,7 +126,8 @@ class Generation:
         )
         if streamer is not None:
             streamer.put(input_ids)
-        for t, token in enumerate(self._steps(ids, lengths, max_new_tokens, choose, stop)):
+        steps = self._steps(ids, lengths, max_new_tokens, choose, stop, policy=compress)
+        for t, token in enumerate(steps):
             new[:, t] = token
             if streamer is not None:
                 streamer.put(token)
@@ -262,6 +268,8 @@ class Generation:
         max_new_tokens: int,
         choose: Sampler,
         stop: list[int],
+        *,
+        policy: Policy | None = None,
     ) -> Iterator[Tensor]:
         """Yield each step's new token of every row (B,), prefill first. A row that has
         produced a stop token gets ``pad_token_id`` from then on; the steps end after
@@ -269,7 +277,7 @@ class Generation:
         if not max_new_tokens:
             return
         b = ids.shape[0]
-        cache = self.new_cache(b, max_length=int(lengths.max()) + max_new_tokens)
+        cache = self.new_cache(b, max_length=int(lengths.max()) + max_new_tokens, policy=policy)
         hidden = self.extend(ids, lengths, cache)
         last = hidden[torch.arange(b, device=ids.device), lengths - 1]  # [B, E]
         done = torch.zeros(b, dtype=torch.bool, device=ids.device)

@@ -15,6 +15,7 @@ from .. import steps
 from .._saveable import saveable
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
+from ..stats import Reducer, attention_stats
 from .cache import LayerCache
 from .rotary import RotaryEmbedding
 
@@ -176,6 +177,8 @@ class MultiHeadAttention(nn.Module):
         """
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         dropout_p = self._dropout_p()
+        if cache is not None and cache.cache.policy is not None:
+            return self.out_proj(merge_heads(_scored(cache, q, k, v, mask, bias)))
         stepping = cache is not None and bias is None and dropout_p == 0.0
         if stepping and (mask is None or isinstance(mask, Mask)) and steps.applies(q, k, v):
             # a decoding step: every layer's call has the step's mask (multihead/steps.py)
@@ -211,10 +214,19 @@ class MultiHeadAttention(nn.Module):
         """
         if heads is not None:  # before the cache stores anything
             check_heads(heads, self.num_heads)
+        compressing = cache is not None and cache.cache.policy is not None
+        if compressing and heads is not None:
+            raise ValueError(
+                "with a compressing cache run() returns every head's weights (the policy's "
+                f"scores need them all). Received: heads={heads}"
+            )
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         out, weights = attention_with_weights(
             q, k, v, mask, bias=bias, heads=heads, dropout_p=self._dropout_p()
         )
+        if compressing:
+            assert cache is not None
+            cache.observe(_from_weights(cache, weights))
         return AttentionOutput(self.out_proj(merge_heads(out)), weights)
 
     def _dropout_p(self) -> float:
@@ -244,7 +256,7 @@ class MultiHeadAttention(nn.Module):
                 positions = cache.positions
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cache is not None:
-            k, v, mask = cache.update(k, v)  # [B, H_kv, S_cache, D]
+            k, v, mask = cache.update(k, v, heads=self.num_heads)  # [B, H_kv, S_cache, D]
         return q, k, v, mask
 
     def _check_options(
@@ -410,3 +422,31 @@ class MultiHeadAttention(nn.Module):
                 module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
                 module.out_proj.bias.copy_(self.out_proj.bias)
         return module.train(self.training)
+
+
+def _scored(
+    cache: LayerCache, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None, bias: Any
+) -> Tensor:
+    """The attention of a layer whose cache compresses: the statistic its policy ranks by
+    comes from the same kernel pass and goes back to the cache."""
+    request = cache.request()
+    if request is None:
+        out = attention(q, k, v, mask, bias=bias)
+        cache.observe(None)
+        return out
+    name, window = request
+    out, found = attention_stats(q, k, v, mask, stats=[name], window=window, bias=bias)
+    cache.observe(found[name])
+    return out
+
+
+def _from_weights(cache: LayerCache, weights: Tensor) -> Tensor | None:
+    """The statistic the cache's policy asks for, reduced from the weights (B, H, L, S)."""
+    request = cache.request()
+    if request is None:
+        return None
+    name, window = request
+    b, h, length_q, length_k = weights.shape
+    reducer = Reducer([name], window, (b, h, length_q, length_k), weights.dtype, weights.device)
+    reducer.add(weights, 0)
+    return reducer.result()[name]

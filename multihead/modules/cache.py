@@ -13,6 +13,12 @@ Three layouts:
 * growing (``max_length=None``): capacity doubles when needed (amortized O(1) per token);
 * rolling (``window=W``): a sliding-window model keeps only each row's last W tokens in a ring
   of W slots; memory stays O(W) however long the generation runs.
+
+With ``policy=`` (a ``multihead.kv`` policy) the cache is compressed from the attention's own
+scores: each layer's prompt step asks the attention for the policy's statistic
+(``LayerCache.request``) and hands it back (``LayerCache.observe``), and the layer's keys and
+values are then kept in a ``multihead.kv.LayerState`` of the kept slots only; new tokens keep
+the positions the uncompressed sequence gives them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torch import Tensor
 
 from .. import _validation as V
 from .. import masks
+from ..kv import LayerState, Policy, grouped
 from ..masks import Mask
 
 __all__ = ["CacheStep", "KVCache", "LayerCache"]
@@ -59,10 +66,39 @@ class LayerCache:
         """(B, L) positions of the new tokens of the current step (for rotary embeddings)."""
         return self.cache.step.positions
 
-    def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
+    def update(
+        self, key: Tensor, value: Tensor, *, heads: int | None = None
+    ) -> tuple[Tensor, Tensor, Mask | None]:
         """Store this step's keys (B, H_kv, L, D) and values (B, H_kv, L, D_v); see
-        ``KVCache.update``."""
-        return self.cache.update(self.layer, key, value)
+        ``KVCache.update`` (``heads``: the query heads H, which a compressed layer's mask
+        needs)."""
+        return self.cache.update(self.layer, key, value, heads=heads)
+
+    def request(self) -> tuple[str, int | None] | None:
+        """The statistic this step's attention should compute for the cache's policy,
+        ``(name, window)`` as ``multihead.attention_stats`` takes them, or None."""
+        return self.cache.request(self.layer)
+
+    def observe(self, scores: Tensor | None) -> None:
+        """Hand back the statistic ``request`` asked for ((B, H, S) per query head), or None;
+        the layer is then compressed (the prompt) or kept at its budget (decoding)."""
+        self.cache.observe(self.layer, scores)
+
+
+def _check_policy(policy: object, window: int | None) -> None:
+    """A compression policy is a ``multihead.kv`` record, for a cache that is not rolling."""
+    if policy is None:
+        return
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "policy must be a multihead.kv policy record (SnapKV, H2O, TOVA, "
+            f"StreamingLLM). Received: policy of type {type(policy).__name__}"
+        )
+    if window is not None:
+        raise ValueError(
+            "a rolling cache (window=) already keeps a fixed number of keys; compress a "
+            f"growing or fixed cache instead. Received: window={window}, policy={policy!r}"
+        )
 
 
 class KVCache:
@@ -91,6 +127,9 @@ class KVCache:
             Exclusive with ``max_length``.
         value_dim: D_v of the values (default D).
         dtype, device: of the stored keys and values (the model's).
+        policy: a ``multihead.kv`` policy: compress each layer after the prompt (and, for
+            H2O, TOVA and StreamingLLM, keep it at its budget while decoding). Exclusive with
+            ``window``.
     """
 
     def __init__(
@@ -105,6 +144,7 @@ class KVCache:
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        policy: Policy | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -118,6 +158,7 @@ class KVCache:
                 "a rolling cache (window=) keeps the last W tokens and has no maximum length; "
                 f"pass one of them. Received: max_length={max_length}, window={window}"
             )
+        _check_policy(policy, window)
         if max_length is not None:
             V.check_positive_int("max_length", max_length)
         if window is not None:
@@ -145,6 +186,8 @@ class KVCache:
         self._width = 0
         self._slots: tuple[Tensor, Tensor, Tensor] | None = None
         self._held: Tensor | None = None
+        self.policy = policy
+        self._states: dict[int, LayerState] = {}  # the compressed layers
 
     def _empty(self, capacity: int, dim: int) -> Tensor:
         # zeros rather than empty: slots nobody wrote are masked anyway, but stay finite
@@ -178,8 +221,64 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Memory allocated for keys and values, all layers and rows."""
-        return self.bytes_per_token * self.batch_size * self.capacity
+        """Memory allocated for keys and values, all layers and rows (with a policy: the
+        compressed layers' kept keys and values, plus what the uncompressed ones hold)."""
+        held = self._keys.nbytes + self._values.nbytes
+        return held + sum(state.nbytes for state in self._states.values())
+
+    @property
+    def states(self) -> dict[int, LayerState]:
+        """``{layer: LayerState}``: the layers compressed so far (with ``policy``)."""
+        return dict(self._states)
+
+    @property
+    def kept(self) -> dict[int, Tensor | list[list[Tensor]]]:
+        """``{layer: positions}``, the positions each KV head of a compressed layer keeps,
+        ascending (``LayerState.kept``)."""
+        return {layer: state.kept() for layer, state in sorted(self._states.items())}
+
+    def request(self, layer: int) -> tuple[str, int | None] | None:
+        """The statistic layer ``layer``'s attention computes this step for the policy:
+        ``(name, window)``, or None (no policy, or none needed this step)."""
+        policy = self.policy
+        if policy is None or policy.prompt_stat is None:
+            return None
+        state = self._states.get(layer)
+        if state is not None and not policy.evicts_while_decoding:
+            return None
+        rows = getattr(policy, "window", 1)
+        if state is None:  # the prompt: SnapKV's window, TOVA's last row, H2O's every row
+            return (policy.prompt_stat, rows if policy.prompt_stat == "window_mass" else None)
+        if policy.prompt_stat == "key_mass":
+            return ("key_mass", None)
+        return ("window_mass", 1)
+
+    def observe(self, layer: int, scores: Tensor | None) -> None:
+        """Take layer ``layer``'s statistic for this step (``request``): compress the layer
+        after the prompt, keep it at its budget while decoding."""
+        policy = self.policy
+        if policy is None:
+            return
+        kv_scores = None if scores is None else grouped(scores, self.num_kv_heads)
+        state = self._states.get(layer)
+        if state is not None:
+            if kv_scores is not None:
+                state.observe(kv_scores)
+            else:
+                state.shrink()
+            return
+        step = self.step
+        keys = self._keys[layer].narrow(2, 0, step.length)
+        values = self._values[layer].narrow(2, 0, step.length)
+        slots = torch.arange(step.length, device=self.device)
+        valid = slots[None] < self.lengths[:, None]  # (B, S): each row's own tokens
+        state = LayerState.from_prompt(
+            policy, keys.clone(), values.clone(), kv_scores, valid, ends=self.lengths.clone()
+        )
+        self._states[layer] = state
+        if len(self._states) == self.num_layers:  # every layer holds its own: free the rest
+            self._keys = self._empty(0, self.head_dim)
+            self._values = self._empty(0, self.value_dim)
 
     @property
     def step(self) -> CacheStep:
@@ -220,7 +319,7 @@ class KVCache:
         b = self.batch_size
         host, width = self._counts(counts, length)
         offsets = self._host
-        if self.window is None:
+        if self.window is None and len(self._states) < self.num_layers:
             self._reserve(max(o + c for o, c in zip(offsets, host)))
         counts_t = torch.tensor(host, dtype=torch.long, device=self.device)
         offsets_t = self.lengths
@@ -326,13 +425,17 @@ class KVCache:
         ar = torch.arange(step.length, device=self.device)
         return torch.where(ar[None] < self.lengths[:, None], ar, -1)
 
-    def update(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
+    def update(
+        self, layer: int, key: Tensor, value: Tensor, *, heads: int | None = None
+    ) -> tuple[Tensor, Tensor, Mask | None]:
         """Store layer ``layer``'s keys and values for the new tokens of the current step.
 
         Args:
             layer: the layer index.
             key: (B, H_kv, L, D) keys of the new tokens (after any rotary embedding).
             value: (B, H_kv, L, D_v).
+            heads: the query heads H of the attention (needed once the layer is compressed:
+                its mask then differs per KV head, and so per query head).
 
         Returns:
             ``(keys, values, mask)`` to attend with: keys (B, H_kv, S, D) and values
@@ -363,9 +466,34 @@ class KVCache:
                     f"the model's dtype. Received: {name}.dtype={t.dtype}"
                 )
         if self.window is None and V.tracing():
+            if self.policy is not None:
+                raise ValueError(
+                    "a compressed cache changes its size with the scores and cannot be traced "
+                    f"into a graph. Received: policy={self.policy!r} under tracing"
+                )
             self._written.add(layer)
             return self._update_traced(self._keys[layer], self._values[layer], key, value)
+        if layer in self._states:
+            return self._append_compressed(layer, key, value, heads)
         return self._append(layer, key, value)
+
+    def _append_compressed(
+        self, layer: int, key: Tensor, value: Tensor, heads: int | None
+    ) -> tuple[Tensor, Tensor, Mask | None]:
+        """A compressed layer's update: the new tokens appended to its kept slots, and the
+        step's mask (made for the uncompressed rows) read at the kept positions."""
+        step, state = self.step, self._states[layer]
+        self._written.add(layer)
+        if int(step.counts.min()) != key.shape[2]:  # padding among the new tokens
+            raise ValueError(
+                "a compressed cache takes steps that add the same number of tokens to every "
+                f"row (generate's one token a row). Received: counts {step.counts.tolist()}"
+            )
+        keys, values = state.append(key, value)
+        width = key.shape[2]
+        dense = None if step.mask is None else step.mask.to_dense(width, step.length)
+        seen = state.slot_mask(dense, heads or self.num_kv_heads)
+        return keys, values, (None if seen is None else masks.dense(seen))
 
     def _append(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
         """``update`` outside a traced graph, without its checks: for a caller that built

@@ -106,6 +106,7 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> boo
         or torch.is_autocast_enabled(x.device.type)
         or V.tracing()
         or torch.jit.is_tracing()
+        or cache.policy is not None  # a compressed cache: the modules read and hand back scores
         or not _step_begun(cache, x)
     ):
         return False
