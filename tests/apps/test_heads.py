@@ -156,3 +156,23 @@ def test_the_command_takes_the_text_from_a_file_alone(tmp_path, llama):
     out = tmp_path / "o"
     assert cli.main(["heads", "--model", str(llama), "--file", str(text), "--out", str(out)]) == 0
     assert len(json.loads((out / "heads.json").read_text())["scores"]) == 2
+
+
+def test_a_gguf_file_ranks_as_the_folder_it_was_written_from(llama, tmp_path):
+    """The same weights through ``multihead.hf.load`` (tests/hf/tiny_gguf.py writes them in
+    llama.cpp's layout): the same scores, to float32 rounding of losses ~5."""
+    from hf.tiny_gguf import write_gguf
+
+    gguf_file = write_gguf(llama, tmp_path / "tiny.gguf")
+    ranked = [
+        heads.run(heads.HeadsOptions(text=TEXT, out=tmp_path / name, model=str(model)))
+        for name, model in (("folder", llama), ("gguf", gguf_file))
+    ]
+    got, want = (torch.tensor(r.scores["ablate"]) for r in ranked)
+    assert got.shape == (2, 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_source_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"is not a folder, a \.gguf file or that name"):
+        heads.run(heads.HeadsOptions(text=TEXT, out=tmp_path / "o", model="smolm2"))

