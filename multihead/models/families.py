@@ -143,7 +143,8 @@ def supported() -> list[str]:
 
 
 def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any:
-    """The model in ``folder``, by its config.json: a folder written by ``multihead.save``
+    """The model in ``folder``, by its config.json (or a ``.gguf`` file, by its
+    ``general.architecture``: llama only): a folder written by ``multihead.save``
     (``format_version``) loads as ``multihead.io.load`` does; otherwise ``model_type`` picks
     the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
     tokenizer, when the folder has one; or a family added with ``register``). None: the
@@ -159,6 +160,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
             or "int8".
     """
     from .. import hf_folders, io
+    from . import gguf
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
         raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
@@ -166,7 +168,11 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         _no_weights(weights, "the default model (BERT)")
         return importlib.import_module(f"{__package__}.bert").load(None)
     path = Path(folder)
-    config = hf_folders.read_config(path) if (path / io.CONFIG).is_file() else {}
+    if gguf.is_gguf(path):  # a GGUF file names its family in its metadata
+        config, field = {"model_type": gguf.architecture(path)}, "general.architecture"
+    else:
+        config = hf_folders.read_config(path) if (path / io.CONFIG).is_file() else {}
+        field = "model_type"
     model_type = config.get("model_type")
     if "format_version" in config or not isinstance(model_type, str):
         _no_weights(weights, "a multihead.save folder")
@@ -181,7 +187,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         )
     if weights is None:
         return found.load(path)
-    _no_weights(None if found.causal else weights, f"model_type {model_type!r}")
+    _no_weights(None if found.causal else weights, f"{field} {model_type!r}")
     return found.load(path, weights=weights)
 
 

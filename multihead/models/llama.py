@@ -2,7 +2,8 @@
 checkpoints' tensors, and its ``Family`` record.
 
 ``load(path)`` reads ``config.json``, the weights (single or sharded safetensors, or
-``pytorch_model.bin``) and ``tokenizer.json`` when present, of a ``LlamaForCausalLM`` folder.
+``pytorch_model.bin``) and ``tokenizer.json`` when present, of a ``LlamaForCausalLM`` folder,
+or a llama GGUF file (llama.cpp's format: ``models/gguf.py``).
 Grouped-query attention, rotary embeddings (the default RoPE), RMSNorm and SwiGLU are built from
 this library's modules. Needs the ``pretrained`` extra.
 """
@@ -182,8 +183,13 @@ def _hf_names(config: LlamaConfig, tied: bool) -> dict[str, str]:
 def load(
     path: str | Path, *, dtype: torch.dtype = torch.float32, weights: str | None = None
 ) -> Llama:
-    """A Llama folder (``LlamaForCausalLM``): ``loading.load_decoder`` for ``FAMILY``, whose
-    docstring gives the arguments, the result and the errors."""
+    """A Llama folder (``LlamaForCausalLM``) or GGUF file: ``loading.load_decoder`` for
+    ``FAMILY``, whose docstring gives the arguments, the result and the errors. A GGUF file's
+    tensors (F32, F16, BF16, Q8_0, Q4_1) are dequantized to float32, then held as ``dtype`` or
+    ``weights`` asks::
+
+        model = llama.load("SmolLM2-135M-Instruct.Q4_1.gguf", weights="int8")
+    """
     return load_decoder(FAMILY, path, dtype=dtype, weights=weights)
 
 

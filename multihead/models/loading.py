@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..modules import quant
+from . import gguf
 from .causal_lm import CausalLM, decode_layout
 from .families import Family, register_builtin
 
@@ -28,7 +29,9 @@ def load_decoder(
 ) -> Any:
     """Load a folder of the decoder ``family`` (``config.json``, the weights: single or sharded
     safetensors, or ``pytorch_model.bin``, and ``tokenizer.json`` when present), as written by
-    transformers' ``save_pretrained``: what ``gpt2.load`` and ``llama.load`` run.
+    transformers' ``save_pretrained``, or a GGUF file (``gguf.read``: the config from its
+    metadata, its tensors dequantized to float32, its tokenizer): what ``gpt2.load`` and
+    ``llama.load`` run.
 
     config.json and the tokenizer are read and checked first; then the config against the
     weights' header (names, shapes, dtypes, ``family.prefix`` stripped) on a model built on the
@@ -38,7 +41,7 @@ def load_decoder(
 
     Args:
         family: the decoder family (``model``, ``config``, ``names``, ``prefix``, ``unused``).
-        path: the folder.
+        path: the folder, or a ``.gguf`` file of an architecture in ``gguf.ARCHITECTURES``.
         dtype: parameter dtype (checkpoints stored in bf16 are converted).
         weights: None (the linear layers in ``dtype``), or a weight-only format for the
             linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
@@ -49,33 +52,42 @@ def load_decoder(
     Returns:
         The model in eval mode, in the decoding layout (float32 linear layers become
         ``RowsLinear``, or ``PackedLinear`` with ``weights``: ``modules/quant.py``), with
-        ``.tokenizer`` (or None) and ``.path``.
+        ``.tokenizer`` (or None) and ``.path`` (the folder or the GGUF file).
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights are missing.
         ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
             than float32), a config value the family does not implement (the field is named),
             an empty or corrupt file (the file is named), or weights that do not fit the config
-            (missing, misshapen or left-over tensors: never a partial load).
+            (missing, misshapen or left-over tensors: never a partial load); for a GGUF
+            file, also an architecture other than llama or a tensor type ``gguf.read`` does
+            not read.
     """
     from .. import hf_folders
 
     check_weights(weights, dtype)
-    folder = hf_folders.model_folder(path)
-    config = family.config.from_dict(hf_folders.read_config(folder))
-    tokenizer = hf_folders.read_tokenizer(folder, required=False)
-    stored = hf_folders.weights(folder).renamed(lambda k: k.removeprefix(family.prefix))
+    if gguf.is_gguf(path):
+        folder, source = Path(path), Path(path).name
+        raw, stored = gguf.read(folder)
+        config = family.config.from_dict(raw, source=source)
+        tokenizer = gguf.tokenizer(folder)
+    else:
+        folder, source = hf_folders.model_folder(path), "config.json"
+        config = family.config.from_dict(hf_folders.read_config(folder))
+        tokenizer = hf_folders.read_tokenizer(folder, required=False)
+        stored = hf_folders.weights(folder)
+    stored = stored.renamed(lambda k: k.removeprefix(family.prefix))
     tied = config.tie_word_embeddings
 
     def unused(name: str) -> bool:  # a tied output layer saved anyway is the embeddings again
         return name.endswith(family.unused) or (tied and name == "lm_head.weight")
 
-    skeleton = hf_folders.build_on_meta(lambda: family.model(config), stored)
+    skeleton = hf_folders.build_on_meta(lambda: family.model(config), stored, source=source)
     names_of = family.names(config, tied)  # after the meta build, which stops absurd layer counts
     if skeleton is not None:
         own = skeleton.state_dict()
         hf_folders.match(own, stored.header, names_of, weights=stored, unused=unused)
-        hf_folders.check_unstored(skeleton, stored)
+        hf_folders.check_unstored(skeleton, stored, source=source)
     model = family.model(config)
     hf_folders.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
