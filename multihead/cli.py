@@ -74,6 +74,11 @@ BENCHMARKS: dict[str, Job | Group] = {
         "greedy decoding tokens/s of a GPT-2-small-shaped model against transformers "
         "generate() (B=1 and B=8, prompt 128, 128 new tokens)",
     ),
+    "kv": Job(
+        "multihead.bench.kv:run_kv_bench",
+        "KV-cache compression on a real causal LM: the scored prompt against the plain and the "
+        "eager one, decoding steps, cache bytes and peak memory against the full cache",
+    ),
     "hf": Job(
         "multihead.bench.hf:run_hf_bench",
         "transformers models on attn_implementation='multihead' against sdpa, eager and flex",
@@ -111,6 +116,14 @@ COMMANDS: dict[str, Job | Group] = {
         "OUT/heads.json and a layers x heads heatmap, and prints the top ten heads.",
     ),
     "embed": Job("multihead.apps.embed:run", "sentence embeddings, one per line of FILE"),
+    "kv": Job(
+        "multihead.apps.kv:run",
+        "long-input retrieval with the KV cache compressed: accuracy per policy, keep, length",
+        "Hide a pass key (or several keys) in filler text of each --lengths, run the model\n"
+        "once per trial, then decode the answer with the cache compressed by each policy at\n"
+        "each --keep (multihead.kv, scores from the attention kernel). Prints accuracy, cache\n"
+        "MiB, prefill seconds and ms per decoding step; writes OUT/kv.json and OUT/kv.png.",
+    ),
     "generate": Job(
         "multihead.apps.generate:run",
         "continue a prompt with a GPT-2/Llama model folder, printing the text as it is produced",

@@ -177,7 +177,8 @@ class MultiHeadAttention(nn.Module):
         """
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         dropout_p = self._dropout_p()
-        if cache is not None and cache.cache.policy is not None:
+        if _compressing(cache):
+            assert cache is not None
             return self.out_proj(merge_heads(_scored(cache, q, k, v, mask, bias)))
         stepping = cache is not None and bias is None and dropout_p == 0.0
         if stepping and (mask is None or isinstance(mask, Mask)) and steps.applies(q, k, v):
@@ -214,7 +215,7 @@ class MultiHeadAttention(nn.Module):
         """
         if heads is not None:  # before the cache stores anything
             check_heads(heads, self.num_heads)
-        compressing = cache is not None and cache.cache.policy is not None
+        compressing = _compressing(cache)
         if compressing and heads is not None:
             raise ValueError(
                 "with a compressing cache run() returns every head's weights (the policy's "
@@ -256,7 +257,10 @@ class MultiHeadAttention(nn.Module):
                 positions = cache.positions
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cache is not None:
-            k, v, mask = cache.update(k, v, heads=self.num_heads)  # [B, H_kv, S_cache, D]
+            if _compressing(cache):  # its mask differs per KV head: it needs H
+                k, v, mask = cache.update(k, v, heads=self.num_heads)  # [B, H_kv, S_cache, D]
+            else:
+                k, v, mask = cache.update(k, v)
         return q, k, v, mask
 
     def _check_options(
@@ -422,6 +426,12 @@ class MultiHeadAttention(nn.Module):
                 module.in_proj_bias.copy_(torch.cat([p.bias for p in projections]))
                 module.out_proj.bias.copy_(self.out_proj.bias)
         return module.train(self.training)
+
+
+def _compressing(cache: object) -> bool:
+    """Whether ``cache`` (a ``LayerCache``, or another object with its interface, such as the
+    ONNX export's graph cache) compresses with a policy."""
+    return bool(getattr(cache, "compressing", False))
 
 
 def _scored(

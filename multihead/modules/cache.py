@@ -74,6 +74,11 @@ class LayerCache:
         needs)."""
         return self.cache.update(self.layer, key, value, heads=heads)
 
+    @property
+    def compressing(self) -> bool:
+        """Whether the cache compresses with a policy (the attention then scores for it)."""
+        return self.cache.policy is not None
+
     def request(self) -> tuple[str, int | None] | None:
         """The statistic this step's attention should compute for the cache's policy,
         ``(name, window)`` as ``multihead.attention_stats`` takes them, or None."""

@@ -1,0 +1,441 @@
+"""``multihead kv``: how well a causal LM finds what a long input hides when its KV cache is
+compressed, per policy, keep and length.
+
+Tasks are generated from a seed (no data files): ``passkey`` hides one 5-digit key in repeated
+filler text at depths spread over the input (Mohtashami & Jaggi 2023); ``multikey`` hides
+several keys with values and asks for one (RULER's niah_multikey, Hsieh et al. 2024).
+
+Each trial's prompt runs once, on the full cache, with the statistics every policy ranks by
+computed in the same kernel passes (``window_mass`` of the last rows, ``key_mass`` of all
+rows, the last row's weights); each policy and keep then compresses its own copy of that
+cache with ``multihead.kv``'s selection (the one ``multihead.hf.compress`` runs inside the
+prompt's call) and decodes the answer greedily under ``compress``, which evicts as H2O, TOVA
+and StreamingLLM do while decoding. Keep 1.0 is the full cache, the same for every policy.
+Writes ``OUT/kv.json`` and ``OUT/kv.png`` (accuracy against keep, a line per policy, a panel
+per length).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .. import _validation as V
+from .._flags import option, positive_int
+
+__all__ = ["KvOptions", "Trial", "make_task", "parse_keeps", "parse_lengths", "run"]
+
+_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+_WORDS = (
+    "amber", "basil", "cedar", "delta", "ember", "fjord", "granite", "harbor", "indigo",
+    "juniper", "kettle", "lantern", "meadow", "nickel", "orchid", "pepper", "quartz", "raven",
+    "saffron", "timber", "umber", "velvet", "willow", "yonder", "zephyr",
+)  # fmt: skip
+_NEW_TOKENS = {"passkey": 8, "multikey": 10}
+_WINDOW = 32  # SnapKV's observation window: the policies run with their defaults
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"1000,2000"`` -> (1000, 2000): prompt lengths in tokens, each >= 64."""
+    values = _numbers(text, "--lengths", int)
+    bad = [v for v in values if v < 64]
+    if bad:
+        raise ValueError(f"--lengths must be token counts >= 64. Received: --lengths {text}")
+    return tuple(values)
+
+
+def parse_keeps(text: str) -> tuple[float, ...]:
+    """``"1.0,0.25"`` -> (1.0, 0.25): fractions of the prompt kept, in (0, 1]."""
+    values = _numbers(text, "--keep", float)
+    bad = [v for v in values if not 0 < v <= 1]
+    if bad:
+        raise ValueError(f"--keep takes fractions in (0, 1]. Received: --keep {text}")
+    return tuple(values)
+
+
+def _numbers(text: str, name: str, kind: Callable[[str], Any]) -> list[Any]:
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    try:
+        values = [kind(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"{name} takes comma-separated numbers. Received: {name} {text}") from None
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"{name} takes distinct comma-separated numbers. Received: {name} {text}")
+    return values
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    from ..kv import POLICIES
+
+    names = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
+    unknown = [n for n in names if n not in POLICIES]
+    if not names or unknown:
+        raise ValueError(
+            f"--policies takes names from {', '.join(POLICIES)}. Received: --policies {text}"
+        )
+    return names
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvOptions:
+    """What ``multihead kv`` takes (``multihead kv --help``)."""
+
+    model: str = option(
+        "smollm2",
+        "the causal LM: 'smollm2', a .gguf file or a transformers folder (multihead.hf.load)",
+        metavar="MODEL",
+    )
+    task: Literal["passkey", "multikey"] = option(
+        "passkey", "passkey: one 5-digit key in filler; multikey: several keys, one asked for"
+    )
+    lengths: tuple[int, ...] = option(
+        (1000, 2000, 4000), "prompt lengths in tokens, separated by commas", parse=parse_lengths,
+        metavar="N,N",
+    )  # fmt: skip
+    keep: tuple[float, ...] = option(
+        (1.0, 0.5, 0.25, 0.125), "fractions of the prompt the cache keeps, separated by commas",
+        parse=parse_keeps, metavar="F,F",
+    )  # fmt: skip
+    policies: tuple[str, ...] = option(
+        ("snapkv", "h2o", "tova", "streaming"), "policies, separated by commas",
+        parse=_policies, metavar="NAMES",
+    )  # fmt: skip
+    trials: int = option(20, "trials per length (depths spread over the input)", parse=positive_int)
+    keys: int = option(4, "multikey: keys hidden in the text", parse=positive_int)
+    seed: int = option(0, "seed of the keys, values and depths")
+    out: Path = option(Path("kv-out"), "folder for kv.json and kv.png", metavar="DIR")
+
+    def __post_init__(self) -> None:
+        # "1000,2000" and "1000 2000" alike: the parser gives one tuple per word
+        for name, parse in (
+            ("lengths", parse_lengths), ("keep", parse_keeps), ("policies", _policies)
+        ):  # fmt: skip
+            value = getattr(self, name)
+            words = [value] if isinstance(value, (str, int, float)) else list(value)
+            flat = ",".join(
+                ",".join(map(str, w)) if isinstance(w, (tuple, list)) else str(w) for w in words
+            )
+            object.__setattr__(self, name, parse(flat))
+
+
+@dataclass
+class Trial:
+    """One generated input: the prompt text, the answer, and where the needle sits."""
+
+    prompt: str
+    answer: str
+    depth: float
+
+
+def make_task(
+    task: str, tokenizer: Any, length: int, depth: float, rng: random.Random, keys: int = 4
+) -> Trial:
+    """A ``task`` input of about ``length`` tokens with its needle at ``depth`` (0: start, 1:
+    end of the filler)."""
+    if task == "passkey":
+        key = f"{rng.randrange(10000, 100000)}"
+        head = (
+            "There is an important piece of information hidden inside a lot of irrelevant "
+            "text. Find it and memorize it. I will quiz you about it.\n"
+        )
+        needles = [f"The pass key is {key}. Remember it. {key} is the pass key. "]
+        question = "\nWhat is the pass key? The pass key is"
+        answer = key
+    elif task == "multikey":
+        names = rng.sample(_WORDS, keys)
+        values = [f"{rng.randrange(1000000, 10000000)}" for _ in names]
+        head = (
+            "Some special magic numbers are hidden inside the following text. Make sure to "
+            "memorize them. I will quiz you about one of them afterwards.\n"
+        )
+        needles = [
+            f"One of the special magic numbers for {n} is: {v}. " for n, v in zip(names, values)
+        ]
+        asked = rng.randrange(keys)
+        question = (
+            f"\nWhat is the special magic number for {names[asked]} mentioned in the provided "
+            f"text? The special magic number for {names[asked]} mentioned in the provided text is"
+        )
+        answer = values[asked]
+    else:
+        raise ValueError(f"--task must be passkey or multikey. Received: --task {task!r}")
+    fixed = _count(tokenizer, head + question) + sum(_count(tokenizer, n) for n in needles)
+    per = max(_count(tokenizer, _FILLER), 1)
+    sentences = max((length - fixed) // per, 1)
+    filler = [_FILLER] * sentences
+    # the (first) needle at the depth; multikey's others at random places
+    spots = [min(sentences, round(depth * sentences))]
+    spots += [rng.randrange(sentences + 1) for _ in needles[1:]]
+    for spot, needle in sorted(zip(spots, needles), key=lambda p: p[0], reverse=True):
+        filler.insert(spot, needle)
+    return Trial(head + "".join(filler) + question, answer, depth)
+
+
+def _count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class Row:
+    """One (length, policy, keep) cell of the grid."""
+
+    length: int
+    policy: str
+    keep: float
+    correct: int = 0
+    trials: int = 0
+    answers: list[str] = field(default_factory=list)
+    cache_mib: list[float] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        def median(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        return {
+            "length": self.length,
+            "policy": self.policy,
+            "keep": self.keep,
+            "correct": self.correct,
+            "trials": self.trials,
+            "accuracy": self.correct / self.trials if self.trials else None,
+            "cache_mib": median(self.cache_mib),
+            "prefill_s": median(self.prefill_s),
+            "step_ms": median(self.step_ms),
+            "answers": self.answers,
+        }
+
+
+def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the grid of ``options``; returns what ``kv.json`` holds."""
+    import torch
+
+    from .._extras import require
+
+    require("transformers", "hf", "multihead kv")
+    from ..hf import load
+
+    folder = V.check_out_dir("--out", options.out)
+    model, tokenizer = load(options.model)
+    rng = random.Random(options.seed)
+    rows: dict[tuple[int, str, float], Row] = {}
+    total = len(options.lengths) * options.trials
+    bar = _bar(total)
+    try:
+        for length in options.lengths:
+            for t in range(options.trials):
+                depth = (t + 0.5) / options.trials
+                trial = make_task(options.task, tokenizer, length, depth, rng, options.keys)
+                with torch.inference_mode():
+                    _one_trial(model, tokenizer, trial, length, options, rows)
+                bar(1)
+    finally:
+        bar(0, close=True)
+    result = _write(options, rows, folder, say)
+    return result
+
+
+def _bar(total: int) -> Callable[..., None]:
+    """A tqdm bar over the trials on a terminal's stderr (nothing drawn otherwise)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda n, close=False: None
+    import sys
+
+    bar = tqdm(total=total, desc="kv trials", unit="trial", file=sys.stderr, disable=None)
+
+    def step(n: int, close: bool = False) -> None:
+        bar.update(n)
+        if close:
+            bar.close()
+
+    return step
+
+
+def _prefill(model: Any, ids: Any, window: int) -> tuple[Any, Any, dict[str, list[Any]]]:
+    """The prompt on the full cache with every policy's scores: (logits of the last row, the
+    cache, {"window_mass" | "key_mass" | "last": per layer (B, H, S)}). The prompt but its
+    last token runs under ``capture(stats=[key_mass, window_mass])``, the last token under
+    ``capture`` of its weights, one row: their sums are the scores of the whole prompt."""
+    import torch
+    import transformers as tf
+
+    from ..hf import capture
+
+    cache = tf.DynamicCache()
+    with capture(model, stats=["key_mass", "window_mass"], window=max(window - 1, 1)) as head:
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    with capture(model) as tail:
+        out = model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    scores: dict[str, list[Any]] = {"window_mass": [], "key_mass": [], "last": []}
+    for layer in range(head.num_layers):
+        last = tail.weights[layer][:, :, -1].double()  # (B, H, S)
+        for name in ("window_mass", "key_mass"):
+            early = head.stats[layer][name].double()
+            if name == "window_mass" and window == 1:
+                early = torch.zeros_like(early)
+            scores[name].append(torch.nn.functional.pad(early, (0, 1)) + last)
+        scores["last"].append(last)
+    return out.logits[:, -1], cache, scores
+
+
+def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: KvOptions,
+               rows: dict[tuple[int, str, float], Row]) -> None:  # fmt: skip
+    """Prefill once; decode the answer with the full cache and with each policy and keep."""
+    from ..kv import POLICIES
+
+    ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
+    started = time.perf_counter()
+    logits, cache, scores = _prefill(model, ids, _WINDOW)
+    prefill = time.perf_counter() - started
+    prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
+    full_mib = sum(k.nbytes + v.nbytes for k, v in prompt_kv) / 2**20
+    first = logits.argmax(-1)
+    new = _NEW_TOKENS[options.task]
+    full_text, step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None)
+    full_ok = trial.answer in full_text
+    for keep in options.keep:
+        for name in options.policies:
+            row = rows.setdefault((length, name, keep), Row(length, name, keep))
+            row.trials += 1
+            row.prefill_s.append(prefill)
+            if keep >= 1.0:
+                row.correct += full_ok
+                row.cache_mib.append(full_mib)
+                row.step_ms.append(step)
+                row.answers.append(full_text)
+                continue
+            policy = POLICIES[name](float(keep))
+            layered = _compressed(policy, prompt_kv, scores)
+            row.cache_mib.append(sum(s.nbytes for s in layered) / 2**20)
+            text, step = _decode(model, tokenizer, _cache_of(prompt_kv, layered), first, new,
+                                 policy)  # fmt: skip
+            row.correct += trial.answer in text
+            row.step_ms.append(step)
+            row.answers.append(text)
+
+
+def _compressed(policy: Any, prompt_kv: list[tuple[Any, Any]], scores: dict[str, list[Any]]):
+    """Each layer's ``LayerState`` for ``policy`` from the shared prefill's scores."""
+    import torch
+
+    from ..kv import LayerState, grouped
+
+    stat = {"snapkv": "window_mass", "h2o": "key_mass", "tova": "last"}.get(policy.name)
+    states = []
+    for layer, (keys, values) in enumerate(prompt_kv):
+        kv_scores = None if stat is None else grouped(scores[stat][layer], keys.shape[1])
+        valid = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
+        states.append(LayerState.from_prompt(policy, keys, values, kv_scores, valid))
+    return states
+
+
+def _cache_of(prompt_kv: list[tuple[Any, Any]], states: list[Any] | None = None) -> Any:
+    """A transformers cache holding the prompt: its full keys and values, or the compressed
+    layers."""
+    import transformers as tf
+
+    from ..hf.kv_cache import CompressedLayer
+
+    cache = tf.DynamicCache()
+    if states is None:
+        for index, (keys, values) in enumerate(prompt_kv):
+            cache.update(keys, values, index)
+        return cache
+    cache.layers = [CompressedLayer(state, False) for state in states]
+    return cache
+
+
+def _decode(model: Any, tokenizer: Any, cache: Any, first: Any, new: int,
+            policy: Any) -> tuple[str, float]:  # fmt: skip
+    """Greedy decoding of ``new`` tokens after ``first``: (the text, median ms per step)."""
+    import contextlib
+
+    from ..hf import compress
+
+    tokens = [int(first[0])]
+    times = []
+    block = compress(model, policy) if policy is not None else contextlib.nullcontext()
+    with block:
+        token = first[:, None]
+        for _ in range(new - 1):
+            started = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - started)
+            tokens.append(int(token[0, 0]))
+    return tokenizer.decode(tokens), 1000 * statistics.median(times) if times else 0.0
+
+
+def _write(options: KvOptions, rows: dict[tuple[int, str, float], Row], folder: Path,
+           say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """kv.json, kv.png and the printed table."""
+    from .._machine import cpu_info
+
+    summaries = [row.summary() for row in rows.values()]
+    result = {
+        "model": str(options.model),
+        "task": options.task,
+        "trials": options.trials,
+        "seed": options.seed,
+        "cpu": cpu_info()[0],
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
+        "rows": summaries,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "kv.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    say(f"{options.task}, {options.trials} trials per length, model {options.model} "
+        f"(CPU: {result['cpu']})")  # fmt: skip
+    say(f"{'length':>7} {'policy':>10} {'keep':>6} {'correct':>8} {'cache MiB':>10} "
+        f"{'prefill s':>10} {'ms/step':>8}")  # fmt: skip
+    for s in summaries:
+        say(f"{s['length']:>7} {s['policy']:>10} {s['keep']:>6.3f} "
+            f"{s['correct']:>4}/{s['trials']:<3} {s['cache_mib']:>10.2f} "
+            f"{s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
+    figure = _figure(options, summaries, folder / "kv.png")
+    if figure is not None:
+        say(f"wrote {folder / 'kv.json'} and {figure}")
+    else:
+        say(f"wrote {folder / 'kv.json'} (no figure: matplotlib is not installed)")
+    return result
+
+
+def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    lengths = list(options.lengths)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        for name in options.policies:
+            points = sorted(
+                (s["keep"], s["accuracy"]) for s in summaries
+                if s["length"] == length and s["policy"] == name
+            )  # fmt: skip
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(options.keep), [f"{k:g}" for k in options.keep])
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xlabel("keep (share of the prompt's keys)")
+        ax.set_title(f"{options.task}, {length} tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"accuracy ({options.trials} trials)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,271 @@
+"""``multihead bench kv``: what KV-cache compression costs and saves on a real causal LM.
+
+Three measurements on the model of ``--model`` (SmolLM2-135M-Instruct by default), float32, with
+the machine's CPU, matmul peaks and read bandwidth printed beside them, every contender in one
+process, interleaved, medians of ``--repeats``:
+
+- **the scored prompt**: the prompt's forward inside ``multihead.hf.compress`` with SnapKV's
+  statistic (``window_mass`` of the last 32 rows) and H2O's (``key_mass`` of every row),
+  against the plain forward on the full cache; and against the eager reference, the way
+  kvpress's observed-attention press gets the scores (``attn_implementation="eager"``, each
+  layer's materialized weights reduced by hand in a hook), where it fits in memory;
+- **decoding at a long context**: ms per decoding step after a ``--context``-token prompt with
+  the cache compressed to keep 0.25 (SnapKV) against the full cache; the cache's bytes
+  (measured on the tensors) and the run's peak growth of resident memory (prompt and steps).
+
+Goals (issue 50): scored prompt <= 1.1x plain (SnapKV) and <= 1.2x (H2O); >= 4x faster than
+eager at 4,000 tokens; a step >= 1.3x faster at 8,000 tokens with keep 0.25; cache bytes <=
+0.27x; peak growth <= 0.6x the full cache's run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _validation as V
+from .._flags import option, positive_int
+from .options import Timed, goal_line
+
+__all__ = ["KvBenchOptions", "run_kv_bench"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvBenchOptions(Timed):
+    """What ``multihead bench kv`` takes (``multihead bench kv --help``)."""
+
+    model: str = option(
+        "smollm2", "the causal LM: 'smollm2', a .gguf file or a transformers folder",
+        metavar="MODEL",
+    )  # fmt: skip
+    prompt: int = option(4000, "prompt tokens of the scored-prompt timings", parse=positive_int)
+    context: int = option(8000, "prompt tokens before the timed decoding steps", parse=positive_int)
+    steps: int = option(16, "decoding steps timed after the long prompt", parse=positive_int)
+    keep: float = option(0.25, "the share of the prompt the compressed cache keeps")
+    eager: bool = option(True, "time the eager reference too (skipped where it would not fit)")
+
+
+def _ids(length: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randint(100, min(vocab, 30000), (1, length), generator=gen)
+
+
+def _plain(model: Any, ids: torch.Tensor) -> Any:
+    import transformers as tf
+
+    cache = tf.DynamicCache()
+    # logits of the last row only (generate's way): (L, vocab) logits would outweigh the cache
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def _scored(model: Any, ids: torch.Tensor, policy: Any) -> Any:
+    import transformers as tf
+
+    from ..hf import compress
+
+    cache = tf.DynamicCache()
+    with compress(model, policy):
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def _eager_scores(model: Any, ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """SnapKV's scores as a press computes them from eager attention: each layer's weights
+    (B, H, L, S), materialized by the eager implementation, reduced in a forward hook."""
+    from ..hf.capture import attention_layers
+
+    scores: list[torch.Tensor] = []
+
+    def reduce(module: Any, args: Any, output: Any) -> None:
+        weights = output[1]
+        scores.append(weights[:, :, -window:].sum(2))
+
+    handles = [m.register_forward_hook(reduce) for m in attention_layers(model)]
+    try:
+        _plain(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return scores
+
+
+def _fits_eager(model: Any, length: int) -> tuple[bool, str]:
+    """Whether one layer's eager weights (and the softmax's copy) fit in the free memory."""
+    config = model.config
+    need = 3 * config.num_attention_heads * length * length * 4
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            free = next(
+                int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")
+            )
+    except (OSError, StopIteration):
+        return True, ""
+    ok = need < 0.6 * free
+    return ok, "" if ok else f"one layer's eager weights need {need / 2**30:.1f} GiB"
+
+
+def _time(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _prompt_costs(model: Any, eager: Any, ids: torch.Tensor, repeats: int,
+                  say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """Interleaved repeats of the plain, SnapKV-scored, H2O-scored (and eager) prompts."""
+    from ..kv import H2O, SnapKV
+
+    contenders: dict[str, Callable[[], object]] = {
+        "plain": lambda: _plain(model, ids),
+        "snapkv": lambda: _scored(model, ids, SnapKV(0.25)),
+        "h2o": lambda: _scored(model, ids, H2O(0.25)),
+    }
+    if eager is not None:
+        contenders["eager"] = lambda: _eager_scores(eager, ids, 32)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    with torch.inference_mode():
+        for fn in contenders.values():  # one warm-up each
+            fn()
+        for _ in range(repeats):
+            for name, fn in contenders.items():
+                times[name].append(_time(fn))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, t in medians.items():
+        say(f"  prompt of {ids.shape[1]} tokens, {name:>7}: {t:.3f} s (median of {repeats})")
+    return {"seconds": medians, "all": times}
+
+
+def _decode_run(model: Any, ids: torch.Tensor, steps: int, policy: Any) -> dict[str, Any]:
+    """The prompt, then ``steps`` timed greedy steps, with the resident memory's peak growth."""
+    from ..hf import compress
+    from .hf import peak_growth
+
+    times: list[float] = []
+    found: dict[str, Any] = {}
+
+    def go() -> None:
+        import contextlib
+
+        import transformers as tf
+
+        cache = tf.DynamicCache()
+        block = compress(model, policy) if policy is not None else contextlib.nullcontext()
+        with block:
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                started = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                times.append(time.perf_counter() - started)
+        found["bytes"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+    with torch.inference_mode():
+        growth, _ = peak_growth(go)
+    # the first steps meet new shapes (routes chosen and measured once): the median of the rest
+    settled = times[2:] if len(times) > 4 else times
+    return {"step_ms": 1000 * statistics.median(settled), "bytes": found["bytes"],
+            "peak_growth": growth, "steps_ms": [1000 * t for t in times]}  # fmt: skip
+
+
+def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print) -> dict:
+    """Run the three measurements; print them with the goals; write kv.json into --out."""
+    from .._extras import require
+    from .._machine import cpu_info
+    from ..backends import fused
+    from .decode import memory_bandwidth
+    from .suite import matmul_peaks
+
+    require("transformers", "hf", "multihead bench kv")
+    from ..hf import load
+    from ..kv import SnapKV
+
+    if not 0 < options.keep <= 1:
+        raise ValueError(f"--keep must be in (0, 1]. Received: --keep {options.keep}")
+    repeats = options.repeats or 3
+    out = V.check_out_dir("--out", options.out)
+    fused.build_error()  # the kernel built now, as bench kernels does
+    model, _ = load(options.model)
+    vocab = model.config.vocab_size
+    cpu, peaks, before = cpu_info()[0], matmul_peaks(1024), memory_bandwidth()
+    say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
+    say(f"matmul peak fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; "
+        f"read bandwidth {before:.1f} GB/s; model {options.model}, float32")  # fmt: skip
+    eager, why = None, "--no-eager"
+    if options.eager:
+        fits, why = _fits_eager(model, options.prompt)
+        if fits:
+            eager, _ = load(options.model, attn_implementation="eager")
+    prompt = _prompt_costs(model, eager, _ids(options.prompt, vocab), repeats, say)
+    del eager
+    long_ids = _ids(options.context, vocab)
+    runs: dict[str, list[dict[str, Any]]] = {"full": [], "compressed": []}
+    policy = SnapKV(float(options.keep))
+    for _ in range(repeats):  # alternating full and compressed runs
+        runs["full"].append(_decode_run(model, long_ids, options.steps, None))
+        runs["compressed"].append(_decode_run(model, long_ids, options.steps, policy))
+    after = memory_bandwidth()
+    decode = {
+        name: {
+            "step_ms": statistics.median(r["step_ms"] for r in rs),
+            "bytes": rs[0]["bytes"],
+            "peak_growth": statistics.median(r["peak_growth"] or 0 for r in rs),
+        }
+        for name, rs in runs.items()
+    }
+    for name, d in decode.items():
+        mib, grew = d["bytes"] / 2**20, d["peak_growth"] / 2**20
+        say(f"  decoding at {options.context} tokens, {name:>10}: {d['step_ms']:.2f} ms a step, "
+            f"cache {mib:.1f} MiB, peak growth {grew:.0f} MiB")  # fmt: skip
+    s = prompt["seconds"]
+    full, packed = decode["full"], decode["compressed"]
+    goals = [
+        _goal(f"prompt with SnapKV's statistics <= 1.1x plain ({options.prompt} tokens)",
+              s["snapkv"] / s["plain"], 1.1, below=True),
+        _goal(f"prompt with H2O's statistics <= 1.2x plain ({options.prompt} tokens)",
+              s["h2o"] / s["plain"], 1.2, below=True),
+        _goal(f"decoding step at {options.context} tokens, keep {options.keep}: >= 1.3x faster "
+              "than the full cache", full["step_ms"] / packed["step_ms"], 1.3, below=False),
+        _goal(f"cache bytes <= 0.27x the full cache's (keep {options.keep})",
+              packed["bytes"] / full["bytes"], 0.27, below=True),
+        _goal("peak memory growth <= 0.6x the full cache's run",
+              packed["peak_growth"] / max(full["peak_growth"], 1), 0.6, below=True),
+    ]  # fmt: skip
+    if "eager" in s:
+        goals.append(_goal(f"scored prompt >= 4x faster than the eager reference "
+                           f"({options.prompt} tokens)", s["eager"] / s["snapkv"], 4.0,
+                           below=False))  # fmt: skip
+    else:
+        say(f"  eager reference not timed: {why}")
+    say(f"read bandwidth after the runs {after:.1f} GB/s")
+    for goal in goals:
+        say(goal_line(goal))
+    report = {
+        "command": "multihead bench kv",
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "peaks_gflops": peaks,
+        "bandwidth_gbs": [before, after],
+        "options": {k: str(v) for k, v in vars(options).items()},
+        "prompt": prompt,
+        "decode": decode,
+        "decode_runs": runs,
+        "goals": goals,
+    }
+    path = out / "kv.json"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    say(f"wrote {path}")
+    return report
+
+
+def _goal(text: str, figure: float, threshold: float, *, below: bool) -> dict[str, Any]:
+    met = figure <= threshold if below else figure >= threshold
+    return {"text": text, "figure": float(figure), "threshold": threshold, "met": bool(met)}

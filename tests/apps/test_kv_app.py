@@ -1,0 +1,129 @@
+"""``multihead kv`` (the long-input harness) and ``multihead bench kv`` on a tiny random Llama
+written by transformers: the tasks as generated, the harness's decoding against transformers'
+own ``generate`` (full cache) and against ``multihead.hf.compress`` run on the whole prompt
+(compressed), and the benchmark's report."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import transformers as tf
+from models.decoders import build
+
+import multihead.hf as mhf
+from multihead import kv
+from multihead.apps import kv as app
+from multihead.bench import kv as bench
+
+LENGTHS = (96, 128)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return mhf.load(folder)
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey"])
+@pytest.mark.parametrize("length", [700, 1200])
+def test_a_task_has_about_the_length_and_holds_its_answer(loaded, task, length):
+    _, tokenizer = loaded
+    trial = app.make_task(task, tokenizer, length, 0.5, random.Random(1), keys=3)
+    count = len(tokenizer(trial.prompt, add_special_tokens=False)["input_ids"])
+    filler = len(tokenizer(app._FILLER, add_special_tokens=False)["input_ids"])
+    assert length - filler <= count <= length + filler  # whole filler sentences
+    assert trial.answer in trial.prompt and trial.prompt.rstrip().endswith("is")
+    if task == "multikey":
+        assert trial.prompt.count("One of the special magic numbers for") == 3
+    else:
+        assert len(trial.answer) == 5 and trial.prompt.count(trial.answer) == 2
+
+
+def test_depth_places_the_needle(loaded):
+    _, tokenizer = loaded
+    spots = []
+    for depth in (0.1, 0.5, 0.9):
+        prompt = app.make_task("passkey", tokenizer, 3000, depth, random.Random(2)).prompt
+        spots.append(prompt.index("The pass key is") / len(prompt))
+    assert spots == sorted(spots) and spots[0] < 0.25 and spots[2] > 0.75
+
+
+def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_path, capsys):
+    options = app.KvOptions(model=str(folder), lengths=LENGTHS, keep=(1.0, 0.5),
+                            policies=("snapkv", "h2o", "tova", "streaming"), trials=2,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    rows = {(r["length"], r["policy"], r["keep"]): r for r in result["rows"]}
+    assert len(rows) == 2 * 2 * 4
+    assert (tmp_path / "out" / "kv.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "out" / "kv.json").read_text())["rows"] == result["rows"]
+    model, tokenizer = loaded
+    sdpa, _ = mhf.load(folder, attn_implementation="sdpa")
+    rng = random.Random(options.seed)
+    for length in LENGTHS:
+        for t in range(options.trials):
+            trial = app.make_task("passkey", tokenizer, length, (t + 0.5) / 2, rng, 4)
+            ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
+            with torch.inference_mode():
+                plain = sdpa.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+                with mhf.compress(model, kv.SnapKV(0.5)):
+                    packed = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+            want = tokenizer.decode(plain[0, ids.shape[1] :])
+            for name in options.policies:  # keep 1.0: the full cache, whatever the policy
+                assert rows[(length, name, 1.0)]["answers"][t] == want
+            assert rows[(length, "snapkv", 0.5)]["answers"][t] == tokenizer.decode(
+                packed[0, ids.shape[1] :]
+            )
+            full, half = rows[(length, "h2o", 1.0)], rows[(length, "h2o", 0.5)]
+            assert half["cache_mib"] == pytest.approx(full["cache_mib"] / 2, rel=0.02)
+    printed = capsys.readouterr().out
+    assert "snapkv" in printed and "kv.png" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lengths", "10"], "--lengths must be token counts >= 64"),
+        (["--keep", "0.5,2"], r"--keep takes fractions in \(0, 1\]"),
+        (["--keep", "a"], "--keep takes comma-separated numbers"),
+        (["--policies", "snapkv,lru"], "--policies takes names from"),
+    ],
+)
+def test_bad_grid_options_are_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        app.KvOptions(**{argv[0][2:]: argv[1]})
+
+
+def test_bench_kv_reports_costs_and_goals(folder, tmp_path):
+    options = bench.KvBenchOptions(model=str(folder), prompt=96, context=128, steps=4,
+                                   repeats=1, out=tmp_path)  # fmt: skip
+    report = bench.run_kv_bench(options, say=lambda line: None)
+    assert set(report["prompt"]["seconds"]) == {"plain", "snapkv", "h2o", "eager"}
+    texts = [g["text"] for g in report["goals"]]
+    assert len(texts) == 6 and all(isinstance(g["met"], bool) for g in report["goals"])
+    # bytes measured on the tensors after 4 steps: 36 kept (a quarter of 128 is below the 4
+    # sinks and the 32-row window SnapKV always keeps) + 4 new keys, against 128 + 4
+    decode = report["decode"]
+    assert kv.SnapKV(0.25).budget_for(128) == 36
+    assert decode["compressed"]["bytes"] * (128 + 4) == decode["full"]["bytes"] * (36 + 4)
+    assert json.loads((tmp_path / "kv.json").read_text())["goals"] == report["goals"]
+
+
+def test_the_eager_reference_reduces_the_weights_the_kernel_folds(folder):
+    """The benchmark's eager contender computes the same window_mass the kernel does."""
+    model, _ = mhf.load(folder)
+    eager, _ = mhf.load(folder, attn_implementation="eager")
+    ids = torch.randint(3, 250, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        scores = bench._eager_scores(eager, ids, 32)
+        with mhf.capture(model, stats=["window_mass"], window=32) as cap:
+            model(input_ids=ids, past_key_values=tf.DynamicCache(), use_cache=True)
+    for layer, score in enumerate(scores):
+        torch.testing.assert_close(cap.stats[layer]["window_mass"], score, rtol=1e-5, atol=1e-5)
