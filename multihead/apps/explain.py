@@ -53,11 +53,12 @@ class ExplainOptions:
     out: Path = option(
         Path("explain-out"), "folder for the figures (its parent must exist)", metavar="DIR"
     )
-    model: Path | None = option(
+    model: str | None = option(
         None,
         "model folder: BERT family, GPT-2 or Llama, or any architecture transformers loads "
-        "with its tokenizer.json (the hf extra) (default: all-MiniLM-L6-v2)",
-        metavar="PATH",
+        "with its tokenizer.json (the hf extra); or a causal LM multihead.hf.load reads: "
+        "'smollm2' or a .gguf file (the llm extra) (default: all-MiniLM-L6-v2)",
+        metavar="MODEL",
     )
     layer: int | None = option(
         None,
@@ -133,13 +134,17 @@ def supported() -> str:
     )
 
 
-def _load(model_path: Path | None) -> Any:
-    """The model in ``model_path`` (None: the default BERT model), refused before loading
-    when no model family opens the folder."""
+def _load(source: str | Path | None) -> Any:
+    """The model of ``source`` (None: the default BERT model): "smollm2" or a .gguf file
+    through ``multihead.hf.load``, else a folder, refused before loading when no model family
+    opens it."""
     from .. import hf_folders, models
     from ..models import kinds
     from ..models.causal_lm import CausalLM
 
+    if source is not None and _llm_source(source):
+        return _Foreign.from_source(str(source))
+    model_path = None if source is None else Path(source)
     if model_path is not None:
         hf_folders.model_folder(model_path)
     found = kinds.folder_kind(model_path)
@@ -201,6 +206,18 @@ class _Foreign:
         )
         return cls(folder, tokenizer, model)
 
+    @classmethod
+    def from_source(cls, source: str) -> _Foreign:
+        """A causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file), with the
+        ``tokenizers.Tokenizer`` behind its transformers tokenizer."""
+        from .._extras import require
+
+        require("transformers", "hf", "multihead explain --model " + source)
+        from ..hf import load
+
+        model, tokenizer = load(source)
+        return cls(Path(source), tokenizer.backend_tokenizer, model)
+
     def attend(self, text: str) -> tuple[list[str], list[bool], Tensor, bool]:
         """Run ``text``, capturing every head of every self-attention layer (an
         encoder-decoder's encoder). The heads are causal when no weight lies above the
@@ -219,6 +236,14 @@ class _Foreign:
         causal = bool((weights.triu(1) == 0).all()) and ids.shape[1] > 1
         special = [bool(s) for s in encoding.special_tokens_mask]
         return list(encoding.tokens), special, weights, causal
+
+
+def _llm_source(source: str | Path) -> bool:
+    """ "smollm2" or a path ending in .gguf (``multihead.hf.loading.is_llm_source``, read here
+    without importing transformers)."""
+    return (isinstance(source, str) and source == "smollm2") or str(source).lower().endswith(
+        ".gguf"
+    )
 
 
 def _decodes(tokenizer: Any) -> bool:
