@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Sampler", "filter_top_k", "filter_top_p"]
+__all__ = ["Sampler", "filter_top_k", "filter_top_p", "greedy"]
 
 
 def filter_top_k(scores: Tensor, k: int | None) -> Tensor:
@@ -96,8 +96,19 @@ class Sampler:
     def __call__(self, logits: Tensor) -> Tensor:
         """(B, vocab) logits -> (B,) tokens."""
         if not self.do_sample:
-            return logits.argmax(dim=-1)
+            return greedy(logits)
         return _sample(logits, self.temperature, self.top_k, self.top_p, self.generator)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """(B, vocab) logits -> (B,) int64: each row's most likely token, ``logits.argmax(-1)``:
+    the first of tied maxima, the first NaN where a row has one.
+
+    On the CPU numpy's argmax answers (the same index): it is vectorized, ATen's CPU argmax is
+    not, and over a 49,152-token vocabulary the difference is most of the choice's time."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(dim=-1)
 
 
 def _check_filters(top_k: int | None, top_p: float | None) -> None:
@@ -123,8 +134,31 @@ def _sample(
     and divided in float64, where every finite temperature > 0 is itself representable (in
     float32 5e-324 is 0): the scores are then <= 0, so a tiny temperature drives them to -inf
     but never makes inf or NaN, and sampling tends to the greedy choice (tokens tied at the
-    maximum share it)."""
-    logits = logits.double()
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    scores = filter_top_p(filter_top_k(shifted / temperature, top_k), top_p)
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+    maximum share it).
+
+    With ``top_k`` the vocabulary is read once, by ``topk``: the k candidates (sorted, so
+    top-p needs no sort of its own) are all that is scaled, filtered and sampled from, the
+    same distribution as ``filter_top_k`` over the whole row. Where the k-th score is tied
+    with the next (``filter_top_k`` keeps every tie), the whole row is filtered instead."""
+    candidates = _top_k(logits, top_k)
+    values, indices = (logits, None) if candidates is None else candidates
+    values = values.double()
+    shifted = values - values.max(dim=-1, keepdim=True).values
+    scores = shifted / temperature
+    if candidates is None:
+        scores = filter_top_k(scores, top_k)
+    scores = filter_top_p(scores, top_p)
+    choice = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)
+    return (choice if indices is None else indices.gather(-1, choice))[:, 0]
+
+
+def _top_k(logits: Tensor, k: int | None) -> tuple[Tensor, Tensor] | None:
+    """The k highest logits of each row and their token ids, (B, k) each, sorted; None when
+    k keeps the whole row or a row's k-th logit is tied with its next (one more is taken to
+    see it)."""
+    if k is None or k >= logits.shape[-1]:
+        return None
+    values, indices = torch.topk(logits, k + 1, dim=-1)
+    if bool((values[:, k - 1] == values[:, k]).any()):
+        return None
+    return values[:, :k], indices[:, :k]
