@@ -2,6 +2,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # turn it on where they test it)
 os.environ.setdefault("MULTIHEAD_FUSED_AUTO", "0")
 os.environ.setdefault("MULTIHEAD_HALF_AUTO", "0")
+# GGUF files multihead.hf.load converts (the tests' tiny ones, SmolLM2) go to one folder the
+# test processes share, outside the user's cache: SmolLM2 converts once per machine there
+os.environ.setdefault(
+    "MULTIHEAD_MODELS_DIR", str(Path(tempfile.gettempdir()) / f"multihead-tests-{os.getuid()}")
+)
 
 
 def pytest_configure(config):

@@ -25,6 +25,7 @@ __all__ = [
     "attn_implementation",
     "collecting_attentions",
     "read_mask_function",
+    "saveable",
 ]
 
 # The variables each factory's closure captures in transformers 5.23 (masking_utils.py), by
@@ -156,3 +157,15 @@ def attn_implementation(model: nn.Module) -> str | None:
     config = getattr(model, "config", None)
     found = getattr(config, "_attn_implementation", None)
     return found if isinstance(found, str) else None
+
+
+def saveable(model: Any) -> Any:
+    """``model`` as ``save_pretrained`` writes it in float32: a model read from a GGUF file
+    carries the GGUF quantizer (``hf_quantizer``) and its ``quantization_config``, for which
+    ``save_pretrained`` refuses to write (5.23), although its weights are already dequantized
+    float32 tensors. Both are dropped, so the folder reloads as a plain float32 model."""
+    model.hf_quantizer = None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return model

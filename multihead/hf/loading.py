@@ -27,6 +27,8 @@ __all__ = [
     "SMOLLM2",
     "SMOLLM2_INSTALL",
     "Source",
+    "cache_root",
+    "converted_folder",
     "is_llm_source",
     "load",
     "resolve",
@@ -132,9 +134,11 @@ def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> 
     """A causal language model in eval mode and float32, and its transformers tokenizer.
 
     The model is transformers' own (``AutoModelForCausalLM``), on multihead's attention unless
-    ``attn_implementation`` names another ("sdpa", "eager"). A GGUF file's weights are
-    dequantized to float32 as they are read, which takes some seconds (a line on stderr says
-    so). The tokenizer is transformers' (``AutoTokenizer``; a command that takes a
+    ``attn_implementation`` names another ("sdpa", "eager"). A GGUF file is read once by
+    transformers (its weights dequantized to float32, its tokenizer rebuilt from the
+    metadata: half a minute for SmolLM2, a line on stderr says so) and kept as a transformers
+    folder in the user's cache (``converted_folder``); later loads read that folder. The
+    tokenizer is transformers' (``AutoTokenizer``; a command that takes a
     ``tokenizers.Tokenizer`` takes its ``backend_tokenizer``). Example::
 
         model, tokenizer = multihead.hf.load("smollm2")
@@ -156,9 +160,9 @@ def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> 
     import transformers
 
     where = resolve(source)
-    named = {} if where.gguf_file is None else {"gguf_file": where.gguf_file}
     if where.gguf_file is not None:
-        print(f"loading {where.path}: dequantizing its weights to float32", file=sys.stderr)
+        where = Source(_converted(where))
+    named = {} if where.gguf_file is None else {"gguf_file": where.gguf_file}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             where.folder,
@@ -173,3 +177,56 @@ def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> 
             f"{where.path}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
     return model.eval(), tokenizer
+
+
+def cache_root() -> Path:
+    """Where GGUF files converted to transformers folders are kept: ``$MULTIHEAD_MODELS_DIR``
+    where set, else ``$XDG_CACHE_HOME/multihead/models``, else ``~/.cache/multihead/models``."""
+    root = os.environ.get("MULTIHEAD_MODELS_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "multihead" / "models"
+
+
+def converted_folder(where: Source) -> Path:
+    """The cache folder a GGUF file converts into: named by the file's name, size and time of
+    last change, so a reinstalled or edited file converts anew."""
+    assert where.gguf_file is not None
+    found = where.path.stat()
+    return cache_root() / f"{Path(where.gguf_file).stem}-{found.st_size}-{found.st_mtime_ns}"
+
+
+def _converted(where: Source) -> Path:
+    """The GGUF file as a transformers folder (model in float32, tokenizer), written into the
+    user's cache on first use (whole or not at all: ``replace_folder``)."""
+    import torch
+    import transformers
+
+    from .._atomic import replace_folder
+    from ._transformers import saveable
+
+    folder = converted_folder(where)
+    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
+        return folder
+    print(
+        f"loading {where.path}: dequantizing its weights to float32, once (kept in {folder})",
+        file=sys.stderr,
+    )
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            where.folder, gguf_file=where.gguf_file, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            where.folder, gguf_file=where.gguf_file
+        )
+    except (ValueError, OSError, KeyError) as err:
+        raise ValueError(
+            f"transformers could not load a causal language model and its tokenizer from "
+            f"{where.path}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with replace_folder(folder) as tmp:
+        saveable(model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder

@@ -68,7 +68,9 @@ def test_another_attention_implementation_is_passed_to_transformers(folder):
 
 def test_a_gguf_file_gives_the_folders_model_and_tokenizer(folder, gguf_file, capsys):
     model, tokenizer = loading.load(gguf_file)
-    assert f"loading {gguf_file}: dequantizing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # dequantized once (now, or by an earlier test of this session), then read from the cache
+    assert f"loading {gguf_file}: dequantizing" in err or not err
     assert model.config._attn_implementation == "multihead" and not model.training
     ids = _ids(folder)
     assert tokenizer(TEXT).input_ids == ids[0].tolist()
@@ -244,3 +246,37 @@ def test_smollm2_greedy_generate_on_multihead_gives_sdpas_tokens(smollm2):
     assert torch.equal(got, want)
     answer = tokenizer.decode(got[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_a_converted_gguf_is_read_from_the_cache_by_the_next_process(folder, tmp_path, monkeypatch):
+    """A process converts the file into the cache; this one then loads the cached folder (no
+    GGUF read: transformers is never handed the file) and gets the same model."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    gguf = write_gguf(folder, tmp_path / "again.gguf")
+    monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path / "cache"))
+    code = "import sys, multihead.hf as m; m.load(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(gguf)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "dequantizing its weights to float32, once" in done.stderr
+    cached = loading.converted_folder(loading.resolve(gguf))
+    assert cached.parent == tmp_path / "cache" and (cached / "config.json").is_file()
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("gguf_file"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    model, tokenizer = loading.load(gguf)
+    assert seen == [None]
+    same, _ = loading.load(folder)
+    ids = _ids(folder)
+    assert tokenizer(TEXT).input_ids == ids[0].tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, same(ids).logits, rtol=0, atol=1e-6)
