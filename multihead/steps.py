@@ -26,7 +26,6 @@ already; a band that shows the row every key needs none; any other is lowered on
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from torch import Tensor
 
 from . import bias as mb
 from . import masks
+from ._cache import Bounded
 from .backends import registry
 from .backends._measure import length_class
 from .backends.call import Call, heads_as_rows, prepare, traced
@@ -48,7 +48,7 @@ class _Route:
     """How the calls of one signature run. ``folded``: the query's shape as (B, H_kv,
     H / H_kv, D) rows, or None to run it as it is; the call's mask is its own (``own_mask``)
     or ``mask``; ``backend`` runs it; the output comes back as ``out_shape`` (B, 1, H, D_v).
-    (A route never holds the mask it is kept under: it would keep that mask alive.)"""
+    A route is kept in the memo of the mask it runs with (``_routes``)."""
 
     folded: tuple[int, int, int, int] | None
     own_mask: bool
@@ -65,12 +65,11 @@ class _Route:
         return query if self.folded is None else query.reshape(self.folded)
 
 
-# the routes of each mask object, by call signature: they die with the step's mask
-_ROUTES: weakref.WeakKeyDictionary[Mask, dict[tuple, _Route]] = weakref.WeakKeyDictionary()
+# signatures whose routes a step's mask keeps in its memo (``Mask.memo``: they die with it)
+_ROUTES_KEPT = 64
 # the routes of unmasked calls, by signature with the key length's class in place of the
-# length (``_unmasked_signature``: a growing cache's steps share one): at most _UNMASKED_KEPT
-_UNMASKED: dict[tuple, _Route] = {}
-_UNMASKED_KEPT = 64
+# length (``_unmasked_signature``: a growing cache's steps share one)
+_UNMASKED: Bounded[tuple, _Route] = Bounded(64)
 
 
 def applies(query: Tensor, key: Tensor, value: Tensor) -> bool:
@@ -114,7 +113,7 @@ def attend(
         rule and fallback as ``multihead.attention``, with the checks and the choice made once
         per mask object and call signature.
     """
-    kept = _kept(mask)
+    kept = _routes(mask)
     if mask is None:
         signature = _unmasked_signature(query, key, value, scale, softcap)
     else:
@@ -180,15 +179,10 @@ def _unmasked_signature(
     )  # fmt: skip
 
 
-def _kept(mask: Mask | None) -> dict[tuple, _Route]:
-    if mask is None:
-        if len(_UNMASKED) >= _UNMASKED_KEPT:
-            _UNMASKED.clear()
-        return _UNMASKED
-    kept = _ROUTES.get(mask)
-    if kept is None:
-        kept = _ROUTES[mask] = {}
-    return kept
+def _routes(mask: Mask | None) -> Bounded[tuple, _Route]:
+    """The routes kept for calls with ``mask``, by signature: in the mask's memo, or for
+    unmasked calls the process's table."""
+    return _UNMASKED if mask is None else mask.memo("decoding routes", _ROUTES_KEPT)
 
 
 def _route(

@@ -13,13 +13,12 @@ diagonal square, not every key it sees.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .._cache import Bounded
 from ..masks import Mask, TileKind
 from .call import Call
 
@@ -200,27 +199,11 @@ def _chunks(pieces: list[Piece]) -> list[Chunk]:
     return chunks
 
 
-_PLANS: dict[tuple, list[Item]] = {}  # plans of band-only masks, reused across calls
-_PLAN_CACHE_SIZE = 16
-_KEPT_ON_MASK = 4  # shapes whose plans a mask keeps on itself (the newest)
+_PLANS: Bounded[tuple, list[Item]] = Bounded(16)  # plans of band-only masks, reused across calls
+KEPT_ON_MASK = 4  # shapes whose plans a mask keeps in its memo (the most recently used)
 # a plan whose keep blocks hold more bits than this is not kept (a dense mask's partial tiles
 # could double the memory its own tensor holds): it is made again at each call
 KEPT_BITS = 64 << 20
-
-
-def on_mask(mask: Mask, name: str) -> OrderedDict:
-    """The cache ``name`` a mask keeps on itself (made on first use)."""
-    kept = mask.__dict__.get(name)
-    if kept is None:
-        kept = mask.__dict__[name] = OrderedDict()
-    return kept
-
-
-def remember(kept: OrderedDict, key: Hashable, value: object) -> None:
-    """``kept[key] = value``, dropping the oldest entry past ``_KEPT_ON_MASK``."""
-    kept[key] = value
-    if len(kept) > _KEPT_ON_MASK:
-        kept.popitem(last=False)
 
 
 def plan(
@@ -238,31 +221,29 @@ def plan(
 
     Plans of masks whose pattern depends only on (L, S) (their ``structure_key``; causal and
     sliding-window bands) are cached, so a training loop plans once. Other masks (predicates,
-    documents, dense masks) keep their plans on themselves, as they keep their tile answers
+    documents, dense masks) keep their plans in their memo (``Mask.memo``), as they keep their
+    tile answers
     (a mask does not change once made; a plan whose keep blocks exceed ``KEPT_BITS`` is made
     anew instead): a predicate mask used again with the same shapes plans once too, as the
     built-in kinds do.
     """
     structure = None if mask is None else mask.structure_key
     if mask is not None and structure is None:
-        kept = on_mask(mask, "_plans")
+        kept = mask.memo("plans", KEPT_ON_MASK)
         key = (batch, length_q, length_k, tile, _MIN_FULL_RUN, str(device), stack)
-        if key in kept:
-            return kept[key]
+        items = kept.get(key)
+        if items is not None:
+            return items
         items = _plan(mask, batch, length_q, length_k, tile, device)
         items = _stacked(items, batch) if stack else items
         bits = sum(c.keep.numel() for i in items for c in i.chunks if c.keep is not None)
         if bits <= KEPT_BITS:
-            remember(kept, key, items)
+            kept[key] = items
         return items
     if structure is None:
         return _plan(mask, batch, length_q, length_k, tile, device)
     key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
-    if key not in _PLANS:
-        if len(_PLANS) >= _PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
-    return _PLANS[key]
+    return _PLANS.make(key, lambda: _plan(mask, batch, length_q, length_k, tile, device))
 
 
 def _plan(

@@ -23,13 +23,13 @@ import sys
 import sysconfig
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .._cache import Bounded
 from ..masks import Mask, TileKind
 from ._tensors import stat_dtype
 from .call import Call, structured
@@ -78,8 +78,8 @@ class _Kernel:
     compiled: bool = False  # set after the first successful call
 
 
-_kernels: OrderedDict[Hashable, _Kernel] = OrderedDict()
-_block_masks: OrderedDict[Hashable, object] = OrderedDict()
+_kernels: Bounded[Hashable, _Kernel] = Bounded(_KERNELS_KEPT)
+_block_masks: Bounded[Hashable, object] = Bounded(_BLOCK_MASKS_KEPT)
 _failures: dict[Hashable, str] = {}
 _log: list[CompileRecord] = []
 _tags = itertools.count()
@@ -271,13 +271,7 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
             return add(score, b, head, q_idx, kv_idx).to(stat)
 
     key = _kernel_key(call)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        kernel = _Kernel(_compile(f"{next(_tags)}"))
-        _kernels[key] = kernel
-        while len(_kernels) > _KERNELS_KEPT:
-            _kernels.popitem(last=False)
-    _kernels.move_to_end(key)
+    kernel = _kernels.make(key, lambda: _Kernel(_compile(f"{next(_tags)}")))
     args = (q, k, v, score_mod, blocks, call.scale, h != h_kv)
     if kernel.compiled:
         return kernel.fn(*args), None
@@ -329,14 +323,9 @@ def _cached_block_mask(call: Call):
     if structure is None:  # the pattern depends on the mask's tensors: build it every call
         return block_mask(call.mask, length_q, length_k, batch_size=b, device=device, q_blocks=grad)
     key = (structure, length_q, length_k, str(device), grad, BLOCK)
-    found = _block_masks.get(key)
-    if found is None:
-        found = block_mask(call.mask, length_q, length_k, device=device, q_blocks=grad)
-        _block_masks[key] = found
-        while len(_block_masks) > _BLOCK_MASKS_KEPT:
-            _block_masks.popitem(last=False)
-    _block_masks.move_to_end(key)
-    return found
+    return _block_masks.make(
+        key, lambda: block_mask(call.mask, length_q, length_k, device=device, q_blocks=grad)
+    )
 
 
 def _structure(call: Call, sizes: bool = False) -> Hashable:

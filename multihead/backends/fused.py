@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from functools import partial
 from pathlib import Path
@@ -39,9 +38,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .._cache import Bounded
 from . import _extension, _measure
 from ._nonfinite import NonFiniteInput, run_guarded
-from ._plan import KEPT_BITS, Item, on_mask, plan, query_tile, remember
+from ._plan import KEPT_BITS, KEPT_ON_MASK, Item, plan, query_tile
 from ._tensors import sink_grad, stat_dtype
 from .call import Call, heads_as_rows
 from .protocol import LAST, Backend, Capabilities, Rank
@@ -309,8 +309,8 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------------------------
 # From a call to the op's arguments.
 
-_FLAT: OrderedDict[Hashable, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
-_FLAT_KEPT = 16  # flattened plans of (L, S)-only mask structures kept for reuse
+# flattened plans of (L, S)-only mask structures kept for reuse
+_FLAT: Bounded[Hashable, tuple[Tensor, Tensor, Tensor]] = Bounded(16)
 with torch.inference_mode(False):  # usable outside inference mode too
     _NO_HEADS = torch.empty(0, dtype=torch.long)  # an eager call's heads= when every head is asked
 _EMPTY: dict[torch.dtype, Tensor] = {}  # _nothing's shared empty tensors
@@ -391,7 +391,7 @@ def _band_width(mask, length_q: int, length_k: int) -> int | None:
     describes a band or a window then gets the query tiles the built-in band gets (as tall as
     a quarter of the band), not tiles far taller than the band, which read keys no row of
     them sees. None for masks whose rows see most keys. Kept on the mask per (L, S)."""
-    kept = on_mask(mask, "_band_widths")
+    kept = mask.memo("band widths", KEPT_ON_MASK)
     key = (length_q, length_k)
     if key not in kept:
         spans = [
@@ -399,7 +399,7 @@ def _band_width(mask, length_q: int, length_k: int) -> int | None:
             for r in (int(length_q * f) for f in _PROBE_ROWS)
         ]
         width = max(t.stop - t.start for t in spans)
-        remember(kept, key, width if 0 < width < length_k // 2 else None)
+        kept[key] = width if 0 < width < length_k // 2 else None
     return kept[key]
 
 
@@ -442,20 +442,19 @@ def _planned(mask, b, length_q, length_k, tile, device) -> tuple[Tensor, Tensor,
         return _unmasked_plan(length_q, length_k, device)
     structure = mask.structure_key
     if structure is None:  # kept on the mask, as its plan is
-        kept = on_mask(mask, "_fused_plans")
+        kept = mask.memo("fused plans", KEPT_ON_MASK)
         key = (b, length_q, length_k, tile, str(device))
-        if key in kept:
-            return kept[key]
+        found = kept.get(key)
+        if found is not None:
+            return found
         flat = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
         if flat[2].numel() <= KEPT_BITS:
-            remember(kept, key, flat)
+            kept[key] = flat
         return flat
     key = (structure, length_q, length_k, tile, str(device))
-    if key not in _FLAT:
-        if len(_FLAT) >= _FLAT_KEPT:
-            _FLAT.popitem(last=False)
-        _FLAT[key] = _flatten(plan(mask, b, length_q, length_k, tile, device), device)
-    return _FLAT[key]
+    return _FLAT.make(
+        key, lambda: _flatten(plan(mask, b, length_q, length_k, tile, device), device)
+    )
 
 
 def _nothing(q: Tensor, dtype: torch.dtype, shared: bool) -> Tensor:

@@ -21,6 +21,7 @@ from types import MappingProxyType
 
 from torch import Tensor
 
+from .._cache import Bounded
 from . import _nonfinite, flex, fused, half, reference, sdpa, tiled
 from ._measure import shape_class
 from ._nonfinite import NonFiniteInput
@@ -41,8 +42,7 @@ __all__ = [
 _registered: dict[str, Backend] = {}
 BACKENDS = MappingProxyType(_registered)  # name -> Backend, read-only; change with register()
 _STATES: list[Callable[[], Hashable]] = []  # the registered backends' state functions
-_CHOICES: dict[Hashable, str] = {}  # auto's choice per _key
-_CHOICES_KEPT = 4096  # more distinct keys than this: forget them all and start again
+_CHOICES: Bounded[Hashable, str] = Bounded(4096)  # auto's choice per _key
 
 
 @dataclass(frozen=True)
@@ -209,8 +209,6 @@ def select(call: Call, backend: str) -> str:
     if chosen is None:
         chosen = _choose(call)
         if key is not None:
-            if len(_CHOICES) >= _CHOICES_KEPT:
-                _CHOICES.clear()
             _CHOICES[key] = chosen
     return chosen
 

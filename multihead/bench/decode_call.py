@@ -54,7 +54,7 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     layer = _Layer()
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
-    (route,) = steps._ROUTES[mask].values()
+    (route,) = steps._routes(mask).values()
     call = steps.route_call(route, q, k, v, mask)
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step

@@ -8,7 +8,6 @@ predicate ``mask_mod`` alone; a kind overrides an answer only where it knows a f
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from torch import Tensor
 
 from .. import _geometry as G
 from .. import _validation as V
+from .._cache import Bounded
 from .._geometry import TileKind
 
 __all__ = ["Mask", "MaskMod", "Tile", "TileKind", "dense"]
@@ -247,21 +247,34 @@ class Mask:
         keep = keep[0, min(head, keep.shape[1] - 1)].expand(rows, cols)
         return "\n".join("".join("#" if x else "." for x in row) for row in keep.tolist())
 
-    def _summary(self, length_q: int, length_k: int, batch: int) -> _Summary:
-        """The cached summary of ``mask_mod`` for (L, S) and one batch entry."""
-        key = (length_q, length_k, batch if self.batch_size not in (None, 1) else 0)
-        cache = self._summaries
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        cache[key] = _summarize(self, length_q, length_k, key[2])
-        if len(cache) > _CACHED_SHAPES:
-            cache.popitem(last=False)
-        return cache[key]
+    def memo(self, namespace: str, size: int) -> Bounded:
+        """The table ``namespace`` of state derived from this mask (plans, summaries, decoding
+        routes), kept on the mask itself: made on first use with room for ``size`` entries
+        (the least recently used forgotten first), collected with the mask. A mask does not
+        change once made, so what is kept is never stale. Values may refer to the mask.
 
-    @functools.cached_property
-    def _summaries(self) -> OrderedDict:
-        return OrderedDict()
+        Raises:
+            ValueError: ``namespace`` was made with another ``size``.
+        """
+        memos = self.__dict__.get("_memos")
+        if memos is None:
+            memos = self.__dict__["_memos"] = {}
+        table = memos.get(namespace)
+        if table is None:
+            table = memos[namespace] = Bounded(size)
+        elif table.maxsize != size:
+            raise ValueError(
+                f"the memo {namespace!r} of this mask holds {table.maxsize} entries; ask for it "
+                f"with that size. Received: size={size}"
+            )
+        return table
+
+    def _summary(self, length_q: int, length_k: int, batch: int) -> _Summary:
+        """The summary of ``mask_mod`` for (L, S) and one batch entry (memoized)."""
+        key = (length_q, length_k, batch if self.batch_size not in (None, 1) else 0)
+        return self.memo("summaries", _CACHED_SHAPES).make(
+            key, lambda: _summarize(self, length_q, length_k, key[2])
+        )
 
     def __and__(self, other: Mask) -> Mask:
         return _Combine(self, _as_mask(other), "&")

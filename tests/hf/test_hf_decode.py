@@ -11,6 +11,7 @@ within 1e-6 of their largest entry.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -200,9 +201,12 @@ def test_a_route_is_kept_per_mask_object_and_signature(routes):
     assert len(routes) == 1
     _bridge(q, k, v, mask, scaling=0.5)  # another signature: a route of its own
     assert len(routes) == 2
-    del mask, routes[:]
+    kept = steps._routes(mask)
+    assert len(kept) == 2
+    alive = weakref.ref(kept)
+    del mask, kept, routes[:]
     gc.collect()
-    assert len(steps._ROUTES) == 0  # the routes die with the step's mask
+    assert alive() is None  # the routes die with the step's mask
 
 
 def test_new_padding_is_never_served_a_kept_route(routes):
@@ -260,11 +264,11 @@ def test_a_kept_backend_that_refuses_is_chosen_again(routes):
     mask = _decode_mask(attention_mask=_padding(S))
     want = _bridge(q, k, v, mask)
     ((_, route),) = routes
-    (signature,) = steps._ROUTES[mask]
+    (signature,) = steps._routes(mask)
     # "half" takes only bf16/fp16 inputs: an explicit call with fp32 is refused
-    steps._ROUTES[mask][signature] = steps._Route(**{**route.__dict__, "backend": "half"})
+    steps._routes(mask)[signature] = steps._Route(**{**route.__dict__, "backend": "half"})
     _close(_bridge(q, k, v, mask), want)
-    assert steps._ROUTES[mask][signature].backend == route.backend
+    assert steps._routes(mask)[signature].backend == route.backend
 
 
 def test_a_bad_call_raises_as_multihead_attention_does():
