@@ -2,7 +2,7 @@
 
 Installed into an environment that already holds torch and a C++ compiler (``pip install
 --no-build-isolation``, as the README's commands do), every kernel of
-``multihead/backends/_extension.py``'s ``KERNELS`` is compiled with torch's C++ extension
+``multihead/kernels/build.py``'s ``KERNELS`` is compiled with torch's C++ extension
 tooling (the kernels at the same time, one per core) and placed inside the package, with a
 record of what it was built from. Without torch in the build environment (pip's default build
 isolation), without a compiler, or when a kernel fails to compile, the package installs
@@ -30,10 +30,10 @@ def _say(message: str) -> None:
 
 
 def _builder():
-    """multihead/backends/_extension.py, loaded by path: the package itself is not importable
-    while it is being built."""
-    path = HERE / "multihead" / "backends" / "_extension.py"
-    spec = importlib.util.spec_from_file_location("_multihead_extension", path)
+    """multihead/kernels/build.py, loaded by path: the package itself is not importable while
+    it is being built."""
+    path = HERE / "multihead" / "kernels" / "build.py"
+    spec = importlib.util.spec_from_file_location("_multihead_kernels_build", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while decorating

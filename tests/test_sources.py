@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "multihead"
-SOURCES = ["backends/csrc/fused_attention.cpp", "modules/csrc/rows_linear.cpp"]
+SOURCES = ["kernels/csrc/fused_attention.cpp", "kernels/csrc/rows_linear.cpp"]
 
 # a measurement, a machine, a past run or a past version of the code
 HISTORY = re.compile(

@@ -1,6 +1,6 @@
 """The fused C++ attention kernel (``backend="fused"``), built on first use, run as one torch op.
 
-The kernel (``csrc/fused_attention.cpp``) walks a work list made from the mask's own tile
+The kernel (``kernels/csrc/fused_attention.cpp``) walks a work list made from the mask's own tile
 answers (the planner in ``_plan.py``; cached per mask structure and shape), so it skips what
 the mask hides without knowing any mask kind. Per block of query rows it computes scores by
 GEMM, soft-caps them, adds the bias (a dense tensor read through broadcast strides, or a
@@ -13,14 +13,14 @@ written once, for every head or for chosen ones.
 It comes from the package build (``setup.py`` compiles it when the package is installed
 into an environment holding torch and a C++ compiler, the module inside the installed
 package) or, where the installation has none that matches this process, from
-``torch.utils.cpp_extension`` compiling it on demand into a per-user cache (``_extension.py``
-has both, and the flags they share). Where neither can run (no compiler, no headers) the
-failure is remembered, ``unsupported`` reports it in one line, the process says once that
-the kernel is missing and how to get it, and ``auto`` uses the other backends. ``auto``
-never starts the compile: it uses a kernel from the package or built earlier on this machine
-(by ``multihead doctor``, ``multihead bench kernels`` or a call with ``backend="fused"``), and
-runs it only where it measured faster than the backend it would otherwise choose
-(``measured_faster``). Setting ``MULTIHEAD_FUSED=0`` turns the kernel off.
+``torch.utils.cpp_extension`` compiling it on demand into a per-user cache (the builder and
+the loader in ``multihead/kernels``, the one sequence both kernels use). Where neither can run
+(no compiler, no headers) the failure is remembered, ``unsupported`` reports it in one line,
+the process says once that the kernel is missing and how to get it, and ``auto`` uses the
+other backends. ``auto`` never starts the compile: it uses a kernel from the package or built
+earlier on this machine (by ``multihead doctor``, ``multihead bench kernels`` or a call with
+``backend="fused"``), and runs it only where it measured faster than the backend it would
+otherwise choose (``measured_faster``). Setting ``MULTIHEAD_FUSED=0`` turns the kernel off.
 
 The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._backward``,
 ``..._weights``) with fake kernels and an autograd formula, so ``torch.compile`` and
@@ -29,7 +29,6 @@ The kernel is registered as ``torch.ops.multihead.fused_attention`` (and ``..._b
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Hashable
 from functools import partial
@@ -39,7 +38,9 @@ import torch
 from torch import Tensor
 
 from .._cache import Bounded
-from . import _extension, _measure
+from ..kernels import FUSED, Loader
+from ..kernels import build as kernel_build
+from . import _measure
 from ._nonfinite import NonFiniteInput, run_guarded
 from ._plan import KEPT_BITS, KEPT_ON_MASK, Item, plan, query_tile
 from ._tensors import sink_grad, stat_dtype
@@ -59,12 +60,8 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_KERNEL = _extension.FUSED
-
-_module = None  # the loaded extension
-_error: str | None = None  # why it could not be built, once tried
+_LOADER = Loader(FUSED, "the C++ kernel")  # the loaded module, or why there is none
 _looked = False  # whether this process has looked for a build (packaged or cached) already
-_origin = ""  # where the loaded extension came from, for multihead doctor
 _told = False  # whether this process has said once that the kernel is missing
 NOT_BUILT = (
     "not built on this machine yet: multihead doctor builds it (about half a minute), as does the "
@@ -74,46 +71,20 @@ NOT_BUILT = (
 
 def build_dir() -> Path:
     """The per-user folder the kernel is compiled into on demand (created when used)."""
-    return _extension.cache_dir()
-
-
-def _build_name() -> str:
-    return _extension.cached_name(_KERNEL)
+    return kernel_build.cache_dir()
 
 
 def origin() -> str:
     """Where the loaded kernel came from ("the package build (folder)" or "the per-user cache
     (folder)"), "" when none is loaded."""
-    return _origin
+    return _LOADER.origin
 
 
 def build():
     """The compiled extension module: the package build's when it matches this process, else
     compiled on first use into the per-user cache; raises RuntimeError with the reason when it
     cannot be built (the reason is kept for ``build_error``)."""
-    global _module, _error, _origin
-    if _module is not None:
-        return _module
-    if _error is not None:
-        raise RuntimeError(_error)
-    if os.environ.get(_KERNEL.switch, "1") == "0":
-        _error = f"turned off by {_KERNEL.switch}=0"
-        raise RuntimeError(_error)
-    module, _ = _extension.packaged(_KERNEL)
-    if module is not None:
-        _module, _origin = module, f"the package build ({_KERNEL.folder})"
-        return _module
-    missing = _extension.compiler_missing()
-    if missing is not None:
-        _error = f"the C++ kernel cannot be built: {missing}"
-        raise RuntimeError(_error)
-    try:
-        _module = _extension.compile_in_cache(_KERNEL)
-    except Exception as e:  # any failure of the toolchain: the other backends still run
-        _error = f"the C++ kernel could not be built: {_extension.first_error(e)}"
-        raise RuntimeError(_error) from e
-    _origin = f"the per-user cache ({build_dir() / _build_name()})"
-    return _module
+    return _LOADER.load()
 
 
 def built() -> bool:
@@ -121,16 +92,16 @@ def built() -> bool:
     already in the cache (from an earlier process) is loaded now, but nothing is ever compiled
     here. When there is neither, this process says so once, in one line on stderr."""
     global _looked
-    if _module is None and _error is None and not _looked:
+    if _LOADER.module is None and _LOADER.error is None and not _looked:
         _looked = True
-        if os.environ.get(_KERNEL.switch, "1") == "0":
+        if _LOADER.switched_off():
             return False
-        packaged, why = _extension.packaged(_KERNEL)
-        if packaged is not None or _extension.in_cache(_KERNEL):
+        found, why = _LOADER.found()
+        if found:
             build_error()  # loads it: nothing compiles
         else:
             _tell_missing(why)
-    return _module is not None
+    return _LOADER.module is not None
 
 
 def _tell_missing(why: str) -> None:
@@ -159,11 +130,7 @@ def _constant_when_traced(fn):
 @_constant_when_traced  # traced calls see the answer of the eager world
 def build_error() -> str | None:
     """None when the kernel is built (building it now if needed), else why not, in one line."""
-    try:
-        build()
-    except RuntimeError:
-        return _error
-    return None
+    return _LOADER.load_error()
 
 
 # ------------------------------------------------------------------------------------------
@@ -512,8 +479,8 @@ def rank(call: Call) -> Rank:
 def _unsupported(call: Call) -> str | None:
     if call.return_weights and call.needs_grad:
         return "gradients through returned weights run on tiled"
-    if _error is not None:
-        return _error
+    if _LOADER.error is not None:
+        return _LOADER.error
     return None if built() else NOT_BUILT
 
 
@@ -633,7 +600,8 @@ def _measured(call: Call, rival: Callable[[Call], object] | None) -> bool | None
 
 
 def _state() -> object:
-    return (_module is not None, _error, _measure.switched_off("MULTIHEAD_FUSED_AUTO"))
+    loaded = _LOADER.module is not None
+    return (loaded, _LOADER.error, _measure.switched_off("MULTIHEAD_FUSED_AUTO"))
 
 
 BACKEND = Backend(

@@ -3,11 +3,12 @@
 Decoding multiplies one row per sequence by every weight matrix of the model, so a step reads
 all the weights once and does two flops per weight read: the memory bandwidth bounds it. A
 BLAS runs such a product as a matrix-vector product on one core; ``rows_linear`` (a small C++
-kernel, ``csrc/rows_linear.cpp``, built on first use into the same per-user cache as the fused
-attention kernel) splits the output channels over torch's intra-op pool, so every core
-streams its share, and reads weights stored as float32, bfloat16 or int8 (converted to float32
-in registers; activations and sums stay float32). ``rows_linear_stacked`` runs several matrices
-of one input (a layer's q, k and v) as one call, each output the bits of its own product.
+kernel, ``kernels/csrc/rows_linear.cpp``, loaded as the fused attention kernel is: the package
+build's, else built on first use into the same per-user cache) splits the output channels over
+torch's intra-op pool, so every core streams its share, and reads weights stored as float32,
+bfloat16 or int8 (converted to float32 in registers; activations and sums stay float32).
+``rows_linear_stacked`` runs several matrices of one input (a layer's q, k and v) as one call,
+each output the bits of its own product.
 
 * ``RowsLinear``: an ``nn.Linear`` (same parameters, state dict and gradients) whose
   products of at most ``MAX_ROWS`` rows, outside autograd and outside traced graphs, run on
@@ -29,9 +30,7 @@ numbers (``PackedLinear`` dequantizing each call): slower, never different beyon
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validation as V
+from ..kernels import ROWS, Loader
 
 __all__ = [
     "MAX_ROWS",
@@ -62,10 +62,8 @@ __all__ = [
 # serves every row; past 16 rows a BLAS GEMM reuses weights better
 MAX_ROWS = 16
 WEIGHT_FORMATS = ("bf16", "int8")
-_SOURCE = Path(__file__).parent / "csrc" / "rows_linear.cpp"
 
-_module = None
-_error: str | None = None
+_LOADER = Loader(ROWS, "the decoding kernel")  # the loaded module, or why there is none
 # (rows, out, in) -> whether the kernel measured faster than F.linear on float32 weights
 _faster: dict[tuple[int, int, int], bool] = {}
 # the kernel's "no scale" / "no bias" (float32 on the CPU, where it runs)
@@ -73,42 +71,9 @@ with torch.inference_mode(False):  # usable outside inference mode too
     _NONE = torch.empty(0, dtype=torch.float32)
 
 
-def _build():
-    """The compiled kernel module (built on first use); raises RuntimeError with the reason."""
-    global _module, _error
-    if _module is not None:
-        return _module
-    if _error is not None:
-        raise RuntimeError(_error)
-    if os.environ.get("MULTIHEAD_ROWS_KERNEL", "1") == "0":
-        _error = "turned off by MULTIHEAD_ROWS_KERNEL=0"
-        raise RuntimeError(_error)
-    from ..backends import _extension
-
-    kernel = _extension.ROWS
-    module, _ = _extension.packaged(kernel)
-    if module is not None:
-        _module = module
-        return _module
-    missing = _extension.compiler_missing()
-    if missing is not None:
-        _error = missing
-        raise RuntimeError(_error)
-    try:
-        _module = _extension.compile_in_cache(kernel)
-    except Exception as e:  # any toolchain failure: F.linear still runs every product
-        _error = f"the decoding kernel could not be built: {_extension.first_error(e)}"
-        raise RuntimeError(_error) from e
-    return _module
-
-
 def kernel_error() -> str | None:
     """None when the few-row kernel is built (building it now if needed), else why not."""
-    try:
-        _build()
-    except RuntimeError:
-        return _error
-    return None
+    return _LOADER.load_error()
 
 
 def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None) -> Tensor:
@@ -116,7 +81,7 @@ def rows_linear(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | 
     leading dimensions the rows (``MAX_ROWS`` at most), weight (N, K) float32 / bfloat16 /
     int8, scale and bias float32 (N,) or None; the output (..., N). Raises RuntimeError when
     the kernel cannot be built."""
-    kernel = _module if _module is not None else _build()
+    kernel = _LOADER.module or _LOADER.load()
     return kernel.rows_linear(
         x, weight, _NONE if scale is None else scale, _NONE if bias is None else bias
     )
@@ -132,7 +97,7 @@ def rows_linear_stacked(
     (..., N_0 + N_1 + ...) output, in one kernel call: the matrices share x's width K and one
     dtype, and each output holds the bits ``rows_linear`` gives it. Raises RuntimeError when
     the kernel cannot be built."""
-    kernel = _module if _module is not None else _build()
+    kernel = _LOADER.module or _LOADER.load()
     return kernel.rows_linear_stacked(
         x,
         list(weights),
@@ -153,7 +118,7 @@ def kernel_fits(x: Tensor) -> bool:
         or V.in_onnx_export()
     ):
         return False
-    return _module is not None or kernel_error() is None
+    return _LOADER.module is not None or kernel_error() is None
 
 
 def _clock(fn) -> float:  # the timer of kernel against BLAS (tests replace it)
@@ -233,7 +198,7 @@ def stacked_products(modules: Sequence[nn.Module], x: Tensor, fits: bool) -> lis
         weights.append(weight)
         scales.append(_NONE if scale is None else scale)
         biases.append(_NONE if bias is None else bias)
-    kernel = _module if _module is not None else _build()
+    kernel = _LOADER.module or _LOADER.load()
     # each product contiguous, as its own call gives it (views of the one output for one
     # row): an elementwise op after it (the activation, a rotary embedding) may round a row's
     # last partial vector differently in another layout

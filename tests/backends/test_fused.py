@@ -575,12 +575,12 @@ def test_chosen_heads_come_from_one_pass_and_equal_the_full_call(monkeypatch):
 def unbuilt(monkeypatch, tmp_path):
     """A process that has not tried to build the kernel, with an empty build cache and an
     installation without the package build's kernel."""
-    from multihead.backends import _extension
+    from multihead.kernels import build
 
     monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, "not in this test"))
-    monkeypatch.setattr(fused, "_module", None)
-    monkeypatch.setattr(fused, "_error", None)
+    monkeypatch.setattr(build, "packaged", lambda kernel: (None, "not in this test"))
+    monkeypatch.setattr(fused._LOADER, "module", None)
+    monkeypatch.setattr(fused._LOADER, "error", None)
     monkeypatch.setattr(fused, "_looked", False)
     monkeypatch.setattr(registry, "_CHOICES", {})
     return tmp_path / "cache"
@@ -637,14 +637,14 @@ def test_builds_from_a_clean_cache_and_past_a_lock_left_by_a_killed_build(monkey
     want, _ = naive_attention(q, k, v)
     torch.testing.assert_close(mh.attention(q, k, v, backend="fused"), want, rtol=0, atol=1e-12)
 
-    monkeypatch.setattr(fused, "_module", None)
+    monkeypatch.setattr(fused._LOADER, "module", None)
     stale = built[0].parent / "lock"
     stale.touch()
     loader = threading.Thread(target=fused.build_error, daemon=True)
     loader.start()
     loader.join(timeout=120)  # a no-op ninja run and an import: seconds
     assert not loader.is_alive(), "the load is still waiting for the left-over lock file"
-    assert fused._module is not None and not stale.exists()
+    assert fused._LOADER.module is not None and not stale.exists()
 
 
 def test_turned_off_by_environment(monkeypatch, unbuilt):
@@ -798,7 +798,7 @@ def _kernel_queries(monkeypatch) -> list[tuple[int, ...]]:
                 return real
             return lambda q, *rest: seen.append(tuple(q.shape)) or real(q, *rest)
 
-    monkeypatch.setattr(fused, "_module", Spy())
+    monkeypatch.setattr(fused._LOADER, "module", Spy())
     return seen
 
 
@@ -926,19 +926,19 @@ def test_two_checkouts_of_the_same_sources_build_apart(tmp_path):
     """The build name covers the sources' paths as well as their contents: torch's build file
     records the paths, so two checkouts sharing one folder rebuilt each other's kernel at every
     first use (a minute each, one waiting on the other's lock)."""
-    from multihead.backends import _extension
+    from multihead.kernels import build
 
     names = []
     for checkout in ("one", "two"):
         source = tmp_path / checkout / "kernel.cpp"
         source.parent.mkdir()
         source.write_text("int f() { return 1; }\n")
-        names.append(_extension.build_name("multihead_x", [source], ["-O3"]))
+        names.append(build.build_name("multihead_x", [source], ["-O3"]))
     assert names[0] != names[1] and all(n.startswith("multihead_x_") for n in names)
-    again = _extension.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
+    again = build.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
     assert again == names[0]  # stable for one checkout
     (tmp_path / "one" / "kernel.cpp").write_text("int f() { return 2; }\n")
-    changed = _extension.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
+    changed = build.build_name("multihead_x", [tmp_path / "one" / "kernel.cpp"], ["-O3"])
     assert changed != names[0]
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import multihead as mh
-from multihead.backends import _extension, fused, registry
+from multihead.backends import fused, registry
+from multihead.kernels import build
 from multihead.modules import quant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,9 +69,9 @@ def test_a_new_user_runs_the_package_builds_kernels_with_an_empty_cache(tmp_path
 
 
 def test_a_record_for_another_torch_leaves_the_packaged_kernel_unused(monkeypatch):
-    wanted = _extension.record(_extension.FUSED)
-    monkeypatch.setattr(_extension, "record", lambda kernel: {**wanted, "torch": "0.0"})
-    module, why = _extension.packaged(_extension.FUSED)
+    wanted = build.record(build.FUSED)
+    monkeypatch.setattr(build, "record", lambda kernel: {**wanted, "torch": "0.0"})
+    module, why = build.packaged(build.FUSED)
     assert module is None
     assert why in (
         "it was built for another torch than this process has",
@@ -82,9 +83,11 @@ def test_missing_kernel_is_said_once_per_process_in_one_line(monkeypatch, tmp_pa
     monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MULTIHEAD_FUSED_AUTO", "1")
     missing = "the package was installed without it"
-    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, missing))
-    for name, value in (("_module", None), ("_error", None), ("_looked", False), ("_told", False)):
-        monkeypatch.setattr(fused, name, value)
+    monkeypatch.setattr(build, "packaged", lambda kernel: (None, missing))
+    monkeypatch.setattr(fused._LOADER, "module", None)
+    monkeypatch.setattr(fused._LOADER, "error", None)
+    monkeypatch.setattr(fused, "_looked", False)
+    monkeypatch.setattr(fused, "_told", False)
     monkeypatch.setattr(registry, "_CHOICES", {})
     q, k, v = (torch.randn(1, 2, 40, 8) for _ in range(3))
     mh.attention(q, k, v)
@@ -99,22 +102,20 @@ def test_missing_kernel_is_said_once_per_process_in_one_line(monkeypatch, tmp_pa
 
 def test_both_kernels_are_built_by_one_builder_with_one_set_of_flags(monkeypatch, tmp_path):
     monkeypatch.setenv("MULTIHEAD_EXTENSION_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(_extension, "packaged", lambda kernel: (None, "not in this test"))
+    monkeypatch.setattr(build, "packaged", lambda kernel: (None, "not in this test"))
     calls = []
 
     def fake_load(name, sources, folder, *, cflags, ldflags):
         calls.append((name, list(cflags), list(ldflags)))
         return object()
 
-    monkeypatch.setattr(_extension, "load", fake_load)
-    for module, name, value in (
-        (fused, "_module", None), (fused, "_error", None), (quant, "_module", None),
-        (quant, "_error", None),
-    ):  # fmt: skip
-        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(build, "load", fake_load)
+    for loader in (fused._LOADER, quant._LOADER):
+        monkeypatch.setattr(loader, "module", None)
+        monkeypatch.setattr(loader, "error", None)
     assert fused.build_error() is None and quant.kernel_error() is None
     assert [c[0].rsplit("_", 1)[0] for c in calls] == ["multihead_fused", "multihead_rows"]
-    assert calls[0][1:] == calls[1][1:] == (_extension.cflags(), _extension.ldflags())
+    assert calls[0][1:] == calls[1][1:] == (build.cflags(), build.ldflags())
 
 
 def _setup_build(
@@ -223,7 +224,7 @@ def test_the_package_build_compiles_the_kernels_at_once_each_in_its_own_folder(t
     events = [line.split() for line in log.read_text().splitlines()]
     starts = {Path(out).stem: float(t) for kind, t, out in events if kind == "start"}
     ends = {Path(out).stem: float(t) for kind, t, out in events if kind == "end"}
-    sources = {Path(k.source).stem for k in _extension.KERNELS}
+    sources = {Path(k.source).stem for k in build.KERNELS}
     assert set(starts) == set(ends) == sources
     if (os.cpu_count() or 1) > 1:  # every compile began before any ended
         assert max(starts.values()) < min(ends.values()), events

@@ -22,8 +22,8 @@ def test_doctor_reports_the_kernel_and_the_cpu(capsys):
 
 
 def test_doctor_says_why_the_kernel_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(fused, "_module", None)
-    monkeypatch.setattr(fused, "_error", "the C++ kernel cannot be built: no C++ compiler")
+    monkeypatch.setattr(fused._LOADER, "module", None)
+    monkeypatch.setattr(fused._LOADER, "error", "the C++ kernel cannot be built: no C++ compiler")
     assert cli.main(["doctor", "--no-measure"]) == 1
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "fused kernel: not built: the C++ kernel cannot be built: no C++ compiler"

@@ -40,7 +40,7 @@ def on_kernel(monkeypatch) -> list[tuple[int, int, int]]:
     """The kernel leads every product it may run (the tests do not time it against the BLAS);
     lists (rows, out, in) of each product it ran."""
     ran: list[tuple[int, int, int]] = []
-    compiled = quant._build()
+    compiled = quant._LOADER.load()
     original = compiled.rows_linear
 
     def spy(x, weight, scale, bias):  # x (..., K): its leading dimensions are the rows

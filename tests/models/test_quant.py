@@ -168,7 +168,7 @@ def test_the_kernel_takes_rows_in_any_leading_dimensions(lead):
     biases = [torch.randn(20, generator=g), None]
     x = torch.randn(*lead, 40, generator=g)
     flat = x.reshape(-1, 40)
-    kernel = quant._build()
+    kernel = quant._LOADER.load()
     for w, s, b in zip(weights, scales, biases):
         got = quant.rows_linear(x, w, s, b)
         assert got.shape == (*lead, w.shape[0])
@@ -215,7 +215,7 @@ def test_stacked_step_products_equal_the_module_calls(weights, monkeypatch):
     call; None where one product would not run on the kernel or has hooks."""
     monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
     calls = []
-    compiled = quant._build()
+    compiled = quant._LOADER.load()
     real = compiled.rows_linear_parts
     monkeypatch.setattr(compiled, "rows_linear_parts", lambda *a: calls.append(1) or real(*a))
     layers = _layers(weights)
@@ -246,7 +246,7 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
     monkeypatch.setattr(quant, "_faster", {})
     timed = []
     ran = []
-    compiled = quant._build()
+    compiled = quant._LOADER.load()
     real_kernel = compiled.rows_linear
 
     def kernel(*args):

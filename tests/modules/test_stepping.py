@@ -89,7 +89,7 @@ def test_a_layers_products_of_one_input_are_one_kernel_call(kind, monkeypatch):
     run as one stacked kernel call; the prompt takes the modules' own calls."""
     stack = _stack(kind, "int8")
     calls = []
-    kernel = quant._build()
+    kernel = quant._LOADER.load()
     real = kernel.rows_linear_parts
     monkeypatch.setattr(kernel, "rows_linear_parts", lambda *a: calls.append(len(a[1])) or real(*a))
     _decode(stack, kind, [6], "growing", short=True, monkeypatch=monkeypatch)

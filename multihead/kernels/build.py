@@ -1,11 +1,11 @@
-"""The package's C++ kernels: one description of each, one set of compiler flags, and the two
-places a compiled kernel comes from.
+"""The builder of the package's C++ kernels: one description of each, one set of compiler
+flags, and the two places a compiled kernel comes from (``loader.py`` takes it from there).
 
 * **The package build.** ``setup.py`` compiles every kernel in ``KERNELS`` with torch's C++
   extension tooling when the package is installed into an environment that already holds
   torch and a C++ compiler (``pip install --no-build-isolation``, as the README's commands
-  do). The module lands inside the installed package (``multihead/backends/_fused_kernel*.so``,
-  ``multihead/modules/_rows_kernel*.so``) beside a small record of what it was built from
+  do). The module lands inside the installed package (``multihead/kernels/_fused_kernel*.so``,
+  ``multihead/kernels/_rows_kernel*.so``) beside a small record of what it was built from
   (``<module>.json``: the sources' digest, the flags, torch's version, the CPU). Any user of
   the installation loads it, with an empty cache. A record that does not match this process
   (another torch, another CPU, edited sources) leaves it unused.
@@ -85,7 +85,7 @@ class Kernel:
 
     @property
     def folder(self) -> Path:
-        """Where the package build puts the module (beside the module that loads it)."""
+        """Where the package build puts the module (``multihead/kernels``)."""
         return PACKAGE.joinpath(*self.module.split(".")[1:-1])
 
     @property
@@ -96,15 +96,15 @@ class Kernel:
 FUSED = Kernel(
     label="the fused attention kernel",
     prefix="multihead_fused",
-    module="multihead.backends._fused_kernel",
-    source="backends/csrc/fused_attention.cpp",
+    module="multihead.kernels._fused_kernel",
+    source="kernels/csrc/fused_attention.cpp",
     switch="MULTIHEAD_FUSED",
 )
 ROWS = Kernel(
     label="the decoding kernel",
     prefix="multihead_rows",
-    module="multihead.modules._rows_kernel",
-    source="modules/csrc/rows_linear.cpp",
+    module="multihead.kernels._rows_kernel",
+    source="kernels/csrc/rows_linear.cpp",
     switch="MULTIHEAD_ROWS_KERNEL",
 )
 KERNELS = (FUSED, ROWS)
