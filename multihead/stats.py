@@ -38,13 +38,12 @@ from .backends import fused
 from .backends._nonfinite import NonFiniteInput
 from .backends._tensors import stat_dtype
 from .backends.call import prepare
+from .backends.stat_names import KEY_STATS, STATS
 from .functional import attention_with_weights, check_heads
 from .masks import Mask, dense
 
 __all__ = ["KEY_STATS", "STATS", "Reducer", "attention_stats", "check_stats", "stat_dtype"]
 
-STATS = ("key_mass", "window_mass", "entropy", "head_mean")
-KEY_STATS = ("key_mass", "window_mass")  # summed over query rows: they accumulate over calls
 
 # the weights of one slice of query rows: bounded so the sweep's memory stays far below what
 # holding (B, h, L, S) costs at the lengths statistics are for

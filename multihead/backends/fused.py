@@ -46,6 +46,7 @@ from ._plan import KEPT_BITS, KEPT_ON_MASK, Item, plan, query_tile
 from ._tensors import sink_grad, stat_dtype
 from .call import Call, heads_as_rows
 from .protocol import LAST, Backend, Capabilities, Rank
+from .stat_names import KEY_STATS, STATS
 
 __all__ = [
     "BACKEND",
@@ -630,8 +631,6 @@ BACKEND = Backend(
 # ------------------------------------------------------------------------------------------
 # Statistics of the weights without the weights (``multihead.attention_stats``).
 
-_KEY_STATS = ("key_mass", "window_mass")
-
 
 def stats(
     call: Call, names: tuple[str, ...], window_row: int, heads: list[int]
@@ -646,7 +645,7 @@ def stats(
     index = torch.tensor(heads, dtype=torch.long)
     args = _args(call, shared=True)
     passes = [[n for n in names if n != "head_mean"], ["head_mean"] if "head_mean" in names else []]
-    if not any(n in _KEY_STATS for n in passes[0]):  # entropy sits in either pass
+    if not any(n in KEY_STATS for n in passes[0]):  # entropy sits in either pass
         passes = [[*passes[1], *passes[0]], []]
     found: dict[str, Tensor] = {}
     out = None
@@ -655,7 +654,6 @@ def stats(
         if bool(result[-1]):
             raise NonFiniteInput
         out = result[0] if out is None else out
-        order = ("key_mass", "window_mass", "entropy", "head_mean")
-        found.update({n: result[2 + order.index(n)] for n in asked})
+        found.update({n: result[2 + STATS.index(n)] for n in asked})
     assert out is not None
     return out, {n: found[n] for n in names}
