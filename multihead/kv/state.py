@@ -18,6 +18,10 @@ from .select import select, sink_bound
 
 __all__ = ["LayerState", "grouped"]
 
+# evicted slots hidden in place before a decoding cache is gathered anew: the gather copies
+# the whole layer, so it runs once every this many evictions rather than at every step
+_SLACK = 32
+
 
 def grouped(scores: Tensor, kv_heads: int) -> Tensor:
     """(B, H, S) per query head -> (B, H_kv, S) summed over each KV head's group (query head h
@@ -130,9 +134,24 @@ class LayerState:
         self.shrink()
 
     def shrink(self) -> None:
-        """Evict down to the budget (policies that evict while decoding)."""
-        if self.policy.evicts_while_decoding and self.length > self.budget:
-            self._keep(self._valid(), force=False)
+        """Evict down to the budget (policies that evict while decoding). An evicted slot is
+        hidden at once (``ok``) and its memory given back when ``_SLACK`` slots are hidden:
+        one gather of the cache every ``_SLACK`` steps rather than at every step."""
+        if not self.policy.evicts_while_decoding:
+            return
+        valid = self._valid()
+        if int(valid.sum(-1).max()) <= self.budget:
+            return
+        chosen = select(
+            self.policy, scores=self.scores, positions=self.positions, valid=valid,
+            sinks_end=self.sinks_end, ends=self.ends, budget=self.budget,
+        )  # fmt: skip
+        used = torch.ones_like(chosen.index, dtype=torch.bool) if chosen.ok is None else chosen.ok
+        keep = torch.zeros_like(valid).scatter_(2, chosen.index, used) & valid
+        if self.length - self.budget >= _SLACK:
+            self._keep(keep, force=True)
+        else:
+            self.ok = keep
 
     def _valid(self) -> Tensor:
         if self.ok is not None:
@@ -179,12 +198,16 @@ class LayerState:
 
     def kept(self) -> Tensor | list[list[Tensor]]:
         """The positions each KV head keeps, ascending: (B, H_kv, n), or where heads keep
-        different numbers a list over batch rows of lists over KV heads of 1-D tensors."""
-        ordered, order = self.positions.sort(dim=2)
+        different numbers (adaptive budgets, padded rows) a list over batch rows of lists over
+        KV heads of 1-D tensors."""
         if self.ok is None:
-            return ordered
-        ok = self.ok.gather(2, order)
-        return [[ordered[r, h][ok[r, h]] for h in range(ordered.shape[1])]
+            return self.positions.sort(dim=2).values
+        counts = self.ok.sum(-1)
+        hidden = torch.iinfo(torch.long).max  # sorts after every position
+        ordered = torch.where(self.ok, self.positions, hidden).sort(dim=2).values
+        if bool((counts == counts.flatten()[0]).all()):
+            return ordered[..., : int(counts.flatten()[0])]
+        return [[ordered[r, h][: int(counts[r, h])] for h in range(ordered.shape[1])]
                 for r in range(ordered.shape[0])]  # fmt: skip
 
 

@@ -193,16 +193,35 @@ def test_h2o_accumulates_and_evicts_the_lowest_unprotected_key():
     assert state.positions[0, 0, -1] == 20 and state.total == 21
     step = torch.rand(1, 2, 9, dtype=torch.float64)
     state.observe(step)
-    assert state.length == 8
+    # the evicted slot is hidden at once; its memory waits for the next gather
+    assert state.length == 9 and state.ok is not None and state.ok.sum(-1).tolist() == [[8, 8]]
     total = torch.cat([before, torch.zeros(1, 2, 1, dtype=torch.float64)], 2) + step
     for h in range(2):
         # the evicted key: the lowest total among those neither a sink nor in the recent 2
         held = list(range(9))
         free = [i for i in held if not (i == 0 or i >= 7)]
         gone = min(free, key=lambda i: (float(total[0, h, i]), i))
-        assert sorted(state.scores[0, h].tolist()) == sorted(
-            float(total[0, h, i]) for i in held if i != gone
-        )
+        assert state.ok[0, h].tolist() == [i != gone for i in held]
+        assert torch.equal(state.scores[0, h], total[0, h])
+
+
+def test_evicted_slots_are_given_back_every_slack_steps():
+    from multihead.kv.state import _SLACK
+
+    state, _ = _state()
+    gen = torch.Generator().manual_seed(1)
+    lengths = []
+    for _ in range(_SLACK + 1):
+        new = torch.randn(1, 2, 1, 4, generator=gen)
+        state.append(new, new)
+        state.observe(torch.rand(1, 2, state.length, generator=gen, dtype=torch.float64))
+        lengths.append((state.length, state.ok is None))
+        assert state._valid().sum(-1).tolist() == [[8, 8]]  # always the budget in use
+    # one slot more per step until SLACK are hidden, then gathered back to the budget
+    assert lengths[: _SLACK - 1] == [(n, False) for n in range(9, 8 + _SLACK)]
+    assert lengths[_SLACK - 1] == (8, True) and lengths[_SLACK] == (9, False)
+    kept = state.kept()
+    assert isinstance(kept, torch.Tensor) and kept.shape == (1, 2, 8)  # hidden slots left out
 
 
 def test_slot_mask_reads_the_uncompressed_mask_at_the_kept_positions():
