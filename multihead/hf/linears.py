@@ -3,7 +3,7 @@
 A decoding step multiplies one row per sequence by every weight matrix of the model. On the
 CPU torch hands such a product to its BLAS as a matrix-vector product, which streams the
 weights at a fraction of the memory bandwidth; multihead's few-row kernel
-(``multihead.modules.quant.RowsLinear``) splits the output channels over every core and streams
+(``multihead.modules.few_rows.RowsLinear``) splits the output channels over every core and streams
 them at the bandwidth. In a decoding step the products are most of the time, and the
 attention, whatever its implementation, a few percent of it: this is what makes a
 transformers model's ``generate()`` faster, the attention implementation hardly does.
@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..modules import quant
+from ..modules import few_rows, quant
 
 __all__ = ["decoding_linears"]
 
@@ -25,7 +25,7 @@ def decoding_linears(model: nn.Module) -> nn.Module:
     """Run the products of ``model``'s float32 ``nn.Linear`` layers of at most 16 rows (the
     decoding steps of up to 16 sequences) on multihead's few-row kernel, in place.
 
-    Each ``nn.Linear`` with a float32 weight becomes a ``multihead.modules.quant.RowsLinear``: a
+    Each ``nn.Linear`` with a float32 weight becomes a ``multihead.modules.few_rows.RowsLinear``: a
     subclass of ``nn.Linear`` that holds the same parameters (tied weights stay tied), so the
     state dict, ``save_pretrained`` and gradients are unchanged. Its products of at most 16
     rows outside autograd and traced graphs run on the kernel where it measured faster than
@@ -55,7 +55,7 @@ def decoding_linears(model: nn.Module) -> nn.Module:
             f"Received: an object of type {type(model).__name__}"
         )
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not any(map(_fits, linears)) and not any(type(m) is quant.RowsLinear for m in linears):
+    if not any(map(_fits, linears)) and not any(type(m) is few_rows.RowsLinear for m in linears):
         found = sorted({f"{m.weight.dtype} on {m.weight.device.type}" for m in linears})
         raise ValueError(
             "decoding_linears moves float32 nn.Linear layers on the CPU (the few-row kernel "
@@ -63,7 +63,7 @@ def decoding_linears(model: nn.Module) -> nn.Module:
             + (f" ({', '.join(found)})" if found else "")
             + ". Convert it with model.float().cpu() first"
         )
-    reason = quant.kernel_error()
+    reason = few_rows.kernel_error()
     if reason is not None:
         warnings.warn(
             f"multihead's few-row kernel is not available ({reason}); the linear layers keep "

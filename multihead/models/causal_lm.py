@@ -58,7 +58,7 @@ def decode_layout(model: nn.Module) -> None:
     non-contiguous: call ``.contiguous()`` before writing them with safetensors.
     """
     replaced: dict[int, nn.Parameter] = {}
-    # plain nn.Linear only: a RowsLinear (modules/quant.py) reads its weight as (out, in) rows
+    # plain nn.Linear only: a RowsLinear (modules/few_rows.py) reads its weight as (out, in) rows
     weights = {id(m.weight) for m in model.modules() if type(m) is nn.Linear}
     for module in model.modules():
         for name, param in list(module._parameters.items()):

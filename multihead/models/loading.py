@@ -51,7 +51,8 @@ def load_decoder(
 
     Returns:
         The model in eval mode, in the decoding layout (float32 linear layers become
-        ``RowsLinear``, or ``PackedLinear`` with ``weights``: ``modules/quant.py``), with
+        ``RowsLinear``, or ``PackedLinear`` with ``weights``: ``modules/few_rows.py``,
+        ``modules/quant.py``), with
         ``.tokenizer`` (or None) and ``.path`` (the folder or the GGUF file).
 
     Raises:

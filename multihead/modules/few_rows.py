@@ -1,4 +1,4 @@
-"""Linear layers for decoding: few-row products on every core, and weight-only bf16 / int8.
+"""Few-row products on every core: the linear layers' products at a decoding step.
 
 Decoding multiplies one row per sequence by every weight matrix of the model, so a step reads
 all the weights once and does two flops per weight read: the memory bandwidth bounds it. A
@@ -17,15 +17,13 @@ each output the bits of its own product.
   attention kernel (``backends/_measure.compare``: at least 10% faster), and the choice is
   kept for the process (``kernel_choices()`` lists them). Everything else runs on
   ``F.linear``.
-* ``PackedLinear``: weight-only ``"bf16"`` (rounded to nearest) or ``"int8"`` (symmetric, one
-  float32 scale per output channel: scale = max |w| / 127 over the channel's inputs). It holds
-  no float32 weight; ``.weight`` dequantizes on access. Products of at most ``MAX_ROWS`` rows
-  always run on the kernel (the alternative dequantizes the whole matrix first); products of
-  more rows (a prompt) dequantize the weight and run on ``F.linear``.
+* ``step_product`` / ``stacked_products``: a layer's products at a decoding step, for
+  ``RowsLinear``, ``nn.Linear`` and the packed bf16 / int8 layers of ``quant.py`` (a module
+  holding a ``packed`` buffer, which always runs on the kernel) alike.
 
-Where the kernel cannot be built (no compiler) both fall back to ``F.linear`` on the same
-numbers (``PackedLinear`` dequantizing each call): slower, never different beyond rounding.
-``MULTIHEAD_ROWS_KERNEL=0`` turns the kernel off.
+Where the kernel cannot be built (no compiler) the products fall back to ``F.linear`` on the
+same numbers: slower, never different beyond rounding. ``MULTIHEAD_ROWS_KERNEL=0`` turns the
+kernel off.
 """
 
 from __future__ import annotations
@@ -42,15 +40,10 @@ from ..kernels import ROWS, Loader
 
 __all__ = [
     "MAX_ROWS",
-    "WEIGHT_FORMATS",
-    "PackedLinear",
     "RowsLinear",
-    "dequantize_int8",
     "kernel_choices",
     "kernel_error",
     "kernel_fits",
-    "pack_linears",
-    "quantize_int8",
     "rows_linear",
     "rows_linear_stacked",
     "stacked_products",
@@ -61,7 +54,6 @@ __all__ = [
 # sequences. The kernel holds up to 8 rows x a few channels in registers, so each weight read
 # serves every row; past 16 rows a BLAS GEMM reuses weights better
 MAX_ROWS = 16
-WEIGHT_FORMATS = ("bf16", "int8")
 
 _LOADER = Loader(ROWS, "the decoding kernel")  # the loaded module, or why there is none
 # (rows, out, in) -> whether the kernel measured faster than F.linear on float32 weights
@@ -209,14 +201,15 @@ def _kernel_args(
     module: nn.Module, x: Tensor, fits: bool
 ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
     """(weight, scale, bias) the kernel takes for ``module(x)`` where the module's own
-    ``forward`` would run x on it (a ``PackedLinear`` always, a ``RowsLinear`` where
-    ``_float_on_kernel`` says so), the module without hooks; else None."""
+    ``forward`` would run x on it (a packed layer, ``quant.PackedLinear``, always; a
+    ``RowsLinear`` where ``_float_on_kernel`` says so), the module without hooks; else
+    None."""
     if not fits or module._forward_hooks or module._forward_pre_hooks:
         return None
     kind = type(module)
     params: dict[str, Any] = module._parameters
-    if kind is PackedLinear:
-        buffers: dict[str, Any] = module._buffers
+    buffers: dict[str, Any] = module._buffers
+    if "packed" in buffers:  # its weights as the kernel reads them, and their scales
         return buffers["packed"], buffers["scale"], params.get("bias")
     if kind is RowsLinear:
         weight, bias = params["weight"], params.get("bias")
@@ -238,104 +231,3 @@ class RowsLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return _float_product(x, self.weight, self.bias, kernel_fits(x))
-
-
-def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-output-channel int8: (q int8 (N, K), scale float32 (N,)) with
-    weight ~ q * scale[:, None], scale = max |w| / 127 per row (1 for an all-zero row); the
-    rounding error of an entry is at most scale / 2."""
-    w = weight.detach().to(torch.float32)
-    peak = w.abs().amax(dim=1)
-    scale = torch.where(peak > 0, peak / 127.0, torch.ones_like(peak))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
-    """The float32 matrix ``q * scale[:, None]``."""
-    return q.to(torch.float32) * scale[:, None]
-
-
-class PackedLinear(nn.Module):
-    """A linear layer with weight-only ``"bf16"`` or ``"int8"`` weights and float32
-    activations (see the module docstring).
-
-    Attributes:
-        packed: (out, in) bfloat16 or int8 buffer.
-        scale: (out,) float32 per-channel scales for int8, else None.
-        bias: float32 (out,) parameter or None.
-        weights: "bf16" or "int8".
-    """
-
-    packed: Tensor
-    scale: Tensor | None
-
-    def __init__(self, linear: nn.Linear, weights: str) -> None:
-        super().__init__()
-        if weights not in WEIGHT_FORMATS:
-            raise ValueError(f"weights must be 'bf16' or 'int8'. Received: weights={weights!r}")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weights = weights
-        w = linear.weight.detach()
-        if weights == "int8":
-            q, scale = quantize_int8(w)
-            self.register_buffer("packed", q)
-            self.register_buffer("scale", scale)
-        else:
-            self.register_buffer("packed", w.to(torch.bfloat16).contiguous())
-            self.register_buffer("scale", None)
-        bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone())
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the activations it takes and returns: float32."""
-        return torch.float32
-
-    @property
-    def weight(self) -> Tensor:
-        """The dequantized float32 (out, in) weight, computed on every access."""
-        if self.scale is None:
-            return self.packed.to(torch.float32)
-        return dequantize_int8(self.packed, self.scale)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype != torch.float32:
-            raise TypeError(
-                f"a layer with {self.weights} weights takes float32 activations; load the model "
-                f"with dtype=torch.float32. Received: input dtype {x.dtype}"
-            )
-        if kernel_fits(x):
-            return rows_linear(x, self.packed, self.scale, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, weights={self.weights!r}"
-        )
-
-
-def pack_linears(model: nn.Module, weights: str | None) -> nn.Module:
-    """Replace, in place, every plain float32 ``nn.Linear`` of ``model`` by a ``RowsLinear``
-    (``weights=None``: same parameters, tying kept) or a ``PackedLinear`` (``"bf16"``,
-    ``"int8"``). Other layers (embeddings, norms) stay as they are; returns ``model``."""
-    if weights is not None and weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
-                continue
-            new: nn.Module
-            if weights is None:
-                new = RowsLinear.__new__(RowsLinear)
-                new.__dict__ = child.__dict__  # the same parameters, not copies (tying holds)
-                with torch.no_grad():
-                    if not child.weight.is_contiguous():
-                        new.weight = nn.Parameter(
-                            child.weight.contiguous(), requires_grad=child.weight.requires_grad
-                        )
-            else:
-                new = PackedLinear(child, weights)
-            setattr(parent, name, new)
-    return model

@@ -41,7 +41,7 @@ from .. import _validation as V
 from .. import steps
 from .attention import MultiHeadAttention
 from .cache import KVCache
-from .quant import kernel_fits, stacked_products, step_product
+from .few_rows import kernel_fits, stacked_products, step_product
 from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 

@@ -17,7 +17,7 @@ import torch
 import multihead as mh
 from multihead.backends import fused, registry
 from multihead.kernels import build
-from multihead.modules import quant
+from multihead.modules import few_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,14 +27,14 @@ _FIRST_USE = textwrap.dedent(
     import multihead as mh
     from multihead import masks
     from multihead.backends import fused
-    from multihead.modules import quant
+    from multihead.modules import few_rows
 
     q, k, v = (torch.randn(1, 4, 600, 32) for _ in range(3))
     out = mh.attention(q, k, v, masks.causal(), backend="fused")
     print(json.dumps({
         "built": fused.built(),
         "origin": fused.origin(),
-        "rows": quant.kernel_error(),
+        "rows": few_rows.kernel_error(),
         "finite": bool(torch.isfinite(out).all()),
     }))
     """
@@ -110,10 +110,10 @@ def test_both_kernels_are_built_by_one_builder_with_one_set_of_flags(monkeypatch
         return object()
 
     monkeypatch.setattr(build, "load", fake_load)
-    for loader in (fused._LOADER, quant._LOADER):
+    for loader in (fused._LOADER, few_rows._LOADER):
         monkeypatch.setattr(loader, "module", None)
         monkeypatch.setattr(loader, "error", None)
-    assert fused.build_error() is None and quant.kernel_error() is None
+    assert fused.build_error() is None and few_rows.kernel_error() is None
     assert [c[0].rsplit("_", 1)[0] for c in calls] == ["multihead_fused", "multihead_rows"]
     assert calls[0][1:] == calls[1][1:] == (build.cflags(), build.ldflags())
 

@@ -19,8 +19,8 @@ import torch
 import transformers as tf
 
 import multihead.hf as mhf
-from multihead.modules import quant
-from multihead.modules.quant import RowsLinear
+from multihead.modules import few_rows
+from multihead.modules.few_rows import RowsLinear
 
 RTOL = 1e-5
 
@@ -40,14 +40,14 @@ def on_kernel(monkeypatch) -> list[tuple[int, int, int]]:
     """The kernel leads every product it may run (the tests do not time it against the BLAS);
     lists (rows, out, in) of each product it ran."""
     ran: list[tuple[int, int, int]] = []
-    compiled = quant._LOADER.load()
+    compiled = few_rows._LOADER.load()
     original = compiled.rows_linear
 
     def spy(x, weight, scale, bias):  # x (..., K): its leading dimensions are the rows
         ran.append((x.numel() // x.shape[-1], *weight.shape))
         return original(x, weight, scale, bias)
 
-    monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
+    monkeypatch.setattr(few_rows, "_kernel_faster", lambda x, w, b: True)
     monkeypatch.setattr(compiled, "rows_linear", spy)
     return ran
 
@@ -111,7 +111,7 @@ def test_refuses_what_it_cannot_move():
 
 
 def test_a_missing_kernel_is_said_and_f_linear_runs(monkeypatch):
-    monkeypatch.setattr(quant, "kernel_error", lambda: "no C++ compiler found")
+    monkeypatch.setattr(few_rows, "kernel_error", lambda: "no C++ compiler found")
     model = _qwen2()
     with pytest.warns(RuntimeWarning, match=r"not available \(no C\+\+ compiler found\).*doctor"):
         mhf.decoding_linears(model)

@@ -332,11 +332,11 @@ def test_weights_and_hidden_states_equal_transformers(pair):
 
 def test_decode_layout_keeps_values_and_ties(pair):
     """Loaded fp32 decoders run their one-row products on the multi-core kernel
-    (``RowsLinear``, modules/quant.py), which reads (out, in)-contiguous weights (the (in, out)
+    (``RowsLinear``, modules/few_rows.py), which reads (out, in)-contiguous weights (the (in, out)
     layout of ``decode_layout`` served the BLAS's one-core product before); the parameters keep
     their shapes, values and tying, and give the same logits (to rounding) and tokens as
     plain ``nn.Linear`` layers."""
-    from multihead.modules.quant import RowsLinear
+    from multihead.modules.few_rows import RowsLinear
 
     kind, ours, _ = pair
     fresh = type(ours)(ours.config).eval()

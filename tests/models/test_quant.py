@@ -1,5 +1,5 @@
-"""Decoding layers (modules/quant.py): the few-row kernel, weight-only bf16 / int8, and the
-loaders' ``weights=`` option, against float64 references and transformers."""
+"""Decoding layers (modules/few_rows.py, modules/quant.py): the few-row kernel, weight-only
+bf16 / int8, and the loaders' ``weights=`` option, against float64 references and transformers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from decoders import EOS, build, transformers_model
 
 import multihead
 from multihead.models import gpt2, llama
-from multihead.modules import quant
+from multihead.modules import few_rows, quant
 
 LOADERS = {"gpt2": gpt2, "llama": llama}
 
@@ -43,7 +43,7 @@ def test_kernel_equals_float64_dequantized_product(fmt, rows):
         dense = w.double()
     else:
         dense = w.double()
-    got = quant.rows_linear(x, w, scale, bias).double()
+    got = few_rows.rows_linear(x, w, scale, bias).double()
     want = x.double() @ dense.T + bias.double()
     # the scale multiplies the float32 sum once more: one more rounding of the product
     bound = _bound(x, dense) + 2.0**-23 * want.abs() + 1e-12
@@ -60,13 +60,13 @@ def test_kernel_is_bitwise_the_same_for_any_thread_count_and_row_count(rows):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = quant.rows_linear(x, w, None, None)
+        one = few_rows.rows_linear(x, w, None, None)
         torch.set_num_threads(2)
-        two = quant.rows_linear(x, w, None, None)
+        two = few_rows.rows_linear(x, w, None, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
-    alone = torch.cat([quant.rows_linear(x[r : r + 1], w, None, None) for r in range(rows)])
+    alone = torch.cat([few_rows.rows_linear(x[r : r + 1], w, None, None) for r in range(rows)])
     assert torch.equal(alone, two)
 
 
@@ -105,7 +105,7 @@ def test_kernel_sums_in_its_documented_order(fmt, rows):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            assert torch.equal(quant.rows_linear(x, w, None, None), want)
+            assert torch.equal(few_rows.rows_linear(x, w, None, None), want)
     finally:
         torch.set_num_threads(threads)
 
@@ -140,8 +140,8 @@ def test_stacked_products_are_each_product_to_the_bit(fmt, rows):
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            got = quant.rows_linear_stacked(x, weights, scales, biases)
-            each = [quant.rows_linear(x, *args) for args in zip(weights, scales, biases)]
+            got = few_rows.rows_linear_stacked(x, weights, scales, biases)
+            each = [few_rows.rows_linear(x, *args) for args in zip(weights, scales, biases)]
             assert got.shape == (rows, 37 + 16 + 301)
             assert torch.equal(got, torch.cat(each, dim=1))
     finally:
@@ -168,23 +168,23 @@ def test_the_kernel_takes_rows_in_any_leading_dimensions(lead):
     biases = [torch.randn(20, generator=g), None]
     x = torch.randn(*lead, 40, generator=g)
     flat = x.reshape(-1, 40)
-    kernel = quant._LOADER.load()
+    kernel = few_rows._LOADER.load()
     for w, s, b in zip(weights, scales, biases):
-        got = quant.rows_linear(x, w, s, b)
+        got = few_rows.rows_linear(x, w, s, b)
         assert got.shape == (*lead, w.shape[0])
-        assert torch.equal(got.reshape(-1, w.shape[0]), quant.rows_linear(flat, w, s, b))
-    both = quant.rows_linear_stacked(x, weights, scales, biases)
+        assert torch.equal(got.reshape(-1, w.shape[0]), few_rows.rows_linear(flat, w, s, b))
+    both = few_rows.rows_linear_stacked(x, weights, scales, biases)
     assert both.shape == (*lead, 32)
     none = torch.empty(0)
     parts = kernel.rows_linear_parts(x, weights, scales, [biases[0], none])
     for part, w, s, b in zip(parts, weights, scales, biases):
-        assert part.is_contiguous() and torch.equal(part, quant.rows_linear(x, w, s, b))
+        assert part.is_contiguous() and torch.equal(part, few_rows.rows_linear(x, w, s, b))
     strided = torch.randn(2, 80, generator=g)[:, ::2]  # rows that are not contiguous
     assert torch.equal(
-        quant.rows_linear(strided, weights[0], scales[0], biases[0]),
-        quant.rows_linear(strided.contiguous(), weights[0], scales[0], biases[0]),
+        few_rows.rows_linear(strided, weights[0], scales[0], biases[0]),
+        few_rows.rows_linear(strided.contiguous(), weights[0], scales[0], biases[0]),
     )
-    empty = quant.rows_linear(torch.randn(2, 0), torch.randn(5, 0), None, torch.arange(5.0))
+    empty = few_rows.rows_linear(torch.randn(2, 0), torch.randn(5, 0), None, torch.arange(5.0))
     assert torch.equal(empty, torch.arange(5.0).expand(2, 5))
 
 
@@ -192,11 +192,11 @@ def test_stacked_products_refuse_matrices_that_do_not_stack():
     x = torch.randn(2, 8)
     w = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        quant.rows_linear_stacked(x, [w, w.bfloat16()], [None, None], [None, None])
+        few_rows.rows_linear_stacked(x, [w, w.bfloat16()], [None, None], [None, None])
     with pytest.raises(RuntimeError, match="with x's K"):
-        quant.rows_linear_stacked(x, [w, torch.randn(4, 9)], [None, None], [None, None])
+        few_rows.rows_linear_stacked(x, [w, torch.randn(4, 9)], [None, None], [None, None])
     with pytest.raises(RuntimeError, match="one scale and one bias"):
-        quant.rows_linear_stacked(x, [w, w], [None], [None, None])
+        few_rows.rows_linear_stacked(x, [w, w], [None], [None, None])
 
 
 def _layers(weights: str | None, hooked: bool = False) -> list[torch.nn.Module]:
@@ -213,28 +213,28 @@ def test_stacked_step_products_equal_the_module_calls(weights, monkeypatch):
     """stacked_products: the modules' own outputs to the bit, each contiguous as its own call
     makes it (B = 3 rows, where a view of the stacked output would not be), from one kernel
     call; None where one product would not run on the kernel or has hooks."""
-    monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: True)
+    monkeypatch.setattr(few_rows, "_kernel_faster", lambda x, w, b: True)
     calls = []
-    compiled = quant._LOADER.load()
+    compiled = few_rows._LOADER.load()
     real = compiled.rows_linear_parts
     monkeypatch.setattr(compiled, "rows_linear_parts", lambda *a: calls.append(1) or real(*a))
     layers = _layers(weights)
     x = torch.randn(3, 1, 24)
     with torch.inference_mode():
-        got = quant.stacked_products(layers, x, quant.kernel_fits(x))
+        got = few_rows.stacked_products(layers, x, few_rows.kernel_fits(x))
         want = [layer(x) for layer in layers]
         assert got is not None and len(calls) == 1
         for g, w in zip(got, want):
             assert g.is_contiguous() and torch.equal(g, w)
-        assert quant.stacked_products(_layers(weights, hooked=True), x, True) is None
-        assert quant.stacked_products(layers, x, False) is None
+        assert few_rows.stacked_products(_layers(weights, hooked=True), x, True) is None
+        assert few_rows.stacked_products(layers, x, False) is None
     if weights is None:  # a product the BLAS would run keeps its own call
-        monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b: w.shape[0] != 8)
+        monkeypatch.setattr(few_rows, "_kernel_faster", lambda x, w, b: w.shape[0] != 8)
         with torch.inference_mode():
-            assert quant.stacked_products(layers, x, True) is None
+            assert few_rows.stacked_products(layers, x, True) is None
     mixed = _layers("int8")[:1] + _layers("bf16")[1:]
     with torch.inference_mode():
-        assert quant.stacked_products(mixed, x, True) is None
+        assert few_rows.stacked_products(mixed, x, True) is None
 
 
 @pytest.mark.parametrize("kernel_faster", [True, False])
@@ -243,10 +243,10 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
     attention backends' measured choice uses) and keeps the faster: with the timings made up,
     each side is chosen when it is the faster, the choice is listed, and a second call does
     not time again."""
-    monkeypatch.setattr(quant, "_faster", {})
+    monkeypatch.setattr(few_rows, "_faster", {})
     timed = []
     ran = []
-    compiled = quant._LOADER.load()
+    compiled = few_rows._LOADER.load()
     real_kernel = compiled.rows_linear
 
     def kernel(*args):
@@ -261,7 +261,7 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
         return 1e-3 if on_kernel == kernel_faster else 2e-3
 
     monkeypatch.setattr(compiled, "rows_linear", kernel)
-    monkeypatch.setattr(quant, "_clock", clock)
+    monkeypatch.setattr(few_rows, "_clock", clock)
     layer = quant.pack_linears(torch.nn.Sequential(torch.nn.Linear(40, 24)), None)[0]
     x = torch.randn(3, 40)
     with torch.inference_mode():
@@ -269,7 +269,7 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
         ran.clear()
         layer(x)
     assert timed == ["kernel", "blas"]  # once, on the first call
-    assert quant.kernel_choices() == {(3, 24, 40): "kernel" if kernel_faster else "blas"}
+    assert few_rows.kernel_choices() == {(3, 24, 40): "kernel" if kernel_faster else "blas"}
     assert ran == (["kernel"] if kernel_faster else [])
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
 

@@ -10,7 +10,7 @@ from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
-from multihead.modules import quant, stepping
+from multihead.modules import few_rows, quant, stepping
 
 E, H, H_KV, D = 32, 4, 2, 8
 
@@ -73,7 +73,7 @@ def test_a_step_equals_the_modules_to_the_bit(kind, weights, prompts, cache_kind
     step = stepping.step
     monkeypatch.setattr(stepping, "step", lambda *a: ran.append(1) or step(*a))
     for kernel in (True, False):  # the float32 products' choice of the kernel or the BLAS
-        monkeypatch.setattr(quant, "_kernel_faster", lambda x, w, b, k=kernel: k)
+        monkeypatch.setattr(few_rows, "_kernel_faster", lambda x, w, b, k=kernel: k)
         ran.clear()
         short = _decode(stack, kind, prompts, cache_kind, short=True, monkeypatch=monkeypatch)
         assert len(ran) == 5
@@ -89,7 +89,7 @@ def test_a_layers_products_of_one_input_are_one_kernel_call(kind, monkeypatch):
     run as one stacked kernel call; the prompt takes the modules' own calls."""
     stack = _stack(kind, "int8")
     calls = []
-    kernel = quant._LOADER.load()
+    kernel = few_rows._LOADER.load()
     real = kernel.rows_linear_parts
     monkeypatch.setattr(kernel, "rows_linear_parts", lambda *a: calls.append(len(a[1])) or real(*a))
     _decode(stack, kind, [6], "growing", short=True, monkeypatch=monkeypatch)
