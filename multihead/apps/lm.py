@@ -492,7 +492,7 @@ def run(options: LMOptions, info: Dist, out: Path | None) -> dict[str, Any]:
 
 def _finish(options, info, started, out, model, recipe, data, train_rows, held_rows, result,
             curve, trained) -> dict[str, Any]:  # fmt: skip
-    from ..models.hf_folder import save_pretrained
+    from ..models.folder_writing import save_pretrained
 
     vocab = model.vocab_size
     nll, tokens = perplexity(model, held_rows, progress=options.progress)

@@ -18,7 +18,7 @@ from multihead import cli, models
 from multihead.export import graph_spec, load_for_export
 from multihead.models import families, kinds
 from multihead.models.causal_lm import CausalLM
-from multihead.models.hf_folder import save_pretrained
+from multihead.models.folder_writing import save_pretrained
 from multihead.models.loading import load_decoder
 from multihead.modules import (
     FeedForward,
