@@ -1,11 +1,12 @@
-"""The blocks active in this context (``capture``, ``ablate``, ``knockout``, ``patch``) and
-what they ask of one attention call, read by the attention function.
+"""The blocks active in this context (``capture``, ``ablate``, ``knockout``, ``patch``,
+``compress``) and the ``Plan`` they make for one attention call.
 
 Each block knows the layers of the model it was opened on (``owner``: module -> layer index).
 For a call from a module, ``plan_for`` gathers every active block that covers the module's
-layer into one ``Plan``, so the attention function asks the kernel once for what all of them
-need together. ``capture.py`` and ``edits.py`` open and close blocks; ``attention.py`` reads
-plans and hands results back through ``Capture``'s methods.
+layer into one ``Plan``, so the attention asks the kernel once for what all of them need
+together. ``capture.py`` and ``edits.py`` open and close blocks; the two readers of plans
+(``MultiHeadAttention`` and the transformers bridge's attention function) hand each plan to
+``run_plan`` (``apply.py``), which hands results back through ``Capture``'s methods.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class Compression(Block):
 
 @dataclass
 class Plan:
-    """What the active blocks ask of one call from one layer."""
+    """What the active blocks ask of one call from one layer, by the point of the call where
+    each acts (``run_plan``): the pattern (knockouts, the capture, patches), a head's output
+    (scales); ``compress`` is the transformers bridge's own (its cache)."""
 
     layer: int
     capture: Capture | None = None
@@ -166,10 +169,11 @@ class Plan:
     compress: Compression | None = None
 
 
-_ACTIVE: ContextVar[tuple[Block, ...]] = ContextVar("multihead_hf_blocks", default=())
+_ACTIVE: ContextVar[tuple[Block, ...]] = ContextVar("multihead_blocks", default=())
 
 
 def active() -> tuple[Block, ...]:
+    """The blocks open in this context, outermost first."""
     return _ACTIVE.get()
 
 

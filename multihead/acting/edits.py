@@ -1,7 +1,8 @@
-"""Acting on attention inside a transformers model: ``ablate`` (scale chosen heads' outputs),
-``knockout`` (block attention between positions, inside the kernel) and ``patch`` (run chosen
-heads with weights captured earlier). Each is a context manager that opens a block the
-attention function reads per call, like ``capture``; blocks nest and combine.
+"""Acting on attention inside a model (a transformers model or one of the library's own):
+``ablate`` (scale chosen heads' outputs), ``knockout`` (block attention between positions,
+inside the kernel) and ``patch`` (run chosen heads with weights captured earlier). Each is a
+context manager that opens a block the model's attention reads per call, like ``capture``;
+blocks nest and combine.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..functional import check_heads
-from .capture import check_layers, model_layers, num_heads, open_block
-from .recording import Capture, Edit, active
+from .blocks import Capture, Edit, active
+from .capture import check_layers, open_block
+from .readers import Reader, find
 
-__all__ = ["ablate", "knockout", "patch"]
+__all__ = ["ablate", "knockout", "patch", "scaled"]
 
 
-def _heads_of(model: nn.Module, what: str) -> int:
-    count = num_heads(model)
+def _heads_of(model: nn.Module, reader: Reader, what: str) -> int:
+    count = reader.num_heads(model)
     if count is None:
         raise ValueError(
-            f"{what} needs the model's head count, which its config does not give "
-            "(num_attention_heads). Received: a config without num_attention_heads"
+            f"{what} needs the model's head count, which it does not give (a transformers "
+            "config's num_attention_heads, or one num_heads shared by every MultiHeadAttention "
+            "layer). Received: a model without one head count"
         )
     return count
 
@@ -73,7 +76,7 @@ def ablate(
 
     ::
 
-        with multihead.hf.ablate(model, {3: [0, 5], 7: [2]}):
+        with multihead.acting.ablate(model, {3: [0, 5], 7: [2]}):
             loss = model(**inputs, labels=labels).loss
 
     A head's output is its weighted sum of values, before the output projection, so scale 0
@@ -81,7 +84,7 @@ def ablate(
     costs one multiplication of the attention output; the kernel runs as without the block.
 
     Args:
-        model: a transformers model (``PreTrainedModel``).
+        model: a transformers model or one of the library's own (as ``capture`` takes it).
         heads: ``{layer: [head, ...]}``, layers counted from 0 as in ``capture`` and heads as
             the model's query heads.
         scale: the factor (0.0: ablate).
@@ -90,13 +93,13 @@ def ablate(
         The block's ``Edit`` record.
 
     Raises:
-        TypeError: ``model`` is not a transformers model.
+        TypeError: ``model`` is neither a transformers model nor one of the library's own.
         ValueError: a layer or head that does not exist, repeated or negative indices, a scale
             that is not a finite float, or a nested ``ablate`` of the same model that sets one
             of the same heads.
     """
-    found = model_layers(model, "ablate")
-    count = _heads_of(model, "ablate")
+    reader, found = find(model, "ablate")
+    count = _heads_of(model, reader, "ablate")
     chosen = _check_head_map(heads, len(found), count)
     factor = _check_scale(scale)
     scales = {}
@@ -106,7 +109,7 @@ def ablate(
     targets = frozenset((layer, h) for layer, hs in chosen.items() for h in hs)
     _conflicts("ablate", model, targets)
     block = Edit(sorted(chosen), len(found), kind="ablate", scales=scales, targets=targets)
-    with open_block(model, block, found):
+    with open_block(model, block, reader, found):
         yield block
 
 
@@ -115,8 +118,8 @@ def scaled(model: nn.Module, scales: Mapping[int, Tensor]) -> Iterator[Edit]:
     """Multiply every head's output of layer ``layer`` by ``scales[layer]`` (H,), a tensor
     that may require a gradient (``multihead heads --method gradient`` reads d loss / d
     scale at 1)."""
-    found = model_layers(model, "scaled")
-    count = _heads_of(model, "scaled")
+    reader, found = find(model, "scaled")
+    count = _heads_of(model, reader, "scaled")
     for layer, scale in scales.items():
         if not isinstance(scale, Tensor) or tuple(scale.shape) != (count,):
             raise ValueError(
@@ -127,7 +130,7 @@ def scaled(model: nn.Module, scales: Mapping[int, Tensor]) -> Iterator[Edit]:
     targets = frozenset((layer, h) for layer in scales for h in range(count))
     _conflicts("ablate", model, targets)
     block = Edit(layers, len(found), kind="ablate", scales=dict(scales), targets=targets)
-    with open_block(model, block, found):
+    with open_block(model, block, reader, found):
         yield block
 
 
@@ -145,17 +148,18 @@ def knockout(
 
     ::
 
-        with multihead.hf.knockout(model, queries=[7], keys=[2, 3], layers=[0, 1]):
+        with multihead.acting.knockout(model, queries=[7], keys=[2, 3], layers=[0, 1]):
             out = model(**inputs)
 
     The block joins the model's own mask inside the kernel (``masks.knockout``), so tiles it
     empties are skipped; a query row left with no visible key gives 0, as every fully hidden
     row does in multihead. Positions are the input's (padding included). Inside
     ``generate()`` a decoding step's one query row is the newest position, and keys are
-    positions in the KV cache.
+    positions in the KV cache (in the library's ``KVCache`` a row's own slots 0, 1, ...:
+    for rows of one length, the input's positions).
 
     Args:
-        model: a transformers model (``PreTrainedModel``).
+        model: a transformers model or one of the library's own (as ``capture`` takes it).
         queries: query positions: a list or 1-D tensor of ints, or a 1-D bool tensor (L,).
         keys: key positions, likewise ((S,) for a bool tensor).
         layers: layer indices (None: every layer).
@@ -165,16 +169,17 @@ def knockout(
         The block's ``Edit`` record.
 
     Raises:
-        TypeError: ``model`` is not a transformers model, or positions of the wrong type.
+        TypeError: ``model`` is neither a transformers model nor one of the library's
+            own, or positions of the wrong type.
         ValueError: a layer or head that does not exist, repeated, negative or empty
             positions. (Positions past the input are taken: inside ``generate()`` the
             decoding steps reach them.)
     """
-    found = model_layers(model, "knockout")
-    count = None if heads is None else _heads_of(model, "knockout")
+    reader, found = find(model, "knockout")
+    count = None if heads is None else _heads_of(model, reader, "knockout")
     cut = masks.knockout(queries, keys, heads=heads, num_heads=count)
     block = Edit(check_layers(layers, len(found)), len(found), kind="knockout", mask=cut)
-    with open_block(model, block, found):
+    with open_block(model, block, reader, found):
         yield block
 
 
@@ -184,16 +189,16 @@ def patch(model: nn.Module, cap: Capture) -> Iterator[Edit]:
 
     ::
 
-        with multihead.hf.capture(model, layers=[2], heads=[1]) as cap:
+        with multihead.acting.capture(model, layers=[2], heads=[1]) as cap:
             model(**clean)
-        with multihead.hf.patch(model, cap):
+        with multihead.acting.patch(model, cap):
             out = model(**corrupted)   # layer 2, head 1: cap.weights[2] @ V of this input
 
     Inside the block a patched head's output is ``W_captured @ V_current`` (its values from
     the running input, its weights from the capture); every other head runs normally.
 
     Args:
-        model: the transformers model ``cap`` was captured from.
+        model: the model ``cap`` was captured from.
         cap: a ``Capture`` holding weights (not statistics) from an earlier ``capture``.
 
     Yields:
@@ -205,10 +210,10 @@ def patch(model: nn.Module, cap: Capture) -> Iterator[Edit]:
             same heads, and at a call, weights whose shape does not match the call (both
             shapes named).
     """
-    found = model_layers(model, "patch")
+    reader, found = find(model, "patch")
     if not isinstance(cap, Capture):
         raise TypeError(
-            "patch takes the Capture an earlier multihead.hf.capture(model, ...) yielded. "
+            "patch takes the Capture an earlier multihead.acting.capture(model, ...) yielded. "
             f"Received: cap of type {type(cap).__name__}"
         )
     if cap._model is not model:
@@ -222,11 +227,11 @@ def patch(model: nn.Module, cap: Capture) -> Iterator[Edit]:
             "the capture holds no weights to patch in (it recorded statistics, or the model "
             "did not run inside it). Received: cap.weights={}"
         )
-    count = _heads_of(model, "patch")
+    count = _heads_of(model, reader, "patch")
     heads = list(range(count)) if cap.heads is None else list(cap.heads)
     targets = frozenset((layer, h) for layer in cap.weights for h in heads)
     _conflicts("patch", model, targets)
     block = Edit(sorted(cap.weights), len(found), kind="patch", heads=heads, source=cap,
                  targets=targets)  # fmt: skip
-    with open_block(model, block, found):
+    with open_block(model, block, reader, found):
         yield block

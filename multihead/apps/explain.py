@@ -19,6 +19,7 @@ import contextlib
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,8 @@ class ExplainOptions:
     rollout: bool = option(
         False,
         "also draw the attention rollout from the focus token through every layer (from each "
-        "layer's mean over heads, multihead.hf.capture's head_mean on a transformers folder) "
-        "as rollout.png",
+        "layer's mean over heads, multihead.acting.capture's head_mean statistic) as "
+        "rollout.png",
     )
     keep_sinks: bool = option(
         False,
@@ -404,7 +405,7 @@ def _draw_rollout(
 ) -> None:
     """rollout.png from each layer's head mean: without the sinks and raw side by side, or the
     raw one alone with --keep-sinks."""
-    means = _head_means(text, model, explained.weights)
+    means = _head_means(text, model)
     raw = rollout(means[:, None])
     sinks = explained.sinks
     flow = raw if sinks is None else rollout(means[:, None], sinks=sinks.positions)
@@ -416,19 +417,27 @@ def _draw_rollout(
     say(f"  {path}  (rollout from '{focus_token}' through {means.shape[0]} layers{both})")
 
 
-def _head_means(text: str, model: Any, weights: Tensor) -> Tensor:
-    """(layers, L, L): each layer's mean over heads; a transformers model's from the kernel's
-    head_mean statistic (no layer's heads are held), the library's own from its weights."""
-    if not isinstance(model, _Foreign):
-        return weights.mean(1)
+def _head_means(text: str, model: Any) -> Tensor:
+    """(layers, L, L): each layer's mean over heads, from the kernel's head_mean statistic
+    (``multihead.acting.capture``; no layer's heads are held), for a transformers model and
+    for the library's own alike."""
     import torch
 
-    from ..hf import capture
+    from ..acting import capture
+    from ..models.causal_lm import CausalLM
 
-    ids = torch.tensor([model.tokenizer.encode(text).ids])
-    encoder = model.model.get_encoder() if model.model.config.is_encoder_decoder else model.model
-    with capture(model.model, stats=["head_mean"]) as cap, torch.inference_mode():
-        encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if isinstance(model, _Foreign):
+        ids = torch.tensor([model.tokenizer.encode(text).ids])
+        config = model.model.config
+        encoder = model.model.get_encoder() if config.is_encoder_decoder else model.model
+        run = partial(encoder, input_ids=ids, attention_mask=torch.ones_like(ids))
+        model = model.model
+    elif isinstance(model, CausalLM):
+        run = partial(model, torch.tensor([model.tokenizer.encode(text).ids]))
+    else:  # an encoder: models.bert.Pretrained, one text without padding
+        run = partial(model, [text])
+    with capture(model, stats=["head_mean"]) as cap, torch.inference_mode():
+        run()
     return torch.stack([cap.stats[i]["head_mean"][0] for i in range(cap.num_layers)]).float()
 
 

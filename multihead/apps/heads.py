@@ -2,9 +2,9 @@
 
 For a causal LM the score of a head is the increase of the mean next-token cross-entropy on
 the text (transformers' ``labels=`` loss) when that head alone is ablated: its output scaled
-by 0 before the output projection, through ``multihead.hf``'s scaling (as ``ablate`` does) in
-a transformers model, at each attention module's output projection in the library's own
-models (``multihead.save`` folders, such as ``multihead train lm``'s). ``--model smollm2`` (or
+by 0 before the output projection, by ``multihead.acting``'s scaling (as ``ablate`` does),
+in a transformers model as in the library's own models (``multihead.save`` folders, such as
+``multihead train lm``'s). ``--model smollm2`` (or
 a .gguf file) is a real causal LM, read by ``multihead.hf.load``. For an encoder it is
 1 - cosine between the mean-pooled last hidden states with and without the head.
 ``--method gradient`` gives the one-backward estimate instead for a causal LM: minus the
@@ -70,10 +70,9 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
     all-MiniLM-L6-v2), a ``multihead.save`` folder of the library's own causal LM or encoder,
     or a causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file)."""
     from .._extras import require
-    from . import _heads_native
 
-    if source is not None and _heads_native.is_native(Path(source)):
-        return _heads_native.load(Path(source))
+    if source is not None and _is_saved(Path(source)):
+        return _load_saved(Path(source))
     require("transformers", "hf", "multihead heads")
     from .. import hf_folders
     from ..hf import loading
@@ -92,6 +91,40 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
     config = hf_folders.read_json(folder, "config.json", required=False) or {}
     model, tokenizer = load_folder(folder, "multihead heads", causal_lm=_causal(config))
     return model, tokenizer, _causal(config)
+
+
+def _is_saved(folder: Path) -> bool:
+    """Whether ``folder`` is a ``multihead.save`` folder (the library loads it itself)."""
+    from ..models import kinds
+
+    found = kinds.folder_kind(folder)
+    return found is not None and found.kind == kinds.SAVED
+
+
+def _load_saved(folder: Path) -> tuple[Any, Any, bool]:
+    """(model in eval mode, its ``tokenizers.Tokenizer``, causal) for a ``multihead.save``
+    folder of a causal LM or an encoder with a tokenizer."""
+    from .. import models
+    from ..models import kinds
+    from ..models.causal_lm import CausalLM
+    from ..modules.attention import READER
+
+    model = models.load(folder)
+    causal = isinstance(model, CausalLM)
+    if not causal:
+        kinds.check_encoder(model, folder, "multihead heads")
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"multihead heads needs the model's tokenizer.json, which is missing from {folder}. "
+            "Received: a folder without tokenizer.json"
+        )
+    if READER.layers(model, "multihead heads") is None:
+        raise ValueError(
+            f"multihead heads found no multi-head attention in the model of {folder}. "
+            f"Received: a {type(model).__name__}"
+        )
+    return model.eval(), tokenizer, causal
 
 
 def _causal(config: dict[str, Any]) -> bool:
@@ -115,35 +148,37 @@ class _Subject:
 
 
 def _subject(model: Any, ids: Any, causal: bool) -> _Subject:
-    """transformers models act through ``multihead.hf`` (the attention implementation);
-    the library's own models through their attention modules' output projections."""
-    from . import _heads_native
+    """A model of either kind, its heads scaled by ``multihead.acting.scaled`` (a transformers
+    model on the multihead attention implementation, the library's own in its attention
+    modules)."""
+    from .. import acting
 
-    if type(model).__module__.startswith("multihead."):
-        modules = _heads_native.attention_modules(model)
-        return _Subject(
-            len(modules),
-            modules[0].num_heads,
-            _heads_native.measure(model, ids, causal),
-            partial(_heads_native.scaled, model),
-        )
-    from ..hf.capture import model_layers, num_heads
-    from ..hf.edits import scaled
-
+    reader, found = acting.find(model, "multihead heads")
     return _Subject(
-        len(model_layers(model, "multihead heads")),
-        num_heads(model) or 0,
+        len(found),
+        reader.num_heads(model) or 0,
         _measure(model, ids, causal),
-        partial(scaled, model),
+        partial(acting.scaled, model),
     )
 
 
 def _measure(model: Any, ids: Any, causal: bool) -> Callable[[], Any]:
-    """The function whose value a head's removal changes: the LM loss, or the pooled state."""
+    """The function whose value a head's removal changes: the LM loss (the mean next-token
+    cross-entropy, transformers' ``labels=`` loss), or the mean-pooled last hidden state."""
+    import torch
+
+    own = type(model).__module__.startswith("multihead.")
 
     def run() -> Any:
+        if causal and own:
+            logits = model(ids)
+            return torch.nn.functional.cross_entropy(
+                logits[0, :-1].float(), ids[0, 1:], reduction="mean"
+            )
         if causal:
             return model(input_ids=ids, labels=ids).loss
+        if own:
+            return model(ids).last_hidden_state.mean(1)[0]
         encoder = model.get_encoder() if model.config.is_encoder_decoder else model
         return encoder(input_ids=ids).last_hidden_state.mean(1)[0]
 

@@ -14,7 +14,9 @@ run every attention call of the model through ``multihead.attention`` (or
 grouped-query attention without repeated keys, ``output_attentions=True`` on the fast path.
 ``capture(model, layers=, heads=)`` records the weights of chosen heads only, or statistics
 of them (``stats=``); ``ablate``, ``knockout`` and ``patch`` act on chosen heads inside the
-kernel call (see the guide "Acting on attention"). ``decoding_linears(model)`` puts the
+kernel call (see the guide "Acting on attention"). They are ``multihead.acting``'s, which act
+on the library's own models as well; importing this module lets them find a transformers
+model's layers. ``decoding_linears(model)`` puts the
 model's float32 linear layers on multihead's few-row kernel, which is what makes its
 ``generate()`` faster on the CPU: a decoding step is mostly those products. ``load(source)``
 gives a causal LM on this attention and its tokenizer from a folder, a GGUF file or the name
@@ -30,13 +32,16 @@ from .. import _extras
 _extras.require("transformers", "hf", "multihead.hf")
 
 from .attention import attention_forward  # noqa: E402  after the check for the extra
-from .capture import Capture, attention_layers, capture  # noqa: E402
-from .compress import Compression, compress  # noqa: E402
-from .edits import ablate, knockout, patch  # noqa: E402
+from .capture import attention_layers  # noqa: E402  registers the reader of these models
+from .compress import compress  # noqa: E402
 from .linears import decoding_linears  # noqa: E402
 from .loading import load  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402
+
+# isort: split
+# after the submodules: the name capture is the function, not the submodule hf/capture.py
+from ..acting import Capture, Compression, ablate, capture, knockout, patch  # noqa: E402
 
 __all__ = [
     "NAME",

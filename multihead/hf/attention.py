@@ -6,8 +6,11 @@ mask its mask interface made (here: the multihead ``Mask`` of ``make_mask``), an
 for what the architecture adds. It returns transformers' layout, the output (B, L, H, D_v) and
 the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention`` or
 ``attention_with_weights``: every keyword a model passes becomes multihead's own vocabulary,
-and one it cannot honour is refused by name. A decoding step's call (one query row) takes
-the short path of ``steps.attend``, to the same result.
+and one it cannot honour is refused by name. A call from a layer that an active block
+covers (``multihead.acting``: capture, ablate, knockout, patch) runs the blocks' plan through
+``acting.run_plan``, as ``MultiHeadAttention`` does; ``compress``'s plan is this module's
+own. A decoding step's call (one query row) takes the short path of ``steps.attend``, to the
+same result.
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .. import acting, steps
 from .. import bias as mb
-from .. import steps
-from ..backends._tensors import stat_dtype
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
-from ..stats import Reducer, attention_stats
-from . import kv_cache, recording
+from ..stats import attention_stats
+from . import kv_cache
 from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
@@ -101,7 +103,7 @@ def attention_forward(
             (named in the message), and every error ``multihead.attention`` raises.
     """
     _check_keywords(kwargs)
-    plan = recording.plan_for(module)
+    plan = acting.plan_for(module)
     wants = _wants_weights(output_attentions)
     plain = plan is None and not wants  # no block acts on the layer, no weights asked
     decoding = plain and _decoding(query, key, value, dropout, position_bias, s_aux)
@@ -114,7 +116,7 @@ def attention_forward(
         _check_compressible(plan, position_bias, extra)
         return _compressed(plan, plan.compress, module, query, key, value, mask, common), None
     if plan is not None:
-        out, weights = _planned(plan, query, key, value, mask, common, output_attentions)
+        out, weights = acting.run_plan(plan, query, key, value, mask, **common, weights=wants)
     elif wants:
         out, weights = attention_with_weights(query, key, value, mask, **common)
     else:
@@ -122,44 +124,9 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), weights
 
 
-def _planned(
-    plan: recording.Plan,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Mask | None,
-    common: dict[str, Any],
-    output_attentions: bool | None,
-) -> tuple[Tensor, Tensor | None]:
-    """One call with everything the active blocks ask for: knockouts joined to the mask,
-    the weights or statistics a capture records, patched heads, scaled heads."""
-    mask = _knocked_out(plan, mask)
-    cap, wants = plan.capture, _wants_weights(output_attentions)
-    weights = None
-    if wants or (cap is not None and (not cap.stat_names or common["dropout_p"] > 0)):
-        chosen = None if wants or cap is None else cap.heads
-        out, weights = attention_with_weights(query, key, value, mask, heads=chosen, **common)
-        if cap is not None:
-            part = weights if not wants or cap.heads is None else weights[:, cap.heads]
-            _keep(cap, plan.layer, part)
-    elif cap is not None:
-        out, found = attention_stats(
-            query, key, value, mask, stats=cap.stat_names, window=cap.window, heads=cap.heads,
-            bias=common["bias"], scale=common["scale"],
-        )  # fmt: skip
-        cap.record_stats(plan.layer, found)
-    else:
-        out = attention(query, key, value, mask, **common)
-    for block in plan.patches:
-        out = _patched(out, block, plan.layer, query, key, value)
-    for scale in plan.scales:
-        out = out * scale.to(out.device, out.dtype)[None, :, None, None]
-    return out, (weights if wants else None)
-
-
 def _compressed(
-    plan: recording.Plan,
-    block: recording.Compression,
+    plan: acting.Plan,
+    block: acting.Compression,
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -241,7 +208,7 @@ def _softcap(modifier: Any) -> float | None:
 
 
 def _check_compressible(
-    plan: recording.Plan, position_bias: Tensor | None, extra: Tensor | None
+    plan: acting.Plan, position_bias: Tensor | None, extra: Tensor | None
 ) -> None:
     others = plan.capture is not None or plan.scales or plan.knockouts or plan.patches
     if others:
@@ -256,42 +223,6 @@ def _check_compressible(
             "position bias or a float attention mask. Received: "
             f"{'position_bias' if position_bias is not None else 'a float attention_mask'}"
         )
-
-
-def _knocked_out(plan: recording.Plan, mask: Mask | None) -> Mask | None:
-    """The call's mask with every active knockout of the layer joined to it."""
-    for block in plan.knockouts:
-        assert block.mask is not None
-        mask = block.mask if mask is None else mask & block.mask
-    return mask
-
-
-def _keep(cap: recording.Capture, layer: int, weights: Tensor) -> None:
-    """Weights, or statistics reduced from them, into the capture."""
-    if not cap.stat_names:
-        cap.record(layer, weights)
-        return
-    b, h, length_q, length_k = weights.shape
-    reducer = Reducer(cap.stat_names, cap.window, (b, h, length_q, length_k),
-                      stat_dtype(weights.dtype), weights.device)  # fmt: skip
-    reducer.add(weights, 0)
-    cap.record_stats(layer, reducer.result())
-
-
-def _patched(
-    out: Tensor, block: recording.Edit, layer: int, query: Tensor, key: Tensor, value: Tensor
-) -> Tensor:
-    """``out`` with the block's heads replaced by captured weights times this call's values."""
-    assert block.source is not None and block.heads is not None
-    captured = block.source.weights[layer]
-    _check_patch(captured, layer, query, key)
-    index = torch.tensor(block.heads, device=out.device)
-    group = query.shape[1] // value.shape[1]
-    values = value[:, index // group]  # (B, h, S, D_v): the key/value head each one reads
-    mixed = torch.matmul(captured.to(values.dtype), values)
-    out = out.clone()
-    out[:, index] = mixed.to(out.dtype)
-    return out
 
 
 def _decoding(
@@ -373,18 +304,3 @@ def _wants_weights(output_attentions: bool | None) -> bool:
     """Whether the caller reads the weights: asked for by keyword, or transformers is
     collecting attentions (``output_attentions`` in the config or the model's call)."""
     return bool(output_attentions) or collecting_attentions()
-
-
-def _shape(t: Tensor) -> str:
-    return str(tuple(t.shape))
-
-
-def _check_patch(weights: Tensor, layer: int, query: Tensor, key: Tensor) -> None:
-    b, length_q, length_k = query.shape[0], query.shape[2], key.shape[2]
-    if weights.shape[0] != b or tuple(weights.shape[2:]) != (length_q, length_k):
-        raise ValueError(
-            f"patch: the captured weights of layer {layer} have shape {_shape(weights)} "
-            f"(B, heads, L, S), this call needs B={b}, L={length_q}, S={length_k}; patch "
-            "inputs of the captured batch size and length. Received: captured "
-            f"{_shape(weights)}, call (B, L, S)=({b}, {length_q}, {length_k})"
-        )

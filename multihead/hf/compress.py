@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..acting import Compression, active, find, open_block
 from ..kv import Policy
 from ._transformers import attn_implementation
-from .capture import model_layers, open_block
-from .recording import Compression, active
+from .capture import READER
 from .registration import NAME
 
 __all__ = ["Compression", "compress"]
@@ -85,14 +85,21 @@ def compress(model: nn.Module, policy: Policy) -> Iterator[Compression]:
         ``states`` and ``nbytes``.
 
     Raises:
-        TypeError: ``policy`` is not a policy record, ``model`` not a transformers model.
+        TypeError: ``policy`` is not a policy record, ``model`` not a transformers model (the
+            library's own decoders take ``KVCache(policy=)``).
         ValueError: a model not on "multihead", gradients enabled, a second compress block
             on the same model, and at the prompt's call a cache that cannot shrink (a static
             cache) or another block (capture, ablate, knockout, patch) acting on the same
             layer.
     """
     policy = _check_policy(policy)
-    found = model_layers(model, "compress")
+    reader, found = find(model, "compress")
+    if reader is not READER:
+        raise TypeError(
+            "compress takes a transformers model; the library's own decoders compress their "
+            "KVCache themselves: generate(compress=policy) or KVCache(policy=policy). "
+            f"Received: model of type {type(model).__name__}"
+        )
     _check_model(model)
     block = Compression(None, len(found), policy=policy)
 
@@ -102,7 +109,7 @@ def compress(model: nn.Module, policy: Policy) -> Iterator[Compression]:
 
     handles = [layer.register_forward_pre_hook(remember, with_kwargs=True) for layer in found]
     try:
-        with open_block(model, block, found):
+        with open_block(model, block, reader, found):
             yield block
     finally:
         for handle in handles:

@@ -13,8 +13,8 @@ from typing import Any
 from torch import Tensor, nn
 from transformers.cache_utils import DynamicLayer
 
+from ..acting import Compression
 from ..kv import LayerState, grouped
-from .recording import Compression
 
 __all__ = ["CompressedLayer", "grouped", "layer_index", "start", "state_of"]
 

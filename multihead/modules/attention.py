@@ -1,17 +1,21 @@
 """``MultiHeadAttention``: project, split into heads, attend, merge, project back.
 
 The module holds parameters and reshapes; all attention math lives in ``multihead.attention``.
+It is the library's reader of ``multihead.acting``'s plans: a call from a layer an active
+block covers (capture, ablate, knockout, patch) runs through ``acting.run_plan``, as a
+transformers model's calls do on the bridge, and the blocks find a model's layers as its
+``MultiHeadAttention`` modules in order (the reader registered at the end of this file).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
-from .. import steps
+from .. import acting, steps
 from .._saveable import saveable
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
@@ -175,11 +179,17 @@ class MultiHeadAttention(nn.Module):
                 ``need_weights``), non-float inputs or inputs of another dtype than the
                 parameters (outside autocast).
         """
+        plan = acting.plan_for(self)
+        if _compressing(cache):
+            _check_alone(plan)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         dropout_p = self._dropout_p()
         if _compressing(cache):
             assert cache is not None
             return self.out_proj(merge_heads(_scored(cache, q, k, v, mask, bias)))
+        if plan is not None:  # a block acts on this layer
+            out, _ = acting.run_plan(plan, q, k, v, mask, bias=bias, dropout_p=dropout_p)
+            return self.out_proj(merge_heads(out))
         stepping = cache is not None and bias is None and dropout_p == 0.0
         if stepping and (mask is None or isinstance(mask, Mask)) and steps.applies(q, k, v):
             # a decoding step: every layer's call has the step's mask (multihead/steps.py)
@@ -221,10 +231,17 @@ class MultiHeadAttention(nn.Module):
                 "with a compressing cache run() returns every head's weights (the policy's "
                 f"scores need them all). Received: heads={heads}"
             )
+        plan = acting.plan_for(self)
+        if compressing:
+            _check_alone(plan)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
-        out, weights = attention_with_weights(
-            q, k, v, mask, bias=bias, heads=heads, dropout_p=self._dropout_p()
-        )
+        common: dict[str, Any] = {"bias": bias, "dropout_p": self._dropout_p()}
+        if plan is None:
+            out, weights = attention_with_weights(q, k, v, mask, heads=heads, **common)
+        else:  # a block acts on this layer
+            out, seen = acting.run_plan(plan, q, k, v, mask, **common, weights=True, heads=heads)
+            assert seen is not None  # asked for
+            weights = seen
         if compressing:
             assert cache is not None
             cache.observe(_from_weights(cache, weights))
@@ -428,6 +445,16 @@ class MultiHeadAttention(nn.Module):
         return module.train(self.training)
 
 
+def _check_alone(plan: acting.Plan | None) -> None:
+    """A compressing cache scores every head of the plain call; a block may not change it."""
+    if plan is not None:
+        raise ValueError(
+            "a KVCache with a policy does not combine with capture, ablate, knockout or patch "
+            "on the same layer: decode without the block or without the policy. Received: a "
+            f"block acting on layer {plan.layer} while the cache compresses"
+        )
+
+
 def _compressing(cache: object) -> bool:
     """Whether ``cache`` (a ``LayerCache``, or another object with its interface, such as the
     ONNX export's graph cache) compresses with a policy."""
@@ -460,3 +487,23 @@ def _from_weights(cache: LayerCache, weights: Tensor) -> Tensor | None:
     reducer = Reducer([name], window, (b, h, length_q, length_k), weights.dtype, weights.device)
     reducer.add(weights, 0)
     return reducer.result()[name]
+
+
+def _layers(model: object, what: str) -> list[nn.Module] | None:
+    """A model's ``MultiHeadAttention`` modules in order: the library's models hold one per
+    layer, its self-attention (None: the model holds none). A loaded checkpoint that is not
+    a module itself (``models.bert.Pretrained``) is read through its ``model``."""
+    module = model if isinstance(model, nn.Module) else getattr(model, "model", None)
+    if not isinstance(module, nn.Module):
+        return None
+    found: list[nn.Module] = [m for m in module.modules() if isinstance(m, MultiHeadAttention)]
+    return found or None
+
+
+def _num_heads(model: object) -> int | None:
+    """H of the model's layers (None when they differ)."""
+    counts = {cast("MultiHeadAttention", m).num_heads for m in _layers(model, "") or ()}
+    return counts.pop() if len(counts) == 1 else None
+
+
+READER = acting.register(acting.Reader("the library's own models", _layers, _num_heads))

@@ -16,7 +16,8 @@ takes (``multihead/steps.py``).
 It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 ``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
 (the blocks of every ``CausalLM`` here), outside autograd and traced graphs, without autocast,
-with every dropout inactive and no hooks on those modules (nor global ones). A LayerNorm and
+with every dropout inactive, no hooks on those modules (nor global ones) and no block of
+``multihead.acting`` open (its plan is read by the modules' calls). A LayerNorm and
 the activations a feed-forward is built with (GELU, ReLU, SiLU), without hooks, are computed
 as their ``forward`` computes them, without the module call; their other parts (another norm,
 a rotary embedding, a linear layer of another kind, anything with hooks) are called as the
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from .. import _validation as V
-from .. import steps
+from .. import acting, steps
 from .attention import MultiHeadAttention
 from .cache import KVCache
 from .few_rows import kernel_fits, stacked_products, step_product
@@ -107,6 +108,7 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> boo
         or V.tracing()
         or torch.jit.is_tracing()
         or cache.policy is not None  # a compressed cache: the modules read and hand back scores
+        or acting.active()  # a block (capture, ablate, ...): the modules read its plan
         or not _step_begun(cache, x)
     ):
         return False

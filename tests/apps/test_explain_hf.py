@@ -113,6 +113,6 @@ def test_rollout_from_head_means_equals_rollout_of_eager_weights(folders, tmp_pa
     )
     got = explain.run(options, say=lambda line: None)
     assert got.files["rollout"].stat().st_size > 3_000
-    means = explain._head_means(TEXT, explain._load(folders[name]), got.weights)
+    means = explain._head_means(TEXT, explain._load(folders[name]))
     want = rollout(_eager(folders[name], TEXT))
     assert (rollout(means[:, None]) - want).abs().max() <= 1e-5

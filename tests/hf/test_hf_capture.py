@@ -9,7 +9,7 @@ from hf_archs import BY_NAME
 from test_hf_attention import build, inputs
 
 import multihead.hf as mhf
-from multihead.hf import attention as hf_attention
+from multihead.acting import apply
 
 
 def _eager_attentions(model, arch):
@@ -53,13 +53,13 @@ def test_every_layer_and_head_by_default():
 
 def test_only_the_chosen_heads_are_ever_computed_with_weights(monkeypatch):
     calls = []
-    original = hf_attention.attention_with_weights
+    original = apply.attention_with_weights
 
     def spy(q, k, v, mask, **kwargs):
         calls.append(kwargs.get("heads"))
         return original(q, k, v, mask, **kwargs)
 
-    monkeypatch.setattr(hf_attention, "attention_with_weights", spy)
+    monkeypatch.setattr(apply, "attention_with_weights", spy)
     arch = BY_NAME["llama"]
     model = build(arch)
     with mhf.capture(model, layers=[0], heads=[3]), torch.no_grad():
