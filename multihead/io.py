@@ -553,7 +553,7 @@ def load(folder: str | Path) -> Any:
             the architecture (missing, unexpected, mis-shaped or integer tensors, named), or
             mix floating-point dtypes among tensors built in one (the odd one named).
     """
-    from . import hf_folders
+    from . import folder_reading
 
     folder = Path(folder)
     spec, config = _saved_spec(folder)
@@ -568,7 +568,7 @@ def load(folder: str | Path) -> Any:
 
     if _reads_whole_folder(spec):
         return built()
-    weights = hf_folders.file_in(
+    weights = folder_reading.file_in(
         folder, config.get("weights", WEIGHTS), source=CONFIG, field="weights"
     )
     if not weights.is_file():
@@ -576,8 +576,8 @@ def load(folder: str | Path) -> Any:
             f"the weights file {weights.name} is missing from {folder}. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    stored = hf_folders.weights(folder, weights)
-    skeleton = hf_folders.build_on_meta(built, stored, source=CONFIG)
+    stored = folder_reading.weights(folder, weights)
+    skeleton = folder_reading.build_on_meta(built, stored, source=CONFIG)
     if skeleton is not None:
         _check_layout(skeleton, stored)
     obj = built()
@@ -585,7 +585,7 @@ def load(folder: str | Path) -> Any:
     module = codec.module(obj)
     own = module.state_dict()
     names = _file_names(codec, obj, own)
-    state = hf_folders.match(own, stored.read(), names, weights=stored)
+    state = folder_reading.match(own, stored.read(), names, weights=stored)
     _check_dtypes(own, state, names, stored)
     _match_dtypes(module, state)
     module.load_state_dict(state, strict=True)
@@ -597,7 +597,7 @@ def load(folder: str | Path) -> Any:
 
 def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
     """The ``model`` field and the whole config.json of a ``save`` folder, checked."""
-    from . import hf_folders
+    from . import folder_reading
 
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder not found. Received: folder='{folder}'")
@@ -606,7 +606,7 @@ def _saved_spec(folder: Path) -> tuple[Any, dict[str, Any]]:
             f"{CONFIG} is missing from {folder}; multihead.save writes it. "
             f"Received: {sorted(p.name for p in folder.iterdir())}"
         )
-    config = hf_folders.read_config(folder)
+    config = folder_reading.read_config(folder)
     if "format_version" not in config:
         raise ValueError(
             f"{CONFIG}: the field format_version is missing, so {folder} was not written by "
@@ -633,13 +633,13 @@ def _file_names(codec: _Codec, obj: Any, state: dict[str, Tensor]) -> dict[str, 
 def _check_layout(skeleton: Any, stored: Any) -> None:
     """The meta-device model against the weights' header: names, shapes and dtypes agree
     before anything is allocated."""
-    from . import hf_folders
+    from . import folder_reading
 
     codec = _codec_for(skeleton, "model")
     expected = codec.module(skeleton).state_dict()
     names = _file_names(codec, skeleton, expected)
-    hf_folders.match(expected, stored.header, names, weights=stored)
-    hf_folders.check_unstored(codec.module(skeleton), stored, source=CONFIG)
+    folder_reading.match(expected, stored.header, names, weights=stored)
+    folder_reading.check_unstored(codec.module(skeleton), stored, source=CONFIG)
 
 
 def _reads_whole_folder(spec: Any) -> bool:

@@ -139,7 +139,7 @@ def _load(source: str | Path | None) -> Any:
     """The model of ``source`` (None: the default BERT model): "smollm2" or a .gguf file
     through ``multihead.hf.load``, else a folder, refused before loading when no model family
     opens it."""
-    from .. import hf_folders, models
+    from .. import folder_reading, models
     from ..models import kinds
     from ..models.causal_lm import CausalLM
 
@@ -147,7 +147,7 @@ def _load(source: str | Path | None) -> Any:
         return _Foreign.from_source(str(source))
     model_path = None if source is None else Path(source)
     if model_path is not None:
-        hf_folders.model_folder(model_path)
+        folder_reading.model_folder(model_path)
     found = kinds.folder_kind(model_path)
     foreign = found is not None and found.kind not in (None, kinds.SAVED)
     if foreign and models.family(found.kind) is None:  # no family of ours: transformers
@@ -200,7 +200,7 @@ class _Foreign:
         from .._extras import require
 
         require("transformers", "hf", "multihead explain on this architecture")
-        from ..hf.folders import load_folder
+        from ..hf.folder_opening import load_folder
 
         model, tokenizer = load_folder(
             folder, "multihead explain", supports=f", which supports {supported()}"

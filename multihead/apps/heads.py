@@ -74,9 +74,9 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
     if source is not None and _is_saved(Path(source)):
         return _load_saved(Path(source))
     require("transformers", "hf", "multihead heads")
-    from .. import hf_folders
+    from .. import folder_reading
     from ..hf import loading
-    from ..hf.folders import load_folder
+    from ..hf.folder_opening import load_folder
 
     if loading.is_llm_source(source):
         model, tokenizer = loading.load(str(source))
@@ -84,11 +84,11 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
     if source is None:
         from ..models.bert import default_path
 
-        folder = hf_folders.model_folder(default_path())
+        folder = folder_reading.model_folder(default_path())
     else:  # a folder, or the error that says what --model takes
         folder = loading.resolve(source).folder
     # a missing config.json is left to the loader, after its tokenizer.json check
-    config = hf_folders.read_json(folder, "config.json", required=False) or {}
+    config = folder_reading.read_json(folder, "config.json", required=False) or {}
     model, tokenizer = load_folder(folder, "multihead heads", causal_lm=_causal(config))
     return model, tokenizer, _causal(config)
 

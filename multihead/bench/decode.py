@@ -216,14 +216,14 @@ def short_path(
     say: Callable[[str], None] = print,
 ) -> dict:
     """A decoding step of ``multihead.models.gpt2`` with the short path through its layers
-    (``modules/stepping.py``) and without it, in one process on the same model and prompt:
+    (``modules/decoder_step.py``) and without it, in one process on the same model and prompt:
     each round times ``generate(ids, steps + 1)`` and ``generate(ids, 1)`` on both paths, best
     of two each, and a step is their difference over ``steps``; medians of ``rounds``
     alternating rounds, in ms per step. ``weights``: None (fp32), "bf16" or "int8"; ``shape``:
     GPT-2 small by default (a small ``DecodeShape`` shows the overhead alone)."""
     from .._machine import cpu_info
     from ..models import gpt2
-    from ..modules import stepping
+    from ..modules import decoder_step
     from .suite import matmul_peaks
 
     shape = shape or DecodeShape()
@@ -240,10 +240,10 @@ def short_path(
     ids = torch.randint(
         0, shape.vocab, (1, shape.prompt), generator=torch.Generator().manual_seed(3)
     )
-    was = stepping.enabled
+    was = decoder_step.enabled
 
     def run(on: bool, new: int) -> tuple[float, torch.Tensor]:
-        stepping.enabled = on
+        decoder_step.enabled = on
         start = time.perf_counter()
         out = model.generate(ids, new)
         return time.perf_counter() - start, out
@@ -257,7 +257,7 @@ def short_path(
                 first = min(run(on, 1)[0] for _ in range(2))
                 per_step[name].append((whole - first) / steps * 1e3)
     finally:
-        stepping.enabled = was
+        decoder_step.enabled = was
     med = {name: statistics.median(t) for name, t in per_step.items()}
     say(
         f"{shape.layers} layers, E={shape.embed_dim}, {_name(weights)}: a step on the modules' "

@@ -38,7 +38,7 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     backend the bridge runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .. import steps
+    from .. import decode_route
     from ..backends import fused
     from ..hf import attention, make_mask
 
@@ -54,8 +54,8 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     layer = _Layer()
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
-    (route,) = steps._routes(mask).values()
-    call = steps.route_call(route, q, k, v, mask)
+    (route,) = decode_route._routes(mask).values()
+    call = decode_route.route_call(route, q, k, v, mask)
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step
 

@@ -355,12 +355,12 @@ def load_for_export(path: str | Path | None) -> nn.Module | Pretrained:
         ValueError: a folder of another kind (T5, a saved application model, ...): the message
             names the kind found and what export supports.
     """
-    from .. import hf_folders, models
+    from .. import folder_reading, models
     from ..models import kinds
 
     if path is None:
         return models.load(None)
-    folder = hf_folders.model_folder(path)
+    folder = folder_reading.model_folder(path)
     kinds.check_family_kind(folder, "multihead export onnx", exports, saved_classes=_SAVED_MODULES)
     return models.load(folder)
 

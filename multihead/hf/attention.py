@@ -9,7 +9,7 @@ the softmax weights (B, H, L, S) or None. Underneath it is ``multihead.attention
 and one it cannot honour is refused by name. A call from a layer that an active block
 covers (``multihead.acting``: capture, ablate, knockout, patch) runs the blocks' plan through
 ``acting.run_plan``, as ``MultiHeadAttention`` does; ``compress``'s plan is this module's
-own. A decoding step's call (one query row) takes the short path of ``steps.attend``, to the
+own. A decoding step's call (one query row) takes the short path of ``decode_route.attend``, to the
 same result.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import acting, steps
+from .. import acting, decode_route
 from .. import bias as mb
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, dense
@@ -108,7 +108,7 @@ def attention_forward(
     plain = plan is None and not wants  # no block acts on the layer, no weights asked
     decoding = plain and _decoding(query, key, value, dropout, position_bias, s_aux)
     if decoding and (attention_mask is None or isinstance(attention_mask, Mask)):
-        return steps.attend(query, key, value, attention_mask, scaling, softcap), None
+        return decode_route.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     common: dict[str, Any] = {"bias": bias, "scale": scaling, "dropout_p": float(dropout)}
@@ -165,8 +165,15 @@ def _compressed(
         state.observe(kv_cache.grouped(found[step], key.shape[1]))
         return out.transpose(1, 2).contiguous()
     capped = common["bias"] is None or getattr(common["bias"], "label", None) == "softcap"
-    if slots is None and capped and common["dropout_p"] == 0 and steps.applies(query, key, value):
-        out = steps.attend(query, key, value, None, common["scale"], _softcap(common["bias"]))
+    if (
+        slots is None
+        and capped
+        and common["dropout_p"] == 0
+        and decode_route.applies(query, key, value)
+    ):
+        out = decode_route.attend(
+            query, key, value, None, common["scale"], _softcap(common["bias"])
+        )
     else:
         out = attention(query, key, value, slots, **common).transpose(1, 2).contiguous()
     state.shrink()
@@ -203,7 +210,7 @@ def _last_row_visible(
 
 
 def _softcap(modifier: Any) -> float | None:
-    """The cap of a bias that is a soft-cap alone (what ``steps.attend`` takes)."""
+    """The cap of a bias that is a soft-cap alone (what ``decode_route.attend`` takes)."""
     return None if modifier is None else float(modifier.cap)
 
 
@@ -233,14 +240,14 @@ def _decoding(
     position_bias: Tensor | None,
     sinks: Tensor | None,
 ) -> bool:
-    """A decoding step's call, which ``steps.attend`` takes with a multihead mask or none:
+    """A decoding step's call, which ``decode_route.attend`` takes with a multihead mask or none:
     nothing added to the scores (a cap may bend them), no dropout, and what
-    ``steps.applies`` asks (one query row, no gradient, no graph being traced)."""
+    ``decode_route.applies`` asks (one query row, no gradient, no graph being traced)."""
     return (
         position_bias is None
         and sinks is None
         and dropout == 0
-        and steps.applies(query, key, value)
+        and decode_route.applies(query, key, value)
     )
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validation as V
-from .. import configs, hf_folders, io, masks
+from .. import configs, folder_reading, io, masks
 from ..configs import Size
 from ..masks import Mask
 from ..modules import (
@@ -532,16 +532,16 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
             config: missing, misshapen or left-over tensors (never a partial load). Heads of
             task checkpoints (``cls.``, ``classifier.``, ``qa_outputs.``) are skipped.
     """
-    folder = hf_folders.model_folder(default_path() if path is None else path)
+    folder = folder_reading.model_folder(default_path() if path is None else path)
     for name in ("config.json", "tokenizer.json"):
         if not (folder / name).is_file():
             raise FileNotFoundError(
                 f"{name} is missing from {folder}; a BERT-family model directory needs "
                 f"config.json, {' or '.join(WEIGHT_FILES)} and tokenizer.json"
             )
-    config = BertConfig.from_dict(hf_folders.read_config(folder))
-    st_config = hf_folders.read_json(folder, "sentence_bert_config.json", required=False)
-    tokenizer = hf_folders.read_tokenizer(folder, required=True)
+    config = BertConfig.from_dict(folder_reading.read_config(folder))
+    st_config = folder_reading.read_json(folder, "sentence_bert_config.json", required=False)
+    tokenizer = folder_reading.read_tokenizer(folder, required=True)
     embed_length = config.max_position_embeddings
     if st_config is not None:
         embed_length = st_config.get("max_seq_length", embed_length)
@@ -550,7 +550,7 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
                 f"sentence_bert_config.json in {folder}: max_seq_length must be a positive int. "
                 f"Received: max_seq_length={embed_length!r}"
             )
-    stored = hf_folders.weights(folder).renamed(_modern_name)
+    stored = folder_reading.weights(folder).renamed(_modern_name)
     has_pooler = "pooler.dense.weight" in stored.header
 
     def unused(name: str) -> bool:
@@ -558,14 +558,14 @@ def load(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) 
 
     # the config meets the weights' header on a model without memory first: a wrong size
     # is an error naming both shapes, never a huge allocation
-    skeleton = hf_folders.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
+    skeleton = folder_reading.build_on_meta(lambda: Bert(config, pooler=has_pooler), stored)
     names = _hf_names(config, has_pooler)  # after the meta build, which stops absurd layer counts
     if skeleton is not None:
         own = skeleton.state_dict()
-        hf_folders.match(own, stored.header, names, weights=stored, unused=unused)
-        hf_folders.check_unstored(skeleton, stored)
+        folder_reading.match(own, stored.header, names, weights=stored, unused=unused)
+        folder_reading.check_unstored(skeleton, stored)
     model = Bert(config, pooler=has_pooler)
-    hf_folders.assign(model, stored.read(), names, weights=stored, unused=unused)
+    folder_reading.assign(model, stored.read(), names, weights=stored, unused=unused)
     model.to(dtype).eval()
     return Pretrained(model, tokenizer, config, folder, embed_length)
 

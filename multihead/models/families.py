@@ -159,7 +159,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
             ``weights`` given for a model that is not a causal decoder, or not None, "bf16"
             or "int8".
     """
-    from .. import hf_folders, io
+    from .. import folder_reading, io
     from . import gguf
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
@@ -171,7 +171,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     if gguf.is_gguf(path):  # a GGUF file names its family in its metadata
         config, field = {"model_type": gguf.architecture(path)}, "general.architecture"
     else:
-        config = hf_folders.read_config(path) if (path / io.CONFIG).is_file() else {}
+        config = folder_reading.read_config(path) if (path / io.CONFIG).is_file() else {}
         field = "model_type"
     model_type = config.get("model_type")
     if "format_version" in config or not isinstance(model_type, str):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import hf_folders
+from .. import folder_reading
 from .._extras import require
 
 __all__ = ["ARCHITECTURES", "TENSOR_TYPES", "architecture", "is_gguf", "read", "tokenizer"]
@@ -142,7 +142,7 @@ def _rows_from_pairs(weight: Tensor, heads: int) -> Tensor:
     return weight.reshape(heads, rows, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def read(path: str | Path) -> tuple[dict[str, Any], hf_folders.Weights]:
+def read(path: str | Path) -> tuple[dict[str, Any], folder_reading.Weights]:
     """A GGUF file's config and weights: what ``loading.load_decoder`` reads from a folder's
     config.json and safetensors.
 
@@ -195,7 +195,7 @@ def read(path: str | Path) -> tuple[dict[str, Any], hf_folders.Weights]:
             state[name] = tensor
         return state
 
-    return raw, hf_folders.Weights(file, header, dict.fromkeys(header, file.name), read_all)
+    return raw, folder_reading.Weights(file, header, dict.fromkeys(header, file.name), read_all)
 
 
 def tokenizer(path: str | Path) -> Any:

@@ -62,14 +62,14 @@ def folder_kind(path: str | Path | None) -> FolderKind | None:
     Raises:
         ValueError: config.json is empty, not UTF-8, not JSON or not an object (named).
     """
-    from .. import hf_folders
+    from .. import folder_reading
 
     if path is None:
         return None
     folder = Path(path)
     if not (folder / "config.json").is_file():
         return None
-    config = hf_folders.read_config(folder)
+    config = folder_reading.read_config(folder)
     kind = config.get("model_type")
     if isinstance(kind, str):
         return FolderKind(folder, kind)

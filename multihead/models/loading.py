@@ -64,7 +64,7 @@ def load_decoder(
             file, also an architecture other than llama or a tensor type ``gguf.read`` does
             not read.
     """
-    from .. import hf_folders
+    from .. import folder_reading
 
     check_weights(weights, dtype)
     if gguf.is_gguf(path):
@@ -73,24 +73,24 @@ def load_decoder(
         config = family.config.from_dict(raw, source=source)
         tokenizer = gguf.tokenizer(folder)
     else:
-        folder, source = hf_folders.model_folder(path), "config.json"
-        config = family.config.from_dict(hf_folders.read_config(folder))
-        tokenizer = hf_folders.read_tokenizer(folder, required=False)
-        stored = hf_folders.weights(folder)
+        folder, source = folder_reading.model_folder(path), "config.json"
+        config = family.config.from_dict(folder_reading.read_config(folder))
+        tokenizer = folder_reading.read_tokenizer(folder, required=False)
+        stored = folder_reading.weights(folder)
     stored = stored.renamed(lambda k: k.removeprefix(family.prefix))
     tied = config.tie_word_embeddings
 
     def unused(name: str) -> bool:  # a tied output layer saved anyway is the embeddings again
         return name.endswith(family.unused) or (tied and name == "lm_head.weight")
 
-    skeleton = hf_folders.build_on_meta(lambda: family.model(config), stored, source=source)
+    skeleton = folder_reading.build_on_meta(lambda: family.model(config), stored, source=source)
     names_of = family.names(config, tied)  # after the meta build, which stops absurd layer counts
     if skeleton is not None:
         own = skeleton.state_dict()
-        hf_folders.match(own, stored.header, names_of, weights=stored, unused=unused)
-        hf_folders.check_unstored(skeleton, stored, source=source)
+        folder_reading.match(own, stored.header, names_of, weights=stored, unused=unused)
+        folder_reading.check_unstored(skeleton, stored, source=source)
     model = family.model(config)
-    hf_folders.assign(model, stored.read(), names_of, weights=stored, unused=unused)
+    folder_reading.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
     if dtype == torch.float32:
         quant.pack_linears(model, weights)
@@ -141,9 +141,9 @@ def _save_tokenizer(model: CausalLM, folder: Path) -> None:
 
 def _restore_tokenizer(model: CausalLM, folder: Path) -> None:
     if (folder / "tokenizer.json").is_file():
-        from .. import hf_folders
+        from .. import folder_reading
 
-        model.tokenizer = hf_folders.read_tokenizer(folder, required=False)
+        model.tokenizer = folder_reading.read_tokenizer(folder, required=False)
     model.path = folder
 
 

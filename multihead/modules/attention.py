@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
-from .. import acting, steps
+from .. import acting, decode_route
 from .._saveable import saveable
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
@@ -191,9 +191,9 @@ class MultiHeadAttention(nn.Module):
             out, _ = acting.run_plan(plan, q, k, v, mask, bias=bias, dropout_p=dropout_p)
             return self.out_proj(merge_heads(out))
         stepping = cache is not None and bias is None and dropout_p == 0.0
-        if stepping and (mask is None or isinstance(mask, Mask)) and steps.applies(q, k, v):
-            # a decoding step: every layer's call has the step's mask (multihead/steps.py)
-            out = steps.attend(q, k, v, mask, None, None)
+        if stepping and (mask is None or isinstance(mask, Mask)) and decode_route.applies(q, k, v):
+            # a decoding step: every layer's call has the step's mask (multihead/decode_route.py)
+            out = decode_route.attend(q, k, v, mask, None, None)
             return self.out_proj(out.reshape(out.shape[0], 1, -1))  # (B, 1, H, D_v) -> merged
         out = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p)
         return self.out_proj(merge_heads(out))

@@ -14,7 +14,7 @@ from .. import masks
 from .._saveable import saveable
 from ..functional import AttentionOutput
 from ..masks import Mask
-from . import stepping
+from . import decoder_step
 from .cache import KVCache, LayerCache
 from .transformer import StackOutput, _runner, check_layers, run_stack
 
@@ -163,10 +163,10 @@ class TransformerDecoder(nn.Module):
             mask is None
             and positions is None
             and cache is not None
-            and stepping.applies(self.layers, TransformerDecoderLayer, x, cache)
+            and decoder_step.applies(self.layers, TransformerDecoderLayer, x, cache)
         ):
             # a decoding step: the same operations without the module calls around them
-            return self.norm(stepping.step(self.layers, x, cache))
+            return self.norm(decoder_step.step(self.layers, x, cache))
         for i, layer in enumerate(self.layers):
             x = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i])
         return self.norm(x)

@@ -21,7 +21,7 @@ import multihead as mh
 import multihead.hf as mhf  # the reader of transformers models
 from multihead import acting
 from multihead.models import gpt2, llama
-from multihead.modules import stepping
+from multihead.modules import decoder_step
 
 LOADERS = {"gpt2": gpt2, "llama": llama}
 ATOL = 1e-5
@@ -172,8 +172,8 @@ def test_blocks_act_inside_generate_as_on_the_transformers_path(models, ours):
 def test_the_decoding_short_path_waits_while_a_block_is_open(models, monkeypatch):
     ours = models["loaded"]
     taken = []
-    original = stepping.step
-    monkeypatch.setattr(stepping, "step", lambda *a: taken.append(1) or original(*a))
+    original = decoder_step.step
+    monkeypatch.setattr(decoder_step, "step", lambda *a: taken.append(1) or original(*a))
     with torch.no_grad():
         plain = ours.generate(CLEAN, 4)
     assert len(taken) == 3  # every step after the prompt's

@@ -1,4 +1,4 @@
-"""The decoding step's short path (``multihead/steps.py``) through transformers'
+"""The decoding step's short path (``multihead/decode_route.py``) through transformers'
 attention interface: one query row per call, grouped heads folded into rows, the checks and
 the backend choice kept per mask object.
 
@@ -19,7 +19,7 @@ import transformers as tf
 from transformers import masking_utils as mu
 
 import multihead
-from multihead import bias, masks, steps
+from multihead import bias, decode_route, masks
 from multihead.hf import attention as hf_attention
 from multihead.hf import capture, make_mask
 
@@ -75,17 +75,17 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.fixture
 def routes(monkeypatch) -> list[tuple]:
-    """The routes worked out (each a call to ``steps._route``), in order, from none kept."""
-    monkeypatch.setattr(steps, "_UNMASKED", {})
+    """The routes worked out (each a call to ``decode_route._route``), in order, from none kept."""
+    monkeypatch.setattr(decode_route, "_UNMASKED", {})
     made: list[tuple] = []
-    original = steps._route
+    original = decode_route._route
 
     def spy(q, k, v, mask, scale, softcap):
         route = original(q, k, v, mask, scale, softcap)
         made.append((mask, route))
         return route
 
-    monkeypatch.setattr(steps, "_route", spy)
+    monkeypatch.setattr(decode_route, "_route", spy)
     return made
 
 
@@ -201,7 +201,7 @@ def test_a_route_is_kept_per_mask_object_and_signature(routes):
     assert len(routes) == 1
     _bridge(q, k, v, mask, scaling=0.5)  # another signature: a route of its own
     assert len(routes) == 2
-    kept = steps._routes(mask)
+    kept = decode_route._routes(mask)
     assert len(kept) == 2
     alive = weakref.ref(kept)
     del mask, kept, routes[:]
@@ -264,11 +264,13 @@ def test_a_kept_backend_that_refuses_is_chosen_again(routes):
     mask = _decode_mask(attention_mask=_padding(S))
     want = _bridge(q, k, v, mask)
     ((_, route),) = routes
-    (signature,) = steps._routes(mask)
+    (signature,) = decode_route._routes(mask)
     # "half" takes only bf16/fp16 inputs: an explicit call with fp32 is refused
-    steps._routes(mask)[signature] = steps._Route(**{**route.__dict__, "backend": "half"})
+    decode_route._routes(mask)[signature] = decode_route._Route(
+        **{**route.__dict__, "backend": "half"}
+    )
     _close(_bridge(q, k, v, mask), want)
-    assert steps._routes(mask)[signature].backend == route.backend
+    assert decode_route._routes(mask)[signature].backend == route.backend
 
 
 def test_a_bad_call_raises_as_multihead_attention_does():
@@ -279,7 +281,7 @@ def test_a_bad_call_raises_as_multihead_attention_does():
 
 def test_calls_that_are_not_decoding_steps_take_the_whole_path(monkeypatch):
     taken = []
-    monkeypatch.setattr(steps, "attend", lambda *a: taken.append(a))
+    monkeypatch.setattr(decode_route, "attend", lambda *a: taken.append(a))
     q, k, v = _qkv()
     mask = _decode_mask()
     module = _Layer()
@@ -315,8 +317,8 @@ def test_generate_on_a_padded_batch_gives_sdpa_tokens(monkeypatch):
     keep[1, :3], keep[2, :6] = 0, 0
     ids[keep == 0] = 0
     calls = []
-    original = steps.attend
-    monkeypatch.setattr(steps, "attend", lambda *a: calls.append(1) or original(*a))
+    original = decode_route.attend
+    monkeypatch.setattr(decode_route, "attend", lambda *a: calls.append(1) or original(*a))
     model = _qwen2("sdpa")
     tokens = {}
     for impl in ("sdpa", "multihead"):

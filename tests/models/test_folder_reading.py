@@ -1,5 +1,5 @@
 """Broken model folders get an error naming the file and what is wrong with it, before any
-model is built, for every loader (the shared reader in multihead.hf_folders)."""
+model is built, for every loader (the shared reader in multihead.folder_reading)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ kernel per product, reshapes into and out of heads) is a large share of a small 
 ``step`` runs the step ``TransformerDecoder.forward`` runs, the same operations in the same
 order, so its result is the same to the bit, without what it need not repeat: the call is
 checked once for every layer, each product goes straight to the kernel or ``F.linear`` its
-module would choose (``quant.step_product``), the products of one input (q, k and v; a gated
+module would choose (``few_rows.step_product``), the products of one input (q, k and v; a gated
 feed-forward's gate and up) run as one kernel call where each would run on the kernel
-(``quant.stacked_products``, the same bits), the heads are views of the product rows, the
+(``few_rows.stacked_products``, the same bits), the heads are views of the product rows, the
 keys and values go into the cache without its checks, a rotary embedding's cosines and sines
 are made once for all the layers, and the attention takes the decoding short path the module
-takes (``multihead/steps.py``).
+takes (``multihead/decode_route.py``).
 
 It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 ``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
@@ -22,7 +22,7 @@ the activations a feed-forward is built with (GELU, ReLU, SiLU), without hooks, 
 as their ``forward`` computes them, without the module call; their other parts (another norm,
 a rotary embedding, a linear layer of another kind, anything with hooks) are called as the
 modules they are. Anything else takes the modules' path.
-``MULTIHEAD_STEP_PATH=0`` (or ``stepping.enabled = False``) turns the short path off.
+``MULTIHEAD_STEP_PATH=0`` (or ``decoder_step.enabled = False``) turns the short path off.
 
 Submodules are read from ``_modules`` rather than as attributes: ``nn.Module.__getattr__``
 costs about a microsecond, and a GPT-2-small step reads a few hundred of them.
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from .. import _validation as V
-from .. import acting, steps
+from .. import acting, decode_route
 from .attention import MultiHeadAttention
 from .cache import KVCache
 from .few_rows import kernel_fits, stacked_products, step_product
@@ -184,7 +184,7 @@ def _attend(
     if rotary is not None:
         q, k = _rotated(rotary, q, k, cache.step.positions, turns)
     keys, values, mask = cache._append(i, k, v)
-    out = steps.attend(q, keys, values, mask, None, None)  # (B, 1, H, D_v)
+    out = decode_route.attend(q, keys, values, mask, None, None)  # (B, 1, H, D_v)
     return step_product(parts["out_proj"], out.reshape(out.shape[0], 1, -1), fits)
 
 
