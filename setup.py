@@ -119,6 +119,8 @@ def _kernels() -> dict:
         CppExtension(
             kernel.module,
             [f"multihead/{kernel.source}"],
+            # its headers: an edited header rebuilds it (a build newer than the sources is kept)
+            depends=[str(path) for path in kernel.files[1:]],
             extra_compile_args=ext.cflags(),
             extra_link_args=ext.ldflags(),
         )

@@ -1,6 +1,6 @@
 """A package others can depend on: ``python -m build`` makes a wheel and an sdist that ``twine
-check`` passes, both carrying the fused kernel's C++ source, ``py.typed`` and the license; the
-version is written in one place."""
+check`` passes, both carrying the kernels' C++ sources and headers, ``py.typed`` and the
+license; the version is written in one place."""
 
 from __future__ import annotations
 
@@ -42,6 +42,11 @@ def dist(tmp_path_factory) -> Path:
     return out
 
 
+def _kernel_sources() -> list[Path]:
+    """The kernels' C++ sources and the headers they include."""
+    return sorted(p for p in (ROOT / "multihead").rglob("*") if p.suffix in (".cpp", ".h"))
+
+
 def _one(folder: Path, pattern: str) -> Path:
     found = sorted(folder.glob(pattern))
     assert len(found) == 1, found
@@ -66,7 +71,7 @@ def test_the_wheel_carries_the_kernel_source_types_and_license(dist):
     wheel = _one(dist, f"multihead-{version}-py3-none-any.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-        for cpp in sorted((ROOT / "multihead").rglob("*.cpp")):
+        for cpp in _kernel_sources():
             inside = cpp.relative_to(ROOT).as_posix()
             assert inside in names, inside
             assert zf.read(inside) == cpp.read_bytes()
@@ -86,7 +91,7 @@ def test_the_sdist_holds_what_builds_and_tests_the_package(dist):
     sdist = _one(dist, f"multihead-{version}.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for cpp in sorted((ROOT / "multihead").rglob("*.cpp")):
+    for cpp in _kernel_sources():
         assert cpp.relative_to(ROOT).as_posix() in names
     for path in ("multihead/py.typed", "LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml",
                  "constraints.txt", "tests/conftest.py", "tests/helpers.py", "mkdocs.yml",

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "multihead"
-SOURCES = ["kernels/csrc/fused_attention.cpp", "kernels/csrc/rows_linear.cpp"]
+# every C++ file of the kernels: the two sources and the headers they include
+SOURCES = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in (ROOT / "kernels" / "csrc").rglob("*")
+    if p.suffix in (".cpp", ".h")
+)
 
 # a measurement, a machine, a past run or a past version of the code
 HISTORY = re.compile(

@@ -6,9 +6,10 @@ flags, and the two places a compiled kernel comes from (``loader.py`` takes it f
   torch and a C++ compiler (``pip install --no-build-isolation``, as the README's commands
   do). The module lands inside the installed package (``multihead/kernels/_fused_kernel*.so``,
   ``multihead/kernels/_rows_kernel*.so``) beside a small record of what it was built from
-  (``<module>.json``: the sources' digest, the flags, torch's version, the CPU). Any user of
-  the installation loads it, with an empty cache. A record that does not match this process
-  (another torch, another CPU, edited sources) leaves it unused.
+  (``<module>.json``: the digest of its source and the headers that includes, the flags,
+  torch's version, the CPU). Any user of the installation loads it, with an empty cache. A
+  record that does not match this process (another torch, another CPU, edited sources)
+  leaves it unused.
 * **The per-user cache.** Otherwise ``torch.utils.cpp_extension.load`` compiles the kernel on
   demand (``multihead doctor``, ``backend="fused"``) into ``$MULTIHEAD_EXTENSION_DIR``, else
   ``$XDG_CACHE_HOME/multihead/extensions``, else ``~/.cache/multihead/extensions``, in a folder
@@ -40,6 +41,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Sequence
@@ -67,6 +69,7 @@ __all__ = [
 ]
 
 PACKAGE = Path(__file__).resolve().parent.parent  # the multihead package folder
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,22 @@ class Kernel:
     @property
     def source_path(self) -> Path:
         return PACKAGE / self.source
+
+    @property
+    def files(self) -> list[Path]:
+        """The source and every header it includes with quotes (``#include "fused/plan.h"``),
+        followed through the headers, in the order first met: all that a build reads from the
+        package, so all that its digest and record cover (a header left out would let an
+        edited header reuse the build of the old one)."""
+        found: list[Path] = []
+        pending = [self.source_path.resolve()]
+        while pending:
+            path = pending.pop(0)
+            if path not in found:
+                found.append(path)
+                names = _QUOTED_INCLUDE.findall(path.read_text(encoding="utf-8"))
+                pending += [(path.parent / name).resolve() for name in names]
+        return found
 
     @property
     def folder(self) -> Path:
@@ -147,11 +166,19 @@ def record(kernel: Kernel) -> dict[str, str]:
     import torch
 
     return {
-        "source_sha256": hashlib.sha256(kernel.source_path.read_bytes()).hexdigest(),
+        "source_sha256": _digest(kernel.files),
         "flags": " ".join(cflags()),
         "torch": torch.__version__,
         "cpu_sha256": hashlib.sha256(cpu_signature().encode()).hexdigest(),
     }
+
+
+def _digest(files: Sequence[Path]) -> str:
+    """sha256 of the files' contents, each after its path inside the package."""
+    h = hashlib.sha256()
+    for path in files:
+        h.update(path.relative_to(PACKAGE).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def packaged(kernel: Kernel) -> tuple[ModuleType | None, str]:
@@ -197,7 +224,7 @@ def build_name(prefix: str, sources: Sequence[Path], settings: Sequence[str]) ->
 
 def cached_name(kernel: Kernel) -> str:
     """The cache folder's and module's name for ``kernel`` here."""
-    return build_name(kernel.prefix, [kernel.source_path], _settings())
+    return build_name(kernel.prefix, kernel.files, _settings())
 
 
 def in_cache(kernel: Kernel) -> bool:

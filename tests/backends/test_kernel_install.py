@@ -118,6 +118,37 @@ def test_both_kernels_are_built_by_one_builder_with_one_set_of_flags(monkeypatch
     assert calls[0][1:] == calls[1][1:] == (build.cflags(), build.ldflags())
 
 
+def test_a_build_covers_every_header_its_source_includes():
+    """The fused kernel's rooms and the SIMD header both kernels share go into their builds'
+    digests and records (a header left out would let an edited header reuse an old build)."""
+    csrc = build.PACKAGE / "kernels" / "csrc"
+    headers = set(csrc.rglob("*.h"))
+    assert headers <= set(build.FUSED.files)
+    assert build.FUSED.files[0] == build.FUSED.source_path
+    assert build.ROWS.files == [build.ROWS.source_path, csrc / "simd.h"]
+
+
+def test_an_edited_header_names_a_new_build(monkeypatch, tmp_path):
+    """Quoted includes are followed through the headers, relative to each including file;
+    editing one changes the cache's build name and the package build's record."""
+    package = tmp_path.resolve()
+    monkeypatch.setattr(build, "PACKAGE", package)
+    (package / "rooms").mkdir()
+    (package / "kernel.cpp").write_text('#include <vector>\n#include "rooms/a.h"\n')
+    (package / "rooms" / "a.h").write_text('#pragma once\n#include "../b.h"\n')
+    (package / "b.h").write_text("int f() { return 1; }\n")
+    kernel = build.Kernel("a kernel", "multihead_x", "multihead.x", "kernel.cpp", "X")
+    assert [p.relative_to(package).as_posix() for p in kernel.files] == [
+        "kernel.cpp",
+        "rooms/a.h",
+        "b.h",
+    ]
+    name, digest = build.cached_name(kernel), build.record(kernel)["source_sha256"]
+    (package / "b.h").write_text("int f() { return 2; }\n")
+    assert build.cached_name(kernel) != name
+    assert build.record(kernel)["source_sha256"] != digest
+
+
 def _setup_build(
     tmp_path: Path, env: dict[str, str], prelude: str = ""
 ) -> subprocess.CompletedProcess:

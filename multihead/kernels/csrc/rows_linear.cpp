@@ -37,97 +37,26 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;
+// every output is summed in 16 float lanes (VF16) whatever the CPU's vector width
+constexpr int64_t kLanes16 = 16;
 constexpr int64_t kGrain = 16;  // output channels per task at least: amortizes the dispatch
 constexpr int64_t kMaxRows = 16;  // rows per call at most (the Python side's limit)
 constexpr int kRowBlock = 8;  // rows held in registers at once
 constexpr int64_t kAheadBytes = 12 << 10;  // how far ahead of the sums the weights are fetched
 
-inline float widen(float v) { return v; }
-inline float widen(int8_t v) { return static_cast<float>(v); }
-inline float widen(c10::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-#if defined(__AVX512F__)
-
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const c10::BFloat16* p) {
-  // bfloat16 is the top half of a float32: widen the 16-bit words and shift them up
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline Vec vload(const int8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-
-#else  // portable: 16 float lanes the compiler may vectorize
-
-struct Vec {
-  float v[kLanes];
-};
-inline Vec vzero() { return Vec{}; }
-template <typename W>
-inline Vec vload(const W* p) {
-  Vec out;
-  for (int64_t l = 0; l < kLanes; ++l) out.v[l] = widen(p[l]);
-  return out;
-}
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  for (int64_t l = 0; l < kLanes; ++l) c.v[l] += a.v[l] * b.v[l];
-  return c;
-}
-inline void vstore(float* p, Vec v) { std::memcpy(p, v.v, sizeof(v.v)); }
-inline void prefetch(const void*) {}
-
-#endif
-
-// The lanes' sum in a fixed tree (the same on every path): pairs 8 apart, then 4, 2, 1.
-#if defined(__AVX512F__)
-inline float lanes_sum(Vec v) {
-  // the tree's levels as halves of the register added together: lanes l and l + 8, then
-  // l and l + 4, l and l + 2, and lane 0 and lane 1
-  const __m256 hi8 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi8);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-#else
-inline float lanes_sum(Vec v) {
-  float a[kLanes];
-  vstore(a, v);
-  for (int64_t half = kLanes / 2; half >= 1; half /= 2) {
-    for (int64_t l = 0; l < half; ++l) a[l] += a[l + half];
-  }
-  return a[0];
-}
-#endif
-
 // R rows of x (row stride ldx) against NB weight rows starting at w (row stride K):
 // sums[r * NB + j] = sum_k x[r, k] * w[j, k].
 template <int R, int NB, typename W>
 inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sums) {
-  Vec acc[R][NB];
+  VF16 acc[R][NB];
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NB; ++j) acc[r][j] = vzero();
+    for (int j = 0; j < NB; ++j) acc[r][j] = VF16{};
   }
-  const int64_t whole = K / kLanes * kLanes;
+  const int64_t whole = K / kLanes16 * kLanes16;
   // the weight rows after these follow them in memory: fetch the rows `ahead` rows on (a
   // whole number of blocks, at least kAheadBytes on) into L2 while these are summed. Each of
   // the NB streams is only K weights long, too short for the hardware prefetcher to ramp up.
@@ -135,23 +64,23 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sum
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(W));
   const int64_t ahead =
       row_bytes ? (kAheadBytes + NB * row_bytes - 1) / (NB * row_bytes) * NB * K : 0;
-  for (int64_t k = 0; k < whole; k += kLanes) {
+  for (int64_t k = 0; k < whole; k += kLanes16) {
     if (k % kLine == 0) {
-      for (int j = 0; j < NB; ++j) prefetch(w + ahead + j * K + k);
+      for (int j = 0; j < NB; ++j) prefetch_l2(w + ahead + j * K + k);
     }
-    Vec wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = vload(w + j * K + k);
+    VF16 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_float<VF16>(w + j * K + k);
     for (int r = 0; r < R; ++r) {
-      const Vec xv = vload(x + r * ldx + k);
-      for (int j = 0; j < NB; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+      const VF16 xv = load_float<VF16>(x + r * ldx + k);
+      for (int j = 0; j < NB; ++j) acc[r][j] = mul_add(xv, wv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const float* xr = x + r * ldx;
     for (int j = 0; j < NB; ++j) {
-      float s = lanes_sum(acc[r][j]);
+      float s = tree_sum(acc[r][j]);  // the fixed tree: lanes 8 apart, then 4, 2, 1
       const W* wj = w + j * K;
-      for (int64_t t = whole; t < K; ++t) s += xr[t] * widen(wj[t]);
+      for (int64_t t = whole; t < K; ++t) s += xr[t] * static_cast<float>(wj[t]);
       sums[r * NB + j] = s;
     }
   }
