@@ -318,6 +318,10 @@ class _Sum(ScoreModifier):
         for p in self.parts:
             p.check(batch, heads, length_q, length_k)
 
+    def crop(self, length_q, length_k, q0, q1, k0, k1):
+        # each term cropped: a cap or sink logits stay whole beside the additive terms' crops
+        return _Sum(tuple(p.crop(length_q, length_k, q0, q1, k0, k1) for p in self.parts))
+
     def tensors(self):
         return tuple(t for p in self.parts for t in p.tensors())
 
@@ -616,6 +620,10 @@ class _NotAdditive(ScoreModifier):
         raise self._not_additive()
 
     def heads(self, index):
+        return self
+
+    def crop(self, length_q, length_k, q0, q1, k0, k1):
+        # the same for every query and key: a shard's modifier is this one
         return self
 
 

@@ -479,3 +479,20 @@ def test_softcap_and_sinks_errors():
     assert parts.softcap == 2.0 and parts.sinks.tolist() == [1.0] * 4
     assert repr(parts.additive).startswith("alibi(4 heads")
     assert mb.split(None) == (None, None, None)
+
+
+@pytest.mark.parametrize("with_alibi", [False, True], ids=["softcap", "softcap+alibi"])
+def test_statistics_of_a_capped_call_in_slices(with_alibi):
+    """attention_stats sweeps a call with gradients in slices of query rows, cropping the bias
+    to each slice: a soft-cap (the same for every row) crops to itself, a sum crops term by
+    term. This raised "softcap(5) is not an additive term" before. Reference: the float64
+    weights of the whole call, reduced by hand."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 700, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 3000, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    bias = mb.softcap(2.0) + (mb.alibi(2) if with_alibi else None)
+    assert mb.softcap(2.0).crop(700, 3000, 100, 200, 0, 3000) is not None
+    out, found = mh.attention_stats(q, k, v, masks.causal(), stats=["key_mass"], bias=bias)
+    want_out, weights = mh.attention_with_weights(q, k, v, masks.causal(), bias=bias)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(found["key_mass"], weights.sum(2), rtol=0, atol=1e-10)
