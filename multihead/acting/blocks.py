@@ -170,15 +170,21 @@ class Plan:
 
 
 _ACTIVE: ContextVar[tuple[Block, ...]] = ContextVar("multihead_blocks", default=())
+# blocks open in any context of the process: a plain int that torch.compile reads as a guarded
+# constant, so a model with no block open traces without reading the context variable (which
+# dynamo cannot trace: a graph break in every attention call)
+_OPEN = 0
 
 
 def active() -> tuple[Block, ...]:
     """The blocks open in this context, outermost first."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() if _OPEN else ()
 
 
 def plan_for(module: nn.Module) -> Plan | None:
     """The plan for a call from ``module``, or None when no active block covers its layer."""
+    if not _OPEN:
+        return None
     blocks = _ACTIVE.get()
     if not blocks:
         return None
@@ -209,8 +215,11 @@ def plan_for(module: nn.Module) -> Plan | None:
 @contextlib.contextmanager
 def activate(block: Block) -> Iterator[None]:
     """``block`` is active while the context runs (inside any block already active)."""
+    global _OPEN
     token = _ACTIVE.set((*_ACTIVE.get(), block))
+    _OPEN += 1
     try:
         yield
     finally:
+        _OPEN -= 1
         _ACTIVE.reset(token)

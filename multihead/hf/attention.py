@@ -142,20 +142,9 @@ def _compressed(
     policy = block.policy
     assert policy is not None
     state = kv_cache.state_of(block, module, plan.layer)
-    b, heads, length_q = query.shape[:3]
-    stat = policy.prompt_stat
-    rows = getattr(policy, "window", 1)  # window_mass: SnapKV's window, TOVA's newest row
     if state is None:  # the call that filled the cache: the prompt
-        length_k = key.shape[2]
-        scores = None
-        if stat is None:
-            out = attention(query, key, value, mask, **common)
-        else:
-            out, found = _with_stat(query, key, value, mask, common, stat, rows)
-            scores = found[stat]
-        visible = _last_row_visible(mask, b, length_q, length_k, key.device)
-        kv_cache.start(block, module, plan.layer, key, value, scores, visible)
-        return out.transpose(1, 2).contiguous()
+        return _compress_prompt(block, plan.layer, module, query, key, value, mask, common)
+    heads, length_q, stat = query.shape[1], query.shape[2], policy.prompt_stat
     dense_full = None if mask is None else mask.to_dense(length_q, state.total, device=key.device)
     if dense_full is not None and bool(dense_full.all()):
         dense_full = None  # a causal band over the whole cache: nothing to read per slot
@@ -180,6 +169,32 @@ def _compressed(
         out = attention(query, key, value, slots, **common).transpose(1, 2).contiguous()
     state.shrink()
     return out
+
+
+def _compress_prompt(
+    block: acting.Compression,
+    layer: int,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    common: dict[str, Any],
+) -> Tensor:
+    """The call that filled a layer's cache (the prompt): its output, with the policy's
+    statistic from the same pass, and the cache replaced by its compressed form."""
+    policy = block.policy
+    assert policy is not None
+    b, length_q, length_k = query.shape[0], query.shape[2], key.shape[2]
+    stat, scores = policy.prompt_stat, None
+    if stat is None:
+        out = attention(query, key, value, mask, **common)
+    else:
+        out, found = _with_stat(query, key, value, mask, common, stat, getattr(policy, "window", 1))
+        scores = found[stat]
+    visible = _last_row_visible(mask, b, length_q, length_k, key.device)
+    kv_cache.start(block, module, layer, key, value, scores, visible)
+    return out.transpose(1, 2).contiguous()
 
 
 def _with_stat(
