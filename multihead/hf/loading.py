@@ -156,19 +156,23 @@ def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> 
         ValueError: as ``resolve``, or transformers could not load a causal LM and its
             tokenizer from the source (its reason named).
     """
-    import torch
-    import transformers
-
     where = resolve(source)
     if where.gguf_file is not None:
         where = Source(_converted(where))
+    model, tokenizer = _read(where, attn_implementation=attn_implementation)
+    return model.eval(), tokenizer
+
+
+def _read(where: Source, **options: Any) -> tuple[Any, Any]:
+    """transformers' causal LM (float32) and tokenizer from ``where``; what it cannot load is
+    a ValueError naming the source and transformers' reason."""
+    import torch
+    import transformers
+
     named = {} if where.gguf_file is None else {"gguf_file": where.gguf_file}
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            where.folder,
-            dtype=torch.float32,
-            attn_implementation=attn_implementation,
-            **named,
+            where.folder, dtype=torch.float32, **named, **options
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(where.folder, **named)
     except (ValueError, OSError, KeyError) as err:
@@ -176,7 +180,7 @@ def load(source: str | os.PathLike[str], *, attn_implementation: str = NAME) -> 
             f"transformers could not load a causal language model and its tokenizer from "
             f"{where.path}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
-    return model.eval(), tokenizer
+    return model, tokenizer
 
 
 def cache_root() -> Path:
@@ -200,9 +204,6 @@ def converted_folder(where: Source) -> Path:
 def _converted(where: Source) -> Path:
     """The GGUF file as a transformers folder (model in float32, tokenizer), written into the
     user's cache on first use (whole or not at all: ``replace_folder``)."""
-    import torch
-    import transformers
-
     from .._atomic import replace_folder
     from ._transformers import saveable
 
@@ -213,18 +214,7 @@ def _converted(where: Source) -> Path:
         f"loading {where.path}: dequantizing its weights to float32, once (kept in {folder})",
         file=sys.stderr,
     )
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            where.folder, gguf_file=where.gguf_file, dtype=torch.float32
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            where.folder, gguf_file=where.gguf_file
-        )
-    except (ValueError, OSError, KeyError) as err:
-        raise ValueError(
-            f"transformers could not load a causal language model and its tokenizer from "
-            f"{where.path}. Received: {type(err).__name__}: {str(err).splitlines()[0]}"
-        ) from err
+    model, tokenizer = _read(where)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with replace_folder(folder) as tmp:
         saveable(model).save_pretrained(tmp)
