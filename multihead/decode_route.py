@@ -9,8 +9,9 @@ call's shapes, dtypes, devices and scale: it is worked out on the step's first c
 whole validation of ``multihead.attention``, and kept on the mask for the calls of the other
 layers. Calls without a mask keep theirs by signature, with the key length's class in
 place of the length: a growing cache's steps share one route, worked out once per doubling
-of the cache. Those calls go straight to the chosen backend prepared for them
-(``registry.prepared``: the fused kernel with its work list and other arguments made once), or
+of the cache. The route is the registry's (``registry.route``: ``auto``'s choice and that
+backend prepared for the call). Those calls go straight to the chosen backend prepared for them
+(``Backend.prepared``: the fused kernel with its work list and other arguments made once), or
 where it prepares nothing to ``registry.run``; a prepared kernel that meets NaN or ±inf hands
 the call to ``registry.run``, whose careful path applies the NaN rule. A new step (a longer
 cache, other padding) brings a new mask, so nothing kept can be stale.
@@ -208,11 +209,11 @@ def _route(
             )
     folded = None if grouped is None else (b, h_kv, h // h_kv, d)
     call = grouped or call  # the same call, its checks passed, as rows of the groups
-    backend = registry.select(call, "auto")
+    # the registry's choice, and the chosen backend prepared for the calls where it prepares
+    # them: every layer's call of the step is alike
+    backend, direct = registry.route(call)
     own = rows is mask
     out_shape = (b, 1, h, value.shape[-1])
-    # the chosen backend may prepare the calls once: every layer's call of the step is alike
-    direct = registry.prepared(call, backend)
     mask_kept = None if own else rows
     return _Route(folded, own, mask_kept, backend, call.scale, call.softcap, out_shape, direct)
 

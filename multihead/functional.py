@@ -7,24 +7,26 @@ asked for. No flag changes what a function returns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from . import _validation as V
 from . import bias as _bias
 from .backends import registry
-from .backends.call import Call
 from .backends.call import prepare as _prepare
-from .masks import Mask, dense
+from .backends.call import select_heads
+from .backends.stat_names import check_stats
+from .masks import Mask
 
 __all__ = [
     "AttentionOutput",
     "attention",
     "attention_with_weights",
     "explain_backend",
+    "select_heads",
 ]
 
 
@@ -155,26 +157,10 @@ def attention_with_weights(
             non-empty list of distinct ints in [0, H), and for a backend that cannot return
             weights (``explain_backend(..., weights=True)`` says which can).
     """
-    if heads is None:
-        call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
-        out, weights = registry.run(call, backend)
-        return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
-    index = check_heads(heads, V.check_qkv(query, key, value)[1])
-    call = _prepare(query, key, value, mask, bias, scale, dropout_p, False)
-    if dropout_p == 0.0:  # one pass where the backend computes chosen heads' weights alone
-        # chosen as the call without weights is: that pass is the plain call's with a few
-        # heads' weights written too, so the backend that leads the plain call leads it (a
-        # model's other layers have measured that class already, and its measurement never
-        # writes every head's weights, as a measurement of the all-heads weights call would)
-        name = registry.select(call, backend)
-        chosen = replace(call, return_weights=True, heads=tuple(index))
-        runner = registry.BACKENDS[name]
-        if runner.capabilities.heads and runner.why_not(chosen) is None:
-            out, weights = registry.run(chosen, name)
-            return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
-    out = registry.run(call, backend)[0]
-    part = select_heads(replace(call, dropout_p=0.0, return_weights=True), index)
-    weights = registry.run(part, backend)[1]
+    call = _prepare(query, key, value, mask, bias, scale, dropout_p, True)
+    if heads is not None:  # one pass where the backend computes chosen heads' weights alone
+        call = replace(call, heads=tuple(check_heads(heads, call.shape[1])))
+    out, weights = registry.run(call, backend)
     return AttentionOutput(_given(out, "output"), _given(weights, "weights"))
 
 
@@ -182,29 +168,6 @@ def check_heads(heads: object, num_heads: int) -> list[int]:
     """``heads`` as a list of distinct query-head indices in [0, H), or a clear ValueError."""
     return V.check_indices(
         "heads", heads, num_heads, kind="query-head", every="head", size=f"H={num_heads}"
-    )
-
-
-def select_heads(call: Call, heads: list[int]) -> Call:
-    """The same call restricted to query heads ``heads``: those query heads, the key/value
-    head each of them reads (one per query head), and the mask's and bias's rows for them.
-    Only these heads are computed by whoever runs the result."""
-    _, h, h_kv, length_q, length_k, _ = call.shape
-    index = torch.tensor(heads, device=call.query.device)
-    kv = index // (h // h_kv)
-    mask = call.mask
-    if mask is not None and mask.num_heads is not None:  # differs per head: keep the rows
-        keep = mask.to_dense(length_q, length_k, device=call.query.device)
-        mask = dense(keep[:, index] if keep.shape[1] != 1 else keep)
-    bias = None if call.bias is None else call.bias.heads(index)
-    return replace(
-        call,
-        query=call.query[:, index],
-        key=call.key[:, kv],
-        value=call.value[:, kv],
-        mask=mask,
-        bias=bias,
-        sinks=None if call.sinks is None else call.sinks[index],
     )
 
 
@@ -219,9 +182,13 @@ def explain_backend(
     scale: float | None = None,
     dropout_p: float = 0.0,
     weights: bool = False,
+    stats: Sequence[str] | None = None,
+    window: int | None = None,
 ) -> registry.Choice:
     """Which backend ``attention(..., backend="auto")`` would run, and why not the others;
-    with ``weights=True``, which one ``attention_with_weights`` would run for the weights.
+    with ``weights=True``, which one ``attention_with_weights`` would run for the weights;
+    with ``stats`` (and ``window``, as ``attention_stats`` takes them), which one folds
+    those statistics into its pass, or where none can, which one's weights are reduced.
 
     Takes the same arguments as ``attention`` and computes nothing: no kernel is compiled and
     no backend is run or timed. A backend that leads only where it measured faster (the fused
@@ -232,4 +199,12 @@ def explain_backend(
     call = _prepare(
         query, key, value, mask, bias, scale, dropout_p, V.check_bool("weights", weights)
     )
+    if stats is not None:
+        if weights:
+            raise ValueError(
+                "explain_backend takes weights=True or stats=..., not both: a call returns "
+                "the weights or statistics of them. Received: weights=True, stats="
+                f"{stats!r}"
+            )
+        call = replace(call, stats=check_stats(stats, window), window=window)
     return registry.explain(call)

@@ -14,113 +14,96 @@ A plan acts at two points of a call, named here once (TransformerLens' ``hook_pa
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
+from ..backends import registry
 from ..backends._tensors import stat_dtype
-from ..functional import attention, attention_with_weights
-from ..masks import Mask, TorchMasks, dense
-from ..stats import Reducer, attention_stats
+from ..backends.call import Call
+from ..functional import check_heads
+from ..stats import Reducer
 from .blocks import Capture, Edit, Plan
 
 __all__ = ["head_output", "pattern", "run_plan"]
 
 
-def run_plan(
-    plan: Plan,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Mask | Tensor | None,
-    *,
-    bias: Any = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    weights: bool = False,
-    heads: list[int] | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """``attention(query, key, value, mask, ...)`` with what ``plan`` asks, in one kernel call.
+def run_plan(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
+    """``call`` with what ``plan`` asks, in one run through the registry.
 
     Args:
         plan: what the active blocks ask of this call (``plan_for(module)``).
-        query: (B, H, L, D).
-        key: (B, H_kv, S, D).
-        value: (B, H_kv, S, D_v).
-        mask: the call's own mask, as ``multihead.attention`` takes it.
-        bias, scale, dropout_p: as ``multihead.attention`` takes them.
-        weights: the caller reads the weights too (``output_attentions``, a module's ``run``).
-        heads: with ``weights``, the query heads whose weights the caller reads (None: all).
+        call: the call as its module would run it (``backends.call.prepare``): its
+            ``return_weights`` and ``heads`` say which weights the caller reads.
 
     Returns:
-        (output (B, H, L, D_v), weights (B, H | len(heads), L, S) when ``weights``, else
-        None). The capture's records are filled on the way.
+        (output (B, H, L, D_v), weights (B, H | len(heads), L, S) when the call asks for
+        them, else None). The capture's records are filled on the way.
 
     Raises:
         ValueError: a patch whose captured weights do not fit this call (both shapes named),
-            and every error ``multihead.attention`` raises.
+            capture heads outside [0, H), and every error ``multihead.attention`` raises.
     """
-    common: dict[str, Any] = {"bias": bias, "scale": scale, "dropout_p": float(dropout_p)}
-    out, seen = pattern(plan, query, key, value, mask, common, weights, heads)
-    return head_output(plan, out, query, key, value), seen
+    out, seen = pattern(plan, call)
+    return head_output(plan, out, call), seen
 
 
-def pattern(
-    plan: Plan,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    mask: Mask | Tensor | None,
-    common: dict[str, Any],
-    wants: bool,
-    heads: list[int] | None,
-) -> tuple[Tensor, Tensor | None]:
+def pattern(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
     """The point where a plan acts on the weights: knockouts joined to the mask, and the
-    kernel call that also gives the capture its weights or statistics. Returns (output,
+    one registry call that also gives the capture its weights or statistics. Returns (output,
     the weights the caller reads or None)."""
-    for block in plan.knockouts:
-        assert block.mask is not None
-        mask = _joined(mask, block.mask)
+    call = _knocked_out(plan, call)
     cap = plan.capture
     if cap is None:
-        if wants:
-            return attention_with_weights(query, key, value, mask, heads=heads, **common)
-        return attention(query, key, value, mask, **common), None
-    if not wants and cap.stat_names and common["dropout_p"] == 0:
-        out, found = attention_stats(
-            query, key, value, mask, stats=cap.stat_names, window=cap.window, heads=cap.heads,
-            bias=common["bias"], scale=common["scale"],
-        )  # fmt: skip
-        cap.record_stats(plan.layer, found)
+        return _ran(call)
+    heads = None if cap.heads is None else tuple(check_heads(cap.heads, call.shape[1]))
+    if not call.return_weights and cap.stat_names and call.dropout_p == 0:
+        out, found = _ran(
+            replace(call, stats=tuple(cap.stat_names), window=cap.window, heads=heads)
+        )
+        cap.record_stats(plan.layer, found)  # type: ignore[arg-type]
         return out, None
-    if not wants:  # the capture's heads alone are computed with weights
-        out, part = attention_with_weights(query, key, value, mask, heads=cap.heads, **common)
+    if not call.return_weights:  # the capture's heads alone are computed with weights
+        out, part = _ran(replace(call, return_weights=True, heads=heads))
+        assert part is not None
         _keep(cap, plan.layer, part)
         return out, None
-    out, every = attention_with_weights(query, key, value, mask, **common)
-    _keep(cap, plan.layer, every if cap.heads is None else every[:, cap.heads])
-    return out, every if heads is None else every[:, heads]
+    out, every = _ran(replace(call, heads=None))
+    assert every is not None
+    _keep(cap, plan.layer, every if heads is None else every[:, list(heads)])
+    return out, every if call.heads is None else every[:, list(call.heads)]
 
 
-def head_output(plan: Plan, out: Tensor, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+def head_output(plan: Plan, out: Tensor, call: Call) -> Tensor:
     """The point where a plan acts on each head's output (B, H, L, D_v): patched heads get
     their captured weights times this call's values, ablated heads their scale."""
     for block in plan.patches:
-        out = _patched(out, block, plan.layer, query, key, value)
+        out = _patched(out, block, plan.layer, call.query, call.key, call.value)
     for scale in plan.scales:
         out = out * scale.to(out.device, out.dtype)[None, :, None, None]
     return out
 
 
-def _joined(mask: Any, cut: Mask) -> Any:
-    """The call's mask, in any form ``attention`` takes (a ``Mask``, a bool tensor, what
-    ``masks.from_torch`` returns, None), with a knockout joined to it, in the same form."""
-    if isinstance(mask, TorchMasks):  # from masks.from_torch: the additive part stays apart
-        return TorchMasks(_joined(mask.mask, cut), mask.bias)
-    if isinstance(mask, Tensor):
-        mask = dense(mask)
-    return cut if mask is None else mask & cut
+def _ran(call: Call) -> tuple[Tensor, Tensor | None]:
+    out, extra = registry.run(call, "auto")
+    if out is None:
+        raise RuntimeError("the attention backend returned no output; it must return it")
+    return out, extra
+
+
+def _knocked_out(plan: Plan, call: Call) -> Call:
+    """``call`` with every knockout's mask joined to its own, checked against its shapes."""
+    mask = call.mask
+    for block in plan.knockouts:
+        assert block.mask is not None
+        mask = block.mask if mask is None else mask & block.mask
+    if mask is call.mask:
+        return call
+    assert mask is not None
+    b, h, _, length_q, length_k, _ = call.shape
+    mask.check(b, h, length_q, length_k)
+    return replace(call, mask=mask)
 
 
 def _keep(cap: Capture, layer: int, weights: Tensor) -> None:

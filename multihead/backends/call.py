@@ -1,6 +1,10 @@
 """The validated request every backend receives: ``prepare`` checks an attention call and
 builds its ``Call``; ``plain_causal`` and ``structured`` are what the backends' ranking rules
-read besides the shapes, and ``Call.traced`` / ``Call.exported`` whether a graph is traced."""
+read besides the shapes, and ``Call.traced`` / ``Call.exported`` whether a graph is traced.
+
+A ``Call`` asks for the output and, besides, for at most one of: the softmax weights
+(``return_weights``, of every head or of ``heads``) or statistics of them (``stats``, of every
+head or of ``heads``). Every request runs through ``registry.run``."""
 
 from __future__ import annotations
 
@@ -14,7 +18,16 @@ from .. import bias as _bias
 from ..bias import ScoreModifier
 from ..masks import Mask, TorchMasks, dense
 
-__all__ = ["Call", "exporting", "heads_as_rows", "plain_causal", "prepare", "structured", "traced"]
+__all__ = [
+    "Call",
+    "exporting",
+    "heads_as_rows",
+    "plain_causal",
+    "prepare",
+    "select_heads",
+    "structured",
+    "traced",
+]
 
 
 @dataclass(frozen=True)
@@ -32,8 +45,15 @@ class Call:
     softcap: float | None = None  # scores -> cap * tanh(scores / cap) before bias and mask
     sinks: Tensor | None = None  # [H]: one logit per head in every row's softmax denominator
     # with return_weights: the weights of these query heads only, in this order
-    # ([B, len(heads), L, S]); only for backends whose capabilities say heads
+    # ([B, len(heads), L, S]), from one pass on backends whose capabilities say heads (the
+    # registry runs others twice); with stats: the statistics of these heads
     heads: tuple[int, ...] | None = None
+    # statistics of the weights (names from ``stat_names.STATS``), returned in place of the
+    # weights as {name: Tensor}: folded into the pass by a backend whose capabilities say
+    # stats, else reduced by the registry from weights, one slice of query rows at a time
+    stats: tuple[str, ...] | None = None
+    # with stats: ``window_mass`` sums the last ``window`` query rows
+    window: int | None = None
     # made while a graph is traced (``traced()`` when the call was made): no data-dependent
     # branch, no measurement, no remembered choice. Asked once per call (``prepare`` asks
     # torch once for both flags), not by every step of its way to a kernel and not by every
@@ -63,6 +83,12 @@ class Call:
     @property
     def bias_tensors(self) -> tuple[Tensor, ...]:
         return () if self.bias is None else self.bias.tensors()
+
+    @property
+    def window_row(self) -> int:
+        """The first query row ``window_mass`` sums (0 without a window)."""
+        length_q = self.query.shape[2]
+        return max(length_q - (self.window or length_q), 0)
 
     def dense_bias(self, dtype: torch.dtype) -> Tensor | None:
         """The bias lowered to a tensor broadcastable to [B, H, L, S] (differentiable)."""
@@ -125,6 +151,30 @@ def prepare(
         sinks=terms.sinks,
         traced=exported or torch.compiler.is_compiling(),
         exported=exported,
+    )
+
+
+def select_heads(call: Call, heads: list[int]) -> Call:
+    """The same call restricted to query heads ``heads``: those query heads, the key/value
+    head each of them reads (one per query head), and the mask's and bias's rows for them.
+    Only these heads are computed by whoever runs the result."""
+    _, h, h_kv, length_q, length_k, _ = call.shape
+    index = torch.tensor(heads, device=call.query.device)
+    kv = index // (h // h_kv)
+    mask = call.mask
+    if mask is not None and mask.num_heads is not None:  # differs per head: keep the rows
+        keep = mask.to_dense(length_q, length_k, device=call.query.device)
+        mask = dense(keep[:, index] if keep.shape[1] != 1 else keep)
+    bias = None if call.bias is None else call.bias.heads(index)
+    return replace(
+        call,
+        query=call.query[:, index],
+        key=call.key[:, kv],
+        value=call.value[:, kv],
+        mask=mask,
+        bias=bias,
+        sinks=None if call.sinks is None else call.sinks[index],
+        heads=None,
     )
 
 

@@ -480,6 +480,8 @@ def rank(call: Call) -> Rank:
 def _unsupported(call: Call) -> str | None:
     if call.return_weights and call.needs_grad:
         return "gradients through returned weights run on tiled"
+    if call.stats is not None and (call.traced or call.needs_grad):
+        return "statistics are folded into eager calls without gradients only"
     if _LOADER.error is not None:
         return _LOADER.error
     return None if built() else NOT_BUILT
@@ -503,7 +505,10 @@ def _folded(call: Call) -> Call | None:
 
 def run(call: Call) -> tuple[Tensor, Tensor | None]:
     """Raises ``NonFiniteInput`` when a block the kernel read held NaN or ±inf (outside traced
-    graphs): the NaN rule's careful path then runs it again on cleaned inputs."""
+    graphs): the NaN rule's careful path then runs it again on cleaned inputs. A statistics
+    call (``Call.stats``) returns them in place of the weights (``stats``)."""
+    if call.stats is not None:
+        return stats(call)  # type: ignore[return-value]
     weights = None
     traced = call.traced
     heads = _NO_HEADS if call.heads is None else torch.tensor(call.heads, dtype=torch.long)
@@ -618,6 +623,7 @@ BACKEND = Backend(
         softcap=True,
         sinks=True,
         heads=True,
+        stats=True,
     ),
     unsupported=_unsupported,
     measured=_measured,
@@ -632,28 +638,37 @@ BACKEND = Backend(
 # Statistics of the weights without the weights (``multihead.attention_stats``).
 
 
-def stats(
-    call: Call, names: tuple[str, ...], window_row: int, heads: list[int]
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The output of ``call`` and the statistics ``names`` of the query heads ``heads``,
-    folded inside the kernel's pass from each row's scores, maximum and sum (the weights are
-    never written): the kernel's weights path with a sum in place of the store. Key
-    statistics and ``head_mean`` add to different places (a head's keys, a row's keys across
-    heads), so asking for both runs the kernel twice. ``window_row``: the first query row
-    ``window_mass`` sums. Raises ``NonFiniteInput`` as ``run`` does (eager inference calls
-    only: no graph, no gradient)."""
-    index = torch.tensor(heads, dtype=torch.long)
+def stats(call: Call) -> tuple[Tensor, dict[str, Tensor]]:
+    """The output of ``call`` and the statistics ``call.stats`` of the query heads
+    ``call.heads`` (all by default), folded inside the kernel's pass from each row's scores,
+    maximum and sum (the weights are never written): the kernel's weights path with a sum in
+    place of the store. Key statistics and ``head_mean`` add to different places (a head's
+    keys, a row's keys across heads), so asking for both runs the kernel twice.
+    ``window_mass`` sums the rows from ``call.window_row``. Raises ``NonFiniteInput`` as
+    ``run`` does (eager inference calls only: no graph, no gradient)."""
+    names = call.stats
+    assert names is not None
+    heads = range(call.query.shape[1]) if call.heads is None else call.heads
+    index = torch.tensor(list(heads), dtype=torch.long)
     args = _args(call, shared=True)
-    passes = [[n for n in names if n != "head_mean"], ["head_mean"] if "head_mean" in names else []]
-    if not any(n in KEY_STATS for n in passes[0]):  # entropy sits in either pass
-        passes = [[*passes[1], *passes[0]], []]
     found: dict[str, Tensor] = {}
     out = None
-    for asked in (p for p in passes if p):
-        result = build().forward_stats(*args, index, asked, window_row)
+    for asked in _passes(names):
+        result = build().forward_stats(*args, index, asked, call.window_row)
         if bool(result[-1]):
             raise NonFiniteInput
         out = result[0] if out is None else out
         found.update({n: result[2 + STATS.index(n)] for n in asked})
     assert out is not None
     return out, {n: found[n] for n in names}
+
+
+def _passes(names: tuple[str, ...]) -> list[list[str]]:
+    """The kernel passes that compute ``names``: key statistics and ``head_mean`` add to
+    different places, so they take a pass each; entropy joins either."""
+    keyed = [n for n in names if n != "head_mean"]
+    if "head_mean" not in names:
+        return [keyed]
+    if not any(n in KEY_STATS for n in keyed):
+        return [["head_mean", *keyed]]
+    return [keyed, ["head_mean"]]

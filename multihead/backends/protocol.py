@@ -60,6 +60,12 @@ class Capabilities:
         heads: honours ``Call.heads`` (the weights of chosen query heads only, from the same
             pass as every head's output); ``attention_with_weights(..., heads=)`` runs other
             backends twice (the output, then those heads alone with their weights).
+        stats: honours ``Call.stats`` (statistics of the weights of the heads ``Call.heads``
+            names, all by default, folded into its own pass and returned as
+            ``{name: Tensor}`` in place of the weights). A statistics call that
+            the backend ``auto`` picks cannot take is reduced by the registry from weights,
+            one slice of query rows at a time, so a backend without it still serves
+            ``attention_stats`` through its weights.
     """
 
     label: str = "this backend"
@@ -70,6 +76,7 @@ class Capabilities:
     softcap: bool = False
     sinks: bool = False
     heads: bool = False
+    stats: bool = False
 
     def unsupported(self, call: Call) -> str | None:
         """Why ``call`` is outside these capabilities, or None."""
@@ -80,17 +87,25 @@ class Capabilities:
         if self.dtypes is not None and dtype not in self.dtypes:
             names = _listed(self.dtypes, lambda d: str(d).removeprefix("torch."))
             return f"{self.label} takes {names}; received {dtype}"
-        if call.return_weights and not self.weights:
-            return f"{self.label} does not return attention weights"
-        if call.dropout_p > 0.0 and not self.dropout:
-            return f"{self.label} has no dropout"
-        if call.softcap is not None and not self.softcap:
-            return f"{self.label} has no soft-capping"
-        if call.sinks is not None and not self.sinks:
-            return f"{self.label} has no attention sinks"
-        if call.heads is not None and not self.heads:
-            return f"{self.label} computes the weights of every head or none"
-        return None
+        asked = (
+            (call.return_weights, self.weights, "does not return attention weights"),
+            (call.dropout_p > 0.0, self.dropout, "has no dropout"),
+            (call.softcap is not None, self.softcap, "has no soft-capping"),
+            (call.sinks is not None, self.sinks, "has no attention sinks"),
+            (
+                call.stats is not None,
+                self.stats,
+                "folds no statistics into its pass",
+            ),
+            # chosen heads' statistics come with the stats capability
+            (
+                call.heads is not None and call.stats is None,
+                self.heads,
+                "computes the weights of every head or none",
+            ),
+        )
+        missing = next((why for wanted, able, why in asked if wanted and not able), None)
+        return None if missing is None else f"{self.label} {missing}"
 
 
 def _listed(items, name: Callable) -> str:
@@ -108,10 +123,12 @@ class Backend:
 
     Attributes:
         run: ``run(call) -> (output, weights or None)``; output (B, H, L, D_v) in the
-            query's dtype, weights (B, H, L, S) when ``call.return_weights``. ``call`` is a
-            validated ``Call`` (``multihead.backends.Call``): query (B, H, L, D), key
-            (B, H_kv, S, D), value (B, H_kv, S, D_v), mask (a ``Mask`` or None), bias (a
-            score modifier or None), scale, dropout_p, return_weights. Raise
+            query's dtype, weights (B, H, L, S) when ``call.return_weights``, the
+            statistics ``{name: Tensor}`` in their place when ``call.stats``
+            (``Capabilities.stats``). ``call`` is a validated ``Call``
+            (``multihead.backends.Call``): query (B, H, L, D), key (B, H_kv, S, D), value
+            (B, H_kv, S, D_v), mask (a ``Mask`` or None), bias (a score modifier or None),
+            scale, dropout_p, return_weights, heads, stats. Raise
             ``BackendUnavailable`` when the call turns out impossible only once tried (a
             compile that fails): the registry then runs the next backend ``auto`` would pick.
         rank: ``rank(call) -> Rank``, the ranking rule ``auto`` orders backends by.

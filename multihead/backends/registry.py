@@ -7,7 +7,10 @@ ones at the end of this file, others through ``register``. A new backend is one 
 times itself take the lead where it measured faster. Choosing (``select``) only ranks and
 checks, and remembers its answer per shape class; explaining (``explain``) builds the reasons
 and runs nothing; running (``run``) chooses, applies the NaN rule and falls back to the next
-choice when a backend turns out unable, in one function between ``attention`` and the kernel.
+choice when a backend turns out unable. ``run`` is the one way into the backends: a call for
+the weights of chosen heads (``Call.heads``) or for statistics of the weights (``Call.stats``)
+goes through it as a plain call does, and ``route`` gives a decoding step's layers the choice
+and the prepared kernel they share (``multihead/decode_route.py``).
 """
 
 from __future__ import annotations
@@ -16,16 +19,16 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from torch import Tensor
 
 from .._cache import Bounded
-from . import _nonfinite, flex, fused, half, reference, sdpa, tiled
+from . import _nonfinite, flex, fused, half, reduce, reference, sdpa, tiled
 from ._measure import shape_class
 from ._nonfinite import NonFiniteInput
-from .call import Call, plain_causal
+from .call import Call, plain_causal, select_heads
 from .protocol import Backend, BackendUnavailable, Rank
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "explain",
     "prepared",
     "register",
+    "route",
     "run",
     "select",
     "unregister",
@@ -190,6 +194,7 @@ def _key(call: Call) -> Hashable | None:
         call.softcap is not None,  # backends without a cap or sinks refuse those calls
         call.sinks is not None,
         call.heads is not None,  # chosen heads' weights in one pass: backends that can
+        call.stats is not None,  # statistics folded into the pass: backends that can
     )
     return (shape_class(call), traits, tuple(state() for state in _STATES))
 
@@ -197,11 +202,7 @@ def _key(call: Call) -> Hashable | None:
 def select(call: Call, backend: str) -> str:
     """The name of the backend that runs ``call`` for ``backend=`` (checked). ``auto``'s
     choice is remembered per ``_key``: a later call of the class pays one lookup."""
-    if not isinstance(backend, str) or (backend != "auto" and backend not in _registered):
-        raise ValueError(
-            f"backend must be 'auto' or one of {sorted(_registered)} (more can be added with "
-            f"multihead.backends.register). Received: backend={backend!r}"
-        )
+    _check_name(backend)
     if backend != "auto":
         return _explicit(call, backend)
     key = _key(call)
@@ -211,6 +212,14 @@ def select(call: Call, backend: str) -> str:
         if key is not None:
             _CHOICES[key] = chosen
     return chosen
+
+
+def _check_name(backend: object) -> None:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in _registered):
+        raise ValueError(
+            f"backend must be 'auto' or one of {sorted(_registered)} (more can be added with "
+            f"multihead.backends.register). Received: backend={backend!r}"
+        )
 
 
 def _explicit(call: Call, name: str) -> str:
@@ -229,7 +238,17 @@ def _explicit(call: Call, name: str) -> str:
 def explain(call: Call) -> Choice:
     """The backend ``auto`` runs for ``call`` and why not each of the others. Nothing is
     compiled, run or timed: a backend that leads only where it measured faster is judged by
-    what is known of this shape class, and said to be untimed when nothing is."""
+    what is known of this shape class, and said to be untimed when nothing is. For a
+    statistics call: the backend that folds them into its pass, or where none can, the one
+    whose weights the registry reduces (the reasons then say why none folds them)."""
+    if call.stats is not None and _folding(call, "auto") is None:
+        swept = explain(replace(call, stats=None, window=None, return_weights=True, heads=None))
+        reasons = {
+            name: why
+            for name, b in _registered.items()
+            if b.capabilities.stats and (why := b.why_not(call)) is not None
+        }
+        return Choice(swept.backend, {**swept.reasons, **reasons})
     ranks = dict(_ranked(call))
     why_not = {name: _registered[name].why_not(call) for name in ranks}
     able = [name for name in ranks if why_not[name] is None]
@@ -282,12 +301,23 @@ def run(call: Call, backend: str) -> tuple[Tensor | None, Tensor | None]:
     ``BackendUnavailable`` while running is replaced, with a warning, by the next one ``auto``
     would choose, and the call runs again there.
 
-    The common case is inline, so that ``attention`` reaches a backend's ``run`` through this
-    one frame: a traced call runs as it is (a graph cannot branch on data), a backend that
-    checks its inputs as it reads them runs at once, any other runs after the cheap check; the
-    careful path (``_nonfinite.careful``) takes the rare calls with NaN or ±inf.
+    A call for chosen heads' weights runs in one pass where the backend that leads the plain
+    call computes them alone (``Capabilities.heads``), else as the plain call and a call of
+    those heads alone. A statistics call (``Call.stats``) runs on a backend that folds them
+    into its pass (``Capabilities.stats``); where none can, or its inputs hold NaN or ±inf,
+    the statistics are reduced from weights, one slice of query rows at a time
+    (``reduce.sweep``), each slice a call of this function. Either returns the statistics
+    ``{name: Tensor}`` in place of the weights.
     """
-    name = select(call, backend)
+    if call.stats is not None:
+        return _statistics(call, backend)
+    if call.heads is None:
+        name = select(call, backend)
+    else:  # chosen heads' weights: in one pass where the plain call's backend can
+        one_pass = _one_pass(call, backend)
+        if one_pass is None:
+            return _two_passes(call, backend)
+        name = one_pass
     failed: set[str] = set()
     while True:
         chosen = _registered[name]
@@ -305,6 +335,68 @@ def run(call: Call, backend: str) -> tuple[Tensor | None, Tensor | None]:
         except BackendUnavailable as e:
             failed.add(name)
             name = _successor(call, frozenset(failed), e)
+
+
+def _one_pass(call: Call, backend: str) -> str | None:
+    """The backend that computes the output and the weights of ``call.heads`` in one pass:
+    the one chosen for the call without weights, where it can (``Capabilities.heads``); None
+    where it cannot or dropout asks for a pass of its own. That pass is the plain call's with
+    a few heads' weights written too, so the backend that leads the plain call leads it (a
+    model's other layers have measured that class already, and its measurement never writes
+    every head's weights, as a measurement of the all-heads weights call would)."""
+    plain = replace(call, return_weights=False, heads=None)
+    name = select(plain, backend)
+    runner = _registered[name]
+    one = call.return_weights and call.dropout_p == 0.0 and runner.capabilities.heads
+    return name if one and runner.why_not(call) is None else None
+
+
+def _two_passes(call: Call, backend: str) -> tuple[Tensor | None, Tensor | None]:
+    """The output of every head from the call without weights, then the weights of
+    ``call.heads`` from a call of those heads alone (before dropout)."""
+    assert call.heads is not None
+    plain = replace(call, return_weights=False, heads=None)
+    if not call.return_weights:  # heads name nothing to compute
+        return run(plain, backend)
+    out = run(plain, backend)[0]
+    part = select_heads(replace(plain, dropout_p=0.0, return_weights=True), list(call.heads))
+    return out, run(part, backend)[1]
+
+
+def _statistics(call: Call, backend: str) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """A statistics call: on the backend that folds them into its pass (``_folding``), else,
+    or where that backend met NaN or ±inf or turned out unable, reduced from the weights of
+    slices of query rows (``reduce.sweep``, each slice through ``run`` on ``backend``, so the
+    NaN rule's careful path covers it)."""
+    name = _folding(call, backend)
+    if name is not None:
+        chosen = _registered[name]
+        try:
+            if (
+                chosen.checks_inputs
+                or call.traced
+                or _nonfinite.finite(call.query, call.key, call.value)
+            ):
+                return chosen.run(call)  # type: ignore[return-value]
+        except (NonFiniteInput, BackendUnavailable):
+            pass
+    return reduce.sweep(call, lambda part: run(part, backend))
+
+
+def _folding(call: Call, backend: str) -> str | None:
+    """The backend that folds ``call``'s statistics into its own pass: ``backend`` itself when
+    it can, for ``auto`` the first in ``auto``'s order that can; None when none can."""
+    _check_name(backend)
+    names = [name for name, _ in _ranked(call)] if backend == "auto" else [backend]
+    return next((name for name in names if _registered[name].why_not(call) is None), None)
+
+
+def route(call: Call) -> tuple[str, Callable[[Tensor, Tensor, Tensor], Tensor | None] | None]:
+    """A decoding step's route for calls alike to ``call`` (checked, without requests): the
+    backend ``auto`` runs them on, and that backend prepared for them (``prepared``) or None.
+    Worked out once per step and kept by ``multihead/decode_route.py`` for every layer."""
+    name = select(call, "auto")
+    return name, prepared(call, name)
 
 
 def prepared(call: Call, backend: str) -> Callable[[Tensor, Tensor, Tensor], Tensor | None] | None:

@@ -9,6 +9,7 @@ transformers model's calls do on the bridge, and the blocks find a model's layer
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from .. import _validation as V
 from .. import acting, decode_route
 from .._saveable import saveable
+from ..backends.call import prepare
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
 from ..stats import Reducer, attention_stats
@@ -188,7 +190,8 @@ class MultiHeadAttention(nn.Module):
             assert cache is not None
             return self.out_proj(merge_heads(_scored(cache, q, k, v, mask, bias)))
         if plan is not None:  # a block acts on this layer
-            out, _ = acting.run_plan(plan, q, k, v, mask, bias=bias, dropout_p=dropout_p)
+            call = prepare(q, k, v, mask, bias, None, dropout_p, False)
+            out, _ = acting.run_plan(plan, call)
             return self.out_proj(merge_heads(out))
         stepping = cache is not None and bias is None and dropout_p == 0.0
         if stepping and (mask is None or isinstance(mask, Mask)) and decode_route.applies(q, k, v):
@@ -239,7 +242,9 @@ class MultiHeadAttention(nn.Module):
         if plan is None:
             out, weights = attention_with_weights(q, k, v, mask, heads=heads, **common)
         else:  # a block acts on this layer
-            out, seen = acting.run_plan(plan, q, k, v, mask, **common, weights=True, heads=heads)
+            call = prepare(q, k, v, mask, common["bias"], None, common["dropout_p"], True)
+            wanted = None if heads is None else tuple(heads)
+            out, seen = acting.run_plan(plan, replace(call, heads=wanted))
             assert seen is not None  # asked for
             weights = seen
         if compressing:

@@ -9,10 +9,9 @@ import torch
 from helpers import make_case, naive_attention, qkv
 
 import multihead as mh
-import multihead.stats as st
 from multihead import bias as mb
 from multihead import masks
-from multihead.backends import fused
+from multihead.backends import fused, reduce
 
 pytestmark = pytest.mark.skipif(
     fused.build_error() is not None, reason=f"fused kernel not built: {fused.build_error()}"
@@ -33,12 +32,12 @@ def _formulas(w: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def no_weights(monkeypatch):
-    """The statistics must not come from the weights: the sweep's weights call refuses."""
+    """The statistics must not come from the weights: the registry's sweep refuses."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the statistics went through the weights")
 
-    monkeypatch.setattr(st, "attention_with_weights", refuse)
+    monkeypatch.setattr(reduce, "sweep", refuse)
 
 
 KINDS = ["none", "causal", "window_both", "lengths_per_query", "documents&causal", "dense"]

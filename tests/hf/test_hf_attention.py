@@ -165,13 +165,13 @@ def test_from_pretrained_and_from_config_take_the_name(tmp_path):
 
 def test_every_call_runs_through_multihead_with_unrepeated_kv_heads(monkeypatch):
     seen = []
-    original = hf_attention.attention
+    original = hf_attention.prepare
 
-    def spy(q, k, v, mask, **kwargs):
+    def spy(q, k, v, mask, *args):
         seen.append((q.shape[1], k.shape[1], type(mask).__name__))
-        return original(q, k, v, mask, **kwargs)
+        return original(q, k, v, mask, *args)
 
-    monkeypatch.setattr(hf_attention, "attention", spy)
+    monkeypatch.setattr(hf_attention, "prepare", spy)
     arch = BY_NAME["llama"]
     model = build(arch, "multihead")
     with torch.no_grad():
@@ -187,13 +187,13 @@ def test_packed_sequences_become_documents(monkeypatch):
     ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
     seen = []
-    original = hf_attention.attention
+    original = hf_attention.prepare
 
-    def spy(q, k, v, mask, **kwargs):
+    def spy(q, k, v, mask, *args):
         seen.append(repr(mask).split("\n")[0])
-        return original(q, k, v, mask, **kwargs)
+        return original(q, k, v, mask, *args)
 
-    monkeypatch.setattr(hf_attention, "attention", spy)
+    monkeypatch.setattr(hf_attention, "prepare", spy)
     with torch.no_grad():
         want = model(input_ids=ids, position_ids=positions, use_cache=False).logits
         model.set_attn_implementation("multihead")

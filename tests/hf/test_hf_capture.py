@@ -53,13 +53,14 @@ def test_every_layer_and_head_by_default():
 
 def test_only_the_chosen_heads_are_ever_computed_with_weights(monkeypatch):
     calls = []
-    original = apply.attention_with_weights
+    original = apply._ran  # the plan's one registry call
 
-    def spy(q, k, v, mask, **kwargs):
-        calls.append(kwargs.get("heads"))
-        return original(q, k, v, mask, **kwargs)
+    def spy(call):
+        if call.return_weights:
+            calls.append(None if call.heads is None else list(call.heads))
+        return original(call)
 
-    monkeypatch.setattr(apply, "attention_with_weights", spy)
+    monkeypatch.setattr(apply, "_ran", spy)
     arch = BY_NAME["llama"]
     model = build(arch)
     with mhf.capture(model, layers=[0], heads=[3]), torch.no_grad():

@@ -204,12 +204,12 @@ def test_attention_stats_equals_the_weights_reduced_in_float64():
 
 def test_statistics_slices_give_what_one_pass_gives(monkeypatch):
     """A long input is swept in slices of rows: force 7-row slices and compare with one."""
-    import multihead.stats as st
+    from multihead.backends import reduce
 
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
     whole = mh.attention_stats(q, k, v, masks.causal(), stats=["key_mass", "entropy"])
-    monkeypatch.setattr(st, "_SLICE_BYTES", 4 * 2 * 40 * 7)
+    monkeypatch.setattr(reduce, "SLICE_BYTES", 4 * 2 * 40 * 7)
     sliced = mh.attention_stats(q, k, v, masks.causal(), stats=["key_mass", "entropy"])
     torch.testing.assert_close(sliced[0], whole[0])
     for name in ("key_mass", "entropy"):

@@ -141,17 +141,17 @@ def _batch(arch: Arch) -> tuple[dict, torch.Tensor]:
 def _logits(model, arch: Arch, impl: str, monkeypatch) -> tuple[torch.Tensor, list[str]]:
     """The logits under ``impl`` and the first line of every mask multihead received."""
     seen: list[str] = []
-    original = hf_attention.attention
+    original = hf_attention.prepare
 
-    def spy(q, k, v, mask, **kwargs):
+    def spy(q, k, v, mask, *args):
         seen.append(repr(mask).split("\n")[0])
-        return original(q, k, v, mask, **kwargs)
+        return original(q, k, v, mask, *args)
 
-    monkeypatch.setattr(hf_attention, "attention", spy)
+    monkeypatch.setattr(hf_attention, "prepare", spy)
     model.set_attn_implementation(impl)
     with torch.no_grad():
         out = model(**_batch(arch)[0]).logits
-    monkeypatch.setattr(hf_attention, "attention", original)
+    monkeypatch.setattr(hf_attention, "prepare", original)
     return out, seen
 
 
