@@ -31,6 +31,7 @@ import torch
 from .. import _validation as V
 from .._flags import option
 from .._progress import stages
+from .decode_timing import Stamps, linear_bytes, memory_bandwidth, timed
 from .options import Timed, goal_line
 
 __all__ = [
@@ -69,19 +70,6 @@ QUICK = DecodeShape(layers=2, embed_dim=64, heads=4, vocab=1000, positions=64, p
 
 # readings further apart than this ratio are reported as a moved bandwidth
 BANDWIDTH_MOVED = 1.15
-
-
-def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth in GB/s: the best of ``repeats`` sums over a float32 buffer of ``mib``
-    MiB (far larger than the caches), each element read once."""
-    x = torch.ones(mib * 2**18)
-    x.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
 
 
 def attention_call(
@@ -288,42 +276,8 @@ def _build(shape: DecodeShape, folder: Path):
     return theirs
 
 
-def linear_bytes(model) -> int:
-    """Bytes of the linear layers' weights (each matrix once, tied ones too): what a decoding
-    step reads for the whole batch (an embedding lookup reads one row per token)."""
-    from ..modules import quant
-
-    seen, total = set(), 0
-    for m in model.modules():
-        if isinstance(m, quant.PackedLinear):
-            tensors = [m.packed] + ([m.scale] if m.scale is not None else [])
-        elif isinstance(m, torch.nn.Linear):
-            tensors = [m.weight]
-        else:
-            continue
-        for t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-    return total
-
-
 def _name(weights: str | None) -> str:
     return "multihead fp32" if weights is None else f"multihead {weights} weights"
-
-
-class _Stamps:
-    """A streamer (transformers' ``put`` / ``end`` protocol, which ``generate`` takes on both
-    sides) that notes when each put came: the prompt's first, then every new token's."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: object) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def _contenders(models: dict, theirs, ids: torch.Tensor, new: int) -> dict[str, Callable]:
@@ -331,7 +285,7 @@ def _contenders(models: dict, theirs, ids: torch.Tensor, new: int) -> dict[str, 
     mask = torch.ones_like(ids)
 
     def hf(**kw):
-        def call(streamer: _Stamps):
+        def call(streamer: Stamps):
             with torch.inference_mode():
                 return theirs.generate(
                     ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
@@ -357,16 +311,34 @@ class DecodeBenchOptions(Timed):
 
     quick: bool = option(False, "a small model, seconds")
     model: Path | None = option(
-        None, "trained GPT-2/Llama folder: quality rows of bf16/int8", metavar="DIR"
+        None,
+        "smollm2 or a Llama .gguf file: the real model against llama.cpp and transformers; "
+        "or a trained GPT-2/Llama folder with --text: quality rows of bf16/int8",
+        metavar="MODEL",
     )
-    text: Path | None = option(None, "held-out UTF-8 text for --model", metavar="FILE")
+    text: Path | None = option(None, "held-out UTF-8 text for a --model folder", metavar="FILE")
 
     def __post_init__(self) -> None:
+        if self.real_model:
+            if self.text is not None:
+                raise ValueError(
+                    "--text goes with a trained model folder (the quality rows); --model "
+                    f"{self.model} times the real model. Received: --text {self.text}"
+                )
+            return
         if (self.model is None) != (self.text is None):
             raise ValueError(
                 "--model and --text go together (a trained model folder and held-out text for "
-                f"the quality rows). Received: --model {self.model}, --text {self.text}"
+                "the quality rows), or --model smollm2 (or a .gguf file) alone. Received: "
+                f"--model {self.model}, --text {self.text}"
             )
+
+    @property
+    def real_model(self) -> bool:
+        """--model names a real model to time (``smollm2`` or a .gguf file)."""
+        from ..hf.loading import is_llm_source
+
+        return self.model is not None and is_llm_source(str(self.model))
 
 
 def run_decode_bench(
@@ -385,6 +357,8 @@ def run_decode_bench(
     shape, repeats = QUICK if options.quick else DecodeShape(), options.repeats or 3
     model, text = options.model, options.text
     out = V.check_out_dir("--out", options.out)  # before the work
+    if options.real_model:
+        return _real_model(str(model), out, repeats, say)
     cpu = cpu_info()[0]
     bandwidth = memory_bandwidth()
     size = 512 if shape.embed_dim < 256 else 1024
@@ -457,6 +431,19 @@ def run_decode_bench(
     return report
 
 
+def _real_model(source: str, out: Path, repeats: int, say: Callable[[str], None]) -> dict:
+    """``--model smollm2``: the real model's table (``decode_model``), in decode.json and
+    decode.png."""
+    from .decode_model import run_model_bench
+
+    report = run_model_bench(source, out, repeats, say)
+    out.mkdir(exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(report, indent=2))
+    chart = _model_chart(report, out / "decode.png")
+    say(f"\nwrote {out / 'decode.json'}" + (f" and {chart}" if chart else ""))
+    return report
+
+
 def _read_again(bandwidth: float, results: list[dict], say: Callable[[str], None]) -> list[float]:
     """[the start's reading, a reading after all the timings]: a virtual machine's read
     bandwidth can move by 2x within a run (neighbours, host placement). Each row gets its
@@ -495,39 +482,14 @@ def _attention_calls(shape: DecodeShape, batch_sizes, say: Callable[[str], None]
     return calls
 
 
-def _timed(contenders: dict, repeats: int) -> tuple[dict, dict, dict, list[float]]:
-    """Each contender's runs, ``repeats`` times, the order of the contenders rotating from one
-    repeat to the next: per run its whole time, its time to the first new token (the prompt)
-    and the time from the first new token to the last (the decoding steps), each from its
-    streamer's stamps; and the read bandwidth measured before each repeat and after the last
-    (GB/s): the readings beside the timings."""
-    names = list(contenders)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    first_times: dict[str, list[float]] = {name: [] for name in names}
-    step_spans: dict[str, list[float]] = {name: [] for name in names}
-    readings = []
-    for r in range(repeats):
-        readings.append(memory_bandwidth())
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            stamps = _Stamps()
-            start = time.perf_counter()
-            contenders[name](stamps)
-            times[name].append(time.perf_counter() - start)
-            tokens = stamps.times[1:]  # the first put is the prompt
-            first_times[name].append(tokens[0] - start)
-            step_spans[name].append(tokens[-1] - tokens[0])
-    readings.append(memory_bandwidth())
-    return times, first_times, step_spans, readings
-
-
 def _time_batch(b, models, theirs, shape, repeats, g, weight_bytes, hf_bytes, cache_bytes,
                 bandwidth, say) -> dict:  # fmt: skip
     ids = torch.randint(0, shape.vocab, (b, shape.prompt), generator=g)
     contenders = _contenders(models, theirs, ids, shape.new_tokens)
     names = list(contenders)
     # warm-up, and the tokens
-    outputs = {name: fn(_Stamps()) for name, fn in contenders.items()}
-    times, first_times, step_spans, readings = _timed(contenders, repeats)
+    outputs = {name: fn(Stamps()) for name, fn in contenders.items()}
+    times, first_times, step_spans, readings = timed(contenders, repeats)
     beside = statistics.median(readings)
     med, med_first, med_spans = map(_medians, (times, first_times, step_spans))
     # decoding steps alone: the tokens after the first, over the time from the first new
@@ -719,6 +681,39 @@ def _chart(report: dict, path: Path) -> Path | None:
         f"{s['new_tokens']} new, {report['threads']} threads"
     )
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _model_chart(report: dict, path: Path) -> Path | None:
+    """The real model's ms per decoding step for every contender, each bar labelled with its
+    share of the read bandwidth; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    row = report["real_model"]
+    names = list(row["step_ms"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    colors = ["tab:orange" if n.startswith("llama.cpp") else "tab:blue" for n in names]
+    bars = ax.barh(names, [row["step_ms"][n] for n in names], color=colors)
+    for bar, name in zip(bars, names):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {row['step_fraction_of_bandwidth'][name]:.0%} of bandwidth",
+                va="center", fontsize=8)  # fmt: skip
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per decoding step (lower is faster)")
+    w = report["workload"]
+    ax.set_title(
+        f"{report['model']['source']}: B={w['batch']}, greedy, prompt {w['prompt_tokens']}, "
+        f"{w['new_tokens']} new, {report['threads']} threads", fontsize=9,
+    )  # fmt: skip
+    ax.margins(x=0.25)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from multihead import cli
-from multihead.bench import decode
+from multihead.bench import decode, decode_timing
 from multihead.bench.options import goal_line
 
 
@@ -14,6 +14,7 @@ def test_decode_bench_runs_and_reports(tmp_path, capsys, monkeypatch):
     # repeat 40 and 44, beside B=8's 20 and 50; twice as high at the end of the run
     readings = iter([30.0, 40.0, 44.0, 20.0, 50.0, 60.0])
     monkeypatch.setattr(decode, "memory_bandwidth", lambda: next(readings))
+    monkeypatch.setattr(decode_timing, "memory_bandwidth", lambda: next(readings))
     args = ["bench", "decode", "--quick", "--repeats", "1", "--out", str(tmp_path)]
     assert cli.main(args) == 0
     report = json.loads((tmp_path / "decode.json").read_text())
