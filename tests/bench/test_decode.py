@@ -109,7 +109,7 @@ def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
     """``short_path`` times the same model's steps with the short path off and on, gives the
     same tokens both ways, and leaves the switch as it found it."""
     from multihead.bench import decode
-    from multihead.modules import decoder_step
+    from multihead.modules import decoder_step, native_step
 
     monkeypatch.setattr(decode, "memory_bandwidth", lambda: 1.0)
     taken = []
@@ -122,8 +122,9 @@ def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
     # 12 steps and the median of 3 rounds: with 3 steps and 1 round, a process beside this one
     # made the difference of the two timings negative in 5 of 40 runs
     report = decode.short_path("int8", shape=shape, rounds=3, steps=12, say=lines.append)
-    assert report["tokens_identical"] and decoder_step.enabled
-    assert set(report["ms_per_step"]) == {"modules", "short path"}
+    assert report["tokens_identical"] and report["native_tokens_identical"]
+    assert decoder_step.enabled and native_step.enabled
+    assert set(report["ms_per_step"]) == {"modules", "short path", "C++ step"}
     assert all(t > 0 for t in report["ms_per_step"].values())
     # the short path ran its steps (12 per timed run, 2 runs a round, plus the tokens' run)
     # and only in the runs meant to take it

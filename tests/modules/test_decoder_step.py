@@ -10,9 +10,16 @@ from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
-from multihead.modules import decoder_step, few_rows, quant
+from multihead.modules import decoder_step, few_rows, native_step, quant
 
 E, H, H_KV, D = 32, 4, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def python_path(monkeypatch):
+    """These tests are about the Python short path's bits: the C++ step (native_step, equal
+    within float32 rounding, tested in test_native_step.py) stays off."""
+    monkeypatch.setattr(native_step, "enabled", False)
 
 
 def _gpt2_stack(layers: int = 2) -> mh.TransformerDecoder:
