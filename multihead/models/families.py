@@ -148,7 +148,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     (``format_version``) loads as ``multihead.io.load`` does; otherwise ``model_type`` picks
     the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
     tokenizer, when the folder has one; or a family added with ``register``). None: the
-    default BERT model, all-MiniLM-L6-v2 from its package. ``weights`` ("bf16", "int8") is
+    default BERT model, all-MiniLM-L6-v2 from its package. ``weights`` ("bf16", "int8", "w8a16") is
     handed to a causal family's loader: weight-only formats for its linear layers.
 
     Raises:
@@ -156,14 +156,16 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         ValueError: config.json is not a JSON object, has neither ``format_version`` nor
             ``model_type``, or names a ``model_type`` no family opens (the message names it and
             the supported ones); or the family's loader refuses the folder (named);
-            ``weights`` given for a model that is not a causal decoder, or not None, "bf16"
-            or "int8".
+            ``weights`` given for a model that is not a causal decoder, or not None, "bf16",
+            "int8" or "w8a16".
     """
     from .. import folder_reading, io
     from . import gguf
 
     if weights is not None and weights not in _WEIGHT_FORMATS:
-        raise ValueError(f"weights must be None, 'bf16' or 'int8'. Received: weights={weights!r}")
+        raise ValueError(
+            f"weights must be None, 'bf16', 'int8' or 'w8a16'. Received: weights={weights!r}"
+        )
     if folder is None:  # the default model, MiniLM, is the BERT family's to find
         _no_weights(weights, "the default model (BERT)")
         return importlib.import_module(f"{__package__}.bert").load(None)
@@ -191,7 +193,7 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     return found.load(path, weights=weights)
 
 
-_WEIGHT_FORMATS = ("bf16", "int8")
+_WEIGHT_FORMATS = ("bf16", "int8", "w8a16")
 
 
 def _no_weights(weights: str | None, what: str) -> None:

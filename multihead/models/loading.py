@@ -44,9 +44,11 @@ def load_decoder(
         path: the folder, or a ``.gguf`` file of an architecture in ``gguf.ARCHITECTURES``.
         dtype: parameter dtype (checkpoints stored in bf16 are converted).
         weights: None (the linear layers in ``dtype``), or a weight-only format for the
-            linear layers with float32 activations: "bf16" (half the bytes) or "int8" (a
-            quarter; one float32 scale per output channel). Decoding reads every weight once
-            per token, so fewer bytes decode faster; the cost in quality is measured by
+            linear layers with float32 activations: "bf16" (half the bytes), "int8" (a
+            quarter; one float32 scale per output channel) or "w8a16" (int8's bytes, each
+            product's activations rounded to int16 per row so the kernel sums integers:
+            faster where the CPU has AVX512-VNNI, ``modules/quant.py``). Decoding reads every
+            weight once per token, so fewer bytes decode faster; the cost in quality is measured by
             ``multihead.bench.decode.quality``. Needs ``dtype=torch.float32``.
 
     Returns:
@@ -57,7 +59,7 @@ def load_decoder(
 
     Raises:
         FileNotFoundError: the folder, config.json or the weights are missing.
-        ValueError: ``weights`` other than None, "bf16" or "int8" (or with a dtype other
+        ValueError: ``weights`` other than None, "bf16", "int8" or "w8a16" (or with a dtype other
             than float32), a config value the family does not implement (the field is named),
             an empty or corrupt file (the file is named), or weights that do not fit the config
             (missing, misshapen or left-over tensors: never a partial load); for a GGUF
@@ -120,12 +122,14 @@ def check_token_ids(config: Any, source: str = "config.json") -> None:
 
 
 def check_weights(weights: str | None, dtype: torch.dtype) -> None:
-    """Refuse a ``weights=`` value that is not None, "bf16" or "int8", or one combined with a
+    """Refuse a ``weights=`` value that is not None, "bf16", "int8" or "w8a16", or one combined
+    with a
     ``dtype`` other than float32 (packed weights take float32 activations)."""
     if weights is not None and weights not in quant.WEIGHT_FORMATS:
         raise ValueError(
-            "weights must be None (the weights in dtype), 'bf16' or 'int8' (weight-only formats "
-            f"for the linear layers, float32 activations). Received: weights={weights!r}"
+            "weights must be None (the weights in dtype), 'bf16', 'int8' or 'w8a16' (weight-only "
+            "formats for the linear layers, float32 activations). Received: "
+            f"weights={weights!r}"
         )
     if weights is not None and dtype != torch.float32:
         raise ValueError(

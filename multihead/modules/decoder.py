@@ -164,9 +164,7 @@ class TransformerDecoder(nn.Module):
             # operations as the layers' without the module calls around them
             kind = TransformerDecoderLayer
             if native_step.applies(self.layers, kind, x, cache):
-                out = native_step.step(self.layers, kind, x, cache)
-                if out is not None:
-                    return self.norm(out)
+                return self.norm(native_step.step(self.layers, kind, x, cache))
             if decoder_step.applies(self.layers, kind, x, cache):
                 return self.norm(decoder_step.step(self.layers, x, cache))
         for i, layer in enumerate(self.layers):

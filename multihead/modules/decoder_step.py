@@ -46,7 +46,7 @@ from .few_rows import kernel_fits, stacked_products, step_product
 from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 
-__all__ = ["applies", "enabled", "step"]
+__all__ = ["applies", "enabled", "ready", "step"]
 
 # whether decoding steps may take the short path at all
 enabled = os.environ.get("MULTIHEAD_STEP_PATH", "1") != "0"
@@ -97,7 +97,16 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> boo
     """Whether ``step`` may run ``x`` (B, 1, E) through ``layers`` over ``cache``: each layer
     exactly of class ``kind`` (``TransformerDecoderLayer``, whose ``forward`` ``step``
     reproduces; a subclass may change it)."""
-    if (
+    if not ready(x, cache):
+        return False
+    return all(_layer_applies(layer, kind, x, cache) for layer in layers._modules.values())
+
+
+def ready(x: Tensor, cache: KVCache) -> bool:
+    """What ``applies`` asks besides the layers: the switch, one token per row, inference
+    without autocast, hooks of every module or a graph being traced, a cache without a policy
+    with its step begun, and no block of ``multihead.acting`` open."""
+    return not (
         not enabled
         or x.dim() != 3
         or x.shape[1] != 1
@@ -110,9 +119,7 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> boo
         or cache.policy is not None  # a compressed cache: the modules read and hand back scores
         or acting.active()  # a block (capture, ablate, ...): the modules read its plan
         or not _step_begun(cache, x)
-    ):
-        return False
-    return all(_layer_applies(layer, kind, x, cache) for layer in layers._modules.values())
+    )
 
 
 def _step_begun(cache: KVCache, x: Tensor) -> bool:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from . import decoder_step
+from .attention import MultiHeadAttention
 from .cache import KVCache
 from .few_rows import _LOADER as _ROWS
 from .few_rows import RowsLinear, kernel_fits
@@ -44,49 +46,94 @@ __all__ = ["applies", "enabled", "step"]
 enabled = os.environ.get("MULTIHEAD_NATIVE_STEP", "1") != "0"
 
 _NONE = torch.empty(0)  # an absent bias, scale or norm weight
-_WEIGHTS = (torch.float32, torch.bfloat16, torch.int8)  # what the few-row kernel reads
+_WEIGHTS = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # what the kernel reads
 # activations by kind, as decoder_step.h numbers them
 _GELU_ERF, _GELU_TANH, _SILU, _RELU = 0, 1, 2, 3
+
+
+@dataclass
+class Plan:
+    """What a step hands the C++ call, gathered from ``layers`` once and kept on the
+    ``KVCache`` for its later steps: the layers' tensors, what they share, and what must still
+    hold for them to be the layers' own (``valid``): each module and tensor read still in its
+    place, no hook on any of those modules, every dropout still as it was."""
+
+    layers: nn.ModuleList
+    tensors: list[Tensor]
+    shared: tuple
+    width: int  # E
+    heads: tuple[int, int, int]  # (H_kv, D, D_v)
+    held: list[tuple[dict, str, object]] = field(default_factory=list)  # (where, name, what)
+    watched: list[nn.Module] = field(default_factory=list)  # modules whose hooks would count
+
+    def valid(self) -> bool:
+        """Everything read is still in its place, unhooked: checked at every step (a few
+        hundred identity tests: tens of microseconds)."""
+        return all(where.get(name) is what for where, name, what in self.held) and not any(
+            m._forward_hooks or m._forward_pre_hooks for m in self.watched
+        )
 
 
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
-def _product(m: nn.Module) -> tuple[Tensor, Tensor, Tensor] | None:
+class _Reader:
+    """Reads a layer's parts and notes each one in the plan's ``held`` and ``watched``."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def module(self, parent: nn.Module, name: str) -> Any:
+        found = parent._modules.get(name)
+        self.plan.held.append((parent._modules, name, found))
+        if found is not None:
+            self.plan.watched.append(found)
+        return found
+
+    def tensor(self, where: dict, name: str) -> Any:
+        found = where.get(name)
+        self.plan.held.append((where, name, found))
+        return found
+
+    def flag(self, m: nn.Module, name: str) -> Any:
+        found = m.__dict__.get(name)
+        self.plan.held.append((m.__dict__, name, found))
+        return found
+
+
+def _product(read: _Reader, m: nn.Module | None) -> tuple[Tensor, Tensor, Tensor] | None:
     """(weight, scale, bias) of a projection as the kernel reads them, or None."""
-    if _hooked(m):
+    if m is None or _hooked(m):
         return None
-    params: dict[str, Any] = m._parameters
-    buffers: dict[str, Any] = m._buffers
     kind = type(m)
-    if "packed" in buffers:
-        weight, scale = buffers["packed"], buffers["scale"]
+    if "packed" in m._buffers:
+        weight, scale = read.tensor(m._buffers, "packed"), read.tensor(m._buffers, "scale")
     elif kind is nn.Linear or kind is RowsLinear:
-        weight, scale = params["weight"], None
+        weight, scale = read.tensor(m._parameters, "weight"), None
     else:
         return None
-    bias = params.get("bias")
+    bias = read.tensor(m._parameters, "bias")
     if not weight.is_contiguous() or weight.dtype not in _WEIGHTS:
         return None
     return weight, _NONE if scale is None else scale, _NONE if bias is None else bias
 
 
-def _norm(m: nn.Module) -> tuple[int, float, Tensor, Tensor] | None:
+def _norm(read: _Reader, m: nn.Module | None) -> tuple[int, float, Tensor, Tensor] | None:
     """(kind, eps, weight, bias) of a norm: 0 LayerNorm, 1 RMSNorm; None for others."""
-    if _hooked(m):
+    if m is None or _hooked(m):
         return None
     params: dict[str, Any] = m._parameters
     if type(m) is nn.LayerNorm and len(m.normalized_shape) == 1:
-        w, b = params.get("weight"), params.get("bias")
+        w, b = read.tensor(params, "weight"), read.tensor(params, "bias")
         return 0, float(m.eps), _NONE if w is None else w, _NONE if b is None else b
     if type(m) is RMSNorm and params["weight"].dtype == torch.float32:
-        return 1, float(m.eps), params["weight"], _NONE
+        return 1, float(m.eps), read.tensor(params, "weight"), _NONE
     return None
 
 
-def _activation(m: nn.Module) -> int | None:
-    if _hooked(m):
+def _activation(m: nn.Module | None) -> int | None:
+    if m is None or _hooked(m):
         return None
     kind = type(m)
     if kind is nn.GELU:
@@ -98,49 +145,95 @@ def _activation(m: nn.Module) -> int | None:
     return None
 
 
-def _layer(layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
+def _idle(read: _Reader, dropout: nn.Module | None) -> bool:
+    """A plain ``nn.Dropout`` that does nothing (rate 0 or eval mode), its mode held."""
+    if dropout is None or type(dropout) is not nn.Dropout or _hooked(dropout):
+        return False
+    return dropout.p == 0.0 or not read.flag(dropout, "training")
+
+
+def _layer(read: _Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
     """The layer's tensors in decoder_step.h's order and what the whole step must share
-    (norm kind and eps, activation, gated, rotary), or None where it cannot run natively."""
-    if type(layer) is not kind:
+    (norm kind and eps, activation, gated, rotary, heads), or None where it cannot run
+    natively."""
+    if type(layer) is not kind or _hooked(layer) or not _idle(read, read.module(layer, "dropout")):
         return None
-    parts: dict[str, Any] = layer._modules
-    attn, ff = parts["self_attn"], parts["feed_forward"]
-    n1, n2 = _norm(parts["norm1"]), _norm(parts["norm2"])
+    attn, ff = read.module(layer, "self_attn"), read.module(layer, "feed_forward")
+    if type(attn) is not MultiHeadAttention or _hooked(attn) or ff is None or _hooked(ff):
+        return None
+    if attn.dropout != 0.0 and read.flag(attn, "training"):
+        return None
+    n1, n2 = _norm(read, read.module(layer, "norm1")), _norm(read, read.module(layer, "norm2"))
     if n1 is None or n2 is None or n1[:2] != n2[:2]:
         return None
-    a: dict[str, Any] = attn._modules
-    qkv = [_product(a[name]) for name in ("q_proj", "k_proj", "v_proj")]
-    out = _product(a["out_proj"])
+    qkv = [_product(read, read.module(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
+    out = _product(read, read.module(attn, "out_proj"))
     if any(p is None for p in qkv) or out is None or len({p[0].dtype for p in qkv}) != 1:
         return None
-    rotary = a.get("rotary")
+    rotary = read.module(attn, "rotary")
     if rotary is not None and (
         type(rotary) is not RotaryEmbedding or _hooked(rotary) or rotary.head_dim != attn.head_dim
     ):
         return None
-    f: dict[str, Any] = ff._modules
     ff_kind = type(ff)
     if ff_kind is FeedForward:
-        up, gate, down = _product(f["linear1"]), (_NONE, _NONE, _NONE), _product(f["linear2"])
+        up, gate = _product(read, read.module(ff, "linear1")), (_NONE, _NONE, _NONE)
+        down = _product(read, read.module(ff, "linear2"))
     elif ff_kind is GatedFeedForward:
-        up, gate, down = _product(f["up_proj"]), _product(f["gate_proj"]), _product(f["down_proj"])
+        up, gate = (
+            _product(read, read.module(ff, "up_proj")),
+            _product(read, read.module(ff, "gate_proj")),
+        )
+        down = _product(read, read.module(ff, "down_proj"))
         if gate is not None and up is not None and gate[0].dtype != up[0].dtype:
             return None
     else:
         return None
-    activation = _activation(f["activation"])
+    activation = _activation(read.module(ff, "activation"))
     if up is None or gate is None or down is None or activation is None:
+        return None
+    if not _idle(read, read.module(ff, "dropout")):
         return None
     tensors = [n1[2], n1[3], *qkv[0], *qkv[1], *qkv[2], *out, n2[2], n2[3], *up, *gate, *down]
     rot = None if rotary is None else (rotary.head_dim, rotary.base, rotary.interleaved)
-    shared = (n1[0], n1[1], activation, ff_kind is GatedFeedForward, rot, attn.num_heads)
+    dims = (attn.embed_dim, attn.num_kv_heads, attn.head_dim, attn.value_head_dim)
+    shared = (n1[0], n1[1], activation, ff_kind is GatedFeedForward, rot, attn.num_heads, dims)
     return tensors, shared
+
+
+def _gathered(layers: nn.ModuleList, kind: type) -> Plan | None:
+    """The plan of ``layers``, or None where some layer cannot run natively."""
+    plan = Plan(layers, [], (), 0, (0, 0, 0))
+    read = _Reader(plan)
+    for name in layers._modules:
+        layer = read.module(layers, name)
+        found = None if layer is None else _layer(read, layer, kind)
+        if found is None or (plan.shared and found[1] != plan.shared):
+            return None
+        plan.tensors += found[0]
+        plan.shared = found[1]
+    if not plan.shared:
+        return None
+    dims = plan.shared[-1]
+    plan.width, plan.heads = dims[0], dims[1:]
+    return plan
+
+
+def _plan(layers: nn.ModuleList, kind: type, cache: KVCache) -> Plan | None:
+    """The plan kept on ``cache`` for ``layers`` where it is still valid, else gathered anew
+    (and kept); None where the layers cannot run natively."""
+    kept = cache.__dict__.get("_native_plan")
+    if kept is not None and kept.layers is layers and kept.valid():
+        return kept
+    plan = _gathered(layers, kind)
+    cache.__dict__["_native_plan"] = plan
+    return plan
 
 
 def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> bool:
     """Whether ``step`` may run ``x`` (B, 1, E) through ``layers`` (each of class ``kind``,
-    ``TransformerDecoderLayer``) over ``cache`` (after ``cache.begin``):
-    ``decoder_step.applies`` and what the module docstring lists."""
+    ``TransformerDecoderLayer``) over ``cache`` (after ``cache.begin``): what
+    ``decoder_step.ready`` asks, what the module docstring lists, and a valid plan."""
     if not enabled or cache.window is not None or cache._slots is not None:
         return False
     step = cache._step
@@ -148,35 +241,34 @@ def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> boo
         return False
     if x.dtype != torch.float32 or x.shape[0] > 16 or x.device.type != "cpu":
         return False
-    if not decoder_step.applies(layers, kind, x, cache):
+    if not decoder_step.ready(x, cache) or not kernel_fits(x):
         return False
-    return kernel_fits(x) and hasattr(_ROWS.module or _ROWS.load(), "decoder_step")
+    if not hasattr(_ROWS.module or _ROWS.load(), "decoder_step"):
+        return False
+    plan = _plan(layers, kind, cache)
+    return (
+        plan is not None
+        and x.shape[-1] == plan.width
+        and (cache.num_kv_heads, cache.head_dim, cache.value_dim) == plan.heads
+    )
 
 
-def step(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> Tensor | None:
+def step(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> Tensor:
     """``x`` (B, 1, E) through ``layers`` in one C++ call, the new keys and values stored in
-    ``cache``; None where some layer cannot run natively (the caller then takes
-    ``decoder_step``'s path, nothing having been written)."""
-    tensors: list[Tensor] = []
-    shared = None
-    for layer in layers._modules.values():
-        found = _layer(layer, kind)
-        if found is None or (shared is not None and found[1] != shared):
-            return None
-        tensors += found[0]
-        shared = found[1]
-    assert shared is not None
-    norm, eps, activation, gated, rot, heads = shared
-    attn = next(iter(layers._modules.values()))._modules["self_attn"]
+    ``cache``. Call it where ``applies`` says it may run (its plan is then on the cache)."""
+    plan = cache.__dict__["_native_plan"]
+    assert plan is not None and plan.layers is layers
+    norm, eps, activation, gated, rot, heads, _ = plan.shared
     cos = sin = _NONE
     if rot is not None:
-        rotary = attn._modules["rotary"]
+        first = next(iter(layers._modules.values()))
+        rotary = first._modules["self_attn"]._modules["rotary"]
         cos, sin = rotary.cos_sin(cache.step.positions, torch.float32, x.device)
         b = x.shape[0]
         cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
     kernel = _ROWS.module or _ROWS.load()
     out = kernel.decoder_step(
-        x.reshape(x.shape[0], -1).contiguous(), tensors, cache._keys, cache._values,
+        x.reshape(x.shape[0], -1).contiguous(), plan.tensors, cache._keys, cache._values,
         cache._offsets[0], cos, sin, bool(rot is not None and rot[2]), heads,
         cache.num_kv_heads, 1.0 / math.sqrt(cache.head_dim), norm, eps, activation, gated,
     )  # fmt: skip

@@ -51,7 +51,7 @@ def test_goals_read_the_row():
     new = decode_model.NEW_TOKENS
     names = [*(f"multihead {k}" for k, _, _ in decode_model.KINDS), decode_model.SDPA,
              decode_model.HF_MULTIHEAD, "llama.cpp F32"]  # fmt: skip
-    ms = dict(zip(names, [10.0, 6.0, 4.0, 40.0, 16.0, 8.0]))
+    ms = dict(zip(names, [10.0, 6.0, 4.0, 4.0, 40.0, 16.0, 8.0]))
     spans = {n: [ms[n] / 1e3 * (new - 1)] for n in names}
     first = {n: [0.1] for n in names}
     tokens = torch.arange(new)
@@ -85,8 +85,8 @@ def test_bench_decode_model_smollm2_writes_the_table(tmp_path, monkeypatch, caps
     report = json.loads((tmp_path / "decode.json").read_text())
     row = report["real_model"]
     assert set(row["step_ms"]) == {
-        "multihead float32", "multihead bf16", "multihead int8", decode_model.SDPA,
-        decode_model.HF_MULTIHEAD,
+        "multihead float32", "multihead bf16", "multihead int8", "multihead w8a16",
+        decode_model.SDPA, decode_model.HF_MULTIHEAD,
     }  # fmt: skip
     equal = row["tokens_equal_to_multihead_float32"]
     assert equal[decode_model.SDPA] == 1.0 and equal[decode_model.HF_MULTIHEAD] == 1.0

@@ -61,7 +61,7 @@ def _decode(stack, kind, prompts, *, native: bool, monkeypatch, window=None):
     return outs, cache, len(calls)
 
 
-@pytest.mark.parametrize("weights", [None, "bf16", "int8"])
+@pytest.mark.parametrize("weights", [None, "bf16", "int8", "w8a16"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_native_step_equals_the_modules_within_float32_rounding(kind, weights, monkeypatch):
     stack = _stack(kind, weights)
@@ -117,7 +117,7 @@ def test_what_it_does_not_cover_takes_the_python_path(monkeypatch):
     assert decoder_step.enabled  # the Python short path still runs those
 
 
-@pytest.mark.parametrize("weights", [None, "int8"])
+@pytest.mark.parametrize("weights", [None, "int8", "w8a16"])
 def test_generate_gives_the_same_tokens(weights, monkeypatch, tmp_path):
     """A saved Llama-family model's greedy tokens, with and without the C++ step."""
     from models.decoders import build
@@ -131,3 +131,53 @@ def test_generate_gives_the_same_tokens(weights, monkeypatch, tmp_path):
         monkeypatch.setattr(native_step, "enabled", native)
         tokens[native] = model.generate(ids, 12)
     assert torch.equal(tokens[True], tokens[False])
+
+
+def test_a_module_changed_between_steps_is_read_anew(monkeypatch):
+    """The step's tensors are gathered on a cache's first step and kept for its later steps
+    only while each module and tensor read is still in its place and unhooked: a projection
+    replaced mid-generation is used at once, a hook added sends the step to Python."""
+    stack = _stack("llama", None)
+    kernel = few_rows._LOADER.module or few_rows._LOADER.load()
+    calls = []
+    real = kernel.decoder_step
+    monkeypatch.setattr(kernel, "decoder_step", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    steps = [torch.randn(1, 1, E, generator=g) for _ in range(3)]
+    prompt = torch.randn(1, 3, E, generator=g)
+
+    def run(change):
+        cache = mh.KVCache(2, 1, H_KV, D)
+        with torch.inference_mode():
+            cache.begin(3)
+            stack(prompt, cache=cache)
+            outs = []
+            for i, x in enumerate(steps):
+                if i == 2:
+                    change()
+                cache.begin(1)
+                outs.append(stack(x, cache=cache))
+        return outs
+
+    original = stack.layers[1].self_attn.q_proj
+    replacement = nn.Linear(E, H * D, bias=False)
+    torch.manual_seed(9)
+    nn.init.normal_(replacement.weight)
+
+    def swap():
+        stack.layers[1].self_attn.q_proj = replacement
+
+    got = run(swap)
+    assert len(calls) == 3  # every step native, the third with the new projection
+    stack.layers[1].self_attn.q_proj = original
+    monkeypatch.setattr(native_step, "enabled", False)
+    want = run(swap)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5 * max(1.0, b.abs().max().item())
+    monkeypatch.setattr(native_step, "enabled", True)
+    stack.layers[1].self_attn.q_proj = original
+    calls.clear()
+    handles = []
+    run(lambda: handles.append(stack.layers[0].norm2.register_forward_hook(lambda *a: None)))
+    handles[0].remove()
+    assert len(calls) == 2  # the hooked step went to Python

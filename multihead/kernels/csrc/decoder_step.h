@@ -49,7 +49,8 @@ inline void products(const float* x, int64_t M, int64_t K,
     case at::kFloat: rows_kernel<float>(x, M, K, parts, ldo, out); break;
     case at::kBFloat16: rows_kernel<c10::BFloat16>(x, M, K, parts, ldo, out); break;
     case at::kChar: rows_kernel<int8_t>(x, M, K, parts, ldo, out); break;
-    default: TORCH_CHECK(false, "weights must be float32, bfloat16 or int8");
+    case at::kByte: rows_kernel_i16(x, M, K, parts, ldo, out); break;
+    default: TORCH_CHECK(false, "weights must be float32, bfloat16, int8 or uint8 (w8a16)");
   }
 }
 

@@ -2,7 +2,8 @@
 //
 // out[m, n] = scale[n] * sum_k x[m, k] * w[n, k] + bias[n], for x float32 (M, K) with M small
 // (one row per sequence being decoded, 16 at most) and w (N, K) row-major in float32, bfloat16
-// or int8 (weight-only quantization with one scale per output channel). The weights are read
+// or int8 (weight-only quantization with one scale per output channel), or uint8 ("w8a16":
+// int8 codes offset by 128, against activations rounded to int16; see rows_kernel_i16). The weights are read
 // once per call and widened to float32 in registers; activations and sums stay float32.
 //
 // A BLAS runs such a product as a matrix-vector product that one core streams; here the
@@ -143,6 +144,154 @@ void part_channels(const float* x, int64_t M, int64_t K, const Part& p, int64_t 
   for (; n < n1; ++n) channels<1>(x, M, K, w, n, ldo, p.scale, p.bias, o);
 }
 
+// "w8a16" weights: int8 codes stored offset by 128 as uint8 (1..255), against activations
+// rounded to int16 (one scale per row: the row's largest magnitude becomes 32767), summed
+// exactly in integers. With AVX512-VNNI, vpdpwssd multiplies 32 int16 pairs and adds them into
+// 16 int32 lanes in one instruction, where the float path converts every 16 weights to float
+// (two instructions) before its multiply-add; the weights are widened 32 at a time (one
+// instruction). The offset comes out once per output: sum x (u - 128) = sum x u - 128 sum x.
+// A lane adds at most 2 products of 32767 x 255 per 32 inputs, so kChunk inputs keep it below
+// 2^31; the lanes go to int64 after each chunk. Integer sums are exact, so every output is the
+// same on every CPU, thread count and split; they differ from "int8" on the float path by the
+// activations' rounding (at most 1/65534 of the row's largest magnitude per input).
+constexpr int64_t kChunk = 2048;  // inputs summed in int32 lanes before they go to int64
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+inline int64_t lanes_int64(__m512i acc) {
+  const __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(acc));
+  const __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(acc, 1));
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+#endif
+
+// sums[r * NB + j] = sum_k x[r, k] * w[j, k] over k < K / 32 * 32, exactly
+template <int R, int NB>
+inline void block_i16(const int16_t* x, int64_t ldx, const uint8_t* w, int64_t K,
+                      int64_t* sums) {
+  for (int i = 0; i < R * NB; ++i) sums[i] = 0;
+  const int64_t whole = K / 32 * 32;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const int64_t ahead = K ? (kAheadBytes + NB * K - 1) / (NB * K) * NB * K : 0;
+  for (int64_t c0 = 0; c0 < whole; c0 += kChunk) {
+    const int64_t c1 = std::min(whole, c0 + kChunk);
+    __m512i acc[R][NB];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_si512();
+    }
+    for (int64_t k = c0; k < c1; k += 32) {
+      if (k % 64 == 0) {
+        for (int j = 0; j < NB; ++j) prefetch_l2(w + ahead + j * K + k);
+      }
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));
+        wv[j] = _mm512_cvtepu8_epi16(b);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_loadu_si512(x + r * ldx + k);
+        for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], xv, wv[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < NB; ++j) sums[r * NB + j] += lanes_int64(acc[r][j]);
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < NB; ++j) {
+      int64_t total = 0;
+      for (int64_t k = 0; k < whole; ++k) total += int64_t{x[r * ldx + k]} * w[j * K + k];
+      sums[r * NB + j] = total;
+    }
+  }
+#endif
+}
+
+// Channels [n, n + NB) for rows [0, M) of the int16 activations xq (row scales xs, row sums
+// xsum); the tail past K / 32 * 32 and the offset of 128 added here
+template <int NB>
+inline void channels_i16(const int16_t* xq, const float* xs, const int64_t* xsum, int64_t M,
+                         int64_t K, const uint8_t* w, int64_t n, int64_t ldo, const float* scale,
+                         const float* bias, float* out) {
+  int64_t sums[kRowBlock * NB];
+  const int64_t whole = K / 32 * 32;
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+    const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
+    const int16_t* xr = xq + r0 * K;
+    const uint8_t* wn = w + n * K;
+    switch (rows) {
+      case 1: block_i16<1, NB>(xr, K, wn, K, sums); break;
+      case 2: block_i16<2, NB>(xr, K, wn, K, sums); break;
+      case 3: block_i16<3, NB>(xr, K, wn, K, sums); break;
+      case 4: block_i16<4, NB>(xr, K, wn, K, sums); break;
+      case 5: block_i16<5, NB>(xr, K, wn, K, sums); break;
+      case 6: block_i16<6, NB>(xr, K, wn, K, sums); break;
+      case 7: block_i16<7, NB>(xr, K, wn, K, sums); break;
+      default: block_i16<8, NB>(xr, K, wn, K, sums); break;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int16_t* x1 = xr + r * K;
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* wj = wn + j * K;
+        int64_t total = sums[r * NB + j] - 128 * xsum[r0 + r];
+        for (int64_t t = whole; t < K; ++t) total += int64_t{x1[t]} * wj[t];
+        const int64_t c = n + j;
+        const float s = (scale ? scale[c] : 1.0f) * xs[r0 + r];
+        const float b = bias ? bias[c] : 0.0f;
+        out[(r0 + r) * ldo + c] = static_cast<float>(total) * s + b;
+      }
+    }
+  }
+}
+
+// x (M, K) float32 as int16 (xq, M x K), one scale per row (xs: round(x / s) with
+// s = max |x| / 32767, 0 for a row of zeros) and each row's sum of the int16 values (xsum)
+inline void activations_i16(const float* x, int64_t M, int64_t K, int16_t* xq, float* xs,
+                            int64_t* xsum) {
+  for (int64_t r = 0; r < M; ++r) {
+    const float* xr = x + r * K;
+    float top = 0.0f;
+    for (int64_t k = 0; k < K; ++k) top = std::max(top, std::fabs(xr[k]));
+    xs[r] = top / 32767.0f;
+    const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+    int64_t total = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::min(32767.0f, std::max(-32767.0f, xr[k] * inv));
+      xq[r * K + k] = static_cast<int16_t>(std::lrintf(v));
+      total += xq[r * K + k];
+    }
+    xsum[r] = total;
+  }
+}
+
+// w8a16 parts' channels on the integer path, split over the threads as rows_kernel splits them
+inline void rows_kernel_i16(const float* x, int64_t M, int64_t K, const std::vector<Part>& parts,
+                            int64_t ldo, float* out) {
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> xs(M);
+  std::vector<int64_t> xsum(M);
+  activations_i16(x, M, K, xq.data(), xs.data(), xsum.data());
+  const int16_t* q = xq.data();
+  const float* s = xs.data();
+  const int64_t* t = xsum.data();
+  at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
+      if (lo >= hi) continue;
+      const uint8_t* w = static_cast<const uint8_t*>(p.w);
+      float* o = out + p.column;
+      int64_t n = lo - p.column;
+      const int64_t end = hi - p.column;
+      if (M <= 4) {
+        for (; n + 4 <= end; n += 4) channels_i16<4>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
+      } else {
+        for (; n + 2 <= end; n += 2) channels_i16<2>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
+      }
+      for (; n < end; ++n) channels_i16<1>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
+    }
+  });
+}
+
 // The parts' channels, numbered through one after another, split over the threads: a task's
 // range takes its share of each part it overlaps.
 template <typename W>
@@ -198,7 +347,8 @@ at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
     case at::kFloat: rows_kernel<float>(xp, M, K, parts, total, op); break;
     case at::kBFloat16: rows_kernel<c10::BFloat16>(xp, M, K, parts, total, op); break;
     case at::kChar: rows_kernel<int8_t>(xp, M, K, parts, total, op); break;
-    default: TORCH_CHECK(false, "w must be float32, bfloat16 or int8");
+    case at::kByte: rows_kernel_i16(xp, M, K, parts, total, op); break;
+    default: TORCH_CHECK(false, "w must be float32, bfloat16, int8 or uint8 (w8a16)");
   }
   return out;
 }
