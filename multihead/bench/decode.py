@@ -328,15 +328,14 @@ class DecodeBenchOptions(Timed):
         "or a trained GPT-2/Llama folder with --text: quality rows of bf16/int8",
         metavar="MODEL",
     )
-    text: Path | None = option(None, "held-out UTF-8 text for a --model folder", metavar="FILE")
+    text: Path | None = option(
+        None,
+        "held-out UTF-8 text: perplexity per weight kind (with a folder: required)",
+        metavar="FILE",
+    )
 
     def __post_init__(self) -> None:
-        if self.real_model:
-            if self.text is not None:
-                raise ValueError(
-                    "--text goes with a trained model folder (the quality rows); --model "
-                    f"{self.model} times the real model. Received: --text {self.text}"
-                )
+        if self.real_model:  # --text optional: the weight kinds' perplexity over it
             return
         if (self.model is None) != (self.text is None):
             raise ValueError(
@@ -370,7 +369,7 @@ def run_decode_bench(
     model, text = options.model, options.text
     out = V.check_out_dir("--out", options.out)  # before the work
     if options.real_model:
-        return _real_model(str(model), out, repeats, say)
+        return _real_model(str(model), out, repeats, say, text)
     cpu = cpu_info()[0]
     bandwidth = memory_bandwidth()
     size = 512 if shape.embed_dim < 256 else 1024
@@ -443,12 +442,14 @@ def run_decode_bench(
     return report
 
 
-def _real_model(source: str, out: Path, repeats: int, say: Callable[[str], None]) -> dict:
+def _real_model(
+    source: str, out: Path, repeats: int, say: Callable[[str], None], text: Path | None
+) -> dict:
     """``--model smollm2``: the real model's table (``decode_model``), in decode.json and
     decode.png."""
     from .decode_model import run_model_bench
 
-    report = run_model_bench(source, out, repeats, say)
+    report = run_model_bench(source, out, repeats, say, text)
     out.mkdir(exist_ok=True)
     (out / "decode.json").write_text(json.dumps(report, indent=2))
     chart = _model_chart(report, out / "decode.png")

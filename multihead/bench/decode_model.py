@@ -20,6 +20,7 @@ kept in the user's cache beside the converted folder (``multihead.hf.loading.cac
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import signal
 import statistics
@@ -64,10 +65,15 @@ def _theirs(kind: str) -> str:
 
 
 def run_model_bench(
-    source: str, out: Path, repeats: int, say: Callable[[str], None]
+    source: str,
+    out: Path,
+    repeats: int,
+    say: Callable[[str], None],
+    text: Path | None = None,
 ) -> dict[str, Any]:
     """Time every contender on ``source`` (``"smollm2"``, a GGUF file or a Llama folder) and
-    return the report ``run_decode_bench`` writes (decode.json, decode.png)."""
+    return the report ``run_decode_bench`` writes (decode.json, decode.png). With ``text``,
+    the report adds each weight kind's perplexity over it, from one-row steps (``quality``)."""
     from .._machine import cpu_info
     from .._progress import stages
     from ..hf import loading
@@ -126,7 +132,50 @@ def run_model_bench(
         "real_model": row,
     }
     _say(row, say)
+    if text is not None:
+        report["quality"] = quality(models, hf_models[SDPA].config, text, say)
     return report
+
+
+def quality(
+    models: dict[str, Any],
+    config: Any,
+    text: Path,
+    say: Callable[[str], None],
+    max_tokens: int = 512,
+) -> dict[str, Any]:
+    """Each of multihead's weight kinds' perplexity over the first ``max_tokens`` tokens of
+    ``text``, teacher-forced through one-row decoding steps (the products decoding runs:
+    "w8a16" rounds its activations only there; a whole-sequence forward runs F.linear), and the
+    share of positions whose most likely next token is float32's."""
+    first = models[_ours("float32")]
+    ids = torch.tensor(first.tokenizer.encode(Path(text).read_text(encoding="utf-8")).ids)
+    ids = ids[: min(max_tokens, config.max_position_embeddings)][None]
+    if ids.shape[1] < 2:
+        raise ValueError(f"{text} holds fewer than 2 tokens. Received: {ids.shape[1]} tokens")
+    found: dict[str, Any] = {"tokens": int(ids.shape[1] - 1), "text": str(text)}
+    tops = {}
+    for name, model in models.items():
+        cache, nll, top = model.new_cache(1), 0.0, []
+        with torch.inference_mode():
+            for i in range(ids.shape[1] - 1):
+                hidden = model.extend(ids[:, i : i + 1], 1, cache)
+                logits = model.lm_head(hidden)[0, -1].double()
+                nll -= float(torch.log_softmax(logits, -1)[ids[0, i + 1]])
+                top.append(int(logits.argmax()))
+        tops[name] = torch.tensor(top)
+        found[name] = {"perplexity": math.exp(nll / (ids.shape[1] - 1))}
+    base = found[_ours("float32")]["perplexity"]
+    say(f"\nperplexity over {ids.shape[1] - 1} tokens of {text}, one-row steps:")
+    for name in models:
+        entry = found[name]
+        entry["vs_float32"] = entry["perplexity"] / base
+        entry["top1_agreement"] = float((tops[name] == tops[_ours("float32")]).double().mean())
+        say(
+            f"  {name:<20} {entry['perplexity']:8.3f} ({entry['vs_float32'] - 1:+.2%}), "
+            f"top-1 agreement with float32 {entry['top1_agreement']:.1%}"
+        )
+    return found
 
 
 def _own_models(path: Path) -> dict[str, Any]:

@@ -119,10 +119,10 @@ def attention_forward(
     call = prepare(query, key, value, mask, bias, scaling, float(dropout), wants)
     if plan is not None:
         out, weights = acting.run_plan(plan, call)
-    else:
-        out, weights = registry.run(call, "auto")
-        assert out is not None
-    return out.transpose(1, 2).contiguous(), weights
+        return out.transpose(1, 2).contiguous(), weights
+    ran, weights = registry.run(call, "auto")
+    assert ran is not None
+    return ran.transpose(1, 2).contiguous(), weights
 
 
 def _decoding(

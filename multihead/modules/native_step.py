@@ -152,53 +152,76 @@ def _idle(read: _Reader, dropout: nn.Module | None) -> bool:
     return dropout.p == 0.0 or not read.flag(dropout, "training")
 
 
-def _layer(read: _Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
-    """The layer's tensors in decoder_step.h's order and what the whole step must share
-    (norm kind and eps, activation, gated, rotary, heads), or None where it cannot run
-    natively."""
-    if type(layer) is not kind or _hooked(layer) or not _idle(read, read.module(layer, "dropout")):
-        return None
-    attn, ff = read.module(layer, "self_attn"), read.module(layer, "feed_forward")
-    if type(attn) is not MultiHeadAttention or _hooked(attn) or ff is None or _hooked(ff):
+def _attention(read: _Reader, attn: Any) -> tuple[list[Tensor], tuple] | None:
+    """A self-attention's q, k, v and output products (weight, scale, bias each) and what the
+    step must share of it (rotary, heads, dims), or None where it cannot run natively."""
+    if type(attn) is not MultiHeadAttention or _hooked(attn):
         return None
     if attn.dropout != 0.0 and read.flag(attn, "training"):
+        return None
+    found = _products(read, attn, ("q_proj", "k_proj", "v_proj", "out_proj"), stacked=3)
+    rotary = read.module(attn, "rotary")
+    if found is None or (
+        rotary is not None
+        and (
+            type(rotary) is not RotaryEmbedding
+            or _hooked(rotary)
+            or rotary.head_dim != attn.head_dim
+        )
+    ):
+        return None
+    rot = None if rotary is None else (rotary.head_dim, rotary.base, rotary.interleaved)
+    dims = (attn.embed_dim, attn.num_kv_heads, attn.head_dim, attn.value_head_dim)
+    return found, (rot, attn.num_heads, dims)
+
+
+def _feed_forward(read: _Reader, ff: Any) -> tuple[list[Tensor], tuple] | None:
+    """A feed-forward's up, gate (empty for an ungated one) and down products and what the
+    step must share of it (activation, gated), or None where it cannot run natively."""
+    kind = type(ff)
+    gated = kind is GatedFeedForward
+    if (kind is not FeedForward and not gated) or _hooked(ff):
+        return None
+    names = ("up_proj", "gate_proj", "down_proj") if gated else ("linear1", None, "linear2")
+    found = _products(read, ff, names, stacked=2 if gated else 1)
+    activation = _activation(read.module(ff, "activation"))
+    if found is None or activation is None or not _idle(read, read.module(ff, "dropout")):
+        return None
+    return found, (activation, gated)
+
+
+def _products(
+    read: _Reader, parent: nn.Module, names: tuple[str | None, ...], stacked: int
+) -> list[Tensor] | None:
+    """The products ``names`` of ``parent`` (weight, scale, bias each; None names an absent
+    one: three empty tensors), flat; None where one cannot run on the kernel or the first
+    ``stacked`` (one kernel call) differ in dtype."""
+    found = [
+        (_NONE, _NONE, _NONE) if n is None else _product(read, read.module(parent, n))
+        for n in names
+    ]
+    products = [p for p in found if p is not None]
+    if len(products) != len(names) or len({p[0].dtype for p in products[:stacked]}) != 1:
+        return None
+    return [t for p in products for t in p]
+
+
+def _layer(read: _Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
+    """The layer's tensors in decoder_step.h's order (norm1, q, k, v, out, norm2, up, gate,
+    down) and what the whole step must share (norm kind and eps, activation, gated, rotary,
+    heads, dims), or None where it cannot run natively."""
+    if type(layer) is not kind or _hooked(layer) or not _idle(read, read.module(layer, "dropout")):
         return None
     n1, n2 = _norm(read, read.module(layer, "norm1")), _norm(read, read.module(layer, "norm2"))
     if n1 is None or n2 is None or n1[:2] != n2[:2]:
         return None
-    qkv = [_product(read, read.module(attn, name)) for name in ("q_proj", "k_proj", "v_proj")]
-    out = _product(read, read.module(attn, "out_proj"))
-    if any(p is None for p in qkv) or out is None or len({p[0].dtype for p in qkv}) != 1:
+    attn = _attention(read, read.module(layer, "self_attn"))
+    ff = _feed_forward(read, read.module(layer, "feed_forward"))
+    if attn is None or ff is None:
         return None
-    rotary = read.module(attn, "rotary")
-    if rotary is not None and (
-        type(rotary) is not RotaryEmbedding or _hooked(rotary) or rotary.head_dim != attn.head_dim
-    ):
-        return None
-    ff_kind = type(ff)
-    if ff_kind is FeedForward:
-        up, gate = _product(read, read.module(ff, "linear1")), (_NONE, _NONE, _NONE)
-        down = _product(read, read.module(ff, "linear2"))
-    elif ff_kind is GatedFeedForward:
-        up, gate = (
-            _product(read, read.module(ff, "up_proj")),
-            _product(read, read.module(ff, "gate_proj")),
-        )
-        down = _product(read, read.module(ff, "down_proj"))
-        if gate is not None and up is not None and gate[0].dtype != up[0].dtype:
-            return None
-    else:
-        return None
-    activation = _activation(read.module(ff, "activation"))
-    if up is None or gate is None or down is None or activation is None:
-        return None
-    if not _idle(read, read.module(ff, "dropout")):
-        return None
-    tensors = [n1[2], n1[3], *qkv[0], *qkv[1], *qkv[2], *out, n2[2], n2[3], *up, *gate, *down]
-    rot = None if rotary is None else (rotary.head_dim, rotary.base, rotary.interleaved)
-    dims = (attn.embed_dim, attn.num_kv_heads, attn.head_dim, attn.value_head_dim)
-    shared = (n1[0], n1[1], activation, ff_kind is GatedFeedForward, rot, attn.num_heads, dims)
-    return tensors, shared
+    tensors = [n1[2], n1[3], *attn[0], n2[2], n2[3], *ff[0]]
+    rot, heads, dims = attn[1]
+    return tensors, (n1[0], n1[1], *ff[1], rot, heads, dims)
 
 
 def _gathered(layers: nn.ModuleList, kind: type) -> Plan | None:
@@ -230,18 +253,28 @@ def _plan(layers: nn.ModuleList, kind: type, cache: KVCache) -> Plan | None:
     return plan
 
 
+def _one_slot(cache: KVCache) -> bool:
+    """A float32 cache whose step puts every row's new token in one slot: not rolling, rows
+    of one length, no mask for the step."""
+    step = cache._step
+    return (
+        cache.window is None
+        and cache._slots is None
+        and step is not None
+        and step.mask is None
+        and cache.dtype == torch.float32
+    )
+
+
 def applies(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> bool:
     """Whether ``step`` may run ``x`` (B, 1, E) through ``layers`` (each of class ``kind``,
     ``TransformerDecoderLayer``) over ``cache`` (after ``cache.begin``): what
     ``decoder_step.ready`` asks, what the module docstring lists, and a valid plan."""
-    if not enabled or cache.window is not None or cache._slots is not None:
-        return False
-    step = cache._step
-    if step is None or step.mask is not None or cache.dtype != torch.float32:
+    if not enabled or not decoder_step.ready(x, cache) or not _one_slot(cache):
         return False
     if x.dtype != torch.float32 or x.shape[0] > 16 or x.device.type != "cpu":
         return False
-    if not decoder_step.ready(x, cache) or not kernel_fits(x):
+    if not kernel_fits(x):
         return False
     if not hasattr(_ROWS.module or _ROWS.load(), "decoder_step"):
         return False

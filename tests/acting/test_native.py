@@ -21,7 +21,7 @@ import multihead as mh
 import multihead.hf as mhf  # the reader of transformers models
 from multihead import acting
 from multihead.models import gpt2, llama
-from multihead.modules import decoder_step
+from multihead.modules import decoder_step, native_step
 
 LOADERS = {"gpt2": gpt2, "llama": llama}
 ATOL = 1e-5
@@ -172,8 +172,9 @@ def test_blocks_act_inside_generate_as_on_the_transformers_path(models, ours):
 def test_the_decoding_short_path_waits_while_a_block_is_open(models, monkeypatch):
     ours = models["loaded"]
     taken = []
-    original = decoder_step.step
+    original, native = decoder_step.step, native_step.step
     monkeypatch.setattr(decoder_step, "step", lambda *a: taken.append(1) or original(*a))
+    monkeypatch.setattr(native_step, "step", lambda *a: taken.append(1) or native(*a))
     with torch.no_grad():
         plain = ours.generate(CLEAN, 4)
     assert len(taken) == 3  # every step after the prompt's

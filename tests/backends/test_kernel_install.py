@@ -119,13 +119,18 @@ def test_both_kernels_are_built_by_one_builder_with_one_set_of_flags(monkeypatch
 
 
 def test_a_build_covers_every_header_its_source_includes():
-    """The fused kernel's rooms and the SIMD header both kernels share go into their builds'
-    digests and records (a header left out would let an edited header reuse an old build)."""
+    """Every header goes into a build's digest and record (a header left out would let an
+    edited header reuse an old build): the fused kernel's rooms, the SIMD header both kernels
+    share, and the decoding step the rows kernel includes."""
     csrc = build.PACKAGE / "kernels" / "csrc"
     headers = set(csrc.rglob("*.h"))
-    assert headers <= set(build.FUSED.files)
+    assert headers == (set(build.FUSED.files) | set(build.ROWS.files)) - {
+        build.FUSED.source_path,
+        build.ROWS.source_path,
+    }
     assert build.FUSED.files[0] == build.FUSED.source_path
-    assert build.ROWS.files == [build.ROWS.source_path, csrc / "simd.h"]
+    # the rows kernel: the shared SIMD header, and the decoding step built over its products
+    assert build.ROWS.files == [build.ROWS.source_path, csrc / "simd.h", csrc / "decoder_step.h"]
 
 
 def test_an_edited_header_names_a_new_build(monkeypatch, tmp_path):
