@@ -34,6 +34,7 @@ _extras.require("transformers", "hf", "multihead.hf")
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import attention_layers  # noqa: E402  registers the reader of these models
 from .compress import compress  # noqa: E402
+from .decoding_step import decoding_step  # noqa: E402
 from .linears import decoding_linears  # noqa: E402
 from .loading import load  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "capture",
     "compress",
     "decoding_linears",
+    "decoding_step",
     "knockout",
     "load",
     "make_mask",

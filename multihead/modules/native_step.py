@@ -70,8 +70,13 @@ class Plan:
         """Everything read is still in its place, unhooked: checked at every step (a few
         hundred identity tests: tens of microseconds)."""
         return all(where.get(name) is what for where, name, what in self.held) and not any(
-            m._forward_hooks or m._forward_pre_hooks for m in self.watched
+            self.hooked(m) for m in self.watched
         )
+
+    @staticmethod
+    def hooked(m: nn.Module) -> bool:
+        """Whether a hook on ``m`` would see or change the step (any hook, here)."""
+        return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 def _hooked(m: nn.Module) -> bool:

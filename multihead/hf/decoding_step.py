@@ -1,0 +1,247 @@
+"""A transformers Llama model's decoding steps in one C++ call (``decoding_step``).
+
+``decoding_linears`` puts the products of a step on multihead's few-row kernel, but a
+transformers step still runs its modules in Python: on SmolLM2's 30 layers that costs about
+as much as reading the weights. ``decoding_step(model)`` runs each step of one new token per
+row through the C++ loop multihead's own decoders use (``kernels/csrc/decoder_step.h``), over
+the transformers model's own weights: RMSNorm, the q/k/v products stacked, the rotary
+embedding as the model's ``rotary_emb`` gives it, the cache write, attention over the cache,
+the output product, the SwiGLU feed-forward. The keys and values stay in transformers'
+``DynamicCache``: its layers hold views into one buffer with room to grow, which the step
+writes into. The result equals the modules' within float32 rounding.
+
+It applies to ``LlamaForCausalLM`` (Llama, SmolLM2, ...) on the CPU in float32: a step of one
+token per row over a ``DynamicCache`` whose rows all hold the same length (no padding), in
+inference, with no hooks, no ``output_attentions`` / ``output_hidden_states`` and no
+``multihead.acting`` block open. Every other call (the prompt, padded batches, ...) runs the
+model's own forward, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+
+from .. import acting
+from .._validation import tracing
+from ..modules import native_step
+from ..modules.few_rows import _LOADER as _ROWS
+from ..modules.few_rows import kernel_error
+from .linears import decoding_linears
+
+__all__ = ["decoding_step"]
+
+_FLAG = "_multihead_decoding_step"
+
+
+def decoding_step(model: nn.Module) -> nn.Module:
+    """Run ``model``'s decoding steps in one C++ call each, in place (and its float32 linear
+    layers on the few-row kernel, as ``decoding_linears`` does). Calling it again changes
+    nothing.
+
+    Args:
+        model: a transformers ``LlamaForCausalLM`` on the CPU in float32.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not a ``LlamaForCausalLM``.
+        RuntimeError: the few-row kernel cannot be built here (the message says why).
+    """
+    inner = getattr(model, "model", None)
+    if type(model).__name__ != "LlamaForCausalLM" or type(inner).__name__ != "LlamaModel":
+        raise TypeError(
+            "decoding_step takes a transformers LlamaForCausalLM (Llama, SmolLM2, ...); other "
+            "models keep decoding_linears. Received: a model of type "
+            f"{type(model).__name__}"
+        )
+    why = kernel_error()
+    if why is not None:
+        raise RuntimeError(f"decoding_step needs the few-row kernel, which {why}")
+    decoding_linears(model)
+    if not inner.__dict__.get(_FLAG):
+        original = inner.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = None if args else _step(inner, kwargs)
+            return original(*args, **kwargs) if out is None else out
+
+        inner.forward = forward
+        inner.__dict__[_FLAG] = True
+    return model
+
+
+def _step(inner: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """The step in one C++ call where it applies (the module docstring), else None."""
+    ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+    if not _applies(ids, cache, kwargs):
+        return None
+    assert ids is not None and cache is not None
+    plan = _plan(inner)
+    held = cache.layers[0].keys
+    if plan is None or (held.shape[1], held.shape[-1], held.dtype) != (
+        plan.shared[1],
+        plan.shared[3],
+        torch.float32,
+    ):
+        return None
+    layers, length = cache.layers, held.shape[-2]
+    b = ids.shape[0]
+    keys, values = _buffers(cache, length + 1)
+    x = inner.embed_tokens(ids)  # (B, 1, E)
+    positions = torch.full((b, 1), length, dtype=torch.long)
+    cos, sin = inner.rotary_emb(x, positions)  # (B, 1, D): the halves repeated
+    half = cos.shape[-1] // 2
+    first = inner.layers[0].self_attn
+    kernel = _ROWS.module or _ROWS.load()
+    out = kernel.decoder_step(
+        x.reshape(b, -1).contiguous(), plan.tensors, keys, values, length,
+        cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous(), False,
+        plan.shared[0], plan.shared[1], float(first.scaling), 1, plan.shared[2], 2, True,
+    )  # fmt: skip
+    for i, layer in enumerate(layers):
+        layer.keys, layer.values = keys[i, :, :, : length + 1], values[i, :, :, : length + 1]
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return BaseModelOutputWithPast(
+        last_hidden_state=inner.norm(out.view(b, 1, -1)), past_key_values=cache
+    )
+
+
+def _applies(ids: Any, cache: Any, kwargs: dict[str, Any]) -> bool:
+    """One new token per row over a DynamicCache of rows of one length, nothing else asked."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > 16:
+        return False
+    if ids.device.type != "cpu":
+        return False
+    if kwargs.get("inputs_embeds") is not None or kwargs.get("output_attentions"):
+        return False
+    if kwargs.get("output_hidden_states") or kwargs.get("use_cache") is False:
+        return False
+    if torch.is_grad_enabled() or tracing() or acting.active() or not native_step.enabled:
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    if type(cache).__name__ != "DynamicCache" or not cache.layers:
+        return False
+    first = cache.layers[0]
+    if type(first).__name__ != "DynamicLayer" or not first.is_initialized:
+        return False
+    length = first.keys.shape[-2]
+    if length == 0 or any(
+        type(layer).__name__ != "DynamicLayer" or layer.keys.shape[-2] != length
+        for layer in cache.layers
+    ):
+        return False
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not (mask.shape[-1] == length + 1 and bool(mask.all())):
+        return False  # padding: rows of other lengths
+    positions = kwargs.get("position_ids")
+    return positions is None or bool((positions == length).all())
+
+
+def _hooked(m: nn.Module) -> bool:
+    """A hook on ``m`` other than transformers' output-capturing hooks, which its decorated
+    forward installs once and which record only inside that forward's collecting context
+    (a step here runs without it, and only when nothing is to be collected)."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return any("output_capturing" not in getattr(h, "__qualname__", "") for h in hooks)
+
+
+class _Plan(native_step.Plan):
+    """``native_step.Plan`` for transformers' layers: transformers' output-capturing hooks do
+    not count (``_hooked``)."""
+
+    hooked = staticmethod(_hooked)
+
+
+def _plan(inner: nn.Module) -> native_step.Plan | None:
+    """The layers' tensors in decoder_step.h's order, gathered once and kept on the model
+    while every module and tensor read is in its place and unhooked; None where some layer
+    is not one the step runs."""
+    kept = inner.__dict__.get("_multihead_plan")
+    if kept is not None and kept.valid():
+        return kept
+    plan = _gathered(inner)
+    inner.__dict__["_multihead_plan"] = plan
+    return plan
+
+
+def _gathered(inner: nn.Module) -> native_step.Plan | None:
+    plan = _Plan(inner.layers, [], (), 0, (0, 0, 0))
+    read = native_step._Reader(plan)
+    shared = None
+    for name in inner.layers._modules:
+        layer = read.module(inner.layers, name)
+        found = None if layer is None else _layer(read, layer)
+        if found is None or (shared is not None and found[1] != shared):
+            return None
+        plan.tensors += found[0]
+        shared = found[1]
+    if shared is None:
+        return None
+    plan.shared = shared
+    embed = read.module(inner, "embed_tokens")
+    if embed is None or embed._parameters["weight"].dtype != torch.float32:
+        return None  # the step takes float32 activations
+    return plan
+
+
+def _layer(read: Any, layer: nn.Module) -> tuple[list[Tensor], tuple] | None:
+    """A LlamaDecoderLayer's tensors (norms without bias, SwiGLU) and (H, H_kv, eps, D)."""
+    if type(layer).__name__ != "LlamaDecoderLayer" or _hooked(layer):
+        return None
+    attn, mlp = read.module(layer, "self_attn"), read.module(layer, "mlp")
+    norms = [read.module(layer, n) for n in ("input_layernorm", "post_attention_layernorm")]
+    if any(m is None or _hooked(m) for m in (attn, mlp, *norms)):
+        return None
+    if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        return None
+    eps = {float(n.variance_epsilon) for n in norms}
+    attn_products = native_step._products(
+        read, attn, ("q_proj", "k_proj", "v_proj", "o_proj"), stacked=3
+    )
+    mlp_products = native_step._products(
+        read, mlp, ("up_proj", "gate_proj", "down_proj"), stacked=2
+    )
+    if attn_products is None or mlp_products is None or len(eps) != 1:
+        return None
+    empty = native_step._NONE
+    n1, n2 = (read.tensor(n._parameters, "weight") for n in norms)
+    tensors = [n1, empty, *attn_products, n2, empty, *mlp_products]
+    config = attn.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    return tensors, (heads, kv_heads, eps.pop(), attn.head_dim)
+
+
+def _buffers(cache: Any, need: int) -> tuple[Tensor, Tensor]:
+    """(keys, values) (layers, B, H_kv, capacity, D) holding the cache's layers, whose keys
+    and values are views into them; made (or grown, doubling) where ``need`` slots do not
+    fit or a layer's tensors were replaced since."""
+    kept = cache.__dict__.get("_multihead_buffers")
+    layers = cache.layers
+    if kept is not None:
+        keys, values = kept
+        held = all(
+            layer.keys.data_ptr() == keys[i].data_ptr()
+            and layer.values.data_ptr() == values[i].data_ptr()
+            for i, layer in enumerate(layers)
+        )
+        if held and need <= keys.shape[3]:
+            return keys, values
+    first = layers[0].keys
+    length = first.shape[-2]
+    capacity = max(need, 2 * length, 64)
+    shape = (len(layers), first.shape[0], first.shape[1], capacity, first.shape[-1])
+    keys = first.new_zeros(shape)
+    values = first.new_zeros((*shape[:4], layers[0].values.shape[-1]))
+    for i, layer in enumerate(layers):
+        keys[i, :, :, :length] = layer.keys
+        values[i, :, :, :length] = layer.values
+        layer.keys, layer.values = keys[i, :, :, :length], values[i, :, :, :length]
+    cache.__dict__["_multihead_buffers"] = (keys, values)
+    return keys, values
