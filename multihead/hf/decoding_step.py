@@ -52,7 +52,7 @@ def decoding_step(model: nn.Module) -> nn.Module:
         TypeError: ``model`` is not a ``LlamaForCausalLM``.
         RuntimeError: the few-row kernel cannot be built here (the message says why).
     """
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     if type(model).__name__ != "LlamaForCausalLM" or type(inner).__name__ != "LlamaModel":
         raise TypeError(
             "decoding_step takes a transformers LlamaForCausalLM (Llama, SmolLM2, ...); other "
@@ -75,7 +75,7 @@ def decoding_step(model: nn.Module) -> nn.Module:
     return model
 
 
-def _step(inner: nn.Module, kwargs: dict[str, Any]) -> Any:
+def _step(inner: Any, kwargs: dict[str, Any]) -> Any:
     """The step in one C++ call where it applies (the module docstring), else None."""
     ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
     if not _applies(ids, cache, kwargs):
@@ -159,7 +159,7 @@ class _Plan(native_step.Plan):
     hooked = staticmethod(_hooked)
 
 
-def _plan(inner: nn.Module) -> native_step.Plan | None:
+def _plan(inner: Any) -> native_step.Plan | None:
     """The layers' tensors in decoder_step.h's order, gathered once and kept on the model
     while every module and tensor read is in its place and unhooked; None where some layer
     is not one the step runs."""
@@ -171,7 +171,7 @@ def _plan(inner: nn.Module) -> native_step.Plan | None:
     return plan
 
 
-def _gathered(inner: nn.Module) -> native_step.Plan | None:
+def _gathered(inner: Any) -> native_step.Plan | None:
     plan = _Plan(inner.layers, [], (), 0, (0, 0, 0))
     read = native_step._Reader(plan)
     shared = None
