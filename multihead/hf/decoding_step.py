@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
 from .. import acting
 from .._validation import tracing
-from ..modules import native_step
+from ..modules import decoder_step, native_step
 from ..modules.few_rows import _LOADER as _ROWS
 from ..modules.few_rows import kernel_error
 from .linears import decoding_linears
@@ -114,28 +113,32 @@ def _step(inner: Any, kwargs: dict[str, Any]) -> Any:
 
 def _applies(ids: Any, cache: Any, kwargs: dict[str, Any]) -> bool:
     """One new token per row over a DynamicCache of rows of one length, nothing else asked."""
+    return _request_fits(ids, kwargs) and _cache_fits(cache, kwargs)
+
+
+def _request_fits(ids: Any, kwargs: dict[str, Any]) -> bool:
+    """One new token per row on the CPU in inference, no outputs to collect, no hook or
+    acting block that would see the layers' calls."""
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.shape[0] > 16:
         return False
-    if ids.device.type != "cpu":
+    asked = ("output_attentions", "output_hidden_states", "inputs_embeds")
+    if ids.device.type != "cpu" or any(kwargs.get(k) is not None and kwargs.get(k) is not False
+                                       for k in asked):  # fmt: skip
         return False
-    if kwargs.get("inputs_embeds") is not None or kwargs.get("output_attentions"):
+    if kwargs.get("use_cache") is False or torch.is_grad_enabled() or tracing():
         return False
-    if kwargs.get("output_hidden_states") or kwargs.get("use_cache") is False:
-        return False
-    if torch.is_grad_enabled() or tracing() or acting.active() or not native_step.enabled:
-        return False
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
+    return native_step.enabled and not acting.active() and not decoder_step.global_hooks()
+
+
+def _cache_fits(cache: Any, kwargs: dict[str, Any]) -> bool:
+    """A DynamicCache whose layers all hold the same length, every row real (no padding)."""
     if type(cache).__name__ != "DynamicCache" or not cache.layers:
         return False
-    first = cache.layers[0]
-    if type(first).__name__ != "DynamicLayer" or not first.is_initialized:
+    layers = cache.layers
+    if any(type(layer).__name__ != "DynamicLayer" or not layer.is_initialized for layer in layers):
         return False
-    length = first.keys.shape[-2]
-    if length == 0 or any(
-        type(layer).__name__ != "DynamicLayer" or layer.keys.shape[-2] != length
-        for layer in cache.layers
-    ):
+    length = layers[0].keys.shape[-2]
+    if length == 0 or any(layer.keys.shape[-2] != length for layer in layers):
         return False
     mask = kwargs.get("attention_mask")
     if mask is not None and not (mask.shape[-1] == length + 1 and bool(mask.all())):
@@ -148,8 +151,7 @@ def _hooked(m: nn.Module) -> bool:
     """A hook on ``m`` other than transformers' output-capturing hooks, which its decorated
     forward installs once and which record only inside that forward's collecting context
     (a step here runs without it, and only when nothing is to be collected)."""
-    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-    return any("output_capturing" not in getattr(h, "__qualname__", "") for h in hooks)
+    return native_step.hooked_besides(m, "output_capturing")
 
 
 class _Plan(native_step.Plan):
@@ -175,7 +177,7 @@ def _gathered(inner: Any) -> native_step.Plan | None:
     plan = _Plan(inner.layers, [], (), 0, (0, 0, 0))
     read = native_step._Reader(plan)
     shared = None
-    for name in inner.layers._modules:
+    for name, _ in inner.layers.named_children():
         layer = read.module(inner.layers, name)
         found = None if layer is None else _layer(read, layer)
         if found is None or (shared is not None and found[1] != shared):
@@ -186,7 +188,7 @@ def _gathered(inner: Any) -> native_step.Plan | None:
         return None
     plan.shared = shared
     embed = read.module(inner, "embed_tokens")
-    if embed is None or embed._parameters["weight"].dtype != torch.float32:
+    if embed is None or embed.weight.dtype != torch.float32:
         return None  # the step takes float32 activations
     return plan
 
@@ -211,7 +213,7 @@ def _layer(read: Any, layer: nn.Module) -> tuple[list[Tensor], tuple] | None:
     if attn_products is None or mlp_products is None or len(eps) != 1:
         return None
     empty = native_step._NONE
-    n1, n2 = (read.tensor(n._parameters, "weight") for n in norms)
+    n1, n2 = (read.param(n, "weight") for n in norms)
     tensors = [n1, empty, *attn_products, n2, empty, *mlp_products]
     config = attn.config
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads

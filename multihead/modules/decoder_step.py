@@ -46,7 +46,7 @@ from .few_rows import kernel_fits, stacked_products, step_product
 from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 
-__all__ = ["applies", "enabled", "ready", "step"]
+__all__ = ["applies", "enabled", "global_hooks", "ready", "step"]
 
 # whether decoding steps may take the short path at all
 enabled = os.environ.get("MULTIHEAD_STEP_PATH", "1") != "0"
@@ -111,8 +111,7 @@ def ready(x: Tensor, cache: KVCache) -> bool:
         or x.dim() != 3
         or x.shape[1] != 1
         or torch.is_grad_enabled()
-        or _module._global_forward_hooks
-        or _module._global_forward_pre_hooks
+        or global_hooks()
         or torch.is_autocast_enabled(x.device.type)
         or V.tracing()
         or torch.jit.is_tracing()
@@ -120,6 +119,12 @@ def ready(x: Tensor, cache: KVCache) -> bool:
         or acting.active()  # a block (capture, ablate, ...): the modules read its plan
         or not _step_begun(cache, x)
     )
+
+
+def global_hooks() -> bool:
+    """Whether a global forward hook is registered (``nn.modules.module``'s): it would see
+    every module call a short path leaves out."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 def _step_begun(cache: KVCache, x: Tensor) -> bool:

@@ -83,6 +83,14 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
+def hooked_besides(m: nn.Module, inert: str) -> bool:
+    """Whether ``m`` has a forward hook whose function's qualified name lacks ``inert`` (a
+    hook known to do nothing outside its own context, such as transformers' output
+    capturing)."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return any(inert not in getattr(h, "__qualname__", "") for h in hooks)
+
+
 class _Reader:
     """Reads a layer's parts and notes each one in the plan's ``held`` and ``watched``."""
 
@@ -100,6 +108,10 @@ class _Reader:
         found = where.get(name)
         self.plan.held.append((where, name, found))
         return found
+
+    def param(self, m: nn.Module, name: str) -> Any:
+        """The parameter ``name`` of ``m`` (or None), noted as held."""
+        return self.tensor(m._parameters, name)
 
     def flag(self, m: nn.Module, name: str) -> Any:
         found = m.__dict__.get(name)
