@@ -45,13 +45,7 @@ inline void products(const float* x, int64_t M, int64_t K,
     parts.push_back({p[0].data_ptr(), N, floats_or_null(p[1]), floats_or_null(p[2]), column});
     column += N;
   }
-  switch (dtype) {
-    case at::kFloat: rows_kernel<float>(x, M, K, parts, ldo, out); break;
-    case at::kBFloat16: rows_kernel<c10::BFloat16>(x, M, K, parts, ldo, out); break;
-    case at::kChar: rows_kernel<int8_t>(x, M, K, parts, ldo, out); break;
-    case at::kByte: rows_kernel_i16(x, M, K, parts, ldo, out); break;
-    default: TORCH_CHECK(false, "weights must be float32, bfloat16, int8 or uint8 (w8a16)");
-  }
+  run_parts(dtype, x, M, K, parts, ldo, out);
 }
 
 // y (M, E) = norm(x) with weight w and bias b (or none)

@@ -305,6 +305,19 @@ void rows_kernel(const float* x, int64_t M, int64_t K, const std::vector<Part>& 
   });
 }
 
+// The parts' products (their weights all of ``dtype``) on the path that dtype takes: the float
+// kernel for float32, bf16 and int8, the integer one for w8a16's uint8.
+inline void run_parts(at::ScalarType dtype, const float* x, int64_t M, int64_t K,
+                      const std::vector<Part>& parts, int64_t ldo, float* out) {
+  switch (dtype) {
+    case at::kFloat: rows_kernel<float>(x, M, K, parts, ldo, out); break;
+    case at::kBFloat16: rows_kernel<c10::BFloat16>(x, M, K, parts, ldo, out); break;
+    case at::kChar: rows_kernel<int8_t>(x, M, K, parts, ldo, out); break;
+    case at::kByte: rows_kernel_i16(x, M, K, parts, ldo, out); break;
+    default: TORCH_CHECK(false, "w must be float32, bfloat16, int8 or uint8 (w8a16)");
+  }
+}
+
 // The float32 data of an optional (N,) vector: null when empty
 const float* optional_vector(at::Tensor& t, int64_t N, const char* what) {
   if (!t.numel()) return nullptr;
@@ -343,13 +356,7 @@ at::Tensor rows_linear_stacked(at::Tensor x, std::vector<at::Tensor> ws,
   auto out = at::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (dtype) {
-    case at::kFloat: rows_kernel<float>(xp, M, K, parts, total, op); break;
-    case at::kBFloat16: rows_kernel<c10::BFloat16>(xp, M, K, parts, total, op); break;
-    case at::kChar: rows_kernel<int8_t>(xp, M, K, parts, total, op); break;
-    case at::kByte: rows_kernel_i16(xp, M, K, parts, total, op); break;
-    default: TORCH_CHECK(false, "w must be float32, bfloat16, int8 or uint8 (w8a16)");
-  }
+  run_parts(dtype, xp, M, K, parts, total, op);
   return out;
 }
 
