@@ -27,8 +27,8 @@ from torch import Tensor, nn
 from .. import acting
 from .._validation import tracing
 from ..modules import decoder_step, native_step
-from ..modules.few_rows import _LOADER as _ROWS
 from ..modules.few_rows import kernel_error
+from ._transformers import hooked
 from .linears import decoding_linears
 
 __all__ = ["decoding_step"]
@@ -83,8 +83,7 @@ def _step(inner: Any, kwargs: dict[str, Any]) -> Any:
     plan = _plan(inner)
     held = cache.layers[0].keys
     if plan is None or (held.shape[1], held.shape[-1], held.dtype) != (
-        plan.shared[1],
-        plan.shared[3],
+        *plan.heads[:2],
         torch.float32,
     ):
         return None
@@ -95,13 +94,9 @@ def _step(inner: Any, kwargs: dict[str, Any]) -> Any:
     positions = torch.full((b, 1), length, dtype=torch.long)
     cos, sin = inner.rotary_emb(x, positions)  # (B, 1, D): the halves repeated
     half = cos.shape[-1] // 2
-    first = inner.layers[0].self_attn
-    kernel = _ROWS.module or _ROWS.load()
-    out = kernel.decoder_step(
-        x.reshape(b, -1).contiguous(), plan.tensors, keys, values, length,
-        cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous(), False,
-        plan.shared[0], plan.shared[1], float(first.scaling), 1, plan.shared[2], 2, True,
-    )  # fmt: skip
+    scale = float(inner.layers[0].self_attn.scaling)
+    cos, sin = cos[:, 0, :half].contiguous(), sin[:, 0, :half].contiguous()
+    out = native_step.run(plan, x, keys, values, length, cos, sin, scale)
     for i, layer in enumerate(layers):
         layer.keys, layer.values = keys[i, :, :, : length + 1], values[i, :, :, : length + 1]
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -147,18 +142,11 @@ def _cache_fits(cache: Any, kwargs: dict[str, Any]) -> bool:
     return positions is None or bool((positions == length).all())
 
 
-def _hooked(m: nn.Module) -> bool:
-    """A hook on ``m`` other than transformers' output-capturing hooks, which its decorated
-    forward installs once and which record only inside that forward's collecting context
-    (a step here runs without it, and only when nothing is to be collected)."""
-    return native_step.hooked_besides(m, "output_capturing")
-
-
 class _Plan(native_step.Plan):
     """``native_step.Plan`` for transformers' layers: transformers' output-capturing hooks do
-    not count (``_hooked``)."""
+    not count (``_transformers.hooked``)."""
 
-    hooked = staticmethod(_hooked)
+    hooked = staticmethod(hooked)
 
 
 def _plan(inner: Any) -> native_step.Plan | None:
@@ -174,50 +162,37 @@ def _plan(inner: Any) -> native_step.Plan | None:
 
 
 def _gathered(inner: Any) -> native_step.Plan | None:
-    plan = _Plan(inner.layers, [], (), 0, (0, 0, 0))
-    read = native_step._Reader(plan)
-    shared = None
-    for name, _ in inner.layers.named_children():
-        layer = read.module(inner.layers, name)
-        found = None if layer is None else _layer(read, layer)
-        if found is None or (shared is not None and found[1] != shared):
-            return None
-        plan.tensors += found[0]
-        shared = found[1]
-    if shared is None:
-        return None
-    plan.shared = shared
-    embed = read.module(inner, "embed_tokens")
-    if embed is None or embed.weight.dtype != torch.float32:
+    embed = inner.embed_tokens
+    if embed.weight.dtype != torch.float32:
         return None  # the step takes float32 activations
-    return plan
+    return native_step.gather(_Plan(inner.layers), _layer)
 
 
 def _layer(read: Any, layer: nn.Module) -> tuple[list[Tensor], tuple] | None:
-    """A LlamaDecoderLayer's tensors (norms without bias, SwiGLU) and (H, H_kv, eps, D)."""
-    if type(layer).__name__ != "LlamaDecoderLayer" or _hooked(layer):
+    """A LlamaDecoderLayer's tensors (RMSNorms, SwiGLU) and ``Plan.shared``: the rotary
+    comes from the model's ``rotary_emb`` at each step, so none is named here."""
+    if type(layer).__name__ != "LlamaDecoderLayer" or hooked(layer):
         return None
     attn, mlp = read.module(layer, "self_attn"), read.module(layer, "mlp")
     norms = [read.module(layer, n) for n in ("input_layernorm", "post_attention_layernorm")]
-    if any(m is None or _hooked(m) for m in (attn, mlp, *norms)):
+    if any(m is None or hooked(m) for m in (attn, mlp, *norms)):
         return None
     if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
         return None
     eps = {float(n.variance_epsilon) for n in norms}
-    attn_products = native_step._products(
+    attn_products = native_step.products(
         read, attn, ("q_proj", "k_proj", "v_proj", "o_proj"), stacked=3
     )
-    mlp_products = native_step._products(
-        read, mlp, ("up_proj", "gate_proj", "down_proj"), stacked=2
-    )
+    mlp_products = native_step.products(read, mlp, ("up_proj", "gate_proj", "down_proj"), stacked=2)
     if attn_products is None or mlp_products is None or len(eps) != 1:
         return None
-    empty = native_step._NONE
+    empty = native_step.EMPTY
     n1, n2 = (read.param(n, "weight") for n in norms)
     tensors = [n1, empty, *attn_products, n2, empty, *mlp_products]
-    config = attn.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    return tensors, (heads, kv_heads, eps.pop(), attn.head_dim)
+    config, d = attn.config, attn.head_dim
+    dims = (config.hidden_size, config.num_key_value_heads, d, d)
+    norm, silu = native_step.RMS_NORM, native_step.SILU
+    return tensors, (norm, eps.pop(), silu, True, None, config.num_attention_heads, dims)
 
 
 def _buffers(cache: Any, need: int) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +42,19 @@ from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 from .transformer import FeedForward, GatedFeedForward
 
-__all__ = ["applies", "enabled", "step"]
+__all__ = ["EMPTY", "Plan", "Reader", "applies", "enabled", "gather", "products", "run", "step"]
 
 enabled = os.environ.get("MULTIHEAD_NATIVE_STEP", "1") != "0"
 
-_NONE = torch.empty(0)  # an absent bias, scale or norm weight
+EMPTY = torch.empty(0)  # an absent bias, scale or norm weight
 _WEIGHTS = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # what the kernel reads
-# activations by kind, as decoder_step.h numbers them
-_GELU_ERF, _GELU_TANH, _SILU, _RELU = 0, 1, 2, 3
+# norms and activations by kind, as decoder_step.h numbers them
+LAYER_NORM, RMS_NORM = 0, 1
+_GELU_ERF, _GELU_TANH, SILU, _RELU = 0, 1, 2, 3
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 @dataclass
@@ -59,10 +65,12 @@ class Plan:
     place, no hook on any of those modules, every dropout still as it was."""
 
     layers: nn.ModuleList
-    tensors: list[Tensor]
-    shared: tuple
-    width: int  # E
-    heads: tuple[int, int, int]  # (H_kv, D, D_v)
+    tensors: list[Tensor] = field(default_factory=list)
+    # what every layer shares: (norm kind, eps, activation, gated, rotary or None, H,
+    # (E, H_kv, D, D_v)), the rotary as (D, base, interleaved)
+    shared: tuple = ()
+    width: int = 0  # E
+    heads: tuple[int, int, int] = (0, 0, 0)  # (H_kv, D, D_v)
     held: list[tuple[dict, str, object]] = field(default_factory=list)  # (where, name, what)
     watched: list[nn.Module] = field(default_factory=list)  # modules whose hooks would count
 
@@ -73,25 +81,11 @@ class Plan:
             self.hooked(m) for m in self.watched
         )
 
-    @staticmethod
-    def hooked(m: nn.Module) -> bool:
-        """Whether a hook on ``m`` would see or change the step (any hook, here)."""
-        return bool(m._forward_hooks or m._forward_pre_hooks)
+    # whether a hook on a module would see or change the step (any hook, here)
+    hooked = staticmethod(_hooked)
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
-
-
-def hooked_besides(m: nn.Module, inert: str) -> bool:
-    """Whether ``m`` has a forward hook whose function's qualified name lacks ``inert`` (a
-    hook known to do nothing outside its own context, such as transformers' output
-    capturing)."""
-    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-    return any(inert not in getattr(h, "__qualname__", "") for h in hooks)
-
-
-class _Reader:
+class Reader:
     """Reads a layer's parts and notes each one in the plan's ``held`` and ``watched``."""
 
     def __init__(self, plan: Plan) -> None:
@@ -119,7 +113,7 @@ class _Reader:
         return found
 
 
-def _product(read: _Reader, m: nn.Module | None) -> tuple[Tensor, Tensor, Tensor] | None:
+def _product(read: Reader, m: nn.Module | None) -> tuple[Tensor, Tensor, Tensor] | None:
     """(weight, scale, bias) of a projection as the kernel reads them, or None."""
     if m is None or _hooked(m):
         return None
@@ -133,19 +127,19 @@ def _product(read: _Reader, m: nn.Module | None) -> tuple[Tensor, Tensor, Tensor
     bias = read.tensor(m._parameters, "bias")
     if not weight.is_contiguous() or weight.dtype not in _WEIGHTS:
         return None
-    return weight, _NONE if scale is None else scale, _NONE if bias is None else bias
+    return weight, EMPTY if scale is None else scale, EMPTY if bias is None else bias
 
 
-def _norm(read: _Reader, m: nn.Module | None) -> tuple[int, float, Tensor, Tensor] | None:
+def _norm(read: Reader, m: nn.Module | None) -> tuple[int, float, Tensor, Tensor] | None:
     """(kind, eps, weight, bias) of a norm: 0 LayerNorm, 1 RMSNorm; None for others."""
     if m is None or _hooked(m):
         return None
     params: dict[str, Any] = m._parameters
     if type(m) is nn.LayerNorm and len(m.normalized_shape) == 1:
         w, b = read.tensor(params, "weight"), read.tensor(params, "bias")
-        return 0, float(m.eps), _NONE if w is None else w, _NONE if b is None else b
+        return LAYER_NORM, float(m.eps), EMPTY if w is None else w, EMPTY if b is None else b
     if type(m) is RMSNorm and params["weight"].dtype == torch.float32:
-        return 1, float(m.eps), read.tensor(params, "weight"), _NONE
+        return RMS_NORM, float(m.eps), read.tensor(params, "weight"), EMPTY
     return None
 
 
@@ -156,27 +150,27 @@ def _activation(m: nn.Module | None) -> int | None:
     if kind is nn.GELU:
         return _GELU_TANH if m.approximate == "tanh" else _GELU_ERF
     if kind is nn.SiLU:
-        return _SILU
+        return SILU
     if kind is nn.ReLU:
         return _RELU
     return None
 
 
-def _idle(read: _Reader, dropout: nn.Module | None) -> bool:
+def _idle(read: Reader, dropout: nn.Module | None) -> bool:
     """A plain ``nn.Dropout`` that does nothing (rate 0 or eval mode), its mode held."""
     if dropout is None or type(dropout) is not nn.Dropout or _hooked(dropout):
         return False
     return dropout.p == 0.0 or not read.flag(dropout, "training")
 
 
-def _attention(read: _Reader, attn: Any) -> tuple[list[Tensor], tuple] | None:
+def _attention(read: Reader, attn: Any) -> tuple[list[Tensor], tuple] | None:
     """A self-attention's q, k, v and output products (weight, scale, bias each) and what the
     step must share of it (rotary, heads, dims), or None where it cannot run natively."""
     if type(attn) is not MultiHeadAttention or _hooked(attn):
         return None
     if attn.dropout != 0.0 and read.flag(attn, "training"):
         return None
-    found = _products(read, attn, ("q_proj", "k_proj", "v_proj", "out_proj"), stacked=3)
+    found = products(read, attn, ("q_proj", "k_proj", "v_proj", "out_proj"), stacked=3)
     rotary = read.module(attn, "rotary")
     if found is None or (
         rotary is not None
@@ -192,7 +186,7 @@ def _attention(read: _Reader, attn: Any) -> tuple[list[Tensor], tuple] | None:
     return found, (rot, attn.num_heads, dims)
 
 
-def _feed_forward(read: _Reader, ff: Any) -> tuple[list[Tensor], tuple] | None:
+def _feed_forward(read: Reader, ff: Any) -> tuple[list[Tensor], tuple] | None:
     """A feed-forward's up, gate (empty for an ungated one) and down products and what the
     step must share of it (activation, gated), or None where it cannot run natively."""
     kind = type(ff)
@@ -200,21 +194,21 @@ def _feed_forward(read: _Reader, ff: Any) -> tuple[list[Tensor], tuple] | None:
     if (kind is not FeedForward and not gated) or _hooked(ff):
         return None
     names = ("up_proj", "gate_proj", "down_proj") if gated else ("linear1", None, "linear2")
-    found = _products(read, ff, names, stacked=2 if gated else 1)
+    found = products(read, ff, names, stacked=2 if gated else 1)
     activation = _activation(read.module(ff, "activation"))
     if found is None or activation is None or not _idle(read, read.module(ff, "dropout")):
         return None
     return found, (activation, gated)
 
 
-def _products(
-    read: _Reader, parent: nn.Module, names: tuple[str | None, ...], stacked: int
+def products(
+    read: Reader, parent: nn.Module, names: tuple[str | None, ...], stacked: int
 ) -> list[Tensor] | None:
     """The products ``names`` of ``parent`` (weight, scale, bias each; None names an absent
     one: three empty tensors), flat; None where one cannot run on the kernel or the first
     ``stacked`` (one kernel call) differ in dtype."""
     found = [
-        (_NONE, _NONE, _NONE) if n is None else _product(read, read.module(parent, n))
+        (EMPTY, EMPTY, EMPTY) if n is None else _product(read, read.module(parent, n))
         for n in names
     ]
     products = [p for p in found if p is not None]
@@ -223,7 +217,7 @@ def _products(
     return [t for p in products for t in p]
 
 
-def _layer(read: _Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
+def _layer(read: Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
     """The layer's tensors in decoder_step.h's order (norm1, q, k, v, out, norm2, up, gate,
     down) and what the whole step must share (norm kind and eps, activation, gated, rotary,
     heads, dims), or None where it cannot run natively."""
@@ -241,13 +235,16 @@ def _layer(read: _Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], t
     return tensors, (n1[0], n1[1], *ff[1], rot, heads, dims)
 
 
-def _gathered(layers: nn.ModuleList, kind: type) -> Plan | None:
-    """The plan of ``layers``, or None where some layer cannot run natively."""
-    plan = Plan(layers, [], (), 0, (0, 0, 0))
-    read = _Reader(plan)
-    for name in layers._modules:
-        layer = read.module(layers, name)
-        found = None if layer is None else _layer(read, layer, kind)
+def gather(
+    plan: Plan, layer: Callable[[Reader, nn.Module], tuple[list[Tensor], tuple] | None]
+) -> Plan | None:
+    """``plan`` filled from its layers, each read by ``layer`` (its tensors in
+    decoder_step.h's order and ``Plan.shared``), or None where one cannot run natively or
+    the layers differ in what they must share."""
+    read = Reader(plan)
+    for name in plan.layers._modules:
+        module = read.module(plan.layers, name)
+        found = None if module is None else layer(read, module)
         if found is None or (plan.shared and found[1] != plan.shared):
             return None
         plan.tensors += found[0]
@@ -265,7 +262,7 @@ def _plan(layers: nn.ModuleList, kind: type, cache: KVCache) -> Plan | None:
     kept = cache.__dict__.get("_native_plan")
     if kept is not None and kept.layers is layers and kept.valid():
         return kept
-    plan = _gathered(layers, kind)
+    plan = gather(Plan(layers), lambda read, layer: _layer(read, layer, kind))
     cache.__dict__["_native_plan"] = plan
     return plan
 
@@ -308,19 +305,37 @@ def step(layers: nn.ModuleList, kind: type, x: Tensor, cache: KVCache) -> Tensor
     ``cache``. Call it where ``applies`` says it may run (its plan is then on the cache)."""
     plan = cache.__dict__["_native_plan"]
     assert plan is not None and plan.layers is layers
-    norm, eps, activation, gated, rot, heads, _ = plan.shared
-    cos = sin = _NONE
+    rot = plan.shared[4]
+    cos = sin = EMPTY
     if rot is not None:
         first = next(iter(layers._modules.values()))
         rotary = first._modules["self_attn"]._modules["rotary"]
         cos, sin = rotary.cos_sin(cache.step.positions, torch.float32, x.device)
         b = x.shape[0]
         cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
-    kernel = _ROWS.module or _ROWS.load()
-    out = kernel.decoder_step(
-        x.reshape(x.shape[0], -1).contiguous(), plan.tensors, cache._keys, cache._values,
-        cache._offsets[0], cos, sin, bool(rot is not None and rot[2]), heads,
-        cache.num_kv_heads, 1.0 / math.sqrt(cache.head_dim), norm, eps, activation, gated,
-    )  # fmt: skip
+    scale = 1.0 / math.sqrt(cache.head_dim)
+    out = run(plan, x, cache._keys, cache._values, cache._offsets[0], cos, sin, scale)
     cache._written = set(range(cache.num_layers))
     return out.view_as(x)
+
+
+def run(
+    plan: Plan,
+    x: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    start: int,
+    cos: Tensor,
+    sin: Tensor,
+    scale: float,
+) -> Tensor:
+    """The C++ step: ``x`` (B, ..., E) float32 through ``plan``'s layers, each row's new key
+    and value written to slot ``start`` of ``keys`` / ``values`` (layers, B, H_kv, capacity,
+    D) float32 contiguous; ``cos`` / ``sin`` (B, D / 2) of the new position (empty without a
+    rotary embedding). Returns (B, E)."""
+    norm, eps, activation, gated, rot, heads, dims = plan.shared
+    kernel = _ROWS.module or _ROWS.load()
+    return kernel.decoder_step(
+        x.reshape(x.shape[0], -1).contiguous(), plan.tensors, keys, values, start, cos, sin,
+        bool(rot is not None and rot[2]), heads, dims[1], scale, norm, eps, activation, gated,
+    )  # fmt: skip
