@@ -34,12 +34,11 @@ import torch
 from torch import Tensor
 
 from . import bias as mb
-from . import masks
 from ._cache import Bounded
 from .backends import registry
 from .backends._measure import length_class
-from .backends.call import Call, heads_as_rows, prepare, traced
-from .masks import Mask, TileKind
+from .backends.call import Call, heads_as_rows, prepare, single_row_mask, traced
+from .masks import Mask
 
 __all__ = ["applies", "attend"]
 
@@ -124,36 +123,33 @@ def attend(
         )  # fmt: skip
     route = kept.get(signature)
     fresh = route is None
-    if route is None:
-        route = kept[signature] = _route(query, key, value, mask, scale, softcap)
-    if route.direct is not None:
-        out = route.direct(route.rows(query), key, value)
-        if out is not None:
-            return out.reshape(route.out_shape)
-        # NaN or ±inf in what the kernel read: the NaN rule's careful path, through the registry
-    call = route_call(route, query, key, value, mask)
-    try:
-        out = registry.run(call, route.backend)[0]
-    except ValueError:
-        if fresh:
-            raise
-        # the chosen backend refuses what it ran until now (its kernel was turned off):
-        # choose again, with every check, which raises if the call itself is at fault
-        del kept[signature]
-        return attend(query, key, value, mask, scale, softcap)
-    if out is None:
-        raise RuntimeError(f"the attention backend {route.backend!r} returned no output")
-    return out.reshape(route.out_shape)
-
-
-def route_call(route: _Route, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None) -> Call:
-    """The ``Call`` a route runs for ``query`` (B, H, 1, D), ``mask`` the one the route is kept
-    under, its checks already passed."""
-    own = mask if route.own_mask else route.mask
-    return Call(
-        route.rows(query), key, value, own, None, route.scale, 0.0, False,
-        softcap=route.softcap, traced=False, exported=False,
-    )  # fmt: skip
+    while True:
+        if route is None:
+            route = kept[signature] = _route(query, key, value, mask, scale, softcap)
+        rows = route.rows(query)
+        if route.direct is not None:
+            out = route.direct(rows, key, value)
+            if out is not None:
+                return out.reshape(route.out_shape)
+            # NaN or ±inf in what the kernel read: the NaN rule's careful path, through the
+            # registry
+        call = Call(
+            rows, key, value, mask if route.own_mask else route.mask, None, route.scale, 0.0,
+            False, softcap=route.softcap, traced=False, exported=False,
+        )  # fmt: skip
+        try:
+            out = registry.run(call, route.backend)[0]
+        except ValueError:
+            if fresh:
+                raise
+            # the chosen backend refuses what it ran until now (its kernel was turned off):
+            # choose again, with every check, which raises if the call itself is at fault
+            del kept[signature]
+            route, fresh = None, True
+            continue
+        if out is None:
+            raise RuntimeError(f"the attention backend {route.backend!r} returned no output")
+        return out.reshape(route.out_shape)
 
 
 def _unmasked_signature(
@@ -202,8 +198,8 @@ def _route(
     b, h, h_kv, _, length_k, d = call.shape
     grouped, rows = heads_as_rows(call), mask
     if grouped is None and h_kv < h and mask is not None:  # a mask whose rows may differ
-        fold, rows = _rows(mask, b, length_k)
-        if fold:
+        rows = single_row_mask(mask, b, length_k)
+        if rows is not mask:
             grouped = dataclasses.replace(
                 call, query=query.reshape(b, h_kv, h // h_kv, d), mask=rows
             )
@@ -216,17 +212,3 @@ def _route(
     out_shape = (b, 1, h, value.shape[-1])
     mask_kept = None if own else rows
     return _Route(folded, own, mask_kept, backend, call.scale, call.softcap, out_shape, direct)
-
-
-def _rows(mask: Mask, batch: int, length_k: int) -> tuple[bool, Mask | None]:
-    """(whether the heads fold, the folded call's mask) for a mask whose rows may differ: the
-    keys its single row sees, shown to every row; no fold (and the mask itself) where heads
-    see different keys."""
-    entries = range(batch if mask.batch_size not in (None, 1) else 1)
-    tiles = [mask.tile(1, length_k, 0, 1, batch=i) for i in entries]
-    if all(t.kind == TileKind.FULL and (t.start, t.stop) == (0, length_k) for t in tiles):
-        return True, None  # the row sees every key (a causal band over the whole cache)
-    row = mask.block(1, length_k, 0, 1, 0, length_k)  # [B|1, H|1, 1, S]
-    if row.shape[1] != 1:
-        return False, mask
-    return True, masks.key_padding(row[:, 0, 0].expand(batch, length_k))

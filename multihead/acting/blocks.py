@@ -12,7 +12,7 @@ together. ``capture.py`` and ``edits.py`` open and close blocks; the two readers
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,6 +137,10 @@ class Compression(Block):
     policy: Policy | None = None
     states: dict[int, LayerState] = field(default_factory=dict)
     _caches: dict[nn.Module, Any] = field(default_factory=dict, repr=False)
+    # runs each call of a covered layer while the block is open: (module, query, key, value,
+    # mask, bias, scale, dropout) -> output in the caller's layout. The block's opener sets it
+    # (the transformers bridge: ``hf.compressing.attend``, which keeps that model's cache)
+    layer_calls: Callable[..., Tensor] | None = field(default=None, repr=False)
 
     @property
     def kept(self) -> dict[int, Tensor | list[list[Tensor]]]:

@@ -243,7 +243,10 @@ def plan(
     if structure is None:
         return _plan(mask, batch, length_q, length_k, tile, device)
     key = (structure, length_q, length_k, tile, _MIN_FULL_RUN, str(device))
-    return _PLANS.make(key, lambda: _plan(mask, batch, length_q, length_k, tile, device))
+    found = _PLANS.get(key)
+    if found is None:
+        found = _PLANS[key] = _plan(mask, batch, length_q, length_k, tile, device)
+    return found
 
 
 def _plan(

@@ -16,7 +16,7 @@ from torch import Tensor
 from .. import _validation as V
 from .. import bias as _bias
 from ..bias import ScoreModifier
-from ..masks import Mask, TorchMasks, dense
+from ..masks import Mask, TileKind, TorchMasks, dense, key_padding
 
 __all__ = [
     "Call",
@@ -25,6 +25,7 @@ __all__ = [
     "plain_causal",
     "prepare",
     "select_heads",
+    "single_row_mask",
     "structured",
     "traced",
 ]
@@ -227,3 +228,18 @@ def heads_as_rows(call: Call) -> Call | None:
     if mask is not None and not (mask.rows_alike and mask.num_heads in (None, 1)):
         return None
     return replace(call, query=call.query.reshape(b, h_kv, h // h_kv, d))
+
+
+def single_row_mask(mask: Mask, batch: int, length_k: int) -> Mask | None:
+    """For a one-row call whose grouped heads may fold (``heads_as_rows``) but whose mask's
+    rows may differ: a mask showing every row the keys the single row sees (None where that
+    is every key: a causal band over the whole cache), so the heads fold with it; ``mask``
+    itself where heads see different keys, which do not fold."""
+    entries = range(batch if mask.batch_size not in (None, 1) else 1)
+    tiles = [mask.tile(1, length_k, 0, 1, batch=i) for i in entries]
+    if all(t.kind == TileKind.FULL and (t.start, t.stop) == (0, length_k) for t in tiles):
+        return None
+    row = mask.block(1, length_k, 0, 1, 0, length_k)  # [B|1, H|1, 1, S]
+    if row.shape[1] != 1:
+        return mask
+    return key_padding(row[:, 0, 0].expand(batch, length_k))

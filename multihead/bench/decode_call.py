@@ -40,6 +40,7 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
 
     from .. import decode_route
     from ..backends import fused
+    from ..backends.call import Call
     from ..hf import attention, make_mask
 
     g = torch.Generator().manual_seed(0)
@@ -55,7 +56,8 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
     (route,) = decode_route._routes(mask).values()
-    call = decode_route.route_call(route, q, k, v, mask)
+    own = mask if route.own_mask else route.mask  # the call the route runs (decode_route.attend)
+    call = Call(route.rows(q), k, v, own, None, route.scale, 0.0, False, softcap=route.softcap)
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step
 

@@ -9,8 +9,9 @@ vocabulary, and one it cannot honour is refused by name: the function builds one
 (``backends.call.prepare``, the checks of ``multihead.attention``) and runs it through
 ``registry.run``. A call from a layer that an active block covers (``multihead.acting``:
 capture, ablate, knockout, patch) runs the blocks' plan on that call through
-``acting.run_plan``, as ``MultiHeadAttention`` does; ``compress``'s calls go to
-``compressing.run``. A decoding step's call (one query row) takes the short path of
+``acting.run_plan``, as ``MultiHeadAttention`` does; a ``compress`` block, which keeps the
+layer's cache, runs its layers' calls itself (``Compression.layer_calls``, here
+``compressing.attend``). A decoding step's call (one query row) takes the short path of
 ``decode_route.attend``, to the same result.
 """
 
@@ -26,7 +27,6 @@ from .. import bias as mb
 from ..backends import registry
 from ..backends.call import prepare
 from ..masks import Mask, dense
-from . import compressing
 from ._transformers import collecting_attentions
 
 __all__ = ["attention_forward"]
@@ -112,10 +112,11 @@ def attention_forward(
         return decode_route.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
-    if plan is not None and plan.compress is not None:  # the mask is the uncompressed one's
-        call = prepare(query, key, value, None, bias, scaling, float(dropout), False)
-        compressing.check(plan, call)
-        return compressing.run(plan, module, call, mask), None
+    if plan is not None and plan.compress is not None:  # the block keeps the layer's cache
+        layer_calls = plan.compress.layer_calls
+        assert layer_calls is not None
+        out = layer_calls(plan, module, query, key, value, mask, bias, scaling, float(dropout))
+        return out, None
     call = prepare(query, key, value, mask, bias, scaling, float(dropout), wants)
     if plan is not None:
         out, weights = acting.run_plan(plan, call)

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..acting import Compression, active, find, open_block
 from ..kv import Policy
+from . import compressing
 from ._transformers import attn_implementation
 from .capture import READER
 from .registration import NAME
@@ -101,7 +102,7 @@ def compress(model: nn.Module, policy: Policy) -> Iterator[Compression]:
             f"Received: model of type {type(model).__name__}"
         )
     _check_model(model)
-    block = Compression(None, len(found), policy=policy)
+    block = Compression(None, len(found), policy=policy, layer_calls=compressing.attend)
 
     def remember(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))

@@ -1,5 +1,5 @@
 """The calls of a layer whose cache ``compress`` keeps (``multihead.hf.compress``), as the
-bridge's attention function hands them over: one prepared ``Call`` each.
+bridge's attention function hands them to the block (``attend``): one prepared ``Call`` each.
 
 The prompt's call computes the policy's statistic in its own pass (a statistics request of the
 call, ``Call.stats``) and compresses the cache at once; a call over the compressed cache reads
@@ -16,11 +16,31 @@ from torch import Tensor, nn
 
 from .. import acting, decode_route
 from ..backends import registry
-from ..backends.call import Call
+from ..backends.call import Call, prepare
+from ..bias import ScoreModifier
 from ..masks import Mask, dense
 from . import kv_cache
 
-__all__ = ["check", "run"]
+__all__ = ["attend", "check", "run"]
+
+
+def attend(
+    plan: acting.Plan,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    bias: ScoreModifier | None,
+    scale: float | None,
+    dropout: float,
+) -> Tensor:
+    """A call of a layer that a ``compress`` block covers, as the bridge's attention function
+    hands it over (``Compression.layer_calls``), in transformers' layout (B, L, H, D_v). ``mask``
+    is made for the uncompressed sequence, so the call is checked without it."""
+    call = prepare(query, key, value, None, bias, scale, dropout, False)
+    check(plan, call)
+    return run(plan, module, call, mask)
 
 
 def check(plan: acting.Plan, call: Call) -> None:
