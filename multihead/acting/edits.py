@@ -156,7 +156,9 @@ def knockout(
     row does in multihead. Positions are the input's (padding included). Inside
     ``generate()`` a decoding step's one query row is the newest position, and keys are
     positions in the KV cache (in the library's ``KVCache`` a row's own slots 0, 1, ...:
-    for rows of one length, the input's positions).
+    for rows of one length, the input's positions). A rolling ``KVCache`` (``window=``)
+    hands the attention its ring slots, which are not positions: a call of a covered layer
+    with one is refused.
 
     Args:
         model: a transformers model or one of the library's own (as ``capture`` takes it).
@@ -173,7 +175,7 @@ def knockout(
             own, or positions of the wrong type.
         ValueError: a layer or head that does not exist, repeated, negative or empty
             positions. (Positions past the input are taken: inside ``generate()`` the
-            decoding steps reach them.)
+            decoding steps reach them.) At a covered layer's call: a rolling ``KVCache``.
     """
     reader, found = find(model, "knockout")
     count = None if heads is None else _heads_of(model, reader, "knockout")

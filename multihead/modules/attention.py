@@ -184,6 +184,7 @@ class MultiHeadAttention(nn.Module):
         plan = acting.plan_for(self)
         if _compressing(cache):
             _check_alone(plan)
+        _check_knockouts(plan, cache)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         dropout_p = self._dropout_p()
         if _compressing(cache):
@@ -237,6 +238,7 @@ class MultiHeadAttention(nn.Module):
         plan = acting.plan_for(self)
         if compressing:
             _check_alone(plan)
+        _check_knockouts(plan, cache)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         common: dict[str, Any] = {"bias": bias, "dropout_p": self._dropout_p()}
         if plan is None:
@@ -457,6 +459,18 @@ def _check_alone(plan: acting.Plan | None) -> None:
             "a KVCache with a policy does not combine with capture, ablate, knockout or patch "
             "on the same layer: decode without the block or without the policy. Received: a "
             f"block acting on layer {plan.layer} while the cache compresses"
+        )
+
+
+def _check_knockouts(plan: acting.Plan | None, cache: object) -> None:
+    """A knockout names key positions of the input; a rolling cache's keys are its ring slots
+    followed by the step's new tokens, so the knockout would hide other keys than it names."""
+    if plan is not None and plan.knockouts and getattr(cache, "rolling", False):
+        raise ValueError(
+            "knockout names key positions of the input, but a rolling KVCache (window=) hands "
+            "the attention its ring slots followed by the new tokens, so the named keys would "
+            "not be the ones hidden: decode with a growing or fixed cache, or without the "
+            f"knockout. Received: a knockout on layer {plan.layer} with a rolling cache"
         )
 
 

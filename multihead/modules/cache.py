@@ -79,6 +79,12 @@ class LayerCache:
         """Whether the cache compresses with a policy (the attention then scores for it)."""
         return self.cache.policy is not None
 
+    @property
+    def rolling(self) -> bool:
+        """Whether the cache is a ring of W slots (``window=``): a call's keys are then the
+        ring's slots followed by the new tokens, not the input's positions."""
+        return self.cache.window is not None
+
     def request(self) -> tuple[str, int | None] | None:
         """The statistic this step's attention should compute for the cache's policy,
         ``(name, window)`` as ``multihead.attention_stats`` takes them, or None."""

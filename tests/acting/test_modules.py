@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import multihead as mh
 import multihead.hf as mhf
 from multihead import acting, masks
 from multihead.modules import (
@@ -155,3 +156,33 @@ def test_a_bert_encoder_acts_as_transformers_bert_does(tiny_bert):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     with torch.no_grad():
         assert (found[True][1] - run(ours)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", ["forward", "run"])
+def test_a_knockout_refuses_a_rolling_cache(module, method):
+    """A rolling cache's keys are its ring slots followed by the new tokens: keys=[1] would hide
+    a ring slot, not the input's position 1, so the call is refused rather than run."""
+    cache = mh.KVCache(1, B, 2, E // H, window=4)
+    cache.begin(torch.full((B,), L), L)
+    call = module if method == "forward" else module.run
+    with (
+        torch.no_grad(),
+        acting.knockout(module, queries=[4], keys=[1]),
+        pytest.raises(ValueError, match=r"knockout names key positions .* rolling KVCache"),
+    ):
+        call(_x(), cache=cache[0])
+
+
+def test_a_knockout_over_a_growing_cache_hides_the_named_positions(module):
+    """With a growing cache the prompt's keys are its positions: the knockout under the cache
+    gives what the same mask gives without one."""
+    cut = torch.ones(1, H, L, L, dtype=torch.bool)
+    cut[:, :, 4, 1] = False
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    cache = mh.KVCache(1, B, 2, E // H)
+    cache.begin(torch.full((B,), L), L)
+    with torch.no_grad():
+        want = module(_x(), mask=masks.dense(cut & causal))
+        with acting.knockout(module, queries=[4], keys=[1]):
+            got = module(_x(), cache=cache[0])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
