@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -87,6 +88,35 @@ inline void block(const float* x, int64_t ldx, const W* w, int64_t K, float* sum
   }
 }
 
+// f(std::integral_constant<int, R>) for R = rows (1 to kRowBlock): a block's row count as the
+// compile-time constant its accumulators are sized by
+template <typename F>
+inline void by_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// f(std::integral_constant<int, NB>, n) over channels [n0, n1), NB at a time (more rows hold
+// more accumulators: fewer channels at a time keep them in registers), the rest one by one
+template <typename F>
+inline void by_channels(int64_t M, int64_t n0, int64_t n1, F&& f) {
+  int64_t n = n0;
+  if (M <= 4) {
+    for (; n + 4 <= n1; n += 4) f(std::integral_constant<int, 4>{}, n);
+  } else {
+    for (; n + 2 <= n1; n += 2) f(std::integral_constant<int, 2>{}, n);
+  }
+  for (; n < n1; ++n) f(std::integral_constant<int, 1>{}, n);
+}
+
 // Channels [n, n + NB) for rows [0, M): R rows at a time, then the output's scale and bias;
 // output row r starts at out + r * ldo.
 template <int NB, typename W>
@@ -97,16 +127,7 @@ inline void channels(const float* x, int64_t M, int64_t K, const W* w, int64_t n
     const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
     const float* xr = x + r0 * K;
     const W* wn = w + n * K;
-    switch (rows) {
-      case 1: block<1, NB>(xr, K, wn, K, sums); break;
-      case 2: block<2, NB>(xr, K, wn, K, sums); break;
-      case 3: block<3, NB>(xr, K, wn, K, sums); break;
-      case 4: block<4, NB>(xr, K, wn, K, sums); break;
-      case 5: block<5, NB>(xr, K, wn, K, sums); break;
-      case 6: block<6, NB>(xr, K, wn, K, sums); break;
-      case 7: block<7, NB>(xr, K, wn, K, sums); break;
-      default: block<8, NB>(xr, K, wn, K, sums); break;
-    }
+    by_rows(rows, [&](auto R) { block<decltype(R)::value, NB>(xr, K, wn, K, sums); });
     for (int64_t r = 0; r < rows; ++r) {
       for (int j = 0; j < NB; ++j) {
         const int64_t c = n + j;
@@ -128,20 +149,17 @@ struct Part {
   int64_t column;
 };
 
-// Channels [n0, n1) of one part, NB at a time (more rows hold more accumulators: fewer
-// channels at a time keep them in registers), into out with row stride ldo.
-template <typename W>
-void part_channels(const float* x, int64_t M, int64_t K, const Part& p, int64_t n0,
-                   int64_t n1, int64_t ldo, float* out) {
-  const W* w = static_cast<const W*>(p.w);
-  float* o = out + p.column;
-  int64_t n = n0;
-  if (M <= 4) {
-    for (; n + 4 <= n1; n += 4) channels<4>(x, M, K, w, n, ldo, p.scale, p.bias, o);
-  } else {
-    for (; n + 2 <= n1; n += 2) channels<2>(x, M, K, w, n, ldo, p.scale, p.bias, o);
-  }
-  for (; n < n1; ++n) channels<1>(x, M, K, w, n, ldo, p.scale, p.bias, o);
+// The parts' channels, numbered through one after another, split over the threads: a task's
+// range takes its share of each part it overlaps, f(part, n0, n1) its channels [n0, n1) of
+// the part.
+template <typename F>
+inline void over_parts(const std::vector<Part>& parts, int64_t ldo, F&& f) {
+  at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
+    for (const Part& p : parts) {
+      const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
+      if (lo < hi) f(p, lo - p.column, hi - p.column);
+    }
+  });
 }
 
 // "w8a16" weights: int8 codes stored offset by 128 as uint8 (1..255), against activations
@@ -219,16 +237,7 @@ inline void channels_i16(const int16_t* xq, const float* xs, const int64_t* xsum
     const int64_t rows = std::min<int64_t>(kRowBlock, M - r0);
     const int16_t* xr = xq + r0 * K;
     const uint8_t* wn = w + n * K;
-    switch (rows) {
-      case 1: block_i16<1, NB>(xr, K, wn, K, sums); break;
-      case 2: block_i16<2, NB>(xr, K, wn, K, sums); break;
-      case 3: block_i16<3, NB>(xr, K, wn, K, sums); break;
-      case 4: block_i16<4, NB>(xr, K, wn, K, sums); break;
-      case 5: block_i16<5, NB>(xr, K, wn, K, sums); break;
-      case 6: block_i16<6, NB>(xr, K, wn, K, sums); break;
-      case 7: block_i16<7, NB>(xr, K, wn, K, sums); break;
-      default: block_i16<8, NB>(xr, K, wn, K, sums); break;
-    }
+    by_rows(rows, [&](auto R) { block_i16<decltype(R)::value, NB>(xr, K, wn, K, sums); });
     for (int64_t r = 0; r < rows; ++r) {
       const int16_t* x1 = xr + r * K;
       for (int j = 0; j < NB; ++j) {
@@ -274,34 +283,25 @@ inline void rows_kernel_i16(const float* x, int64_t M, int64_t K, const std::vec
   const int16_t* q = xq.data();
   const float* s = xs.data();
   const int64_t* t = xsum.data();
-  at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
-    for (const Part& p : parts) {
-      const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
-      if (lo >= hi) continue;
-      const uint8_t* w = static_cast<const uint8_t*>(p.w);
-      float* o = out + p.column;
-      int64_t n = lo - p.column;
-      const int64_t end = hi - p.column;
-      if (M <= 4) {
-        for (; n + 4 <= end; n += 4) channels_i16<4>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
-      } else {
-        for (; n + 2 <= end; n += 2) channels_i16<2>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
-      }
-      for (; n < end; ++n) channels_i16<1>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
-    }
+  over_parts(parts, ldo, [&](const Part& p, int64_t n0, int64_t n1) {
+    const uint8_t* w = static_cast<const uint8_t*>(p.w);
+    float* o = out + p.column;
+    by_channels(M, n0, n1, [&](auto NB, int64_t n) {
+      channels_i16<decltype(NB)::value>(q, s, t, M, K, w, n, ldo, p.scale, p.bias, o);
+    });
   });
 }
 
-// The parts' channels, numbered through one after another, split over the threads: a task's
-// range takes its share of each part it overlaps.
+// The parts' products on the float path (weights of type W widened to float32 in registers)
 template <typename W>
 void rows_kernel(const float* x, int64_t M, int64_t K, const std::vector<Part>& parts,
                  int64_t ldo, float* out) {
-  at::parallel_for(0, ldo, kGrain, [&](int64_t n0, int64_t n1) {
-    for (const Part& p : parts) {
-      const int64_t lo = std::max(n0, p.column), hi = std::min(n1, p.column + p.N);
-      if (lo < hi) part_channels<W>(x, M, K, p, lo - p.column, hi - p.column, ldo, out);
-    }
+  over_parts(parts, ldo, [&](const Part& p, int64_t n0, int64_t n1) {
+    const W* w = static_cast<const W*>(p.w);
+    float* o = out + p.column;
+    by_channels(M, n0, n1, [&](auto NB, int64_t n) {
+      channels<decltype(NB)::value>(x, M, K, w, n, ldo, p.scale, p.bias, o);
+    });
   });
 }
 
