@@ -160,9 +160,10 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
             "int8" or "w8a16".
     """
     from .. import folder_reading, io
+    from ..modules.quant import WEIGHT_FORMATS
     from . import gguf
 
-    if weights is not None and weights not in _WEIGHT_FORMATS:
+    if weights is not None and weights not in WEIGHT_FORMATS:
         raise ValueError(
             f"weights must be None, 'bf16', 'int8' or 'w8a16'. Received: weights={weights!r}"
         )
@@ -191,9 +192,6 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
         return found.load(path)
     _no_weights(None if found.causal else weights, f"{field} {model_type!r}")
     return found.load(path, weights=weights)
-
-
-_WEIGHT_FORMATS = ("bf16", "int8", "w8a16")
 
 
 def _no_weights(weights: str | None, what: str) -> None:

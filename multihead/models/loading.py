@@ -123,8 +123,7 @@ def check_token_ids(config: Any, source: str = "config.json") -> None:
 
 def check_weights(weights: str | None, dtype: torch.dtype) -> None:
     """Refuse a ``weights=`` value that is not None, "bf16", "int8" or "w8a16", or one combined
-    with a
-    ``dtype`` other than float32 (packed weights take float32 activations)."""
+    with a ``dtype`` other than float32 (packed weights take float32 activations)."""
     if weights is not None and weights not in quant.WEIGHT_FORMATS:
         raise ValueError(
             "weights must be None (the weights in dtype), 'bf16', 'int8' or 'w8a16' (weight-only "

@@ -211,10 +211,10 @@ def products(
         (EMPTY, EMPTY, EMPTY) if n is None else _product(read, read.module(parent, n))
         for n in names
     ]
-    products = [p for p in found if p is not None]
-    if len(products) != len(names) or len({p[0].dtype for p in products[:stacked]}) != 1:
+    kept = [p for p in found if p is not None]
+    if len(kept) != len(names) or len({p[0].dtype for p in kept[:stacked]}) != 1:
         return None
-    return [t for p in products for t in p]
+    return [t for p in kept for t in p]
 
 
 def _layer(read: Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
