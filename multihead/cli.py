@@ -79,6 +79,11 @@ BENCHMARKS: dict[str, Job | Group] = {
         "KV-cache compression on a real causal LM: the scored prompt against the plain and the "
         "eager one, decoding steps, cache bytes and peak memory against the full cache",
     ),
+    "explain": Job(
+        "multihead.bench.explain:run_explain_bench",
+        "token attributions: ERASER faithfulness on VADER against Captum's integrated "
+        "gradients, subject-verb agreement on SmolLM2, seconds and memory per method",
+    ),
     "hf": Job(
         "multihead.bench.hf:run_hf_bench",
         "transformers models on attn_implementation='multihead' against sdpa, eager and flex",

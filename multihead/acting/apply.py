@@ -67,11 +67,11 @@ def pattern(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
     if not call.return_weights:  # the capture's heads alone are computed with weights
         out, part = _ran(replace(call, return_weights=True, heads=heads))
         assert part is not None
-        _keep(cap, plan.layer, part)
+        _keep(cap, plan.layer, part, call.value)
         return out, None
     out, every = _ran(replace(call, heads=None))
     assert every is not None
-    _keep(cap, plan.layer, every if heads is None else every[:, list(heads)])
+    _keep(cap, plan.layer, every if heads is None else every[:, list(heads)], call.value)
     return out, every if call.heads is None else every[:, list(call.heads)]
 
 
@@ -106,10 +106,11 @@ def _knocked_out(plan: Plan, call: Call) -> Call:
     return replace(call, mask=mask)
 
 
-def _keep(cap: Capture, layer: int, weights: Tensor) -> None:
-    """Weights, or statistics reduced from them, into the capture."""
+def _keep(cap: Capture, layer: int, weights: Tensor, values: Tensor) -> None:
+    """Weights (and the call's values, where the capture keeps them), or statistics reduced
+    from them, into the capture."""
     if not cap.stat_names:
-        cap.record(layer, weights)
+        cap.record(layer, weights, values)
         return
     b, h, length_q, length_k = weights.shape
     reducer = Reducer(cap.stat_names, cap.window, (b, h, length_q, length_k),

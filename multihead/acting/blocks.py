@@ -65,6 +65,8 @@ class Capture(Block):
         window: the query rows window_mass sums.
         accumulate: key statistics are summed over the calls of a layer (zero-extended as the
             key axis grows), the others keep the last call.
+        keep_values: also keep each recorded call's values (B, H_kv, S, D_v) in ``values``
+            (``multihead.inspect.attribute`` weighs each key by what its value carries).
     """
 
     heads: list[int] | None = None
@@ -73,9 +75,13 @@ class Capture(Block):
     stat_names: tuple[str, ...] = ()
     window: int | None = None
     accumulate: bool = False
+    keep_values: bool = False
+    values: dict[int, Tensor] = field(default_factory=dict)
 
-    def record(self, layer: int, weights: Tensor) -> None:
+    def record(self, layer: int, weights: Tensor, values: Tensor | None = None) -> None:
         self.weights[layer] = weights.detach()
+        if self.keep_values and values is not None:
+            self.values[layer] = values.detach()
 
     def record_stats(self, layer: int, found: dict[str, Tensor]) -> None:
         kept = self.stats.setdefault(layer, {})

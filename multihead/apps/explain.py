@@ -29,7 +29,9 @@ from .. import _validation as V
 from .._flags import argument, option
 from .._progress import stages
 from ..inspect import (
+    METHODS,
     SINK_SHARE,
+    Attribution,
     HeadStats,
     Sinks,
     find_sinks,
@@ -39,6 +41,7 @@ from ..inspect import (
     top_tokens,
     without_sinks,
 )
+from . import attributing
 
 __all__ = ["ExplainOptions", "Explained", "find_focus", "pick_head", "run", "supported"]
 
@@ -85,6 +88,18 @@ class ExplainOptions:
         "on the raw weights (by default the weight on the sinks is set aside and each row "
         "renormalized, the raw figures beside)",
     )
+    method: str = option(
+        "auto",
+        "the token attribution printed and written to attribution.json: auto (the most "
+        "faithful in multihead bench explain), " + ", ".join(METHODS),
+        choices=("auto", *METHODS),
+    )
+    contrast: str | None = option(
+        None,
+        "a causal LM: explain the logit of its prediction after --focus minus this token's "
+        "(one token of the vocabulary, as ' is')",
+        metavar="TOKEN",
+    )
     sink_share: float = option(
         SINK_SHARE,
         "a key that takes at least this share of the weight of most rows in most heads of a "
@@ -100,12 +115,13 @@ class Explained:
 
     tokens: list[str]
     focus: int
-    weights: Tensor  # (layers, H, L, L)
-    stats: HeadStats
-    rollout: Tensor  # (L, L), with the sinks set aside unless --keep-sinks
-    head: tuple[int, int]  # (layer, head) drawn alone: the one most fixed on one other word
+    weights: Tensor | None  # (layers, H, L, L); None for a long text (attributing.LONG)
+    stats: HeadStats | None
+    rollout: Tensor | None  # (L, L), with the sinks set aside unless --keep-sinks
+    head: tuple[int, int] | None  # (layer, head) drawn alone: the one most fixed on one word
     files: dict[str, Path]
     sinks: Sinks | None = None  # None with --keep-sinks
+    attribution: Attribution | None = None
 
 
 def find_focus(
@@ -333,14 +349,11 @@ def _grid(
     top: list, tokens: list[str], focus: int, say: Callable[[str], None], aside: str = ""
 ) -> None:
     layers, heads = len(top), len(top[0])
-    width = max(12, max(len(t) for t in tokens) + 6)
-    say(f"Most attended token from '{tokens[focus]}' for every head (rows) and layer "
-        f"(columns){aside}:")  # fmt: skip
-    say("head " + "".join(f"{'layer ' + str(layer):>{width}}" for layer in range(layers)))
-    for h in range(heads):
-        cells = [f"{top[layer][h][0].token} {100 * top[layer][h][0].weight:.0f}%" for layer in
-                 range(layers)]  # fmt: skip
-        say(f"{h:>4} " + "".join(f"{c:>{width}}" for c in cells))
+    width = min(attributing.WIDTH - 5, max(12, max(len(t) for t in tokens) + 6))
+    cells = [[f"{top[layer][h][0].token} {100 * top[layer][h][0].weight:.0f}%"
+              for h in range(heads)] for layer in range(layers)]  # fmt: skip
+    attributing.fitted_grid(cells, say, f"Most attended token from '{tokens[focus]}' for every "
+                            f"head (rows) and layer (columns){aside}:", width)  # fmt: skip
 
 
 def _check_options(options: ExplainOptions) -> None:
@@ -389,6 +402,10 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
     with stages("explain", _STAGES, say=say) as (progress, say):
         progress.begin(_STAGES[0])
         model = _load(options.model)
+        encoding = model.tokenizer.encode(options.text)
+        _check_length(model, len(encoding.ids))
+        if len(encoding.ids) >= attributing.LONG:
+            return _long(options, model, encoding, folder, progress, say)
         tokens, special, weights, causal = _attend(options.text, model)
         progress.begin(_STAGES[1])
         sinks = None if options.keep_sinks else find_sinks(weights, special,
@@ -398,6 +415,55 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
         if options.rollout:
             _draw_rollout(options.text, model, explained, folder, say)
         return explained
+
+
+def _max_positions(model: Any) -> int | None:
+    """The longest input the model takes (None: no limit it says)."""
+    if isinstance(model, _Foreign):
+        config = model.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, "max_position_embeddings", None)
+    return getattr(model, "max_positions", None) or getattr(model, "max_length", None)
+
+
+def _check_length(model: Any, count: int) -> None:
+    """One line before anything runs: a text longer than the model's positions."""
+    limit = _max_positions(model)
+    if limit is not None and count > limit:
+        raise ValueError(
+            f"the text is {count} tokens but the model has {limit} positions; shorten it. "
+            f"Received: {count} tokens"
+        )
+
+
+def _causal(model: Any) -> bool:
+    from ..models.causal_lm import CausalLM
+
+    if isinstance(model, _Foreign):
+        return type(model.model).__name__.endswith("ForCausalLM")
+    return isinstance(model, CausalLM)
+
+
+def _long(options: ExplainOptions, model: Any, encoding: Any, folder: Path, progress: Any,
+          say: Callable[[str], None]) -> Explained:  # fmt: skip
+    """A text of ``attributing.LONG`` tokens or more: the attribution and the focus row of
+    every head, in memory that grows as one layer's weights; no full-weight figure."""
+    tokens, ids = list(encoding.tokens), list(encoding.ids)
+    special = [bool(s) for s in encoding.special_tokens_mask]
+    position, count = _focus(model.tokenizer, tokens, special, options.focus)
+    labels = _labels(model.tokenizer, tokens)
+    causal = _causal(model)
+    progress.begin(_STAGES[1])
+    found = attributing.attribution(model, ids, position, causal, options.method,
+                                    options.contrast)  # fmt: skip
+    say(f"model: {model.path} ({'causal LM, ' if causal else ''}{len(ids)} tokens)")
+    say(f"focus: '{labels[position]}' (position {position})"
+        f"{_split(labels, position, count, options.focus)}")  # fmt: skip
+    attributing.say_attribution(found, labels, model.tokenizer, say)
+    progress.begin(_STAGES[2])
+    files = attributing.report(_runner(options.text, model), ids, labels, position, found,
+                               folder, say)  # fmt: skip
+    return Explained(labels, position, None, None, None, None, files, None, found)
 
 
 def _draw_rollout(
@@ -417,6 +483,23 @@ def _draw_rollout(
     say(f"  {path}  (rollout from '{focus_token}' through {means.shape[0]} layers{both})")
 
 
+def _runner(text: str, model: Any) -> tuple[Any, Callable[[], object]]:
+    """(the module a capture opens on, a call that runs ``text`` through it once), for a
+    transformers model and for the library's own alike."""
+    import torch
+
+    from ..models.causal_lm import CausalLM
+
+    if isinstance(model, _Foreign):
+        ids = torch.tensor([model.tokenizer.encode(text).ids])
+        config = model.model.config
+        encoder = model.model.get_encoder() if config.is_encoder_decoder else model.model
+        return model.model, partial(encoder, input_ids=ids, attention_mask=torch.ones_like(ids))
+    if isinstance(model, CausalLM):
+        return model, partial(model, torch.tensor([model.tokenizer.encode(text).ids]))
+    return model, partial(model, [text])  # an encoder: models.bert.Pretrained, no padding
+
+
 def _head_means(text: str, model: Any) -> Tensor:
     """(layers, L, L): each layer's mean over heads, from the kernel's head_mean statistic
     (``multihead.acting.capture``; no layer's heads are held), for a transformers model and
@@ -424,19 +507,9 @@ def _head_means(text: str, model: Any) -> Tensor:
     import torch
 
     from ..acting import capture
-    from ..models.causal_lm import CausalLM
 
-    if isinstance(model, _Foreign):
-        ids = torch.tensor([model.tokenizer.encode(text).ids])
-        config = model.model.config
-        encoder = model.model.get_encoder() if config.is_encoder_decoder else model.model
-        run = partial(encoder, input_ids=ids, attention_mask=torch.ones_like(ids))
-        model = model.model
-    elif isinstance(model, CausalLM):
-        run = partial(model, torch.tensor([model.tokenizer.encode(text).ids]))
-    else:  # an encoder: models.bert.Pretrained, one text without padding
-        run = partial(model, [text])
-    with capture(model, stats=["head_mean"]) as cap, torch.inference_mode():
+    captured, run = _runner(text, model)
+    with capture(captured, stats=["head_mean"]) as cap, torch.inference_mode():
         run()
     return torch.stack([cap.stats[i]["head_mean"][0] for i in range(cap.num_layers)]).float()
 
@@ -583,10 +656,18 @@ def _report(options: ExplainOptions, model: Any, run: _Run, folder: Path, progre
     _say_findings(shown, tokens, position, real, (flow, raw_flow), say,
                   "" if sinks is None else ", sinks set aside")  # fmt: skip
 
+    ids = list(model.tokenizer.encode(options.text).ids)
+    found = attributing.attribution(model, ids, position, run.causal, options.method,
+                                    options.contrast)  # fmt: skip
+    attributing.say_attribution(found, tokens, model.tokenizer, say)
     progress.begin(_STAGES[2])
     files = _write_figures(options.text, run, tokens, shown, (layer, head, chosen), position,
                            stats, folder, say)  # fmt: skip
-    return Explained(tokens, position, weights, stats, flow, (layer, head), files, sinks)
+    files["attribution"] = attributing.write_attribution(found, folder)
+    files["attribution_figure"] = attributing.attribution_figure(found, tokens, folder)
+    say(f"  {files['attribution']}  (the attribution: method, target, tokens, scores)")
+    say(f"  {files['attribution_figure']}  (the attribution as bars)")
+    return Explained(tokens, position, weights, stats, flow, (layer, head), files, sinks, found)
 
 
 def _write_figures(text: str, run: _Run, tokens: list[str], shown: Tensor,

@@ -31,6 +31,7 @@ from .. import _extras
 
 _extras.require("transformers", "hf", "multihead.hf")
 
+from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import attention_layers  # noqa: E402  registers the reader of these models
 from .compress import compress  # noqa: E402

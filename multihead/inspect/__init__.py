@@ -1,5 +1,6 @@
-"""Looking inside a model: per-head statistics, top attended tokens, attention rollout, and
-the attention sinks set aside (``multihead.inspect.sinks``).
+"""Looking inside a model: per-head statistics, top attended tokens, attention rollout, the
+attention sinks set aside (``multihead.inspect.sinks``), and token attributions
+(``attribute``: what a target depends on, ``multihead.inspect.attribution``).
 
 Everything here takes the weights of ONE sequence without padding, stacked over layers:
 ``(layers, H, L, L)``. ``for_text`` cuts them out of a model's padded batch output.
@@ -15,13 +16,29 @@ import torch
 from torch import Tensor
 
 from ._shapes import _check, _check_tokens
+from .attribution import (
+    METHODS,
+    Attribution,
+    ClassLogit,
+    NextToken,
+    Representation,
+    attribute,
+    estimate_bytes,
+)
 from .sinks import SINK_SHARE, Sinks, find_sinks, without_sinks
 
 __all__ = [
+    "METHODS",
     "SINK_SHARE",
+    "Attribution",
+    "ClassLogit",
     "HeadStats",
+    "NextToken",
+    "Representation",
     "Sinks",
     "Top",
+    "attribute",
+    "estimate_bytes",
     "find_sinks",
     "for_text",
     "head_stats",
@@ -101,7 +118,7 @@ def head_stats(weights: Tensor, special: Sequence[bool] | Tensor | None = None) 
 class Top(NamedTuple):
     """One attended token: its position, text and weight."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as it always has
     token: str
     weight: float
 

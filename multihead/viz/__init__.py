@@ -21,6 +21,8 @@ __all__ = ["head_heatmap", "heatmap_grid", "surface"]
 
 _LABELS_UP_TO = 40  # more tokens than this and tick labels become unreadable
 _VALUES_UP_TO = 16  # write the value in each cell up to this many tokens
+MAX_INCHES = 20.0  # no figure side is longer, whatever the model's depth or the text's length
+_LABELS_UP_TO = 64  # token labels on the axes up to this many tokens
 
 
 def _figure(**kwargs) -> Figure:
@@ -75,6 +77,8 @@ def heatmap_grid(
     _check_tokens(tokens, w.shape[-1])
     layers = list(range(w.shape[0])) if layers is None else list(layers)
     heads = list(range(w.shape[1])) if heads is None else list(heads)
+    # the figure stays within MAX_INCHES on each side whatever the depth and width
+    cell = min(cell, (MAX_INCHES - 1.5) / len(heads), (MAX_INCHES - 1) / len(layers))
     fig = _figure(figsize=(cell * len(heads) + 1.5, cell * len(layers) + 1), layout="constrained")
     axes = fig.subplots(len(layers), len(heads), squeeze=False)
     image = None
@@ -106,11 +110,12 @@ def head_heatmap(
     w = _square(weights, tokens)
     n = w.shape[0]
     values = n <= _VALUES_UP_TO if values is None else values
-    size = max(4.0, 0.45 * n + 2)
+    size = min(MAX_INCHES - 1, max(4.0, 0.45 * n + 2))  # capped whatever L
     fig = _figure(figsize=(size + 1, size), layout="constrained")
     ax = fig.subplots()
     image = ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
-    _label(ax, tokens, size=8)
+    if n <= _LABELS_UP_TO:
+        _label(ax, tokens, size=8)
     ax.set_xlabel("key (attended to)")
     ax.set_ylabel("query (attending)")
     if values:

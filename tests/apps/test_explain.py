@@ -136,7 +136,10 @@ def test_an_existing_out_folder_is_reported_before_the_run(tmp_path):
     )
     lines.clear()
     explain.run(Options(text="cats chase mice", out=tmp_path), say=lines.append)
-    assert lines[0].startswith(f"--out {tmp_path} exists, holding attention.html, head.png, ")
+    assert lines[0].startswith(
+        f"--out {tmp_path} exists, holding attention.html, attribution.json, attribution.png, "
+        "head.png, "
+    )
     assert (tmp_path / "notes.txt").read_text() == "mine"
     lines.clear()
     explain.run(Options(text="cats chase mice", out=tmp_path / "new"), say=lines.append)

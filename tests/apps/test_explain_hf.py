@@ -84,8 +84,8 @@ def test_explain_a_transformers_folder(folders, tmp_path, name, causal):
     assert (got.weights - want).abs().max() <= 1e-5
     printed = "\n".join(lines)
     assert ("causal: each token sees only earlier ones" in printed) == causal
-    for path in got.files.values():
-        assert path.stat().st_size > 3_000
+    for key, path in got.files.items():  # the figures and the head view: more than a stub
+        assert path.stat().st_size > (100 if key == "attribution" else 3_000)
 
 
 def test_explain_cli_on_a_transformers_folder(folders, tmp_path, capsys):
