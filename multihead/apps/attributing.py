@@ -173,9 +173,12 @@ def report(runner: tuple[Any, Callable[[], object]], ids: list[int], labels: lis
                 "(rows) and layer (columns), raw weights:")  # fmt: skip
     files = {"attribution": write_attribution(found, folder),
              "attribution_figure": attribution_figure(found, labels, folder)}  # fmt: skip
-    say(f"\nthe input has {len(ids)} tokens: the heatmaps, the 3-D surface and the head view "
-        f"are drawn up to {LONG - 1} tokens (their size follows L); the focus row above and "
-        "the attribution are what this run shows")  # fmt: skip
+    import textwrap
+
+    note = (f"the input has {len(ids)} tokens: the heatmaps, the 3-D surface and the head view "
+            f"are drawn up to {LONG - 1} tokens (their size follows L); the focus row above "
+            "and the attribution are what this run shows")  # fmt: skip
+    say("\n" + "\n".join(textwrap.wrap(note, WIDTH)))
     say("\nwrote:")
     say(f"  {files['attribution']}  (the attribution: method, target, tokens, scores)")
     say(f"  {files['attribution_figure']}  (its highest tokens as bars)")

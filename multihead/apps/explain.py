@@ -402,10 +402,11 @@ def run(options: ExplainOptions, *, say: Callable[[str], None] = print) -> Expla
     with stages("explain", _STAGES, say=say) as (progress, say):
         progress.begin(_STAGES[0])
         model = _load(options.model)
-        encoding = model.tokenizer.encode(options.text)
-        _check_length(model, len(encoding.ids))
-        if len(encoding.ids) >= attributing.LONG:
-            return _long(options, model, encoding, folder, progress, say)
+        if model.tokenizer is not None:  # without one, _attend says what is missing
+            encoding = model.tokenizer.encode(options.text)
+            _check_length(model, len(encoding.ids))
+            if len(encoding.ids) >= attributing.LONG:
+                return _long(options, model, encoding, folder, progress, say)
         tokens, special, weights, causal = _attend(options.text, model)
         progress.begin(_STAGES[1])
         sinks = None if options.keep_sinks else find_sinks(weights, special,

@@ -275,9 +275,39 @@ def _captum_lig(
     return found.sum(-1)[0].detach()
 
 
-def _faithfulness(options: ExplainBenchOptions, say: Callable) -> dict:
+def _one_text(model: Any, ids: list[int], words: list[int], names: list[str],
+              tokens: tuple[int, int, set[int]],
+              steps: int) -> dict[str, tuple[float, ...]]:  # fmt: skip
+    """{method: (comprehensiveness, sufficiency, share on the sinks)} for one text."""
     from .. import inspect
 
+    mask_id, pad, special = tokens
+    with torch.no_grad():
+        sign = 1.0 if float(model(torch.tensor([ids]), torch.tensor([len(ids)]))) >= 0 else -1.0
+
+    def score(batch: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            t = torch.tensor(batch)
+            return sign * model(t, torch.full((len(batch),), t.shape[1])).reshape(-1)
+
+    out = {}
+    for method in names:
+        if method == "captum_integrated_gradients":
+            scores = _captum_lig(model, ids, pad, special, steps)
+            sinks = [i for i, t in enumerate(ids) if t in special or i == 0]
+            sink = float(scores[sinks].abs().sum()) / (float(scores.abs().sum()) or 1.0)
+        else:
+            answer = inspect.attribute(model, ids, target=inspect.ClassLogit(0), method=method,
+                                       steps=steps)  # fmt: skip
+            scores, sink = answer.scores, answer.sink_share
+        if method not in ("attention", "rollout", "norm", "alti"):
+            scores = sign * scores  # signed methods: toward the prediction
+        order = sorted(words, key=lambda i: -float(scores[i]))
+        out[method] = (*aopc(score, ids, order, mask_id, words), sink)
+    return out
+
+
+def _faithfulness(options: ExplainBenchOptions, say: Callable) -> dict:
     require_captum()
     model = _sentiment_model(options, say)
     model.eval()
@@ -293,34 +323,13 @@ def _faithfulness(options: ExplainBenchOptions, say: Callable) -> dict:
     for text in _progress(texts, "faithfulness texts"):
         ids = tokenizer.encode(text).ids[: model.max_tokens]
         words = [i for i, t in enumerate(ids) if t not in special]
-        if not words:
-            continue
-        with torch.no_grad():
-            lengths = torch.tensor([len(ids)])
-            sign = 1.0 if float(model(torch.tensor([ids]), lengths)) >= 0 else -1.0
-
-        def score(batch: list[list[int]], sign: float = sign) -> torch.Tensor:
-            with torch.no_grad():
-                t = torch.tensor(batch)
-                return sign * model(t, torch.full((len(batch),), t.shape[1])).reshape(-1)
-
-        for method in names:
-            if method == "captum_integrated_gradients":
-                scores = _captum_lig(model, ids, pad, special, options.steps)
-                sinks = [i for i, t in enumerate(ids) if t in special or i == 0]
-                total = float(scores.abs().sum()) or 1.0
-                sink = float(scores[sinks].abs().sum()) / total
-            else:
-                answer = inspect.attribute(model, ids, target=inspect.ClassLogit(0),
-                                           method=method, steps=options.steps)  # fmt: skip
-                scores, sink = answer.scores, answer.sink_share
-            if method not in ("attention", "rollout", "norm", "alti"):
-                scores = sign * scores  # signed methods: toward the prediction
-            order = sorted(words, key=lambda i: -float(scores[i]))
-            comp, suff = aopc(score, ids, order, mask_id, words)
-            found[method]["comp"].append(comp)
-            found[method]["suff"].append(suff)
-            found[method]["sink"].append(sink)
+        if words:
+            for method, (comp, suff, sink) in _one_text(model, ids, words, names,
+                                                         (mask_id, pad, special),
+                                                         options.steps).items():  # fmt: skip
+                found[method]["comp"].append(comp)
+                found[method]["suff"].append(suff)
+                found[method]["sink"].append(sink)
     table = {m: {"comprehensiveness": _mean(r["comp"]), "sufficiency": _mean(r["suff"]),
                  "sink_share": _mean(r["sink"])} for m, r in found.items()}  # fmt: skip
     say(f"\nFaithfulness (ERASER AOPC over {', '.join(f'{100 * f:g}%' for f in FRACTIONS)} of "

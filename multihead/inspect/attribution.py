@@ -265,6 +265,30 @@ def _resolve(subject: Subject, ids: list[int], target: Any, contrast: Any) -> Ta
     return target
 
 
+def _method(subject: Subject, model: Any, method: str, steps: int, residual: bool) -> str:
+    """The method that runs ("auto" resolved), its options checked."""
+    name = method
+    if method == "auto":  # where a model's layers are not read, the most faithful of the rest
+        name = AUTO if subject.layers is not None else AUTO_UNREAD
+    if name not in METHODS:
+        raise ValueError(
+            f"unknown method {method!r}; the methods are auto, {', '.join(METHODS)}. "
+            f"Received: method={method!r}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1. Received: steps={steps!r}")
+    if residual and name != "norm":
+        raise ValueError(f"residual applies to the norm method. Received: method={name!r}")
+    if name in ("norm", "alti") and subject.layers is None:
+        raise ValueError(
+            f"{name} reads each layer's attention, residual and norms, which "
+            f"{subject.name or type(model).__name__} does not expose ({subject.why}); the "
+            "methods for any model are grad_input, integrated_gradients and occlusion. "
+            f"Received: method={name!r}"
+        )
+    return name
+
+
 def attribute(
     model: Any,
     inputs: Any,
@@ -320,25 +344,7 @@ def attribute(
         TypeError: a model of no kind ``attribute`` reads.
     """
     subject = open_subject(model, tokenizer)
-    name = method
-    if method == "auto":  # where a model's layers are not read, the most faithful of the rest
-        name = AUTO if subject.layers is not None else AUTO_UNREAD
-    if name not in METHODS:
-        raise ValueError(
-            f"unknown method {method!r}; the methods are auto, {', '.join(METHODS)}. "
-            f"Received: method={method!r}"
-        )
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1. Received: steps={steps!r}")
-    if residual and name != "norm":
-        raise ValueError(f"residual applies to the norm method. Received: method={name!r}")
-    if name in ("norm", "alti") and subject.layers is None:
-        raise ValueError(
-            f"{name} reads each layer's attention, residual and norms, which "
-            f"{subject.name or type(model).__name__} does not expose ({subject.why}); the "
-            "methods for any model are grad_input, integrated_gradients and occlusion. "
-            f"Received: method={name!r}"
-        )
+    name = _method(subject, model, method, steps, residual)
     ids = _check_ids(inputs, subject)
     if not ids:
         raise ValueError("inputs hold no token. Received: an empty sequence")

@@ -28,7 +28,9 @@ once its scale is fixed at the row's own (``linearized``): LayerNorm's part of T
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +46,7 @@ __all__ = [
 ]
 
 BLOCK_BYTES = 64 * 2**20  # one block of ALTI's (rows, L, E) differences, in float32
+KERNEL_BLOCK_BYTES = 64 * 2**20  # one block of weights the kernel reads as (rows, keys, H)
 
 
 @dataclass(frozen=True)
@@ -183,18 +186,67 @@ def _sums(parts: LayerParts, u: Tensor) -> Tensor:
     return z
 
 
-def alti_matrix(parts: LayerParts, *, block_bytes: int = BLOCK_BYTES) -> Tensor:
+def _kernel(dtype: torch.dtype, wanted: bool | None) -> object | None:
+    """The fused kernel's module where it computes ALTI's distances (float32, built), else
+    None; ``wanted`` True requires it, False refuses it."""
+    if wanted is False or dtype != torch.float32:
+        if wanted:
+            raise ValueError(f"the kernel's distances take float32. Received: {dtype}")
+        return None
+    from ..backends import fused
+
+    if not fused.built():
+        if wanted:
+            raise RuntimeError(f"the fused kernel is not built: {fused.build_error()}")
+        return None
+    module = fused.build()
+    return module if hasattr(module, "alti_distances") else None
+
+
+def alti_matrix(
+    parts: LayerParts, *, block_bytes: int = BLOCK_BYTES, kernel: bool | None = None
+) -> Tensor:
     """ALTI's contributions C (L, L) of one layer: row i says how much each key's T'_ij makes up
     y_i, ``max(0, ‖y_i‖₁ - ‖y_i - T'_ij‖₁)`` normalized over j (a row with nothing left keeps
-    its own token: 1 on the diagonal). Formed a block of query rows at a time: the block's
-    (rows, keys, E) differences stay within ``block_bytes``."""
+    its own token: 1 on the diagonal).
+
+    In float32 the fused C++ kernel forms the distances (``alti_distances``: each key's values
+    read once per task of rows, nothing of size (rows, keys, E) stored); otherwise, or with
+    ``kernel=False``, torch forms them a block of query rows at a time, the block's (rows, keys,
+    E) differences within ``block_bytes``. ``kernel=True`` requires the kernel."""
     u = head_values(parts)  # (H, L, E)
-    _, length, width = u.shape
+    length = u.shape[1]
     z = _sums(parts, u)
     y = z if parts.norm is None else _normed(parts.norm, z)
     x = parts.residual.to(u.dtype)
     alpha = parts.weights.to(u.dtype)
     out = torch.zeros(length, length, dtype=u.dtype)
+    module = _kernel(u.dtype, kernel)
+    if module is not None:
+        distances = _kernel_distances(module, parts, u, x, z, alpha)
+    else:
+        distances = _torch_distances(parts, u, x, z, y, alpha, block_bytes)
+    for start, stop, keys, distance in distances:
+        own = torch.arange(start, stop)
+        y_rows = y[start:stop]
+        c = (y_rows.abs().sum(-1, keepdim=True) - distance).clamp_min(0)
+        if parts.causal:  # a later key contributes nothing, whatever the rounding says
+            c = c.masked_fill(torch.arange(keys)[None] > own[:, None], 0.0)
+        total = c.sum(-1, keepdim=True)
+        empty = total[:, 0] == 0
+        c = c / total.clamp_min(torch.finfo(c.dtype).tiny)
+        c[empty.nonzero().flatten(), own[empty]] = 1.0
+        out[start:stop, :keys] = c
+    return out
+
+
+Blocks = Iterator[tuple[int, int, int, Tensor]]  # (start, stop, keys, d (rows, keys))
+
+
+def _torch_distances(parts: LayerParts, u: Tensor, x: Tensor, z: Tensor, y: Tensor,
+                     alpha: Tensor, block_bytes: int) -> Blocks:  # fmt: skip
+    """(start, stop, keys, d (rows, keys)) for blocks of query rows, by torch."""
+    _, length, width = u.shape
     span = alpha.permute(2, 1, 0)  # (keys, rows, H): one (rows, H) @ (H, E) product per key
     u_keys = u.transpose(0, 1)  # (keys, H, E)
     step = max(1, block_bytes // max(1, 3 * length * width * u.element_size()))
@@ -206,12 +258,27 @@ def alti_matrix(parts: LayerParts, *, block_bytes: int = BLOCK_BYTES) -> Tensor:
         t[own - start, own] += x[start:stop]
         if parts.norm is not None:
             t = linearized(parts.norm, z[start:stop, None], t)
-        y_rows = y[start:stop]
-        distance = (y_rows[:, None] - t).abs().sum(-1)  # (rows, keys)
-        c = (y_rows.abs().sum(-1, keepdim=True) - distance).clamp_min(0)
-        total = c.sum(-1, keepdim=True)
-        empty = total[:, 0] == 0
-        c = c / total.clamp_min(torch.finfo(c.dtype).tiny)
-        c[empty.nonzero().flatten(), own[empty]] = 1.0
-        out[start:stop, :keys] = c
-    return out
+        yield start, stop, keys, (y[start:stop, None] - t).abs().sum(-1)
+
+
+def _kernel_distances(module: Any, parts: LayerParts, u: Tensor, x: Tensor, z: Tensor,
+                      alpha: Tensor) -> Blocks:  # fmt: skip
+    """The same blocks, each from one call of the kernel's ``alti_distances``."""
+    heads, length, _ = u.shape
+    y = z if parts.norm is None else _normed(parts.norm, z)
+    if parts.norm is not None:  # the norm's linear map on u and x, its row scale apart
+        _, _, eps, centred = norm_scale(parts.norm)
+        u, x = _affine(parts.norm, u), _affine(parts.norm, x)
+        scale = _row_scale(z, eps, centred)
+    else:
+        scale = torch.ones(length, dtype=u.dtype)
+    u_keys = u.transpose(0, 1).contiguous()  # (keys, H, E)
+    step = max(1, KERNEL_BLOCK_BYTES // max(1, 4 * length * heads))
+    for start in range(0, length, step):
+        stop = min(length, start + step)
+        keys = stop if parts.causal else length
+        block = alpha[:, start:stop, :keys].permute(1, 2, 0).contiguous()  # (rows, keys, H)
+        d = module.alti_distances(block, u_keys[:keys], y[start:stop].contiguous(),
+                                  x[start:stop].contiguous(), scale[start:stop].contiguous(),
+                                  start, parts.causal)  # fmt: skip
+        yield start, stop, keys, d

@@ -155,40 +155,51 @@ def _own(model: Any) -> Subject | None:
     module: Any = found
     tokenizer = getattr(model, "tokenizer", None)
     special, mask = _tokenizer_specials(tokenizer)
-    bert: Any = module if hasattr(module, "embeddings") and hasattr(module, "encoder") else None
-    if bert is None and hasattr(module, "head") and hasattr(module, "encoder"):
-        encoder: Any = module.encoder
-        if hasattr(encoder, "embeddings"):  # the sentiment regressor
-            layers = _encoder_layers(encoder.encoder.layers)
-
-            def scores(ids: Tensor) -> Tensor:
-                lengths = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
-                return module(ids, lengths).reshape(ids.shape[0], -1)
-
-            return Subject(CLASSIFIER, module, scores, encoder.embeddings.word, layers,
-                           "", pooling="mean", tokenizer=tokenizer,
-                           max_positions=encoder.config.max_position_embeddings,
-                           baseline_id=mask if mask is not None else 0, special_ids=special,
-                           name=type(module).__name__)  # fmt: skip
-    if bert is not None and hasattr(bert.embeddings, "word"):
-        layers = _encoder_layers(bert.encoder.layers)
-        return Subject(ENCODER, module, lambda ids: bert(ids), bert.embeddings.word, layers,
-                       tokenizer=tokenizer, max_positions=bert.config.max_position_embeddings,
-                       baseline_id=mask if mask is not None else 0, special_ids=special,
-                       name=str(getattr(model, "path", type(module).__name__)))  # fmt: skip
-    decoder: Any = getattr(module, "decoder", None)
-    if decoder is not None and hasattr(module, "lm_head") and hasattr(module, "embed"):
-        embedding = next(
-            m for m in module.modules() if isinstance(m, nn.Embedding)
-            and m.num_embeddings == module.vocab_size
-        )  # fmt: skip
-        # run(weights=False): the layers are called (their hooks fire), not their run()
-        return Subject(CAUSAL, module, lambda ids: module.run(ids, weights=False).logits,
-                       embedding,
-                       _encoder_layers(decoder.layers), final_norm=decoder.norm,
-                       unembedding=module.lm_head.weight, tokenizer=tokenizer,
-                       max_positions=module.max_positions, baseline_id=module.pad_token_id,
-                       causal=True, special_ids=special,
-                       name=str(getattr(module, "path", None) or type(module).__name__),
-                       )  # fmt: skip
+    common = {"tokenizer": tokenizer, "special_ids": special}
+    baseline = mask if mask is not None else 0
+    if hasattr(module, "embeddings") and hasattr(module, "encoder"):
+        if hasattr(module.embeddings, "word"):
+            return _bert(module, model, common, baseline)
+        return None
+    if hasattr(module, "head") and hasattr(getattr(module, "encoder", None), "embeddings"):
+        return _sentiment(module, common, baseline)
+    if hasattr(module, "decoder") and hasattr(module, "lm_head") and hasattr(module, "embed"):
+        return _causal(module, common)
     return None
+
+
+def _bert(bert: Any, model: Any, common: dict[str, Any], baseline: int) -> Subject:
+    return Subject(ENCODER, bert, lambda ids: bert(ids), bert.embeddings.word,
+                   _encoder_layers(bert.encoder.layers),
+                   max_positions=bert.config.max_position_embeddings, baseline_id=baseline,
+                   name=str(getattr(model, "path", type(bert).__name__)), **common)  # fmt: skip
+
+
+def _sentiment(module: Any, common: dict[str, Any], baseline: int) -> Subject:
+    """The sentiment regressor: its encoder's layers, mean pooling, its score."""
+    encoder = module.encoder
+
+    def scores(ids: Tensor) -> Tensor:
+        lengths = torch.full((ids.shape[0],), ids.shape[1], device=ids.device)
+        return module(ids, lengths).reshape(ids.shape[0], -1)
+
+    return Subject(CLASSIFIER, module, scores, encoder.embeddings.word,
+                   _encoder_layers(encoder.encoder.layers), pooling="mean",
+                   max_positions=encoder.config.max_position_embeddings, baseline_id=baseline,
+                   name=type(module).__name__, **common)  # fmt: skip
+
+
+def _causal(module: Any, common: dict[str, Any]) -> Subject:
+    """A ``CausalLM``: its token embedding, decoder layers, final norm and output layer."""
+    embedding = next(
+        m for m in module.modules()
+        if isinstance(m, nn.Embedding) and m.num_embeddings == module.vocab_size
+    )  # fmt: skip
+    decoder = module.decoder
+    # run(weights=False): the layers are called (their hooks fire), not their run()
+    return Subject(CAUSAL, module, lambda ids: module.run(ids, weights=False).logits, embedding,
+                   _encoder_layers(decoder.layers), final_norm=decoder.norm,
+                   unembedding=module.lm_head.weight, max_positions=module.max_positions,
+                   baseline_id=module.pad_token_id, causal=True,
+                   name=str(getattr(module, "path", None) or type(module).__name__),
+                   **common)  # fmt: skip

@@ -39,6 +39,7 @@
 //   fused/backward.h     the backward pass
 //   fused/calibration.h  what is timed or probed on this machine at run time
 //   fused/entry.h        the entry points, tensors in and out
+//   fused/contributions.h ALTI's distances for multihead.inspect (not attention itself)
 //   this file            the bindings
 
 // ATen's per-operator headers and torch's pybind casters rather than torch/extension.h, which
@@ -47,6 +48,7 @@
 
 #include "fused/buffers.h"
 #include "fused/calibration.h"
+#include "fused/contributions.h"
 #include "fused/entry.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -59,4 +61,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the large-buffer pool: (buffers waiting, their bytes, takes it served, takes it missed)");
   m.def("forward", &forward, "fused attention forward: (out, lse[, weights], saw non-finite)");
   m.def("backward", &backward, "fused attention backward: (dq, dk, dv, dbias, dtable)");
+  m.def("alti_distances", &alti_distances,
+        "ALTI's Manhattan distances of a block of query rows: (n, S)");
 }
