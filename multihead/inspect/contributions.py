@@ -62,6 +62,9 @@ class LayerParts:
         residual: (L, E) what the block's output is added to (the layer's input).
         norm: the norm applied to the sum (a post-norm layer), or None.
         causal: no query sees a later key (the work above the diagonal is skipped).
+        output: (L, E) the block's output before the residual, as the model computed it
+            (``Σ_j Σ_h α_hij u_hj + b_o``); None: rebuilt from the parts (an (L, L) x (L, E)
+            product per head, the largest cost of a long layer).
     """
 
     weights: Tensor
@@ -71,6 +74,7 @@ class LayerParts:
     residual: Tensor
     norm: nn.Module | None = None
     causal: bool = False
+    output: Tensor | None = None
 
 
 def head_values(parts: LayerParts) -> Tensor:
@@ -179,7 +183,9 @@ def norm_rows(parts: LayerParts, rows: Tensor, *, residual: bool = False) -> Ten
 
 def _sums(parts: LayerParts, u: Tensor) -> Tensor:
     """z (L, E): the residual plus the attention output, ``Σ_j T_ij + b_o``, rebuilt from the
-    parts (``y = norm(z)``)."""
+    parts (``y = norm(z)``), or the block's own output where the model gave it."""
+    if parts.output is not None:
+        return parts.output.to(u.dtype) + parts.residual.to(u.dtype)
     z = torch.einsum("hij,hje->ie", parts.weights.to(u.dtype), u) + parts.residual.to(u.dtype)
     if parts.out_bias is not None:
         z = z + parts.out_bias.to(u.dtype)

@@ -257,3 +257,52 @@ def test_bad_data_fails_before_training_and_names_the_file(tmp_path, capsys, lin
     assert time.perf_counter() - started < 5  # before the model loads and trains
     assert re.search(match, capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_bench_explain_faithfulness_on_the_trained_model(run_dir, vader, tmp_path):
+    """multihead bench explain's faithfulness part on the quick model: every method and
+    Captum's integrated gradients scored on VADER test texts, AOPC recomputed by hand for one
+    text and one method (issue 57)."""
+    import json
+
+    import torch
+
+    from multihead import inspect, io
+    from multihead.bench import explain as bench
+
+    options = bench.ExplainBenchOptions(
+        parts=("faithfulness",), methods=("rollout", "alti", "grad_input"), data=vader,
+        sentiment_model=run_dir / "model", texts=6, steps=8, out=tmp_path,
+    )  # fmt: skip
+    got = bench.run_explain_bench(options, say=lambda line: None)
+    rows = got["faithfulness"]["methods"]
+    assert set(rows) == {"rollout", "alti", "grad_input", "captum_integrated_gradients"}
+    assert got["faithfulness"]["texts"] == 6
+    written = json.loads((tmp_path / "explain.json").read_text())
+    assert written["faithfulness"]["methods"]["alti"] == pytest.approx(rows["alti"])
+    assert (tmp_path / "explain.png").stat().st_size > 3_000
+    assert any(g["text"].startswith("alti comprehensiveness") for g in got["goals"])
+    # one text by hand: ALTI's ranking, the words replaced by [MASK], the score's drops
+    model = io.load(run_dir / "model")
+    tok = model.tokenizer
+    text = bench._test_texts(options)[0]
+    ids = tok.encode(text).ids[: model.max_tokens]
+    special = {tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")}
+    words = [i for i, t in enumerate(ids) if t not in special]
+    found = inspect.attribute(model, ids, target=inspect.ClassLogit(0), method="alti")
+    order = sorted(words, key=lambda i: -float(found.scores[i]))
+
+    def predict(row):
+        with torch.no_grad():
+            return float(model(torch.tensor([row]), torch.tensor([len(row)])))
+
+    full = predict(ids)
+    sign = 1.0 if full >= 0 else -1.0
+    mask = tok.token_to_id("[MASK]")
+    comps = []
+    for fraction in bench.FRACTIONS:
+        top = set(order[: max(1, round(fraction * len(words)))])
+        comps.append(sign * (full - predict([mask if i in top else t for i, t in enumerate(ids)])))
+    by_hand = sum(comps) / len(comps)
+    single = bench._one_text(model, ids, words, ["alti"], (mask, 0, special), 8)["alti"]
+    assert single[0] == pytest.approx(by_hand, abs=1e-5)

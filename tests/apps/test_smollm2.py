@@ -69,3 +69,33 @@ def test_heads_ranks_the_30_by_9_heads_by_gradient(loaded, tmp_path, capsys):
     assert scores.shape == (30, 9) and bool(scores.isfinite().all()) and scores.abs().max() > 0
     assert json.loads((tmp_path / "heads.json").read_text())["method"] == "gradient"
     assert "(30 layers x 9 heads)" in capsys.readouterr().out
+
+
+def test_explain_predicts_the_verb_and_finds_the_subject(loaded, tmp_path):
+    """explain on a causal LM (issue 57): the prediction after --focus against --contrast,
+    ALTI-Logit's answer in attribution.json, the grid within 100 columns for 30 layers."""
+    from multihead.apps import explain
+
+    lines: list[str] = []
+    options = explain.ExplainOptions(text="I heard that the keys to the cabinet", focus="cabinet",
+                                     contrast=" is", model="smollm2", out=tmp_path)  # fmt: skip
+    got = explain.run(options, say=lines.append)
+    printed = "\n".join(lines)
+    assert "'cabinet' predicts ' are' (against ' is')" in printed
+    written = json.loads((tmp_path / "attribution.json").read_text())
+    assert written["method"] == "alti" and written["contrast"] is not None
+    top = max(range(len(written["tokens"])), key=lambda i: written["scores"][i])
+    assert written["tokens"][top] == "Ġkeys"  # the subject, not the attractor "cabinet"
+    table = [x for x in lines if x.startswith("head ") or x[:4].strip().isdigit()]
+    assert len(table) == 5 * (1 + 9) and max(map(len, table)) <= 100  # 30 layers in 5 blocks
+    assert got.attribution is not None and got.attribution.prediction is not None
+
+
+def test_explain_refuses_20000_words_in_one_line(loaded, tmp_path, capsys):
+    from multihead import cli
+
+    assert cli.main(["explain", "word " * 20_000, "--model", "smollm2", "--out",
+                     str(tmp_path)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "tokens but the model has 8192 positions" in err and "Traceback" not in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

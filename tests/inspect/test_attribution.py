@@ -361,3 +361,12 @@ def test_the_kernels_distances_match_the_float64_formula():
     got = contributions.alti_matrix(single, kernel=True)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
     assert bool((got.triu(1) == 0).all())  # no later key contributes
+
+
+def test_lower_triangular_products_by_tiles():
+    from multihead.inspect.attribution import composed
+
+    torch.manual_seed(3)
+    a, b = torch.randn(600, 600).tril(), torch.randn(600, 600).tril()
+    torch.testing.assert_close(composed(a, b, lower=True, tiles=4), a @ b, atol=1e-3, rtol=1e-4)
+    assert bool((composed(a, b, lower=True) .triu(1) == 0).all())

@@ -10,9 +10,9 @@
 // block stops each row at its own position: a later key gets d = inf (it contributes nothing,
 // which |y|_1 computed in another order would not say exactly).
 //
-// Work: a task takes a few rows; for every key it reads u_j (H x E, in cache) once for all of
-// its rows, so u is streamed from memory once per task instead of once per row. The sums over
-// heads and over E are plain loops the compiler vectorizes (-O3 -march=native).
+// Work: a task takes a few rows and walks the keys a tile at a time: the tile's u (a few keys'
+// H x E) is read from memory once for all of the task's rows, and each row reads its weights
+// over the tile in order. The sums over heads are 16-lane vectors (simd.h).
 
 #pragma once
 
@@ -31,6 +31,7 @@
 namespace {
 
 constexpr int64_t kAltiRows = 32;  // rows of one task: they share each key's u_j
+constexpr int64_t kAltiKeys = 8;   // keys of one tile: their u (8 x H x E) stays in L2
 
 // sum_e |y[e] - s (sum_h a[h] u[h, e] + x[e])| (x may be null): 64 elements of E at a time in
 // four 16-lane registers summed over the heads, the rest one by one
@@ -101,22 +102,27 @@ at::Tensor alti_distances(const at::Tensor& alpha, const at::Tensor& u, const at
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t r0 = task * kAltiRows, r1 = std::min(n, r0 + kAltiRows);
       const int64_t last = causal ? std::min(S, row0 + r1) : S;  // keys any row of it sees
-      for (int64_t j = 0; j < last; ++j) {
-        const float* uj = U + j * H * E;
+      for (int64_t j0 = 0; j0 < last; j0 += kAltiKeys) {  // a tile of keys, its u in cache
+        const int64_t j1 = std::min(last, j0 + kAltiKeys);
         for (int64_t r = r0; r < r1; ++r) {
-          float* out = D + r * S + j;
           const float* yr = Y + r * E;
-          if (causal && j > row0 + r) {  // a later key: no contribution at all
-            *out = std::numeric_limits<float>::infinity();
-            continue;
-          }
-          const float* a = A + (r * S + j) * H;
           const float* xr = X + r * E;
-          const bool own = j == row0 + r;
           const float sc = C[r];
-          *out = static_cast<float>(distance(a, uj, yr, own ? xr : nullptr, sc, H, E));
+          for (int64_t j = j0; j < j1; ++j) {
+            float* out = D + r * S + j;
+            if (causal && j > row0 + r) {  // a later key: no contribution at all
+              *out = std::numeric_limits<float>::infinity();
+              continue;
+            }
+            const float* a = A + (r * S + j) * H;  // the row's weights: read in order
+            const bool own = j == row0 + r;
+            *out = static_cast<float>(
+                distance(a, U + j * H * E, yr, own ? xr : nullptr, sc, H, E));
+          }
         }
       }
+      for (int64_t r = r0; r < r1; ++r)  // keys no row of the task sees
+        for (int64_t j = last; j < S; ++j) D[r * S + j] = std::numeric_limits<float>::infinity();
     }
   });
   return d;
