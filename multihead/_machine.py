@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
-__all__ = ["cpu_info"]
+__all__ = ["available_memory", "cpu_info"]
+
+
+def available_memory() -> int | None:
+    """Bytes of memory that can still be allocated: the kernel's MemAvailable (Linux), else the
+    physical memory; None where neither can be told."""
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def cpu_info() -> tuple[str, set[str]]:

@@ -446,31 +446,33 @@ def _goals(result: dict) -> list[dict]:
     from ..inspect.attribution import AUTO
 
     goals = []
+    default = AUTO["classifier"]  # the default of the faithfulness part's target
     faith = result.get("faithfulness", {}).get("methods", {})
-    if AUTO in faith and "captum_integrated_gradients" in faith:
+    if default in faith and "captum_integrated_gradients" in faith:
         ig = faith["captum_integrated_gradients"]
-        mine = faith[AUTO]
+        mine = faith[default]
         ratio = mine["comprehensiveness"] / ig["comprehensiveness"] if ig[
             "comprehensiveness"] > 0 else float("inf")  # fmt: skip
-        goals.append({"text": f"{AUTO} comprehensiveness / Captum IG's >= 1.2",
+        goals.append({"text": f"{default} comprehensiveness / Captum IG's >= 1.2",
                       "figure": ratio, "met": ratio >= 1.2})  # fmt: skip
-        goals.append({"text": f"{AUTO} sufficiency - Captum IG's <= 0",
+        goals.append({"text": f"{default} sufficiency - Captum IG's <= 0",
                       "figure": mine["sufficiency"] - ig["sufficiency"],
                       "met": mine["sufficiency"] <= ig["sufficiency"]})  # fmt: skip
         if "rollout" in faith and faith["rollout"]["comprehensiveness"] > 0:
             r = mine["comprehensiveness"] / faith["rollout"]["comprehensiveness"]
-            goals.append({"text": f"{AUTO} comprehensiveness / rollout's >= 3", "figure": r,
+            goals.append({"text": f"{default} comprehensiveness / rollout's >= 3", "figure": r,
                           "met": r >= 3})  # fmt: skip
-        goals.append({"text": f"{AUTO} share on [CLS]/[SEP] <= 5%",
+        goals.append({"text": f"{default} share on [CLS]/[SEP] <= 5%",
                       "figure": 100 * mine["sink_share"],
                       "met": mine["sink_share"] <= 0.05})  # fmt: skip
     agree = result.get("agreement", {}).get("methods", {})
-    if AUTO in agree:
-        row = agree[AUTO]
-        goals.append({"text": f"{AUTO} subject first, % >= 90",
+    causal = AUTO["causal LM"]  # the default of the agreement part's target
+    if causal in agree:
+        row = agree[causal]
+        goals.append({"text": f"{causal} subject first, % >= 90",
                       "figure": 100 * row["subject_top1"],
                       "met": row["subject_top1"] >= 0.9})  # fmt: skip
-        goals.append({"text": f"{AUTO} attractor above the subject, % <= 10",
+        goals.append({"text": f"{causal} attractor above the subject, % <= 10",
                       "figure": 100 * row["attractor_above"],
                       "met": row["attractor_above"] <= 0.1})  # fmt: skip
     return goals

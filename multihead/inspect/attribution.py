@@ -68,9 +68,12 @@ METHODS = (
     "occlusion",
 )
 MIXING = ("attention", "rollout", "norm", "alti")
-# chosen by `multihead bench explain` (docs/performance.md, "Token attributions")
-AUTO = "alti"
-AUTO_UNREAD = "occlusion"  # the next most faithful there, and one that reads no layer
+# per kind of target, the most faithful in `multihead bench explain` (docs/performance.md,
+# "Token attributions"): ALTI-Logit on the agreement prompts (a causal LM's next token), occlusion
+# on the VADER texts (a classifier's score); an encoder's hidden state has no faithfulness test
+# there and takes ALTI, which needs no target (3.8% on [CLS]/[SEP])
+AUTO = {ENCODER: "alti", CAUSAL: "alti", CLASSIFIER: "occlusion"}
+AUTO_UNREAD = "occlusion"  # where a model's layers are not read: reads no layer
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,7 @@ def _method(subject: Subject, model: Any, method: str, steps: int, residual: boo
     """The method that runs ("auto" resolved), its options checked."""
     name = method
     if method == "auto":  # where a model's layers are not read, the most faithful of the rest
-        name = AUTO if subject.layers is not None else AUTO_UNREAD
+        name = AUTO[subject.kind] if subject.layers is not None else AUTO_UNREAD
     if name not in METHODS:
         raise ValueError(
             f"unknown method {method!r}; the methods are auto, {', '.join(METHODS)}. "
@@ -321,8 +324,9 @@ def attribute(
             token ids or an (L,) / (1, L) integer tensor: one sequence.
         target: a position (an encoder's token, a causal LM's next-token prediction there),
             ``Representation``, ``NextToken``, or ``ClassLogit`` for a classifier.
-        method: one of ``METHODS`` or "auto" (``AUTO``: the most faithful in
-            ``multihead bench explain``; ``AUTO_UNREAD``, occlusion, for a model whose
+        method: one of ``METHODS`` or "auto" (``AUTO``: per kind of target the most faithful
+            in ``multihead bench explain``: alti for a causal LM's next token and an encoder's
+            hidden state, occlusion for a classifier's score; occlusion for a model whose
             layers ``alti`` does not read).
         contrast: a causal LM's other token (an id or a one-token string): the target is
             then the logit difference.
@@ -423,21 +427,12 @@ def _config(subject: Subject, name: str, default: int) -> int:
     return value if isinstance(value, int) else default
 
 
-def _available() -> int | None:
-    try:
-        with open("/proc/meminfo") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _check_memory(subject: Subject, method: str, length: int, memory: int | None,
                   steps: int) -> None:  # fmt: skip
     if memory is None:
-        free = _available()
+        from .._machine import available_memory
+
+        free = available_memory()
         if free is None:
             return
         memory = free // 2

@@ -5,7 +5,6 @@ in and out (``generate``), text in and out (``generate_text``) or streamed piece
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
@@ -388,17 +387,9 @@ def _free_bytes(device: torch.device) -> int | None:
         return free + held
     if device.type != "cpu":
         return None
-    try:
-        with open("/proc/meminfo") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
+    from .._machine import available_memory
+
+    return available_memory()
 
 
 def _bytes(n: int) -> str:

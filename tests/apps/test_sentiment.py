@@ -271,17 +271,20 @@ def test_bench_explain_faithfulness_on_the_trained_model(run_dir, vader, tmp_pat
     from multihead.bench import explain as bench
 
     options = bench.ExplainBenchOptions(
-        parts=("faithfulness",), methods=("rollout", "alti", "grad_input"), data=vader,
+        parts=("faithfulness",), methods=("rollout", "alti", "occlusion"), data=vader,
         sentiment_model=run_dir / "model", texts=6, steps=8, out=tmp_path,
     )  # fmt: skip
     got = bench.run_explain_bench(options, say=lambda line: None)
     rows = got["faithfulness"]["methods"]
-    assert set(rows) == {"rollout", "alti", "grad_input", "captum_integrated_gradients"}
+    assert set(rows) == {"rollout", "alti", "occlusion", "captum_integrated_gradients"}
     assert got["faithfulness"]["texts"] == 6
     written = json.loads((tmp_path / "explain.json").read_text())
     assert written["faithfulness"]["methods"]["alti"] == pytest.approx(rows["alti"])
     assert (tmp_path / "explain.png").stat().st_size > 3_000
-    assert any(g["text"].startswith("alti comprehensiveness") for g in got["goals"])
+    # the classifier's default (occlusion) against Captum and rollout, as the goals put it
+    texts = {g["text"] for g in got["goals"]}
+    assert "occlusion comprehensiveness / Captum IG's >= 1.2" in texts
+    assert "occlusion comprehensiveness / rollout's >= 3" in texts
     # one text by hand: ALTI's ranking, the words replaced by [MASK], the score's drops
     model = io.load(run_dir / "model")
     tok = model.tokenizer

@@ -79,16 +79,22 @@ def test_alti_matches_the_formula_written_out():
     assert abs(float(found.scores.sum()) - 1) < 1e-6  # scores are float32: shares summing to 1
 
 
-def test_alti_matrix_blocks_agree_with_one_block():
-    """The blocked pass over query rows (a block of 1 row) equals one block of all rows."""
-    model = _bert(1)
-    ids = [1, 4, 8, 15, 16, 23, 42, 2]
+def _first_layer_parts(model: Bert, ids: list[int]) -> contributions.LayerParts:
+    """The first layer's call on ``ids``, read by hand: its weights, values, projection."""
     x = model.embeddings(torch.tensor([ids]), None, None)[0]
     layer = model.encoder.layers[0]
     alpha, _ = _layer_by_hand(layer, x)
     v = layer.self_attn.v_proj(x).reshape(len(ids), 4, 6).transpose(0, 1)
-    parts = contributions.LayerParts(alpha, v, layer.self_attn.out_proj.weight,
-                                     layer.self_attn.out_proj.bias, x, layer.norm1)  # fmt: skip
+    attn = layer.self_attn
+    return contributions.LayerParts(alpha, v, attn.out_proj.weight, attn.out_proj.bias, x,
+                                     layer.norm1)  # fmt: skip
+
+
+def test_alti_matrix_blocks_agree_with_one_block():
+    """The blocked pass over query rows (a block of 1 row) equals one block of all rows."""
+    model = _bert(1)
+    ids = [1, 4, 8, 15, 16, 23, 42, 2]
+    parts = _first_layer_parts(model, ids)
     whole = contributions.alti_matrix(parts)
     rows = contributions.alti_matrix(parts, block_bytes=1)
     _, cs = _alti_by_hand(model, ids)
@@ -334,14 +340,10 @@ def test_the_kernels_distances_match_the_float64_formula():
     hundred terms, each rounded at 6e-8 relative)."""
     model = _bert(6)
     ids = [1, 4, 9, 16, 25, 36, 49, 2]
-    x = model.embeddings(torch.tensor([ids]), None, None)[0]
-    layer = model.encoder.layers[0]
-    alpha, _ = _layer_by_hand(layer, x)
-    v = layer.self_attn.v_proj(x).reshape(len(ids), 4, 6).transpose(0, 1)
-    attn = layer.self_attn
-    parts = contributions.LayerParts(alpha.float(), v.float(), attn.out_proj.weight.float(),
-                                     attn.out_proj.bias.float(), x.float(),
-                                     copy.deepcopy(layer.norm1).float())  # fmt: skip
+    p = _first_layer_parts(model, ids)
+    parts = contributions.LayerParts(p.weights.float(), p.values.float(), p.out_weight.float(),
+                                     p.out_bias.float(), p.residual.float(),
+                                     copy.deepcopy(p.norm).float())  # fmt: skip
     _, cs = _alti_by_hand(model, ids)
     found = contributions.alti_matrix(parts, kernel=True)
     torch.testing.assert_close(found.double(), cs[0], atol=1e-5, rtol=0)
@@ -369,4 +371,4 @@ def test_lower_triangular_products_by_tiles():
     torch.manual_seed(3)
     a, b = torch.randn(600, 600).tril(), torch.randn(600, 600).tril()
     torch.testing.assert_close(composed(a, b, lower=True, tiles=4), a @ b, atol=1e-3, rtol=1e-4)
-    assert bool((composed(a, b, lower=True) .triu(1) == 0).all())
+    assert bool((composed(a, b, lower=True).triu(1) == 0).all())
