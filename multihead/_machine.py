@@ -26,7 +26,7 @@ def available_memory() -> int | None:
 
 def cpu_info() -> tuple[str, set[str]]:
     """(model name, flags) from /proc/cpuinfo; the platform's processor string elsewhere."""
-    model, flags = "", set()
+    model, flags = "", set[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
