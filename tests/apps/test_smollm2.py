@@ -99,3 +99,44 @@ def test_explain_refuses_20000_words_in_one_line(loaded, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "tokens but the model has 8192 positions" in err and "Traceback" not in err
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_explain_runs_1000_words_in_bounded_memory(loaded, tmp_path):
+    """1,000 words on SmolLM2 (issue 57: it was killed by the OOM killer at 23 GB): the
+    attribution and the focus rows, no full-weight figure; the memory the run may take is
+    bounded by attribute's estimate (one layer's weights, L² per head), here well under 2 GiB."""
+    import random
+
+    from multihead.apps import explain
+    from multihead.inspect import estimate_bytes, subjects
+
+    rng = random.Random(0)
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "it",
+        "for",
+        "on",
+        "with",
+        "as",
+        "by",
+        "at",
+        "house",
+        "river",
+        "people",
+        "music",
+    ]
+    text = " ".join(rng.choice(words) for _ in range(1000))
+    got = explain.run(explain.ExplainOptions(text=text, model="smollm2", out=tmp_path),
+                      say=lambda line: None)  # fmt: skip
+    assert got.weights is None and got.attribution is not None
+    assert len(got.attribution.scores) == len(got.tokens) >= 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["attribution.json", "attribution.png"]
+    model, tokenizer = loaded
+    subject = subjects.open_subject(model, tokenizer)
+    assert estimate_bytes(subject, "alti", len(got.tokens)) < 2 * 2**30
