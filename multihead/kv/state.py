@@ -137,8 +137,8 @@ class LayerState:
         """Evict down to the budget (policies that evict while decoding). An evicted slot is
         hidden at once (``ok``) and its memory given back when ``_SLACK`` slots are hidden:
         one gather of the cache every ``_SLACK`` steps rather than at every step."""
-        if not self.policy.evicts_while_decoding:
-            return
+        if not self.policy.evicts_while_decoding or _whole(self.policy):
+            return  # keep 1.0 is the whole sequence, the tokens decoded so far included
         valid = self._valid()
         if int(valid.sum(-1).max()) <= self.budget:
             return
@@ -214,3 +214,9 @@ class LayerState:
 def _gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
     """tensor (B, H_kv, m, D) at slots index (B, H_kv, n) -> (B, H_kv, n, D), contiguous."""
     return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))
+
+
+def _whole(policy: Policy) -> bool:
+    """keep=1.0 (the float): the whole sequence, the tokens decoded so far included (a token
+    budget of 1, the int, is not)."""
+    return isinstance(policy.keep, float) and policy.keep == 1.0

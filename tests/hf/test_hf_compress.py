@@ -279,6 +279,25 @@ def test_keeping_everything_gives_the_tokens_of_a_plain_generate(keep):
     assert torch.equal(plain, packed)
 
 
+@pytest.mark.parametrize("policy", [kv.H2O(1.0), kv.TOVA(1.0)])
+def test_keep_1_of_a_decoding_eviction_policy_evicts_nothing(policy):
+    """H2O(keep=1.0) and TOVA(keep=1.0) evicted while decoding: the budget was the prompt's
+    length, so every new token pushed one key out (issue 58: 10 and 7 of 12 tokens differed)."""
+    model = _model("llama")
+    ids, mask = _inputs()
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    with torch.inference_mode():
+        plain = model.generate(**args)
+        with mhf.compress(model, policy) as block:
+            packed = model.generate(**args)
+    assert torch.equal(plain, packed)
+    padding = (mask == 0).sum(-1)  # (B,): the only slots hidden are the prompt's padding
+    for state in block.states.values():
+        assert state.length == PROMPT + 11
+        hidden = (~state.ok).sum(-1) if state.ok is not None else torch.zeros_like(padding)
+        assert torch.equal(hidden, padding[:, None].expand_as(hidden))
+
+
 def test_the_cache_holds_the_kept_share_of_the_full_cache_bytes():
     model = _model("llama")
     ids, _ = _inputs(batch=1)

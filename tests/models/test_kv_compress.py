@@ -105,6 +105,14 @@ def test_generate_with_compress_and_everything_kept_equals_plain_generate(pair):
     assert torch.equal(plain, packed)
 
 
+@pytest.mark.parametrize("policy", [kv.H2O(1.0), kv.TOVA(1.0)])
+def test_keep_1_of_a_decoding_eviction_policy_evicts_nothing(pair, policy):
+    """The library's own decoders: keep 1.0 keeps every key while decoding too (issue 58)."""
+    ours, _ = pair
+    ids = _ids(1)
+    assert torch.equal(ours.generate(ids, 12), ours.generate(ids, 12, compress=policy))
+
+
 def test_a_row_of_a_ragged_batch_equals_the_row_alone(pair):
     ours, _ = pair
     ids = _ids(2)
