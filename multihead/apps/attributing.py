@@ -46,7 +46,7 @@ def _model_and_tokenizer(model: Any) -> tuple[Any, Any]:
     return model, None
 
 
-def attribution(model: Any, ids: list[int], focus: int, causal: bool, method: str,
+def attribution(model: Any, ids: list[int], focus: int, method: str,
                 contrast: str | None) -> Attribution:  # fmt: skip
     """The attribution explain prints: an encoder's focus token, or a causal LM's prediction
     after the focus token (against ``contrast``)."""

@@ -455,7 +455,7 @@ def _long(options: ExplainOptions, model: Any, encoding: Any, folder: Path, prog
     labels = _labels(model.tokenizer, tokens)
     causal = _causal(model)
     progress.begin(_STAGES[1])
-    found = attributing.attribution(model, ids, position, causal, options.method,
+    found = attributing.attribution(model, ids, position, options.method,
                                     options.contrast)  # fmt: skip
     say(f"model: {model.path} ({'causal LM, ' if causal else ''}{len(ids)} tokens)")
     say(f"focus: '{labels[position]}' (position {position})"
@@ -658,8 +658,7 @@ def _report(options: ExplainOptions, model: Any, run: _Run, folder: Path, progre
                   "" if sinks is None else ", sinks set aside")  # fmt: skip
 
     ids = list(model.tokenizer.encode(options.text).ids)
-    found = attributing.attribution(model, ids, position, run.causal, options.method,
-                                    options.contrast)  # fmt: skip
+    found = attributing.attribution(model, ids, position, options.method, options.contrast)
     attributing.say_attribution(found, tokens, model.tokenizer, say)
     progress.begin(_STAGES[2])
     files = _write_figures(options.text, run, tokens, shown, (layer, head, chosen), position,

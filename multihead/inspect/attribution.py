@@ -528,9 +528,16 @@ def _mixing(subject: Subject, ids: list[int], goal: _Goal, method: str,
             residual: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
     length = goal.length
     logit = None
-    scale = 1.0
+    handles: list[Any] = []
+    final: dict[str, Tensor] = {}  # the final norm's input of this run: its scale, σ_f
     if method == "alti" and goal.kind == CAUSAL:
-        logit, scale = _logit_direction(subject, ids[:length], goal)
+        logit = _logit_direction(subject, goal)
+        assert subject.final_norm is not None
+
+        def grab(module: Any, args: tuple) -> None:
+            final["x"] = args[0][0, goal.position].detach()
+
+        handles.append(subject.final_norm.register_forward_pre_hook(grab))
     flow = _Flow(method, goal.rows.double(), residual, logit, subject.causal)
     if method in ("rollout", "alti"):
         flow.composed = torch.eye(length, dtype=torch.float64)
@@ -541,7 +548,6 @@ def _mixing(subject: Subject, ids: list[int], goal: _Goal, method: str,
     index = {id(m): i for i, m in enumerate(found)}
     cap = acting.Capture(None, len(found))
     cap.keep_values = True
-    handles: list[Any] = []
     streams: dict[int, Tensor] = {}
     outputs: dict[int, Tensor] = {}
 
@@ -593,42 +599,36 @@ def _mixing(subject: Subject, ids: list[int], goal: _Goal, method: str,
             handle.remove()
     stacked = torch.stack(flow.per_layer)
     if method == "alti" and logit is not None:
-        stacked = stacked * scale
+        stacked = stacked * _inverse_scale(subject, final["x"])
         return stacked.sum(0), stacked
     return stacked[-1], stacked
 
 
-def _logit_direction(subject: Subject, ids: list[int], goal: _Goal) -> tuple[Tensor, float]:
-    """(w', 1/σ_f): a logit update p at the target position moves the target by ``w' · p / σ_f``
-    with the final norm's scale fixed at the final hidden state's (ALTI-Logit)."""
+def _logit_direction(subject: Subject, goal: _Goal) -> Tensor:
+    """w': a logit update p at the target position moves the target by ``w' · p / σ_f`` with
+    the final norm's scale σ_f fixed at the final hidden state's (ALTI-Logit; σ_f is read
+    from the same run, ``_inverse_scale``)."""
     if subject.unembedding is None or subject.final_norm is None:
         raise ValueError(
             "alti on a next-token target reads the final norm and the output layer, which "
             "this model does not expose. Received: a causal LM without them"
         )
-    seen: dict[str, Tensor] = {}
-
-    def grab(module: Any, args: tuple) -> None:
-        seen["x"] = args[0].detach()
-
-    handle = subject.final_norm.register_forward_pre_hook(grab)
-    try:
-        _run(subject, ids)
-    finally:
-        handle.remove()
-    final = seen["x"][0, goal.position].double()
-    gamma, _, eps, centred = norm_scale(subject.final_norm)
+    gamma, _, _, centred = norm_scale(subject.final_norm)
     u = subject.unembedding
     direction = u[goal.token].double()
     if goal.contrast is not None:
         direction = direction - u[goal.contrast].double()
     w = gamma.double() * direction
-    if centred:  # g · (γ ⊙ P p) = (P (γ ⊙ g)) · p
-        w = w - w.mean()
-        inv = float((final.var(unbiased=False) + eps).rsqrt())
-    else:
-        inv = float((final.pow(2).mean() + eps).rsqrt())
-    return w, inv
+    return w - w.mean() if centred else w  # g · (γ ⊙ P p) = (P (γ ⊙ g)) · p
+
+
+def _inverse_scale(subject: Subject, final: Tensor) -> float:
+    """1/σ_f of the final norm at its input ``final`` (E,) of the target position."""
+    assert subject.final_norm is not None
+    _, _, eps, centred = norm_scale(subject.final_norm)
+    final = final.double()
+    spread = final.var(unbiased=False) if centred else final.pow(2).mean()
+    return float((spread + eps).rsqrt())
 
 
 def composed(later: Tensor, earlier: Tensor, *, lower: bool = False, tiles: int = 4) -> Tensor:
