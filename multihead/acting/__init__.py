@@ -20,8 +20,9 @@ re-exports them). A plan acts at two points of a call, the pattern and a head's 
 
 from __future__ import annotations
 
+from . import compressed
 from .apply import run_plan
-from .blocks import Block, Capture, Compression, Edit, Plan, activate, active, plan_for
+from .blocks import Block, Capture, Compression, Edit, Plan, activate, active, plan_for, route
 from .capture import capture, num_heads, open_block
 from .edits import ablate, knockout, patch, scaled
 from .readers import Reader, find, register
@@ -37,6 +38,7 @@ __all__ = [
     "activate",
     "active",
     "capture",
+    "compressed",
     "find",
     "knockout",
     "num_heads",
@@ -44,6 +46,7 @@ __all__ = [
     "patch",
     "plan_for",
     "register",
+    "route",
     "run_plan",
     "scaled",
 ]

@@ -23,19 +23,22 @@ from ..backends import registry
 from ..backends._tensors import stat_dtype
 from ..backends.call import Call
 from ..functional import check_heads
+from ..masks.knockout import reaches, shifted
 from ..stats import Reducer
 from .blocks import Capture, Edit, Plan
 
 __all__ = ["head_output", "pattern", "run_plan"]
 
 
-def run_plan(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
+def run_plan(plan: Plan, call: Call, *, key_offset: int = 0) -> tuple[Tensor, Tensor | None]:
     """``call`` with what ``plan`` asks, in one run through the registry.
 
     Args:
         plan: what the active blocks ask of this call (``plan_for(module)``).
         call: the call as its module would run it (``backends.call.prepare``): its
             ``return_weights`` and ``heads`` say which weights the caller reads.
+        key_offset: the position of the call's first key column (a sliding-window cache
+            that has slid holds positions from there on): knockouts name positions.
 
     Returns:
         (output (B, H, L, D_v), weights (B, H | len(heads), L, S) when the call asks for
@@ -45,15 +48,15 @@ def run_plan(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
         ValueError: a patch whose captured weights do not fit this call (both shapes named),
             capture heads outside [0, H), and every error ``multihead.attention`` raises.
     """
-    out, seen = pattern(plan, call)
+    out, seen = pattern(plan, call, key_offset)
     return head_output(plan, out, call), seen
 
 
-def pattern(plan: Plan, call: Call) -> tuple[Tensor, Tensor | None]:
+def pattern(plan: Plan, call: Call, key_offset: int = 0) -> tuple[Tensor, Tensor | None]:
     """The point where a plan acts on the weights: knockouts joined to the mask, and the
     one registry call that also gives the capture its weights or statistics. Returns (output,
     the weights the caller reads or None)."""
-    call = _knocked_out(plan, call)
+    call = _knocked_out(plan, call, key_offset)
     cap = plan.capture
     if cap is None:
         return _ran(call)
@@ -92,16 +95,21 @@ def _ran(call: Call) -> tuple[Tensor, Tensor | None]:
     return out, extra
 
 
-def _knocked_out(plan: Plan, call: Call) -> Call:
-    """``call`` with every knockout's mask joined to its own, checked against its shapes."""
+def _knocked_out(plan: Plan, call: Call, key_offset: int) -> Call:
+    """``call`` with every knockout's mask joined to its own (shifted where the call's keys
+    start at ``key_offset``), checked against its shapes; each block notes whether the call
+    held one of its pairs."""
     mask = call.mask
+    b, h, _, length_q, length_k, _ = call.shape
     for block in plan.knockouts:
         assert block.mask is not None
-        mask = block.mask if mask is None else mask & block.mask
+        cut = block.mask if not key_offset else shifted(block.mask, key_offset)
+        block.calls += 1
+        block.reached = block.reached or reaches(cut, length_q, length_k)
+        mask = cut if mask is None else mask & cut
     if mask is call.mask:
         return call
     assert mask is not None
-    b, h, _, length_q, length_k, _ = call.shape
     mask.check(b, h, length_q, length_k)
     return replace(call, mask=mask)
 

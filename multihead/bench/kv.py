@@ -13,6 +13,15 @@ process, interleaved, medians of ``--repeats``:
   the cache compressed to keep 0.25 (SnapKV) against the full cache; the cache's bytes
   (measured on the tensors) and the run's peak growth of resident memory (prompt and steps).
 
+With ``--lengths 2000,4000,8000`` it measures **the long-document table** instead (issue 58):
+for each prompt length, each run in a process of its own (the model loaded and a short run
+of the same kind made first, so the growth is the document's), the full cache, SnapKV
+compressing after the whole prompt, and SnapKV with the prompt run in chunks of ``--chunk``
+tokens (``compress(chunk=)``), both at ``--keep`` or a token budget ``--budget``: the peak
+growth of resident memory over the prompt and ``--steps`` decoding steps, the prompt's seconds
+and the median ms a step, logits for one position on every side. It writes kv_long.json and
+a figure of memory against length (kv_long.png, the viz extra).
+
 Goals (issue 50): scored prompt <= 1.1x plain (SnapKV) and <= 1.2x (H2O); >= 4x faster than
 eager at 4,000 tokens; a step >= 1.3x faster at 8,000 tokens with keep 0.25; cache bytes <=
 0.27x; peak growth <= 0.6x the full cache's run.
@@ -41,7 +50,7 @@ class KvBenchOptions(Timed):
     """What ``multihead bench kv`` takes (``multihead bench kv --help``)."""
 
     model: str = option(
-        "smollm2", "the causal LM: 'smollm2', a .gguf file or a transformers folder",
+        "smollm2", "the causal LM: 'smollm2', 'gemma3', a .gguf file or a transformers folder",
         metavar="MODEL",
     )  # fmt: skip
     prompt: int = option(4000, "prompt tokens of the scored-prompt timings", parse=positive_int)
@@ -49,6 +58,14 @@ class KvBenchOptions(Timed):
     steps: int = option(16, "decoding steps timed after the long prompt", parse=positive_int)
     keep: float = option(0.25, "the share of the prompt the compressed cache keeps")
     eager: bool = option(True, "time the eager reference too (skipped where it would not fit)")
+    lengths: str = option(
+        "", "comma-separated prompt lengths: measure the long-document table instead",
+        metavar="N,N,...",
+    )  # fmt: skip
+    chunk: int = option(512, "tokens a prompt chunk in the long-document table",
+                        parse=positive_int)  # fmt: skip
+    budget: int = option(0, "a token budget instead of --keep in the long-document table (0: "
+                         "--keep)")  # fmt: skip
 
 
 def _ids(length: int, vocab: int) -> torch.Tensor:
@@ -205,8 +222,174 @@ def _child_peak(model: str, context: int, steps: int, keep: float | None) -> int
     return _decode_run(loaded, ids, steps, policy)["peak_growth"]
 
 
+_MODES = ("full", "compressed", "chunked")
+
+
+def _long_run(model: Any, ids: torch.Tensor, steps: int, mode: str, policy: Any,
+              chunk: int) -> dict[str, Any]:  # fmt: skip
+    """One long-document run: the prompt (logits of its last position), then ``steps`` greedy
+    steps; the seconds of the prompt, the median step and the run's peak memory growth."""
+    import contextlib
+
+    import transformers as tf
+
+    from ..hf import compress
+    from .hf import peak_growth
+
+    found: dict[str, Any] = {}
+
+    def go() -> None:
+        cache = tf.DynamicCache(config=model.config)
+        if mode == "full":
+            block: Any = contextlib.nullcontext()
+        else:
+            block = compress(model, policy, chunk=chunk if mode == "chunked" else None)
+        with block:
+            started = time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            found["prompt_s"] = time.perf_counter() - started
+            token, times = out.logits[:, -1:].argmax(-1), []
+            for _ in range(steps):
+                started = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+                times.append(time.perf_counter() - started)
+        settled = times[2:] if len(times) > 4 else times
+        found["step_ms"] = 1000 * statistics.median(settled)
+        found["cache_bytes"] = sum(
+            layer.keys.nbytes + layer.values.nbytes
+            for layer in cache.layers
+            if getattr(layer, "keys", None) is not None
+        )
+
+    with torch.inference_mode():
+        growth, _ = peak_growth(go)
+    return {**found, "peak_growth": growth or 0}
+
+
+def _child_long(model: str, length: int, steps: int, mode: str, keep: float, budget: int,
+                chunk: int) -> dict[str, Any]:  # fmt: skip
+    from ..hf import load
+    from ..kv import SnapKV
+
+    loaded, _ = load(model)
+    ids = _ids(length, loaded.config.vocab_size)
+    policy = SnapKV(budget if budget else keep)
+    # a short run of the same kind first: what the first call of a process allocates once
+    # (kernels loaded, routes measured, the allocator's arenas) is not the document's
+    _long_run(loaded, ids[:, : min(length, 2 * chunk + 8)], 2, mode, policy, chunk)
+    return _long_run(loaded, ids, steps, mode, policy, chunk)
+
+
+def _long_in_process(options: KvBenchOptions, length: int, mode: str) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from multihead.bench import kv; a = sys.argv[1:]; "
+        "print(json.dumps(kv._child_long(a[0], int(a[1]), int(a[2]), a[3], float(a[4]), "
+        "int(a[5]), int(a[6]))))"
+    )
+    args = [options.model, str(length), str(options.steps), mode, str(options.keep),
+            str(options.budget), str(options.chunk)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=3600)  # fmt: skip
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-1:]
+        raise RuntimeError(f"the {mode} run at {length} tokens failed: {tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ValueError(
+            "--lengths takes comma-separated prompt lengths, each an int >= 1. "
+            f"Received: --lengths {text!r}"
+        )
+    return sorted(set(lengths))
+
+
+def run_long_table(options: KvBenchOptions, *, say: Callable[[str], None] = print) -> dict:
+    """The long-document table: prompt length against peak memory growth, prompt seconds and
+    ms a decoding step, for the full cache, compression after the prompt and in chunks."""
+    from .._machine import cpu_info
+    from .suite import matmul_peaks
+
+    lengths = _parse_lengths(options.lengths)
+    if options.budget < 0 or not 0 < options.keep <= 1:
+        raise ValueError(
+            "--budget must be an int >= 0 and --keep in (0, 1]. "
+            f"Received: --budget {options.budget}, --keep {options.keep}"
+        )
+    out = V.check_out_dir("--out", options.out)
+    cpu, peaks = cpu_info()[0], matmul_peaks(1024)
+    kept = f"a {options.budget}-token budget" if options.budget else f"keep {options.keep}"
+    say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}; matmul peak "
+        f"fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s")  # fmt: skip
+    say(f"model {options.model}, float32; SnapKV at {kept}, chunks of {options.chunk}; "
+        f"{options.steps} decoding steps; each run in a process of its own")  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        for mode in _MODES:
+            row = {"length": length, "mode": mode, **_long_in_process(options, length, mode)}
+            rows.append(row)
+            say(f"  {length:>6} tokens {mode:>10}: peak growth {row['peak_growth'] / 2**20:8.0f} "
+                f"MiB, prompt {row['prompt_s']:7.2f} s, step {row['step_ms']:7.2f} ms, cache "
+                f"{row['cache_bytes'] / 2**20:7.1f} MiB")  # fmt: skip
+    report = {
+        "command": "multihead bench kv --lengths",
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "peaks_gflops": peaks,
+        "options": {k: str(v) for k, v in vars(options).items()},
+        "rows": rows,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "kv_long.json"
+    path.write_text(json.dumps(report, indent=2), encoding="utf-8")
+    say(f"wrote {path}")
+    figure = _long_figure(rows, out / "kv_long.png", f"{options.model}, SnapKV at {kept}")
+    if figure is not None:
+        say(f"wrote {figure}")
+    return report
+
+
+def _long_figure(rows: list[dict[str, Any]], path: Any, title: str) -> Any:
+    """Peak memory growth against prompt length, one line a mode (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in _MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        ax.plot([r["length"] for r in mine], [r["peak_growth"] / 2**20 for r in mine],
+                marker="o", label=mode)  # fmt: skip
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("peak memory growth (MiB)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print) -> dict:
-    """Run the three measurements; print them with the goals; write kv.json into --out."""
+    """Run the three measurements; print them with the goals; write kv.json into --out. With
+    ``--lengths``: the long-document table (``run_long_table``)."""
+    if options.lengths:
+        from .._extras import require
+
+        require("transformers", "hf", "multihead bench kv")
+        return run_long_table(options, say=say)
     from .._extras import require
     from .._machine import cpu_info
     from ..backends import fused
@@ -224,9 +407,9 @@ def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print)
     fused.build_error()  # the kernel built now, as bench kernels does
     model, _ = load(options.model)
     vocab = model.config.vocab_size
-    cpu, peaks, before = cpu_info()[0], matmul_peaks(1024), memory_bandwidth()
+    cpu, flops, before = cpu_info()[0], matmul_peaks(1024), memory_bandwidth()
     say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
-    say(f"matmul peak fp32 {peaks['float32']:.0f} GFLOP/s, bf16 {peaks['bfloat16']:.0f} GFLOP/s; "
+    say(f"matmul peak fp32 {flops['float32']:.0f} GFLOP/s, bf16 {flops['bfloat16']:.0f} GFLOP/s; "
         f"read bandwidth {before:.1f} GB/s; model {options.model}, float32")  # fmt: skip
     eager, why = None, "--no-eager"
     if options.eager:
@@ -286,7 +469,8 @@ def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print)
         "command": "multihead bench kv",
         "cpu": cpu,
         "threads": torch.get_num_threads(),
-        "peaks_gflops": peaks,
+        "peaks_gflops": flops,
+        "peak_growth": peaks,
         "bandwidth_gbs": [before, after],
         "options": {k: str(v) for k, v in vars(options).items()},
         "prompt": prompt,

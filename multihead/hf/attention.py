@@ -11,8 +11,10 @@ vocabulary, and one it cannot honour is refused by name: the function builds one
 capture, ablate, knockout, patch) runs the blocks' plan on that call through
 ``acting.run_plan``, as ``MultiHeadAttention`` does; a ``compress`` block, which keeps the
 layer's cache, runs its layers' calls itself (``Compression.layer_calls``, here
-``compressing.attend``). A decoding step's call (one query row) takes the short path of
-``decode_route.attend``, to the same result.
+``compress.attend``); the choice among these is ``acting.route``'s, which the library's own
+``MultiHeadAttention`` reads too. A knockout on a sliding-window layer whose cache has slid
+names positions, which are mapped to the columns the cache holds. A decoding step's call (one
+query row) takes the short path of ``decode_route.attend``, to the same result.
 """
 
 from __future__ import annotations
@@ -106,24 +108,47 @@ def attention_forward(
     _check_keywords(kwargs)
     plan = acting.plan_for(module)
     wants = _wants_weights(output_attentions)
-    plain = plan is None and not wants  # no block acts on the layer, no weights asked
-    decoding = plain and _decoding(query, key, value, dropout, position_bias, s_aux)
-    if decoding and (attention_mask is None or isinstance(attention_mask, Mask)):
+    step = (
+        not wants
+        and (attention_mask is None or isinstance(attention_mask, Mask))
+        and _decoding(query, key, value, dropout, position_bias, s_aux)
+    )
+    way = acting.route(plan, compressing=False, step=step)
+    if way == "step":
+        assert attention_mask is None or isinstance(attention_mask, Mask)
         return decode_route.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
-    if plan is not None and plan.compress is not None:  # the block keeps the layer's cache
+    if way == "compress":  # the block keeps the layer's cache
+        assert plan is not None and plan.compress is not None
         layer_calls = plan.compress.layer_calls
         assert layer_calls is not None
         out = layer_calls(plan, module, query, key, value, mask, bias, scaling, float(dropout))
         return out, None
     call = prepare(query, key, value, mask, bias, scaling, float(dropout), wants)
-    if plan is not None:
-        out, weights = acting.run_plan(plan, call)
+    if way == "plan":
+        assert plan is not None
+        out, weights = acting.run_plan(plan, call, key_offset=_key_offset(plan, key, kwargs))
         return out.transpose(1, 2).contiguous(), weights
     ran, weights = registry.run(call, "auto")
     assert ran is not None
     return ran.transpose(1, 2).contiguous(), weights
+
+
+def _key_offset(plan: acting.Plan, key: Tensor, kwargs: dict[str, Any]) -> int:
+    """The position of the call's first key column: 0, except on a sliding-window layer whose
+    cache has slid (transformers keeps its last W - 1 keys), where knockout's key positions
+    are mapped to the columns the cache holds. The newest query's position is read from
+    ``position_ids`` (its largest row: the row without left padding, whose positions are the
+    cache's); the decoders with a sliding cache pass them, and a call without them (an
+    encoder's local attention) has no cache."""
+    if not plan.knockouts or kwargs.get("sliding_window") is None:
+        return 0
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, Tensor) or positions.numel() == 0:
+        return 0  # an encoder's local attention (ModernBERT): no cache, keys from position 0
+    newest = int(positions[..., -1].max())
+    return max(newest + 1 - key.shape[2], 0)
 
 
 def _decoding(

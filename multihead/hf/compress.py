@@ -1,34 +1,45 @@
 """``compress``: a transformers model's KV cache compressed by a ``multihead.kv`` policy, from
-the scores its own attention calls compute.
+the scores its own attention calls compute, and the calls of the layers it covers.
 
-Inside ``with multihead.hf.compress(model, SnapKV(0.25)) as kv: model.generate(...)`` the
-prompt's attention call of each layer asks the kernel for the policy's statistic in the same
-pass (SnapKV: ``window_mass``; H2O: ``key_mass``; TOVA: the last row's weights), and the
-layer's cache is replaced at once by a ``CompressedLayer`` holding only the kept keys and
-values (the memory is freed). Decoding steps run over the kept slots at the positions the
-uncompressed sequence gives them: the cache reports the uncompressed length to transformers,
-which therefore makes its masks and positions as without compression, and each mask is read
-at the kept positions (``LayerState.slot_mask``). H2O and TOVA read each step's scores from
-the same kernel call and evict back to the budget.
+Inside ``with multihead.hf.compress(model, SnapKV(0.25)) as kv: model.generate(...)`` every
+call of a covered layer goes through ``multihead.kv``'s protocol: ``kv.request`` says which
+statistic the call computes in the same kernel pass as its output (SnapKV: ``window_mass`` of
+the last rows; H2O: ``key_mass``; TOVA: the last row's weights), and the layer's
+``LayerState.observe`` takes it and cuts the cache back to the budget. The prompt's call (or
+its first chunk) replaces the layer's cache by a ``CompressedLayer`` holding only the kept keys
+and values (the memory is freed); later chunks and decoding steps run over the kept slots at
+the positions the uncompressed sequence gives them: the cache reports the uncompressed length
+to transformers, which therefore makes its masks and positions as without compression, and
+each mask is read at the kept positions (``LayerState.slot_mask``).
+
+With ``chunk=N`` the model's forward runs a long input N tokens at a time on the same cache,
+with logits for the last position only, so a prompt's memory above the weights grows with the
+budget and N rather than with the prompt. In a model with both sliding-window and global
+layers (Gemma 2 and 3) the sliding layers keep transformers' own window cache and nothing
+else; the policy's budget applies to the global layers, the only ones whose cache grows.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from ..acting import Compression, active, find, open_block
+from .. import acting
+from ..acting import Compression, active, compressed, find, open_block
+from ..bias import ScoreModifier
 from ..kv import Policy
-from . import compressing
+from ..masks import Mask
+from . import kv_cache
 from ._transformers import attn_implementation
 from .capture import READER
 from .registration import NAME
 
-__all__ = ["Compression", "compress"]
+__all__ = ["Compression", "attend", "compress"]
 
 
 def _check_policy(policy: object) -> Policy:
@@ -63,23 +74,31 @@ def _check_model(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def compress(model: nn.Module, policy: Policy) -> Iterator[Compression]:
+def compress(
+    model: nn.Module, policy: Policy, *, chunk: int | None = None
+) -> Iterator[Compression]:
     """Compress ``model``'s KV cache with ``policy`` while it runs.
 
     ::
 
-        with torch.inference_mode(), multihead.hf.compress(model, SnapKV(0.25)) as kv:
+        with torch.inference_mode(), multihead.hf.compress(model, SnapKV(0.25), chunk=512) as kv:
             out = model.generate(**inputs, max_new_tokens=32)
-        kv.kept[0]  # (B, H_kv, n): the positions layer 0's KV heads kept
+        kv.kept[5]  # (B, H_kv, n): the positions layer 5's KV heads kept
 
     Every call that starts a cache (the prompt of ``generate``, or a forward with
     ``use_cache=True``) compresses each layer's cache right after its attention call, from
     the statistics that call computed; decoding steps append to the compressed cache and, for
-    H2O, TOVA and StreamingLLM, evict back to the budget.
+    H2O, TOVA and StreamingLLM, evict back to the budget. A fractional ``keep`` counts every
+    token seen (prompt and generated), so ``keep=1.0`` never evicts.
 
     Args:
         model: a transformers causal LM on ``attn_implementation="multihead"``.
         policy: a ``multihead.kv`` policy.
+        chunk: run every forward of more than ``chunk`` tokens (the prompt) ``chunk`` tokens
+            at a time on one cache, each layer cut back to the budget after each chunk from
+            that chunk's statistics (SnapKV's window: the chunk's last rows; H2O adds up; a
+            forward without a cache gets a ``DynamicCache``). The output then holds the
+            logits of the last position only. None (default): the prompt runs whole.
 
     Yields:
         A ``Compression`` record: ``kept`` (the positions each KV head keeps, per layer),
@@ -87,32 +106,146 @@ def compress(model: nn.Module, policy: Policy) -> Iterator[Compression]:
 
     Raises:
         TypeError: ``policy`` is not a policy record, ``model`` not a transformers model (the
-            library's own decoders take ``KVCache(policy=)``).
+            library's own decoders take ``generate(compress=, chunk=)``).
         ValueError: a model not on "multihead", gradients enabled, a second compress block
-            on the same model, and at the prompt's call a cache that cannot shrink (a static
-            cache) or another block (capture, ablate, knockout, patch) acting on the same
-            layer.
+            on the same model, a ``chunk`` that is not an int >= 1, and at the prompt's call
+            a cache that cannot shrink (a static cache) or another block (capture, ablate,
+            knockout, patch) acting on the same layer; with ``chunk``, a forward that asks
+            for every position's attentions or hidden states, or a 4-D attention mask.
     """
     policy = _check_policy(policy)
     reader, found = find(model, "compress")
     if reader is not READER:
         raise TypeError(
             "compress takes a transformers model; the library's own decoders compress their "
-            "KVCache themselves: generate(compress=policy) or KVCache(policy=policy). "
+            "KVCache themselves: generate(compress=policy, chunk=N) or KVCache(policy=policy). "
             f"Received: model of type {type(model).__name__}"
         )
     _check_model(model)
-    block = Compression(None, len(found), policy=policy, layer_calls=compressing.attend)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be an int >= 1 (tokens a prompt chunk). Received: {chunk!r}")
+    block = Compression(None, len(found), policy=policy, layer_calls=attend)
 
     def remember(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
         block._caches[module] = cache
 
     handles = [layer.register_forward_pre_hook(remember, with_kwargs=True) for layer in found]
+    own = "forward" in model.__dict__
+    if chunk is not None:
+        model.forward = _chunked(model, model.forward, chunk)
     try:
         with open_block(model, block, reader, found):
             yield block
     finally:
         for handle in handles:
             handle.remove()
+        if chunk is not None:
+            if own:
+                model.forward = model.forward.__wrapped__  # type: ignore[attr-defined]
+            else:
+                del model.forward
         block._caches.clear()
+
+
+# the inputs of a causal LM's forward that run along the sequence: cut to each chunk
+_ALONG = ("input_ids", "inputs_embeds", "position_ids", "token_type_ids")
+
+
+def _chunked(model: nn.Module, forward: Callable[..., Any], chunk: int) -> Callable[..., Any]:
+    """``forward`` that runs an input longer than ``chunk`` tokens a chunk at a time on one
+    cache, with the last position's logits only."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if args:  # transformers' forward takes input_ids first
+            kwargs = {"input_ids": args[0], **kwargs}
+            args = args[1:]
+        seq = kwargs.get("input_ids")
+        seq = kwargs.get("inputs_embeds") if seq is None else seq
+        if args or seq is None or seq.shape[1] <= chunk or kwargs.get("use_cache") is False:
+            return forward(*args, **kwargs)
+        _check_chunked_call(kwargs)
+        if kwargs.get("past_key_values") is None:
+            from transformers import DynamicCache
+
+            kwargs["past_key_values"] = DynamicCache(config=getattr(model, "config", None))
+        length, out = seq.shape[1], None
+        for start in range(0, length, chunk):
+            end = min(start + chunk, length)
+            part = dict(kwargs, logits_to_keep=1, use_cache=True)
+            for name in _ALONG:
+                if kwargs.get(name) is not None:
+                    part[name] = kwargs[name][:, start:end]
+            if kwargs.get("cache_position") is not None:
+                part["cache_position"] = kwargs["cache_position"][start:end]
+            if kwargs.get("attention_mask") is not None:
+                mask = kwargs["attention_mask"]  # (B, past + L): everything up to the chunk's end
+                part["attention_mask"] = mask[:, : mask.shape[1] - length + end]
+            out = forward(**part)
+        return out
+
+    return run
+
+
+def _check_chunked_call(kwargs: dict[str, Any]) -> None:
+    for name in ("output_attentions", "output_hidden_states"):
+        if kwargs.get(name):
+            raise ValueError(
+                f"compress(chunk=) runs a long input in chunks and keeps the last position's "
+                f"logits only; it cannot return every position's {name[7:]}. Run without "
+                f"chunk, or without {name}. Received: {name}=True"
+            )
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            "compress(chunk=) cuts a 2-D attention mask (B, length) to each chunk; a 4-D mask "
+            f"cannot be cut. Received: attention_mask of shape {tuple(mask.shape)}"
+        )
+
+
+def attend(
+    plan: acting.Plan,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    bias: ScoreModifier | None,
+    scale: float | None,
+    dropout: float,
+) -> Tensor:
+    """A call of a layer that a ``compress`` block covers, as the bridge's attention function
+    hands it over (``Compression.layer_calls``), in transformers' layout (B, L, H, D_v): the
+    layer's cache is found (or, at the call that fills it, replaced by a ``CompressedLayer``)
+    and the call goes down to ``acting.compressed.run`` once. A sliding layer of a model with
+    global layers keeps transformers' window cache, and a call without a cache attends
+    plainly."""
+    block = plan.compress
+    assert block is not None and block.policy is not None
+    _check_alone(plan)
+    holder = kv_cache.holder(block, module, plan.layer, keeps_window=_keeps_window)
+    out = compressed.run(block.policy, holder, query, key, value, mask, bias, scale, dropout)
+    if holder is not None and holder.state is not None:
+        block.states[plan.layer] = holder.state
+    return out
+
+
+def _check_alone(plan: acting.Plan) -> None:
+    """Refuse the other blocks on the layer: ``compress`` keeps its cache alone."""
+    if plan.capture is not None or plan.scales or plan.knockouts or plan.patches:
+        raise ValueError(
+            "compress does not combine with capture, ablate, knockout or patch on the same "
+            "layer: run them in separate blocks. Received: another block acting on layer "
+            f"{plan.layer} inside compress"
+        )
+
+
+def _keeps_window(cache: Any, index: int) -> bool:
+    """Whether cache layer ``index`` is a sliding-window layer of a model that also has global
+    layers: it keeps transformers' window cache, and the policy's budget goes to the global
+    layers."""
+    sliding = getattr(cache, "is_sliding", None)
+    if not isinstance(sliding, list) or not sliding or all(sliding):
+        return False
+    return index < len(sliding) and bool(sliding[index])

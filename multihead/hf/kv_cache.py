@@ -1,6 +1,6 @@
 """The cache side of ``compress``: ``CompressedLayer``, a transformers cache layer over a
-``multihead.kv.LayerState``, and the two steps the attention function takes with it (``start``
-after the prompt's call, ``state_of`` for a call over a compressed cache).
+``multihead.kv.LayerState``, and ``holder``, which finds it for a call (or puts a new one in
+place of transformers' layer at the call that fills the cache).
 
 The layer reports the uncompressed length to transformers, which therefore makes positions and
 masks as without compression; the attention function reads each mask at the kept positions.
@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicLayer
 
 from ..acting import Compression
-from ..kv import LayerState, grouped
+from ..kv import LayerState
 
-__all__ = ["CompressedLayer", "grouped", "layer_index", "start", "state_of"]
+__all__ = ["CompressedLayer", "holder", "layer_index"]
 
 
 class CompressedLayer(DynamicLayer):
@@ -24,11 +24,12 @@ class CompressedLayer(DynamicLayer):
     and reports the uncompressed length (so positions and masks are made as without
     compression)."""
 
-    def __init__(self, state: LayerState, sliding: bool) -> None:
+    def __init__(self, state: LayerState | None, sliding: bool, old: Any = None) -> None:
         super().__init__()
         self.state = state
         self.is_sliding = sliding
-        self.dtype, self.device = state.keys.dtype, state.keys.device
+        where = state.keys if state is not None else old.keys
+        self.dtype, self.device = where.dtype, where.device
         self.is_initialized = True
 
     @property
@@ -38,8 +39,8 @@ class CompressedLayer(DynamicLayer):
 
     @keys.setter
     def keys(self, value: Tensor | None) -> None:
-        if "state" in self.__dict__ and value is not None:
-            self.state.keys = value
+        if self.__dict__.get("state") is not None and value is not None:
+            self._filled().keys = value
 
     @property
     def values(self) -> Tensor | None:
@@ -48,17 +49,22 @@ class CompressedLayer(DynamicLayer):
 
     @values.setter
     def values(self, value: Tensor | None) -> None:
-        if "state" in self.__dict__ and value is not None:
-            self.state.values = value
+        if self.__dict__.get("state") is not None and value is not None:
+            self._filled().values = value
+
+    def _filled(self) -> LayerState:
+        if self.state is None:
+            raise RuntimeError("a compressed cache layer was used before its first call ended")
+        return self.state
 
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any):
-        return self.state.append(key_states, value_states)
+        return self._filled().append(key_states, value_states)
 
     def get_seq_length(self) -> int:
-        return self.state.total
+        return self._filled().total
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.total + query_length, 0
+        return self._filled().total + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -67,7 +73,7 @@ class CompressedLayer(DynamicLayer):
         )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        state = self.state
+        state = self._filled()
         for name in ("keys", "values", "positions", "scores", "ok"):
             value = getattr(state, name)
             if value is not None:
@@ -75,7 +81,7 @@ class CompressedLayer(DynamicLayer):
         state.sinks_end = state.sinks_end.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        state = self.state
+        state = self._filled()
         for name in ("keys", "values", "positions", "scores", "ok", "sinks_end"):
             value = getattr(state, name)
             if value is not None:
@@ -88,41 +94,28 @@ def layer_index(module: nn.Module, layer: int) -> int:
     return index if isinstance(index, int) else layer
 
 
-def start(
-    block: Compression,
-    module: nn.Module,
-    layer: int,
-    key: Tensor,
-    value: Tensor,
-    scores: Tensor | None,
-    valid: Tensor,
-) -> None:
-    """After the call that filled a layer's cache: replace it by its compressed form."""
+def holder(
+    block: Compression, module: nn.Module, layer: int, *, keeps_window: Any
+) -> CompressedLayer | None:
+    """The ``CompressedLayer`` this call's cache holds for the layer; at the call that fills
+    it (a transformers ``DynamicLayer`` there), a new one without a state yet, put in its
+    place. None where the call has no cache or ``keeps_window(cache, index)`` says the layer
+    keeps transformers' own window cache."""
     cache = block.cache_of(module)
     if cache is None:
-        return
+        return None
     index = layer_index(module, layer)
-    old = cache.layers[index]
-    if not isinstance(old, DynamicLayer):
+    if index >= len(cache.layers) or keeps_window(cache, index):
+        return None
+    found = cache.layers[index]
+    if isinstance(found, CompressedLayer):
+        return found
+    if not isinstance(found, DynamicLayer):
         raise ValueError(
             "compress shrinks the KV cache's tensors, which a static cache cannot do (its "
             "size is fixed when it is made): use generate()'s default dynamic cache. "
-            f"Received: a cache layer of type {type(old).__name__}"
+            f"Received: a cache layer of type {type(found).__name__}"
         )
-    assert block.policy is not None
-    kv_scores = None if scores is None else grouped(scores, key.shape[1])
-    state = LayerState.from_prompt(block.policy, key, value, kv_scores, valid)
-    cache.layers[index] = CompressedLayer(state, bool(getattr(old, "is_sliding", False)))
-    block.states[layer] = state
-
-
-def state_of(block: Compression, module: nn.Module, layer: int) -> LayerState | None:
-    """The compressed state this call's cache holds for the layer, or None (a new cache)."""
-    cache = block.cache_of(module)
-    if cache is None:
-        return None
-    index = layer_index(module, layer)
-    if index >= len(cache.layers):
-        return None
-    found = cache.layers[index]
-    return found.state if isinstance(found, CompressedLayer) else None
+    pending = CompressedLayer(None, bool(getattr(found, "is_sliding", False)), found)
+    cache.layers[index] = pending
+    return pending

@@ -2,7 +2,12 @@
 
 A policy is a small record (``SnapKV(keep=0.25)``, ``H2O``, ``TOVA``, ``StreamingLLM``); one
 selection function (``select``) turns a policy, its scores and a cache's slots into the kept
-positions; ``LayerState`` is one layer's compressed cache. ``multihead.hf.compress`` applies a
+positions; ``LayerState`` is one layer's compressed cache.
+
+The protocol, the same for the prompt, each of its chunks and each decoding step, in both
+worlds: ``request(policy, state, rows)`` says which statistic the call computes (in the same
+kernel pass as its output), and ``LayerState.observe(scores, rows)`` takes it and cuts the
+layer back to its budget. ``multihead.hf.compress`` applies a
 policy to a transformers model's cache, ``KVCache(policy=...)`` and
 ``generate(..., compress=...)`` to the library's own decoders. See the guide "Long inputs in
 bounded memory".
@@ -12,7 +17,7 @@ from __future__ import annotations
 
 from .policies import H2O, POLICIES, TOVA, Policy, SnapKV, StreamingLLM, policy
 from .select import Selection, select, sink_bound
-from .state import LayerState, grouped
+from .state import LayerState, causal_band, grouped, request
 
 __all__ = [
     "H2O",
@@ -23,8 +28,10 @@ __all__ = [
     "Selection",
     "SnapKV",
     "StreamingLLM",
+    "causal_band",
     "grouped",
     "policy",
+    "request",
     "select",
     "sink_bound",
 ]

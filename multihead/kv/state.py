@@ -10,17 +10,53 @@ tensors are gathered into smaller ones when keys are evicted: the memory is free
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from .policies import Policy
 from .select import select, sink_bound
 
-__all__ = ["LayerState", "grouped"]
+__all__ = ["LayerState", "causal_band", "grouped", "request"]
 
 # evicted slots hidden in place before a decoding cache is gathered anew: the gather copies
 # the whole layer, so it runs once every this many evictions rather than at every step
 _SLACK = 32
+
+
+def request(policy: Policy, state: LayerState | None, rows: int) -> tuple[str, int | None] | None:
+    """The protocol's first verb: the statistic a call of ``rows`` query rows computes for
+    ``policy``, as ``(name, window)`` (what ``multihead.attention_stats`` takes), or None.
+
+    A call that fills the cache (``state`` None: the prompt, or its first chunk) or adds
+    several tokens to it (a later chunk) computes the policy's own statistic: SnapKV the
+    attention of its last ``window`` rows (the chunk's last rows), TOVA of the last row, H2O
+    of every row. A decoding step (one row) computes one only for the policies that evict as
+    they decode (H2O: its row's mass, TOVA: its row); StreamingLLM never needs one.
+    """
+    stat = policy.prompt_stat
+    if stat is None:
+        return None
+    filling = state is None or rows > 1
+    if not filling and not policy.evicts_while_decoding:
+        return None
+    if stat == "key_mass":
+        return ("key_mass", None)
+    window = getattr(policy, "window", 1) if filling else 1
+    return ("window_mass", max(1, min(int(window), rows)))
+
+
+def causal_band(seen: Tensor) -> bool:
+    """Whether a slot mask (B|1, H|1, L, n) bool is the bottom-right causal band: each query
+    sees every slot before the call's own keys and those up to itself (a chunk over kept
+    slots that all precede it). Its callers then hand the kernel the causal mask, whose tiles
+    are known, instead of a dense one."""
+    length_q, n = seen.shape[-2:]
+    if length_q > n:
+        return False
+    band = torch.ones(length_q, n, dtype=torch.bool, device=seen.device).tril(n - length_q)
+    return bool((seen == band).all())
 
 
 def grouped(scores: Tensor, kv_heads: int) -> Tensor:
@@ -35,7 +71,9 @@ class LayerState:
 
     Attributes:
         policy: the policy it follows.
-        budget: the keys each KV head keeps (on average, with adaptive budgets).
+        budget: the keys each KV head keeps (on average, with adaptive budgets): a token
+            budget as given, a fraction of every token seen so far (prompt, chunks and
+            decoded tokens), so that ``keep=1.0`` never evicts.
         keys, values: (B, H_kv, n, D) and (B, H_kv, n, D_v), the kept slots.
         positions: (B, H_kv, n) int64, the original position of each slot.
         ok: (B, H_kv, n) bool, False at slots a head does not use (heads that keep fewer than
@@ -50,7 +88,6 @@ class LayerState:
     def __init__(
         self,
         policy: Policy,
-        budget: int,
         keys: Tensor,
         values: Tensor,
         positions: Tensor,
@@ -59,7 +96,7 @@ class LayerState:
         scores: Tensor | None = None,
         ok: Tensor | None = None,
     ) -> None:
-        self.policy, self.budget = policy, budget
+        self.policy = policy
         self.keys, self.values, self.positions = keys, values, positions
         self.sinks_end, self.ends = sinks_end, ends
         self.total = int(ends.max()) if ends.numel() else 0
@@ -89,12 +126,16 @@ class LayerState:
         sinks_end = sink_bound(valid, policy.sinks)
         if ends is None:
             ends = torch.full((b,), length, dtype=torch.long, device=keys.device)
-        budget = policy.budget_for(length)
-        state = cls(policy, budget, keys, values, positions, sinks_end, ends)
+        state = cls(policy, keys, values, positions, sinks_end, ends)
         state.scores = None if scores is None else scores.to(torch.float64)
         valid_slots = valid[:, None, :].expand(b, kv_heads, length)
         state._keep(valid_slots, force=not bool(valid.all()))
         return state
+
+    @property
+    def budget(self) -> int:
+        """Keys each KV head keeps now: the policy's budget of every token seen so far."""
+        return self.policy.budget_for(self.total)
 
     @property
     def length(self) -> int:
@@ -106,41 +147,59 @@ class LayerState:
         """Bytes of the kept keys and values."""
         return self.keys.nbytes + self.values.nbytes
 
-    def append(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    def append(
+        self, keys: Tensor, values: Tensor, counts: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Add the new tokens' keys and values (B, H_kv, L, D) at the next positions; returns
-        the whole cache."""
+        the whole cache. ``counts`` (B,): the real new tokens of each row, the first of its L
+        (right padding: the rest are hidden slots, given back at the next shrink); default L
+        for every row."""
         b, kv_heads, new = keys.shape[:3]
-        fresh = self.ends[:, None] + torch.arange(new, device=keys.device)  # (B, L)
+        ar = torch.arange(new, device=keys.device)
+        fresh = self.ends[:, None] + ar  # (B, L)
+        real = None if counts is None else ar[None] < counts[:, None]
+        if real is not None:
+            fresh = torch.where(real, fresh, 0)  # a padding slot holds no position
+        if self.ok is not None or real is not None:
+            added = (
+                torch.ones(b, kv_heads, new, dtype=torch.bool, device=keys.device)
+                if real is None
+                else real[:, None].expand(b, kv_heads, new)
+            )
+            self.ok = torch.cat([self._valid(), added], dim=2)
         self.keys = torch.cat([self.keys, keys], dim=2)
         self.values = torch.cat([self.values, values], dim=2)
         self.positions = torch.cat([self.positions, fresh[:, None].expand(b, kv_heads, new)], 2)
-        if self.ok is not None:
-            self.ok = torch.cat([self.ok, self.ok.new_ones(b, kv_heads, new)], dim=2)
         if self.scores is not None:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(b, kv_heads, new)], 2)
-        self.ends = self.ends + new
-        self.total += new
+        self.ends = self.ends + (new if counts is None else counts.to(self.ends.device))
+        self.total = int(self.ends.max()) if self.ends.numel() else 0
         return self.keys, self.values
 
-    def observe(self, scores: Tensor) -> None:
-        """A call's scores over the slots (B, H_kv, n): added up (H2O) or in place of the last
-        (TOVA), then the cache shrunk back to its budget where the policy evicts as it
-        decodes."""
-        step = scores.to(torch.float64)
-        if self.policy.prompt_stat == "key_mass" and self.scores is not None:
-            self.scores = self.scores + step
-        else:
-            self.scores = step
-        self.shrink()
+    def observe(self, scores: Tensor | None, rows: int = 1) -> None:
+        """The protocol's second verb: a call's scores over the slots (B, H_kv, n), or None
+        where ``request`` asked for none, taken in (added up for H2O, in place of the last
+        for SnapKV and TOVA), then the cache cut back to its budget after a call of several
+        rows (the prompt's chunks) and after every decoding step of a policy that evicts as
+        it decodes."""
+        if scores is not None:
+            step = scores.to(torch.float64)
+            if self.policy.prompt_stat == "key_mass" and self.scores is not None:
+                self.scores = self.scores + step
+            else:
+                self.scores = step
+        if rows > 1 or self.policy.evicts_while_decoding:
+            self.shrink(whole=rows > 1)
 
-    def shrink(self) -> None:
-        """Evict down to the budget (policies that evict while decoding). An evicted slot is
-        hidden at once (``ok``) and its memory given back when ``_SLACK`` slots are hidden:
-        one gather of the cache every ``_SLACK`` steps rather than at every step."""
-        if not self.policy.evicts_while_decoding or _whole(self.policy):
-            return  # keep 1.0 is the whole sequence, the tokens decoded so far included
+    def shrink(self, *, whole: bool = False) -> None:
+        """Evict down to the budget. While decoding an evicted slot is hidden at once
+        (``ok``) and its memory given back when ``_SLACK`` slots are hidden: one gather of the
+        cache every ``_SLACK`` steps rather than at every step; ``whole`` (after a chunk)
+        gives the memory back at once."""
         valid = self._valid()
         if int(valid.sum(-1).max()) <= self.budget:
+            if whole and self.ok is not None and not bool(self.ok.all()):
+                self._keep(valid, force=True)  # the chunk's padding slots
             return
         chosen = select(
             self.policy, scores=self.scores, positions=self.positions, valid=valid,
@@ -148,7 +207,7 @@ class LayerState:
         )  # fmt: skip
         used = torch.ones_like(chosen.index, dtype=torch.bool) if chosen.ok is None else chosen.ok
         keep = torch.zeros_like(valid).scatter_(2, chosen.index, used) & valid
-        if self.length - self.budget >= _SLACK:
+        if whole or self.length - self.budget >= _SLACK:
             self._keep(keep, force=True)
         else:
             self.ok = keep
@@ -196,6 +255,27 @@ class LayerState:
             seen = seen & self.ok.repeat_interleave(group, dim=1)[:, :, None, :]
         return seen
 
+    def slot_mask_of(self, mod: Callable[..., Tensor], heads: int, rows: int) -> Tensor | None:
+        """``slot_mask`` from a predicate ``mod(b, h, q_idx, kv_idx) -> bool`` (a mask's
+        ``mask_mod`` for the call's rows over the uncompressed sequence) evaluated at the kept
+        positions alone: (B, H, L, n) bool without the (L, total) dense mask, or None when
+        every slot is visible."""
+        b, kv_heads, n = self.positions.shape
+        group = heads // kv_heads
+        device = self.positions.device
+        where = self.positions.repeat_interleave(group, dim=1)[:, :, None, :]  # (B, H, 1, n)
+        seen = mod(
+            torch.arange(b, device=device)[:, None, None, None],
+            torch.arange(heads, device=device)[None, :, None, None],
+            torch.arange(rows, device=device)[None, None, :, None],
+            where,
+        ).expand(b, heads, rows, n)
+        if self.ok is not None:
+            seen = seen & self.ok.repeat_interleave(group, dim=1)[:, :, None, :]
+        elif bool(seen.all()):
+            return None
+        return seen
+
     def kept(self) -> Tensor | list[list[Tensor]]:
         """The positions each KV head keeps, ascending: (B, H_kv, n), or where heads keep
         different numbers (adaptive budgets, padded rows) a list over batch rows of lists over
@@ -214,9 +294,3 @@ class LayerState:
 def _gather_rows(tensor: Tensor, index: Tensor) -> Tensor:
     """tensor (B, H_kv, m, D) at slots index (B, H_kv, n) -> (B, H_kv, n, D), contiguous."""
     return tensor.gather(2, index[..., None].expand(*index.shape, tensor.shape[-1]))
-
-
-def _whole(policy: Policy) -> bool:
-    """keep=1.0 (the float): the whole sequence, the tokens decoded so far included (a token
-    budget of 1, the int, is not)."""
-    return isinstance(policy.keep, float) and policy.keep == 1.0

@@ -13,7 +13,7 @@ from .. import _geometry as G
 from .._validation import check_indices
 from .base import _EMPTY, Mask, Tile, TileKind
 
-__all__ = ["knockout", "positions"]
+__all__ = ["knockout", "positions", "reaches", "shifted"]
 
 
 def positions(name: str, value: object) -> Tensor:
@@ -179,3 +179,24 @@ def knockout(
         )  # fmt: skip
         chosen = torch.tensor(sorted(picked), dtype=torch.long)
     return _Knockout(q, k, chosen, num_heads if heads is not None else None)
+
+
+def shifted(mask: Mask, offset: int) -> Mask:
+    """A knockout for a call whose first key column is position ``offset`` (a sliding-window
+    cache that has slid): its query and key positions moved down by ``offset``, those below
+    it dropped (keys the cache no longer holds). Any other mask is returned unchanged."""
+    if not isinstance(mask, _Knockout) or offset == 0:
+        return mask
+    q, k = mask.queries, mask.keys
+    return _Knockout(q[q >= offset] - offset, k[k >= offset] - offset, mask.heads, mask.num_heads)
+
+
+def reaches(mask: Mask, length_q: int, length_k: int) -> bool:
+    """Whether a call of ``length_q`` query rows over ``length_k`` keys holds one of the
+    knockout's query positions and one of its key positions (True for any other mask)."""
+    if not isinstance(mask, _Knockout):
+        return True
+    off = G.offset("bottom_right", length_q, length_k)
+    return bool(mask._count(mask.queries, off, off + length_q)) and bool(
+        mask._count(mask.keys, 0, length_k)
+    )

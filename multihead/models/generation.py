@@ -61,6 +61,7 @@ class Generation:
         eos_token_id: int | Sequence[int] | None = None,
         streamer: Any = None,
         compress: Policy | None = None,
+        chunk: int | None = None,
     ) -> Tensor:
         """Greedy or sampled continuation of every row, with a ``KVCache``: token ids in,
         token ids out (text goes through ``generate_text`` and ``stream_text``).
@@ -92,6 +93,10 @@ class Generation:
             compress: a ``multihead.kv`` policy: the KV cache is compressed from the
                 attention's own scores after the prompt (and kept at its budget while
                 decoding for H2O, TOVA and StreamingLLM); see ``KVCache(policy=)``.
+            chunk: with ``compress``, run the prompt ``chunk`` tokens at a time and cut every
+                layer's cache back to the policy's budget after each chunk, from that
+                chunk's statistics: the memory above the weights then grows with the budget
+                and ``chunk``, not with the prompt. None (default): the prompt runs whole.
 
         Raises:
             TypeError: text instead of ids (call ``generate_text``).
@@ -112,6 +117,7 @@ class Generation:
             )
         choose = Sampler.checked(max_new_tokens, do_sample, temperature, top_k, top_p, generator)
         stop = _eos_list(eos_token_id)
+        _check_chunk(chunk, compress)
         ids, lengths, shift = self._prepare(input_ids, lengths, padding_side, attention_mask)
         self._check_budget(ids.shape[0], int(lengths.max()), max_new_tokens)
         if streamer is not None and not (callable(getattr(streamer, "put", None))
@@ -125,7 +131,9 @@ class Generation:
         )
         if streamer is not None:
             streamer.put(input_ids)
-        steps = self._steps(ids, lengths, max_new_tokens, choose, stop, policy=compress)
+        steps = self._steps(
+            ids, lengths, max_new_tokens, choose, stop, policy=compress, chunk=chunk
+        )
         for t, token in enumerate(steps):
             new[:, t] = token
             if streamer is not None:
@@ -269,6 +277,7 @@ class Generation:
         stop: list[int],
         *,
         policy: Policy | None = None,
+        chunk: int | None = None,
     ) -> Iterator[Tensor]:
         """Yield each step's new token of every row (B,), prefill first. A row that has
         produced a stop token gets ``pad_token_id`` from then on; the steps end after
@@ -276,9 +285,13 @@ class Generation:
         if not max_new_tokens:
             return
         b = ids.shape[0]
-        cache = self.new_cache(b, max_length=int(lengths.max()) + max_new_tokens, policy=policy)
-        hidden = self.extend(ids, lengths, cache)
-        last = hidden[torch.arange(b, device=ids.device), lengths - 1]  # [B, E]
+        if chunk is None:
+            cache = self.new_cache(b, int(lengths.max()) + max_new_tokens, policy=policy)
+            hidden = self.extend(ids, lengths, cache)
+            last = hidden[torch.arange(b, device=ids.device), lengths - 1]  # [B, E]
+        else:  # a growing cache: it never holds more than the first chunk uncompressed
+            cache = self.new_cache(b, None, policy=policy)
+            last = self._chunked_prompt(ids, lengths, cache, chunk)
         done = torch.zeros(b, dtype=torch.bool, device=ids.device)
         stops = torch.tensor(stop, dtype=ids.dtype, device=ids.device)
         for t in range(max_new_tokens):
@@ -290,6 +303,25 @@ class Generation:
             if t + 1 == max_new_tokens or (stop and bool(done.all())):
                 return
             last = self.extend(token[:, None], 1, cache)[:, 0]
+
+    def _chunked_prompt(self, ids: Tensor, lengths: Tensor, cache: Any, chunk: int) -> Tensor:
+        """The prompts run ``chunk`` columns at a time on ``cache`` (which compresses after
+        each); returns each row's last hidden state (B, E)."""
+        b = ids.shape[0]
+        rows = torch.arange(b, device=ids.device)
+        last: Tensor | None = None
+        for start in range(0, int(lengths.max()), chunk):
+            piece = ids[:, start : start + chunk]
+            counts = (lengths - start).clamp(0, piece.shape[1])
+            hidden = self.extend(piece, counts, cache)
+            ends = lengths - 1 - start  # each row's last token, where it falls in this chunk
+            here = (ends >= 0) & (ends < piece.shape[1])
+            if last is None:
+                last = hidden.new_zeros(b, hidden.shape[-1])
+            if bool(here.any()):
+                last[here] = hidden[rows[here], ends[here]]
+        assert last is not None  # every prompt has a token
+        return last
 
     def _check_texts(self, texts: object, where: str) -> list[str]:
         if self.tokenizer is None:
@@ -330,6 +362,19 @@ class Generation:
         device = self._activations.device  # the norm's: a packed lm_head would dequantize
         ids, lengths, _ = self._prepare(ids.to(device), lengths.to(device), "right")
         return ids, lengths
+
+
+def _check_chunk(chunk: object, compress: object) -> None:
+    if chunk is None:
+        return
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1 (tokens a prompt chunk). Received: {chunk!r}")
+    if compress is None:
+        raise ValueError(
+            "chunk runs the prompt in pieces so that a compressed cache is cut back between "
+            "them; without compress the cache holds the whole prompt anyway: pass "
+            f"compress=policy, or leave chunk out. Received: chunk={chunk}, compress=None"
+        )
 
 
 def _stream_pieces(tokenizer: Any, prompt: list[int], tokens: Iterator[int]) -> Iterator[str]:

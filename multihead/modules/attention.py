@@ -182,22 +182,31 @@ class MultiHeadAttention(nn.Module):
                 parameters (outside autocast).
         """
         plan = acting.plan_for(self)
-        if _compressing(cache):
+        compressing = _compressing(cache)
+        if compressing:
             _check_alone(plan)
         _check_knockouts(plan, cache)
         q, k, v, mask = self._project(query, key, value, mask, positions, cache)
         dropout_p = self._dropout_p()
-        if _compressing(cache):
+        step = (
+            cache is not None
+            and bias is None
+            and dropout_p == 0.0
+            and (mask is None or isinstance(mask, Mask))
+            and decode_route.applies(q, k, v)
+        )
+        way = acting.route(plan, compressing=compressing, step=step)
+        if way == "compress":
             assert cache is not None
             return self.out_proj(merge_heads(_scored(cache, q, k, v, mask, bias)))
-        if plan is not None:  # a block acts on this layer
+        if way == "plan":  # a block acts on this layer
+            assert plan is not None
             call = prepare(q, k, v, mask, bias, None, dropout_p, False)
             out, _ = acting.run_plan(plan, call)
             return self.out_proj(merge_heads(out))
-        stepping = cache is not None and bias is None and dropout_p == 0.0
-        if stepping and (mask is None or isinstance(mask, Mask)) and decode_route.applies(q, k, v):
+        if way == "step":
             # a decoding step: every layer's call has the step's mask (multihead/decode_route.py)
-            out = decode_route.attend(q, k, v, mask, None, None)
+            out = decode_route.attend(q, k, v, mask, None, None)  # type: ignore[arg-type]
             return self.out_proj(out.reshape(out.shape[0], 1, -1))  # (B, 1, H, D_v) -> merged
         out = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p)
         return self.out_proj(merge_heads(out))

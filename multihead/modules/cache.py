@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import _validation as V
 from .. import masks
-from ..kv import LayerState, Policy, grouped
+from ..kv import LayerState, Policy, causal_band, grouped, request
 from ..masks import Mask
 
 __all__ = ["CacheStep", "KVCache", "LayerCache"]
@@ -251,18 +251,9 @@ class KVCache:
     def request(self, layer: int) -> tuple[str, int | None] | None:
         """The statistic layer ``layer``'s attention computes this step for the policy:
         ``(name, window)``, or None (no policy, or none needed this step)."""
-        policy = self.policy
-        if policy is None or policy.prompt_stat is None:
+        if self.policy is None:
             return None
-        state = self._states.get(layer)
-        if state is not None and not policy.evicts_while_decoding:
-            return None
-        rows = getattr(policy, "window", 1)
-        if state is None:  # the prompt: SnapKV's window, TOVA's last row, H2O's every row
-            return (policy.prompt_stat, rows if policy.prompt_stat == "window_mass" else None)
-        if policy.prompt_stat == "key_mass":
-            return ("key_mass", None)
-        return ("window_mass", 1)
+        return request(self.policy, self._states.get(layer), self._width)
 
     def observe(self, layer: int, scores: Tensor | None) -> None:
         """Take layer ``layer``'s statistic for this step (``request``): compress the layer
@@ -273,10 +264,7 @@ class KVCache:
         kv_scores = None if scores is None else grouped(scores, self.num_kv_heads)
         state = self._states.get(layer)
         if state is not None:
-            if kv_scores is not None:
-                state.observe(kv_scores)
-            else:
-                state.shrink()
+            state.observe(kv_scores, self._width)
             return
         step = self.step
         keys = self._keys[layer].narrow(2, 0, step.length)
@@ -495,16 +483,16 @@ class KVCache:
         step's mask (made for the uncompressed rows) read at the kept positions."""
         step, state = self.step, self._states[layer]
         self._written.add(layer)
-        if int(step.counts.min()) != key.shape[2]:  # padding among the new tokens
-            raise ValueError(
-                "a compressed cache takes steps that add the same number of tokens to every "
-                f"row (generate's one token a row). Received: counts {step.counts.tolist()}"
-            )
-        keys, values = state.append(key, value)
-        width = key.shape[2]
-        dense = None if step.mask is None else step.mask.to_dense(width, step.length)
-        seen = state.slot_mask(dense, heads or self.num_kv_heads)
-        return keys, values, (None if seen is None else masks.dense(seen))
+        ragged = int(step.counts.min()) != key.shape[2]  # padding among the new tokens
+        keys, values = state.append(key, value, step.counts if ragged else None)
+        width, heads = key.shape[2], heads or self.num_kv_heads
+        if step.mask is None:
+            seen = state.slot_mask(None, heads)
+        else:  # the step's mask read at the kept positions alone (not L x the whole sequence)
+            seen = state.slot_mask_of(step.mask.mask_mod(width, step.length), heads, width)
+        if seen is None:
+            return keys, values, None
+        return keys, values, (masks.causal() if causal_band(seen) else masks.dense(seen))
 
     def _append(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
         """``update`` outside a traced graph, without its checks: for a caller that built

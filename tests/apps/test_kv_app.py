@@ -127,3 +127,30 @@ def test_the_eager_reference_reduces_the_weights_the_kernel_folds(folder):
             model(input_ids=ids, past_key_values=tf.DynamicCache(), use_cache=True)
     for layer, score in enumerate(scores):
         torch.testing.assert_close(cap.stats[layer]["window_mass"], score, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_kv_long_table_runs_each_mode_in_its_own_process(folder, tmp_path):
+    """The long-document table on the tiny Llama: a row per length and mode, the chunked and
+    compressed caches at the budget, the full cache holding every key; json and figure."""
+    options = bench.KvBenchOptions(model=str(folder), lengths="80,160", steps=3, chunk=32,
+                                   budget=40, out=tmp_path)  # fmt: skip
+    report = bench.run_kv_bench(options, say=lambda line: None)
+    rows = {(r["length"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(n, m) for n in (80, 160) for m in ("full", "compressed", "chunked")}
+    per_key = rows[(80, "full")]["cache_bytes"] / (80 + 3)  # 3 steps: 3 keys appended
+    for n in (80, 160):
+        assert rows[(n, "full")]["cache_bytes"] == per_key * (n + 3)
+        for mode in ("compressed", "chunked"):
+            assert rows[(n, mode)]["cache_bytes"] == per_key * (40 + 3)
+            assert rows[(n, mode)]["prompt_s"] > 0 and rows[(n, mode)]["step_ms"] > 0
+    assert json.loads((tmp_path / "kv_long.json").read_text())["rows"] == report["rows"]
+    assert (tmp_path / "kv_long.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "0,100", ",,"])
+def test_bench_kv_lengths_are_checked(text):
+    if not text:  # empty: the other measurements, not the table
+        assert bench.KvBenchOptions().lengths == ""
+        return
+    with pytest.raises(ValueError, match="--lengths takes comma-separated prompt lengths"):
+        bench._parse_lengths(text)

