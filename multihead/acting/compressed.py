@@ -95,9 +95,12 @@ def _seen(
     sequence), or where a mask has none, its dense form read there."""
     if mask is None:
         return state.slot_mask(None, heads)
+    per_head = mask.block(rows, state.total, 0, 1, 0, 1, device=device).shape[1] > 1
     try:
-        mod = mask.mask_mod(rows, state.total, device=device)
+        mod = None if per_head else mask.mask_mod(rows, state.total, device=device)
     except NotImplementedError:
+        mod = None
+    if mod is None:  # a mask that differs between query heads, or one without a predicate
         full = mask.to_dense(rows, state.total, device=device)
         return state.slot_mask(None if bool(full.all()) else full, heads)
     return state.slot_mask_of(mod, heads, rows)

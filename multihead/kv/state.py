@@ -257,24 +257,27 @@ class LayerState:
 
     def slot_mask_of(self, mod: Callable[..., Tensor], heads: int, rows: int) -> Tensor | None:
         """``slot_mask`` from a predicate ``mod(b, h, q_idx, kv_idx) -> bool`` (a mask's
-        ``mask_mod`` for the call's rows over the uncompressed sequence) evaluated at the kept
-        positions alone: (B, H, L, n) bool without the (L, total) dense mask, or None when
-        every slot is visible."""
+        ``mask_mod`` for the call's rows over the uncompressed sequence, the same for every
+        query head) evaluated at the kept positions alone: (B, H, L, n) bool without the
+        (L, total) dense mask, or None when every slot is visible. It is evaluated once per KV
+        head (at its group's first query head), one block of rows at a time, so that its
+        integer intermediates stay near the size of the bool result."""
         b, kv_heads, n = self.positions.shape
         group = heads // kv_heads
         device = self.positions.device
-        where = self.positions.repeat_interleave(group, dim=1)[:, :, None, :]  # (B, H, 1, n)
-        seen = mod(
-            torch.arange(b, device=device)[:, None, None, None],
-            torch.arange(heads, device=device)[None, :, None, None],
-            torch.arange(rows, device=device)[None, None, :, None],
-            where,
-        ).expand(b, heads, rows, n)
+        where = self.positions[:, :, None, :]  # (B, H_kv, 1, n)
+        batch = torch.arange(b, device=device)[:, None, None, None]
+        first = (torch.arange(kv_heads, device=device) * group)[None, :, None, None]
+        seen = torch.empty(b, kv_heads, rows, n, dtype=torch.bool, device=device)
+        step = max(1, (1 << 22) // max(1, b * kv_heads * n))
+        for top in range(0, rows, step):
+            q = torch.arange(top, min(top + step, rows), device=device)[None, None, :, None]
+            seen[:, :, top : top + step] = mod(batch, first, q, where)
         if self.ok is not None:
-            seen = seen & self.ok.repeat_interleave(group, dim=1)[:, :, None, :]
+            seen &= self.ok[:, :, None, :]
         elif bool(seen.all()):
             return None
-        return seen
+        return seen.repeat_interleave(group, dim=1)
 
     def kept(self) -> Tensor | list[list[Tensor]]:
         """The positions each KV head keeps, ascending: (B, H_kv, n), or where heads keep

