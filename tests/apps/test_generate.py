@@ -101,5 +101,5 @@ def test_chat_is_refused_for_the_librarys_own_decoders(llama, capsys):
 def test_a_bad_model_is_named(tmp_path, capsys):
     assert main(["generate", "--model", "smolm2", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "is not a folder, a .gguf file or that name" in err
+    assert "is not a folder, a .gguf file or one of those names" in err
     assert "Received: source='smolm2'" in err

@@ -174,5 +174,5 @@ def test_a_gguf_file_ranks_as_the_folder_it_was_written_from(llama, tmp_path):
 
 
 def test_a_model_that_is_neither_a_folder_nor_a_source_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"is not a folder, a \.gguf file or that name"):
+    with pytest.raises(ValueError, match=r"is not a folder, a \.gguf file or one of those names"):
         heads.run(heads.HeadsOptions(text=TEXT, out=tmp_path / "o", model="smolm2"))
