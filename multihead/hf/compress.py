@@ -224,7 +224,7 @@ def attend(
     block = plan.compress
     assert block is not None and block.policy is not None
     _check_alone(plan)
-    holder = kv_cache.holder(block, module, plan.layer, keeps_window=_keeps_window)
+    holder = kv_cache.holder(block, module, plan.layer)
     out = compressed.run(block.policy, holder, query, key, value, mask, bias, scale, dropout)
     if holder is not None and holder.state is not None:
         block.states[plan.layer] = holder.state
@@ -239,13 +239,3 @@ def _check_alone(plan: acting.Plan) -> None:
             "layer: run them in separate blocks. Received: another block acting on layer "
             f"{plan.layer} inside compress"
         )
-
-
-def _keeps_window(cache: Any, index: int) -> bool:
-    """Whether cache layer ``index`` is a sliding-window layer of a model that also has global
-    layers: it keeps transformers' window cache, and the policy's budget goes to the global
-    layers."""
-    sliding = getattr(cache, "is_sliding", None)
-    if not isinstance(sliding, list) or not sliding or all(sliding):
-        return False
-    return index < len(sliding) and bool(sliding[index])

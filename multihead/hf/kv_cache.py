@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicLayer
 from ..acting import Compression
 from ..kv import LayerState
 
-__all__ = ["CompressedLayer", "holder", "layer_index"]
+__all__ = ["CompressedLayer", "holder", "keeps_window", "layer_index"]
 
 
 class CompressedLayer(DynamicLayer):
@@ -94,13 +94,11 @@ def layer_index(module: nn.Module, layer: int) -> int:
     return index if isinstance(index, int) else layer
 
 
-def holder(
-    block: Compression, module: nn.Module, layer: int, *, keeps_window: Any
-) -> CompressedLayer | None:
+def holder(block: Compression, module: nn.Module, layer: int) -> CompressedLayer | None:
     """The ``CompressedLayer`` this call's cache holds for the layer; at the call that fills
     it (a transformers ``DynamicLayer`` there), a new one without a state yet, put in its
-    place. None where the call has no cache or ``keeps_window(cache, index)`` says the layer
-    keeps transformers' own window cache."""
+    place. None where the call has no cache or the layer keeps transformers' own window cache
+    (``keeps_window``)."""
     cache = block.cache_of(module)
     if cache is None:
         return None
@@ -119,3 +117,13 @@ def holder(
     pending = CompressedLayer(None, bool(getattr(found, "is_sliding", False)), found)
     cache.layers[index] = pending
     return pending
+
+
+def keeps_window(cache: Any, index: int) -> bool:
+    """Whether cache layer ``index`` is a sliding-window layer of a model that also has global
+    layers: it keeps transformers' window cache, and the policy's budget goes to the global
+    layers."""
+    sliding = getattr(cache, "is_sliding", None)
+    if not isinstance(sliding, list) or not sliding or all(sliding):
+        return False
+    return index < len(sliding) and bool(sliding[index])

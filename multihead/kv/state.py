@@ -172,8 +172,11 @@ class LayerState:
         self.positions = torch.cat([self.positions, fresh[:, None].expand(b, kv_heads, new)], 2)
         if self.scores is not None:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(b, kv_heads, new)], 2)
-        self.ends = self.ends + (new if counts is None else counts.to(self.ends.device))
-        self.total = int(self.ends.max()) if self.ends.numel() else 0
+        if counts is None:  # a decoding step: no read of the device
+            self.ends, self.total = self.ends + new, self.total + new
+        else:
+            self.ends = self.ends + counts.to(self.ends.device)
+            self.total = int(self.ends.max()) if self.ends.numel() else 0
         return self.keys, self.values
 
     def observe(self, scores: Tensor | None, rows: int = 1) -> None:
