@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import re
 import sys
 import types
@@ -101,8 +102,23 @@ def _parsing(tp: Any, cli: dict[str, Any]) -> dict[str, Any]:
     choices = cli.get("choices")
     if choices is not None:
         kwargs["choices"] = tuple(choices() if callable(choices) else choices)
-    kwargs["type"] = cli.get("parse") or tp
+    parse = cli.get("parse")
+    kwargs["type"] = _reporting(parse) if parse is not None else tp
     return kwargs
+
+
+def _reporting(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` whose ``ValueError`` reaches the user as its own message: argparse replaces a
+    ``type=`` function's ``ValueError`` by "invalid <function name> value"."""
+
+    @functools.wraps(parse)
+    def run(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return run
 
 
 def add_arguments(parser: argparse.ArgumentParser, record: type) -> None:

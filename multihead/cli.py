@@ -126,8 +126,9 @@ COMMANDS: dict[str, Job | Group] = {
         "long-input retrieval with the KV cache compressed: accuracy per policy, keep, length",
         "Hide a pass key (or several keys) in filler text of each --lengths, run the model\n"
         "once per trial, then decode the answer with the cache compressed by each policy at\n"
-        "each --keep (multihead.kv, scores from the attention kernel). Prints accuracy, cache\n"
-        "MiB, prefill seconds and ms per decoding step; writes OUT/kv.json and OUT/kv.png.",
+        "each --keep or --budget (multihead.kv, scores from the attention kernel; --chunk N\n"
+        "runs each compressed prompt N tokens at a time). Prints accuracy, cache MiB, prefill\n"
+        "seconds and ms per decoding step; writes OUT/kv.json and OUT/kv.png.",
     ),
     "generate": Job(
         "multihead.apps.generate:run",

@@ -40,7 +40,7 @@ from .backends._measure import length_class
 from .backends.call import Call, heads_as_rows, prepare, single_row_mask, traced
 from .masks import Mask
 
-__all__ = ["applies", "attend"]
+__all__ = ["applies", "attend", "run"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,28 @@ def attend(
         rule and fallback as ``multihead.attention``, with the checks and the choice made once
         per mask object and call signature.
     """
+    return _follow(query, key, value, mask, scale, softcap, None)
+
+
+def run(call: Call) -> Tensor:
+    """``attend`` for a one-row call already prepared (``backends.call.prepare``: checked, its
+    mask and soft-cap as the kernel runs them), without a bias, sinks or dropout: the route
+    is kept by the call's signature as ``attend``'s is, and made from the call without its
+    checks again. Returns (B, 1, H, D_v), contiguous."""
+    return _follow(call.query, call.key, call.value, call.mask, call.scale, call.softcap, call)
+
+
+def _follow(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    scale: float | None,
+    softcap: float | None,
+    prepared: Call | None,
+) -> Tensor:
+    """The call on the route kept under its signature, made where there is none (from the
+    ``prepared`` call, or with every check)."""
     kept = _routes(mask)
     if mask is None:
         signature = _unmasked_signature(query, key, value, scale, softcap)
@@ -125,7 +147,10 @@ def attend(
     fresh = route is None
     while True:
         if route is None:
-            route = kept[signature] = _route(query, key, value, mask, scale, softcap)
+            route = kept[signature] = (
+                _route(query, key, value, mask, scale, softcap) if prepared is None
+                else _route_of(prepared)
+            )  # fmt: skip
         rows = route.rows(query)
         if route.direct is not None:
             out = route.direct(rows, key, value)
@@ -194,7 +219,12 @@ def _route(
     mask is the same for every head, with ``auto``'s choice for the call as run and that
     backend prepared for it where it prepares calls."""
     cap = None if softcap is None else mb.softcap(float(softcap))
-    call = prepare(query, key, value, mask, cap, scale, 0.0, False)  # every check
+    return _route_of(prepare(query, key, value, mask, cap, scale, 0.0, False))  # every check
+
+
+def _route_of(call: Call) -> _Route:
+    """The route of a prepared call (see ``_route``)."""
+    query, value, mask = call.query, call.value, call.mask
     b, h, h_kv, _, length_k, d = call.shape
     grouped, rows = heads_as_rows(call), mask
     if grouped is None and h_kv < h and mask is not None:  # a mask whose rows may differ

@@ -230,3 +230,24 @@ def test_an_existing_empty_folder_is_used_and_nothing_is_left_behind(tmp_path, c
         cli.main(["explain", "a sentence", "--out", str(out)])
     assert list(out.iterdir()) == []
     assert os.listdir(tmp_path) == ["figs"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["kv", "--keep", "2.0"],
+            r"argument --keep: --keep takes fractions in (0, 1]. "
+            r"Received: --keep 2.0",
+        ),
+        (["kv", "--policies", "foo"], "argument --policies: --policies takes names from snapkv"),
+        (["kv", "--budget", "0"], "argument --budget: --budget takes token counts >= 1"),
+        (["kv", "--lengths", "10"], "argument --lengths: --lengths must be token counts >= 64"),
+    ],
+)
+def test_a_parsers_own_message_reaches_the_user(capsys, argv, message):
+    # argparse turns a type= function's ValueError into "invalid <name> value"
+    code, _, err = _main(capsys, *argv)
+    assert code == 2
+    assert message in err, err
+    assert "invalid" not in err

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import decode_route
 from ..backends import registry
-from ..backends.call import Call, prepare
+from ..backends.call import prepare
 from ..bias import ScoreModifier
 from ..kv import LayerState, Policy, causal_band, grouped, request
 from ..masks import Mask, causal, dense
@@ -42,49 +42,40 @@ def run(
     made for the uncompressed sequence, so the call is checked without it. ``holder`` None:
     a layer the policy does not keep (no cache, or transformers' window cache): a plain call.
 
+    The call that fills the cache (``holder.state`` None) runs as long as its mask, with the
+    policy's statistic, and sets ``holder.state`` to the compressed cache; a later call (a
+    chunk, a decoding step) runs over the kept slots with the mask read at their positions,
+    and ``LayerState.observe`` takes its statistic. What the call runs with is settled here;
+    ``_attend`` then goes down to the kernels once.
+
     Raises:
         ValueError: scores added per (row, key) (an additive position bias or float mask),
             which cannot be read at the kept positions.
     """
-    call = prepare(query, key, value, None, bias, scale, dropout, False)
-    if call.bias is not None:
-        raise ValueError(
-            "compress reads the mask at the kept positions, which it cannot do for an additive "
-            "position bias or a float attention mask. Received: an additive bias "
-            f"({getattr(call.bias, 'label', type(call.bias).__name__)})"
-        )
+    state = None if holder is None else holder.state
+    batch, heads, rows, _ = query.shape
+    length_k = key.shape[2]
+    visible = None
     if holder is None:
-        return _output(replace(call, mask=mask)).transpose(1, 2).contiguous()
-    if holder.state is None:  # the call that fills the cache: as long as its mask
-        return _fill(policy, holder, call, mask).transpose(1, 2).contiguous()
-    return _over_slots(policy, holder.state, call, mask).transpose(1, 2).contiguous()
-
-
-def _fill(policy: Policy, holder: Any, call: Call, mask: Mask | None) -> Tensor:
-    """The prompt's call (or its first chunk): its output (B, H, L, D_v), with the policy's
-    statistic from the same pass, and ``holder.state`` the compressed cache."""
-    b, h, _, length_q, length_k, _ = call.shape
-    if mask is not None:
-        mask.check(b, h, length_q, length_k)
-    visible = _last_row_visible(mask, b, length_q, length_k, call.key.device)
-    need = request(policy, None, length_q)
-    out, scores = _attend(replace(call, mask=mask), need)
-    kv_scores = None if scores is None else grouped(scores, call.key.shape[1])
-    holder.state = LayerState.from_prompt(policy, call.key, call.value, kv_scores, visible)
-    return out
-
-
-def _over_slots(policy: Policy, state: LayerState, call: Call, mask: Mask | None) -> Tensor:
-    """A call over the kept slots (a chunk, a decoding step): the mask read at the kept
-    positions, the statistic ``request`` asks for, and the state cut back (``observe``)."""
-    heads, rows = call.query.shape[1], call.query.shape[2]
-    seen = _seen(state, mask, heads, rows, call.key.device)
-    call = replace(call, mask=None if seen is None else causal() if causal_band(seen) else
-                   dense(seen))  # fmt: skip
-    need = request(policy, state, rows)
-    out, scores = _attend(call, need)
-    state.observe(None if scores is None else grouped(scores, call.key.shape[1]), rows)
-    return out
+        used, need = mask, None
+    elif state is None:  # the call that fills the cache: as long as its mask
+        if mask is not None:
+            mask.check(batch, heads, rows, length_k)
+        visible = _last_row_visible(mask, batch, rows, length_k, key.device)
+        used, need = mask, request(policy, None, rows)
+    else:
+        seen = _seen(state, mask, heads, rows, key.device)
+        used = None if seen is None else causal() if causal_band(seen) else dense(seen)
+        need = request(policy, state, rows)
+    out, scores = _attend(query, key, value, used, bias, scale, dropout, need)
+    if holder is not None:
+        kv_scores = None if scores is None else grouped(scores, key.shape[1])
+        if state is None:
+            assert visible is not None
+            holder.state = LayerState.from_prompt(policy, key, value, kv_scores, visible)
+        else:
+            state.observe(kv_scores, rows)
+    return out.transpose(1, 2).contiguous()
 
 
 def _seen(
@@ -106,20 +97,37 @@ def _seen(
     return state.slot_mask_of(mod, heads, rows)
 
 
-def _attend(call: Call, need: tuple[str, int | None] | None) -> tuple[Tensor, Tensor | None]:
-    """The output (B, H, L, D_v) and the statistic ``need`` names ((B, H, S) or None).
-    ``key_mass`` comes from the statistics pass over every row; ``window_mass`` of the last
-    rows of a longer call from the plain pass over every row and the statistics pass over
-    those rows alone (the same rows' weights, at the cost of ``rows`` rows: SnapKV's 32 of a
-    4,000-token prompt). A one-row call without a statistic takes the decoding step's route."""
+def _attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: Mask | None,
+    bias: ScoreModifier | None,
+    scale: float | None,
+    dropout: float,
+    need: tuple[str, int | None] | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The output (B, H, L, D_v) and the statistic ``need`` names ((B, H, S) or None), the
+    call checked without its mask. ``key_mass`` comes from the statistics pass over every
+    row; ``window_mass`` of the last rows of a longer call from the plain pass over every row
+    and the statistics pass over those rows alone (the same rows' weights, at the cost of
+    ``rows`` rows: SnapKV's 32 of a 4,000-token prompt). A one-row call without a statistic
+    takes the decoding step's route."""
+    call = prepare(query, key, value, None, bias, scale, dropout, False)
+    if call.bias is not None:
+        raise ValueError(
+            "compress reads the mask at the kept positions, which it cannot do for an additive "
+            "position bias or a float attention mask. Received: an additive bias "
+            f"({getattr(call.bias, 'label', type(call.bias).__name__)})"
+        )
+    call = replace(call, mask=mask)
     if need is None:
-        plain = call.mask is None and call.sinks is None and call.dropout_p == 0
+        plain = mask is None and call.sinks is None and call.dropout_p == 0
         if plain and decode_route.applies(call.query, call.key, call.value):
-            q, k, v = call.query, call.key, call.value
-            return decode_route.attend(q, k, v, None, call.scale, call.softcap).transpose(
-                1, 2
-            ), None
-        return _output(call), None
+            return decode_route.run(call).transpose(1, 2), None
+        whole = registry.run(call, "auto")[0]
+        assert whole is not None
+        return whole, None
     stat, rows = need[0], need[1] or 1
     _, _, _, length_q, length_k, _ = call.shape
     if stat != "window_mass" or rows >= length_q or call.sinks is not None:
@@ -132,19 +140,15 @@ def _attend(call: Call, need: tuple[str, int | None] | None) -> tuple[Tensor, Te
     window_rows = replace(
         call,
         query=call.query[:, :, first:],
-        mask=None if call.mask is None else call.mask.crop(*crop),
+        mask=None if mask is None else mask.crop(*crop),
         stats=(stat,),
         window=rows,
     )
     _, found = registry.run(window_rows, "auto")
     assert isinstance(found, dict)
-    return _output(call), found[stat]
-
-
-def _output(call: Call) -> Tensor:
-    out = registry.run(call, "auto")[0]
-    assert out is not None
-    return out
+    whole = registry.run(call, "auto")[0]
+    assert whole is not None
+    return whole, found[stat]
 
 
 def _last_row_visible(

@@ -11,6 +11,10 @@ rows, the last row's weights); each policy and keep then compresses its own copy
 cache with ``multihead.kv``'s selection (the one ``multihead.hf.compress`` runs inside the
 prompt's call) and decodes the answer greedily under ``compress``, which evicts as H2O, TOVA
 and StreamingLLM do while decoding. Keep 1.0 is the full cache, the same for every policy.
+``--budget`` adds cells of a fixed number of keys per layer. With ``--chunk N`` each
+compressed cell runs its own prompt N tokens at a time under ``compress(chunk=N)``, the cache
+cut back after each chunk (a long document's memory then grows with the budget, not the
+prompt), and its prefill seconds are its own.
 Writes ``OUT/kv.json`` and ``OUT/kv.png`` (accuracy against keep, a line per policy, a panel
 per length).
 """
@@ -29,7 +33,9 @@ from typing import Any, Literal
 from .. import _validation as V
 from .._flags import option, positive_int
 
-__all__ = ["KvOptions", "Trial", "make_task", "parse_keeps", "parse_lengths", "run"]
+__all__ = [
+    "KvOptions", "Trial", "make_task", "parse_budgets", "parse_keeps", "parse_lengths", "run",
+]  # fmt: skip
 
 _FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -58,6 +64,16 @@ def parse_keeps(text: str) -> tuple[float, ...]:
     bad = [v for v in values if not 0 < v <= 1]
     if bad:
         raise ValueError(f"--keep takes fractions in (0, 1]. Received: --keep {text}")
+    return tuple(values)
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """``"512,1024"`` -> (512, 1024): token budgets, ints >= 1; ``""`` -> () (none)."""
+    if not str(text).strip():
+        return ()
+    values = _numbers(text, "--budget", int)
+    if any(v < 1 for v in values):
+        raise ValueError(f"--budget takes token counts >= 1. Received: --budget {text}")
     return tuple(values)
 
 
@@ -109,6 +125,15 @@ class KvOptions:
         ("snapkv", "h2o", "tova", "streaming"), "policies, separated by commas",
         parse=_policies, metavar="NAMES",
     )  # fmt: skip
+    budget: tuple[int, ...] = option(
+        (), "token budgets (keys kept per layer, whatever the length), separated by commas: "
+        "cells beside --keep's", parse=parse_budgets, metavar="N,N",
+    )  # fmt: skip
+    chunk: int | None = option(
+        None, "run each compressed prompt N tokens at a time, the cache cut back to the budget "
+        "after each chunk (compress(chunk=N)); the full cache's prompt runs whole",
+        parse=positive_int, metavar="N",
+    )  # fmt: skip
     trials: int = option(20, "trials per length (depths spread over the input)", parse=positive_int)
     keys: int = option(4, "multikey: keys hidden in the text", parse=positive_int)
     seed: int = option(0, "seed of the keys, values and depths")
@@ -117,7 +142,8 @@ class KvOptions:
     def __post_init__(self) -> None:
         # "1000,2000" and "1000 2000" alike: the parser gives one tuple per word
         for name, parse in (
-            ("lengths", parse_lengths), ("keep", parse_keeps), ("policies", _policies)
+            ("lengths", parse_lengths), ("keep", parse_keeps), ("policies", _policies),
+            ("budget", parse_budgets),
         ):  # fmt: skip
             value = getattr(self, name)
             words = [value] if isinstance(value, (str, int, float)) else list(value)
@@ -186,11 +212,12 @@ def _count(tokenizer: Any, text: str) -> int:
 
 @dataclass
 class Row:
-    """One (length, policy, keep) cell of the grid."""
+    """One (length, policy, keep) cell of the grid; ``keep`` a fraction (float) or a token
+    budget (int)."""
 
     length: int
     policy: str
-    keep: float
+    keep: float | int
     correct: int = 0
     trials: int = 0
     answers: list[str] = field(default_factory=list)
@@ -228,7 +255,7 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
     folder = V.check_out_dir("--out", options.out)
     model, tokenizer = load(options.model)
     rng = random.Random(options.seed)
-    rows: dict[tuple[int, str, float], Row] = {}
+    rows: dict[tuple[int, str, float | int], Row] = {}
     total = len(options.lengths) * options.trials
     bar = _bar(total)
     try:
@@ -263,17 +290,22 @@ def _bar(total: int) -> Callable[..., None]:
     return step
 
 
-def _prefill(model: Any, ids: Any, window: int) -> tuple[Any, Any, dict[str, list[Any]]]:
+def _prefill(model: Any, ids: Any, window: int, *, stats: bool = True
+             ) -> tuple[Any, Any, dict[str, list[Any]]]:  # fmt: skip
     """The prompt on the full cache with every policy's scores: (logits of the last row, the
     cache, {"window_mass" | "key_mass" | "last": per layer (B, H, S)}). The prompt but its
     last token runs under ``capture(stats=[key_mass, window_mass])``, the last token under
-    ``capture`` of its weights, one row: their sums are the scores of the whole prompt."""
+    ``capture`` of its weights, one row: their sums are the scores of the whole prompt.
+    ``stats=False``: the prompt alone, no scores."""
     import torch
     import transformers as tf
 
     from ..hf import capture
 
     cache = tf.DynamicCache()
+    if not stats:
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1], cache, {}
     with capture(model, stats=["key_mass", "window_mass"], window=max(window - 1, 1)) as head:
         model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
     with capture(model) as tail:
@@ -291,13 +323,15 @@ def _prefill(model: Any, ids: Any, window: int) -> tuple[Any, Any, dict[str, lis
 
 
 def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: KvOptions,
-               rows: dict[tuple[int, str, float], Row]) -> None:  # fmt: skip
-    """Prefill once; decode the answer with the full cache and with each policy and keep."""
+               rows: dict[tuple[int, str, float | int], Row]) -> None:  # fmt: skip
+    """Prefill once; decode the answer with the full cache and with each policy and keep (with
+    ``chunk``, each compressed cell runs its own prompt in chunks)."""
     from ..kv import POLICIES
 
     ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
+    chunked = options.chunk is not None
     started = time.perf_counter()
-    logits, cache, scores = _prefill(model, ids, _WINDOW)
+    logits, cache, scores = _prefill(model, ids, _WINDOW, stats=not chunked)
     prefill = time.perf_counter() - started
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     full_mib = sum(k.nbytes + v.nbytes for k, v in prompt_kv) / 2**20
@@ -305,25 +339,61 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
     new = _NEW_TOKENS[options.task]
     full_text, step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None)
     full_ok = trial.answer in full_text
-    for keep in options.keep:
+    for keep in (*options.keep, *options.budget):
         for name in options.policies:
             row = rows.setdefault((length, name, keep), Row(length, name, keep))
             row.trials += 1
-            row.prefill_s.append(prefill)
-            if keep >= 1.0:
+            if isinstance(keep, float) and keep >= 1.0:
                 row.correct += full_ok
+                row.prefill_s.append(prefill)
                 row.cache_mib.append(full_mib)
                 row.step_ms.append(step)
                 row.answers.append(full_text)
                 continue
-            policy = POLICIES[name](float(keep))
-            layered = _compressed(policy, prompt_kv, scores)
-            row.cache_mib.append(sum(s.nbytes for s in layered) / 2**20)
-            text, step = _decode(model, tokenizer, _cache_of(prompt_kv, layered), first, new,
-                                 policy)  # fmt: skip
+            policy = POLICIES[name](keep)
+            if chunked:
+                started = time.perf_counter()
+                own, cut = _chunked_prefill(model, ids, policy, options.chunk)
+                row.prefill_s.append(time.perf_counter() - started)
+                row.cache_mib.append(_nbytes(cut) / 2**20)
+                text, step = _decode(model, tokenizer, cut, own.argmax(-1), new, policy)
+            else:
+                layered = _compressed(policy, prompt_kv, scores)
+                row.prefill_s.append(prefill)
+                row.cache_mib.append(sum(s.nbytes for s in layered) / 2**20)
+                text, step = _decode(model, tokenizer, _cache_of(prompt_kv, layered), first, new,
+                                     policy)  # fmt: skip
             row.correct += trial.answer in text
             row.step_ms.append(step)
             row.answers.append(text)
+
+
+def _chunked_prefill(model: Any, ids: Any, policy: Any, chunk: int) -> tuple[Any, Any]:
+    """The prompt in chunks of ``chunk`` tokens under ``compress(chunk=)`` on a cache made from
+    the model's config (a mixed model's sliding layers keep their window): (logits of the last
+    row, the compressed cache)."""
+    import transformers as tf
+
+    from ..hf import compress
+
+    cache = tf.DynamicCache(config=model.config)
+    with compress(model, policy, chunk=chunk):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], cache
+
+
+def _nbytes(cache: Any) -> int:
+    """The bytes a transformers cache holds: kept keys and values of compressed layers, the
+    window of sliding ones, everything else."""
+    from ..hf.kv_cache import CompressedLayer
+
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, CompressedLayer) and layer.state is not None:
+            total += layer.state.nbytes
+        else:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
 
 
 def _compressed(policy: Any, prompt_kv: list[tuple[Any, Any]], scores: dict[str, list[Any]]):
@@ -378,7 +448,7 @@ def _decode(model: Any, tokenizer: Any, cache: Any, first: Any, new: int,
     return tokenizer.decode(tokens), 1000 * statistics.median(times) if times else 0.0
 
 
-def _write(options: KvOptions, rows: dict[tuple[int, str, float], Row], folder: Path,
+def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], folder: Path,
            say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     """kv.json, kv.png and the printed table."""
     from .._machine import cpu_info
@@ -400,7 +470,8 @@ def _write(options: KvOptions, rows: dict[tuple[int, str, float], Row], folder: 
     say(f"{'length':>7} {'policy':>10} {'keep':>6} {'correct':>8} {'cache MiB':>10} "
         f"{'prefill s':>10} {'ms/step':>8}")  # fmt: skip
     for s in summaries:
-        say(f"{s['length']:>7} {s['policy']:>10} {s['keep']:>6.3f} "
+        keep = f"{s['keep']:.3f}" if isinstance(s["keep"], float) else f"{s['keep']}t"
+        say(f"{s['length']:>7} {s['policy']:>10} {keep:>6} "
             f"{s['correct']:>4}/{s['trials']:<3} {s['cache_mib']:>10.2f} "
             f"{s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
     figure = _figure(options, summaries, folder / "kv.png")
@@ -423,15 +494,16 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         for name in options.policies:
-            points = sorted(
-                (s["keep"], s["accuracy"]) for s in summaries
+            points = sorted(  # a token budget at the share of this length it keeps
+                (_share(s["keep"], length), s["accuracy"]) for s in summaries
                 if s["length"] == length and s["policy"] == name
             )  # fmt: skip
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(list(options.keep), [f"{k:g}" for k in options.keep])
+        ticks = sorted({_share(k, length) for k in (*options.keep, *options.budget)})
+        ax.set_xticks(ticks, [f"{k:.3g}" for k in ticks])
         ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("keep (share of the prompt's keys)")
+        ax.set_xlabel("keep (share of the prompt's keys; a budget as its share)")
         ax.set_title(f"{options.task}, {length} tokens")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"accuracy ({options.trials} trials)")
@@ -440,3 +512,8 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _share(keep: float | int, length: int) -> float:
+    """A keep as a share of a ``length``-token prompt (a token budget divided by it)."""
+    return keep if isinstance(keep, float) else min(keep / length, 1.0)

@@ -87,6 +87,33 @@ def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_pat
     assert "snapkv" in printed and "kv.png" in printed
 
 
+def test_chunked_cells_decode_as_generate_under_compress_with_chunks(folder, loaded, tmp_path):
+    # --chunk: each compressed cell runs its own prompt in chunks; transformers' generate under
+    # compress(chunk=) is the reference (its own cache, its own chunked prefill and decoding)
+    options = app.KvOptions(model=str(folder), lengths=(200,), keep=(1.0, 0.5), budget=(48,),
+                            policies=("snapkv", "h2o"), trials=2, chunk=64,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    rows = {(r["length"], r["policy"], r["keep"]): r for r in result["rows"]}
+    assert set(rows) == {(200, p, k) for p in ("snapkv", "h2o") for k in (1.0, 0.5, 48)}
+    model, tokenizer = loaded
+    config = model.config
+    per_key = 2 * config.num_key_value_heads * config.head_dim * 4  # keys + values, float32
+    rng = random.Random(options.seed)
+    for t in range(options.trials):
+        trial = app.make_task("passkey", tokenizer, 200, (t + 0.5) / 2, rng, 4)
+        ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
+        for name, keep in (("snapkv", 48), ("h2o", 0.5), ("snapkv", 0.5)):
+            with torch.inference_mode(), mhf.compress(model, kv.policy(name, keep), chunk=64):
+                out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+            got = rows[(200, name, keep)]["answers"][t]
+            assert got == tokenizer.decode(out[0, ids.shape[1] :]), (name, keep)
+        # the budget's cache after the prompt: 48 keys per layer and KV head
+        want = config.num_hidden_layers * 48 * per_key / 2**20
+        assert rows[(200, "snapkv", 48)]["cache_mib"] == pytest.approx(want, rel=1e-9)
+    assert json.loads((tmp_path / "out" / "kv.json").read_text())["options"]["chunk"] == 64
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -94,6 +121,8 @@ def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_pat
         (["--keep", "0.5,2"], r"--keep takes fractions in \(0, 1\]"),
         (["--keep", "a"], "--keep takes comma-separated numbers"),
         (["--policies", "snapkv,lru"], "--policies takes names from"),
+        (["--budget", "64,0"], "--budget takes token counts >= 1"),
+        (["--budget", "64,64"], "--budget takes distinct comma-separated numbers"),
     ],
 )
 def test_bad_grid_options_are_named(argv, message):

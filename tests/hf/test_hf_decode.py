@@ -116,6 +116,31 @@ def test_a_folded_decode_call_equals_the_whole_path(routes, kwargs, how, softcap
     assert (route.mask is None) == (how != "lowered")
 
 
+@pytest.mark.parametrize(("kwargs", "how"), CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["", "softcap"])
+def test_a_prepared_call_takes_the_same_route_without_its_checks_again(
+    routes, monkeypatch, kwargs, how, softcap
+):
+    # decode_route.run: the compressed layers' decoding steps, whose call is already prepared
+    from multihead.backends import call as calls
+
+    q, k, v = _qkv()
+    mask = _decode_mask(**kwargs)
+    cap = None if softcap is None else bias.softcap(softcap)
+    with torch.inference_mode():
+        prepared = calls.prepare(q, k, v, mask, cap, 0.3, 0.0, False)
+        checks = []
+        monkeypatch.setattr(decode_route, "prepare", lambda *a: checks.append(a))
+        got = decode_route.run(prepared)
+        again = decode_route.run(prepared)
+    _close(got, _whole(q, k, v, mask, scale=0.3, softcap=softcap))
+    assert torch.equal(again, got)
+    assert checks == [] and routes == []  # not through _route: no second prepare
+    (route,) = decode_route._routes(mask).values()
+    assert route.folded == (B, H_KV, H // H_KV, D)
+    assert route.own_mask == (how == "own")
+
+
 @pytest.fixture
 def kernel_leads(monkeypatch):
     """auto picks the fused kernel (the tests turn its measurement off: conftest.py)."""
