@@ -133,8 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser, record: type) -> None:
         names = {"help": cli["help"], "metavar": cli.get("metavar")}
         if cli.get("positional"):
             optional = _unwrap(tp) is not tp  # ``X | None``: may be left out (None)
-            extra = {"nargs": "?", "default": None} if optional else {}
-            parser.add_argument(field.name, **names, **extra, **_parsing(tp, cli))
+            parsing = _parsing(tp, cli)
+            if optional:  # one value or none; several (a tuple) or none
+                parsing.update(nargs="*" if parsing.get("nargs") == "+" else "?", default=None)
+            parser.add_argument(field.name, **names, **parsing)
             continue
         flag = cli["flag"] or "--" + field.name.replace("_", "-")
         default = None if field.default is dataclasses.MISSING else field.default

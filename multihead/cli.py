@@ -24,13 +24,17 @@ from ._version import __version__
 DESCRIPTION = """\
 multihead: multi-head attention for PyTorch, from the command line.
 
-Look inside a pretrained model (explain), turn sentences into vectors (embed), train the
+Look inside a pretrained model (explain, heads), continue a prompt (generate), test a
+compressed KV cache on long inputs (kv), turn sentences into vectors (embed), train the
 example applications (train), ship a model (export, serve) and measure speed (bench, doctor).
 Everything runs offline on the CPU; a GPU is used when present."""
 
 EPILOG = """\
 examples:
   multihead explain "The animal didn't cross the street because it was too tired" --focus it
+  multihead generate --model smollm2 --chat "What is the capital of France?"
+  multihead heads "The keys to the cabinet are on the table" --model smollm2
+  multihead kv --model smollm2 --lengths 2000 --keep 1.0,0.25 --trials 4
   multihead train forecast --quick --out forecast-run
   multihead bench kernels --quick
 
@@ -132,7 +136,23 @@ COMMANDS: dict[str, Job | Group] = {
     ),
     "generate": Job(
         "multihead.apps.generate:run",
-        "continue a prompt with a GPT-2/Llama model folder, printing the text as it is produced",
+        "continue a prompt with a causal LM ('smollm2', 'gemma3', a .gguf file or a model "
+        "folder), printing the text as it is produced",
+        "Continue PROMPT with the causal LM in --model, printing the text as it is produced:\n"
+        "the library's own decoders for a folder of theirs (multihead train lm, GPT-2, Llama),\n"
+        "transformers' generate() on attn_implementation='multihead' for 'smollm2', 'gemma3',\n"
+        "a .gguf file or any other causal LM folder. PROMPT '-', or none with a pipe, reads the\n"
+        "prompt from standard input.",
+    ),
+    "cache": Group(
+        "the models converted from GGUF files into the user's cache: list them, remove them",
+        {
+            "list": Job("multihead.apps.cache:list_command", "each converted model and its size"),
+            "remove": Job(
+                "multihead.apps.cache:remove_command", "remove converted models (NAME ... or --all)"
+            ),
+        },
+        dest="action",
     ),
     "data": Group(
         "download the data sets the train applications read into the user's cache",

@@ -251,3 +251,44 @@ def test_a_parsers_own_message_reaches_the_user(capsys, argv, message):
     assert code == 2
     assert message in err, err
     assert "invalid" not in err
+
+
+_FRESH = (
+    "import sys\n"
+    "from multihead.cli import main\n"
+    "code = main(sys.argv[1:])\n"
+    "print('exit', code, 'torch imported:', 'torch' in sys.modules)"
+)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--model", "{gguf}", "hi"],
+        ["kv", "--model", "{gguf}"],
+        ["heads", "--model", "{gguf}", "hi"],
+        ["cache", "list"],
+    ],
+    ids=["generate", "kv", "heads", "cache"],
+)
+def test_a_missing_gguf_is_named_before_torch_is_imported(argv, tmp_path):
+    gguf = tmp_path / "absent.gguf"
+    argv = [a.format(gguf=gguf) for a in argv]
+    env = {**os.environ, "MULTIHEAD_MODELS_DIR": str(tmp_path / "models")}
+    done = subprocess.run([sys.executable, "-c", _FRESH, *argv], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    last = done.stdout.splitlines()[-1]
+    if argv[0] == "cache":
+        assert last == "exit 0 torch imported: False", done.stdout + done.stderr
+        assert f"no converted models in {tmp_path / 'models'}" in done.stdout
+        return
+    assert last == "exit 2 torch imported: False", done.stdout + done.stderr
+    assert f"error: the GGUF file {gguf} does not exist" in done.stderr
+
+
+def test_generate_help_and_the_examples_follow_the_commands(capsys):
+    _, out, _ = _main(capsys, "generate", "--help")
+    assert "GPT-2/Llama model folder" not in out and "'smollm2'" in out and "'-'" in out
+    _, out, _ = _main(capsys, "--help")
+    for command in ("generate --model smollm2", "multihead heads", "multihead kv --model"):
+        assert command in out, command

@@ -20,9 +20,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .. import _validation as V
 from .._atomic import replace_folder
-from .common import Options
+
+if typing.TYPE_CHECKING:
+    from .common import Options
 
 __all__ = [
     "TASKS",
@@ -43,6 +44,16 @@ TASKS: dict[str, str | ModuleType] = {
     "crossmodal": "multihead.apps.crossmodal",
     "lm": "multihead.apps.lm",
 }
+
+
+def __getattr__(name: str) -> Any:
+    # ``Options`` (which imports torch) on first use: ``multihead generate`` and the other
+    # commands in this package check their input before anything heavy is imported
+    if name == "Options":
+        from .common import Options
+
+        return Options
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def task(name: str) -> ModuleType:
@@ -130,6 +141,8 @@ def _say_replaced(out: Path) -> None:
 def check_out(options: Options) -> Path:
     """``options.out`` must be a new or empty folder in an existing, writable folder (it is
     not created), or hold a run ``options.overwrite`` allows to replace."""
+    from .. import _validation as V
+
     out = options.out
     V.check_out_dir("--out", out)
     # the run is written beside DIR and moved into place: its parent must take new folders

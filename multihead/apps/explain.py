@@ -227,8 +227,10 @@ class _Foreign:
     def from_source(cls, source: str) -> _Foreign:
         """A causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file), with the
         ``tokenizers.Tokenizer`` behind its transformers tokenizer."""
+        from .. import sources
         from .._extras import require
 
+        sources.resolve(source)  # a missing file or package named before transformers loads
         require("transformers", "hf", "multihead explain --model " + source)
         from ..hf import load
 
@@ -256,10 +258,10 @@ class _Foreign:
 
 
 def _llm_source(source: str | Path) -> bool:
-    """ "smollm2", "gemma3" or a path ending in .gguf (``multihead.hf.loading.is_llm_source``,
-    read here without importing transformers)."""
-    named = isinstance(source, str) and source in ("smollm2", "gemma3")
-    return named or str(source).lower().endswith(".gguf")
+    """ "smollm2", "gemma3" or a path ending in .gguf (``multihead.sources.is_llm_source``)."""
+    from .. import sources
+
+    return sources.is_llm_source(source)
 
 
 def _decodes(tokenizer: Any) -> bool:

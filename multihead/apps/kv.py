@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import _validation as V
 from .._flags import option, positive_int
 
 __all__ = [
-    "KvOptions", "Trial", "make_task", "parse_budgets", "parse_keeps", "parse_lengths", "run",
+    "POLICIES", "KvOptions", "Trial", "make_task", "parse_budgets", "parse_keeps", "parse_lengths",
+    "run",
 ]  # fmt: skip
 
 _FILLER = (
@@ -45,6 +45,13 @@ _WORDS = (
     "juniper", "kettle", "lantern", "meadow", "nickel", "orchid", "pepper", "quartz", "raven",
     "saffron", "timber", "umber", "velvet", "willow", "yonder", "zephyr",
 )  # fmt: skip
+# where the ms per decoding step come from (printed beside them and kept in kv.json)
+_DECODING = (
+    "one forward of transformers' model per token on attn_implementation='multihead', float32 "
+    "(not multihead.hf.decoding_step's fast path, which the README's decoding figures time)"
+)
+# multihead.kv.POLICIES' names, here so that parsing the flags imports no torch
+POLICIES = ("snapkv", "h2o", "tova", "streaming")
 _NEW_TOKENS = {"passkey": 8, "multikey": 10}
 _WINDOW = 32  # SnapKV's observation window: the policies run with their defaults
 
@@ -89,8 +96,6 @@ def _numbers(text: str, name: str, kind: Callable[[str], Any]) -> list[Any]:
 
 
 def _policies(text: str) -> tuple[str, ...]:
-    from ..kv import POLICIES
-
     names = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
     unknown = [n for n in names if n not in POLICIES]
     if not names or unknown:
@@ -245,14 +250,18 @@ class Row:
 
 def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the grid of ``options``; returns what ``kv.json`` holds."""
-    import torch
-
+    from .. import sources
     from .._extras import require
+
+    sources.resolve(options.model)  # a missing file or package named before torch is imported
+    from .. import _validation as V
+
+    folder = V.check_out_dir("--out", options.out)
+    import torch
 
     require("transformers", "hf", "multihead kv")
     from ..hf import load
 
-    folder = V.check_out_dir("--out", options.out)
     model, tokenizer = load(options.model)
     rng = random.Random(options.seed)
     rows: dict[tuple[int, str, float | int], Row] = {}
@@ -326,7 +335,7 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
                rows: dict[tuple[int, str, float | int], Row]) -> None:  # fmt: skip
     """Prefill once; decode the answer with the full cache and with each policy and keep (with
     ``chunk``, each compressed cell runs its own prompt in chunks)."""
-    from ..kv import POLICIES
+    from .. import kv
 
     ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
     chunked = options.chunk is not None
@@ -350,7 +359,7 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
                 row.step_ms.append(step)
                 row.answers.append(full_text)
                 continue
-            policy = POLICIES[name](keep)
+            policy = kv.POLICIES[name](keep)
             if chunked:
                 started = time.perf_counter()
                 own, cut = _chunked_prefill(model, ids, policy, options.chunk)
@@ -460,6 +469,7 @@ def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], fo
         "trials": options.trials,
         "seed": options.seed,
         "cpu": cpu_info()[0],
+        "decoding": _DECODING,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
         "rows": summaries,
     }
@@ -474,6 +484,7 @@ def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], fo
         say(f"{s['length']:>7} {s['policy']:>10} {keep:>6} "
             f"{s['correct']:>4}/{s['trials']:<3} {s['cache_mib']:>10.2f} "
             f"{s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
+    say(f"ms/step: {_DECODING}")
     figure = _figure(options, summaries, folder / "kv.png")
     if figure is not None:
         say(f"wrote {folder / 'kv.json'} and {figure}")

@@ -103,3 +103,36 @@ def test_a_bad_model_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is not a folder, a .gguf file or one of those names" in err
     assert "Received: source='smolm2'" in err
+
+
+def test_a_piped_prompt_is_read_from_standard_input(qwen2, monkeypatch):
+    # the shell's pipe in a process of its own: no PROMPT at all; '-' in this process
+    import subprocess
+    import sys
+
+    args = ["--model", str(qwen2), "--max-new-tokens", "8"]
+    want = _generate(*args, PROMPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "multihead.cli", "generate", *args],
+        input=PROMPT + "\n", capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT + "\n"))
+    assert _generate(*args, "-") == want
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_no_prompt_on_a_terminal_says_how_to_give_one(qwen2, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", _Terminal(""))
+    assert main(["generate", "--model", str(qwen2)]) == 2
+    err = capsys.readouterr().err
+    assert "give the text to continue as PROMPT, or pipe it in" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert main(["generate", "--model", str(qwen2), "-"]) == 2
+    assert "the prompt is empty" in capsys.readouterr().err
+    assert generate.read_prompt("hi", _Terminal("")) == "hi"

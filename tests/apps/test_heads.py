@@ -74,6 +74,38 @@ def test_a_causal_lm_ranked_by_the_loss_change(kind, request, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"layer  {layer} head  {head}" in printed and "Spearman" in printed
     assert (tmp_path / "out" / "heads.png").stat().st_size > 0
+    # the scale of the scores: the eager model's own loss with every head on
+    model = transformers_model(llama)
+    from tokenizers import Tokenizer
+
+    ids = torch.tensor([Tokenizer.from_file(str(llama / "tokenizer.json")).encode(TEXT).ids])
+    with torch.no_grad():
+        plain = float(model(input_ids=ids, labels=ids).loss)
+    assert record["baseline_loss"] == pytest.approx(plain, rel=1e-5)
+    assert f"baseline loss (mean next-token cross-entropy, every head on): {plain:.4f}" in printed
+    # the model named as given, and both methods' top tens printed
+    assert record["model"] == str(llama) and f"model: {llama} (2 layers x 4 heads)" in printed
+    assert "(ablate); top ten heads" in printed and "(gradient); top ten heads" in printed
+
+
+def test_both_methods_are_drawn(llama, tmp_path, monkeypatch):
+    from multihead.apps import common
+
+    panels = []
+    original = common.save_figure
+
+    def spy(fig, path):
+        panels.append([a.get_title() for a in fig.axes if a.images])
+        return original(fig, path)
+
+    monkeypatch.setattr(common, "save_figure", spy)
+    for method in ("both", "gradient"):
+        heads.run(heads.HeadsOptions(text=TEXT, model=str(llama), out=tmp_path / method,
+                                     method=method), say=lambda _: None)  # fmt: skip
+    assert [[t.split(":")[0] for t in titles] for titles in panels] == [
+        ["ablate", "gradient"],
+        ["gradient"],
+    ]
 
 
 def test_a_multihead_save_folder_ranks_as_the_same_model_in_transformers(gpt2, tmp_path):

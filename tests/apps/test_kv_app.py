@@ -85,6 +85,8 @@ def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_pat
             assert half["cache_mib"] == pytest.approx(full["cache_mib"] / 2, rel=0.02)
     printed = capsys.readouterr().out
     assert "snapkv" in printed and "kv.png" in printed
+    # the timings say which decoding path they time
+    assert f"ms/step: {result['decoding']}" in printed and "decoding_step" in result["decoding"]
 
 
 def test_chunked_cells_decode_as_generate_under_compress_with_chunks(folder, loaded, tmp_path):
@@ -183,3 +185,8 @@ def test_bench_kv_lengths_are_checked(text):
         return
     with pytest.raises(ValueError, match="--lengths takes comma-separated prompt lengths"):
         bench._parse_lengths(text)
+
+
+def test_the_flags_policy_names_are_the_librarys():
+    # written out in the app so that parsing its flags imports no torch
+    assert tuple(kv.POLICIES) == app.POLICIES

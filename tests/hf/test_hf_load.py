@@ -281,3 +281,47 @@ def test_a_converted_gguf_is_read_from_the_cache_by_the_next_process(folder, tmp
     assert tokenizer(TEXT).input_ids == ids[0].tolist()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, same(ids).logits, rtol=0, atol=1e-6)
+
+
+def test_a_conversion_is_keyed_by_the_files_content(gguf_file, tmp_path, monkeypatch):
+    # the same file installed twice, or touched, shares one folder; an edited one does not
+    import os
+    import shutil
+
+    from multihead import sources
+
+    monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path / "cache"))
+    first = sources.converted_folder(sources.resolve(gguf_file))
+    again = tmp_path / "elsewhere" / gguf_file.name
+    again.parent.mkdir()
+    shutil.copyfile(gguf_file, again)
+    os.utime(again, ns=(1, 1))
+    assert sources.converted_folder(sources.resolve(again)) == first
+    edited = bytearray(gguf_file.read_bytes())
+    edited[100] ^= 0xFF  # a byte of the header (its metadata)
+    again.write_bytes(bytes(edited))
+    assert sources.converted_folder(sources.resolve(again)) != first
+    assert first.parent == tmp_path / "cache"
+
+
+def test_multihead_cache_lists_and_removes_the_converted_models(tmp_path, monkeypatch, capsys):
+    from multihead import sources
+    from multihead.cli import main
+
+    monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path))
+    for name, size in (("a-1-x", 3000), ("b-2-y", 2_500_000)):
+        (tmp_path / name / "sub").mkdir(parents=True)
+        (tmp_path / name / "sub" / "model.safetensors").write_bytes(b"\0" * size)
+        (tmp_path / name / "config.json").write_text("{}")
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "a-1-x" in out and "3.0 kB" in out and "b-2-y" in out and "2.5 MB" in out
+    assert f"2 in {tmp_path}, 2.5 MB in all" in out
+    assert main(["cache", "remove", "a-1-x", "nope"]) == 2  # refused whole
+    assert "holds no 'nope'" in capsys.readouterr().err and (tmp_path / "a-1-x").is_dir()
+    assert main(["cache", "remove", "a-1-x"]) == 0
+    assert [c.name for c in sources.cached()] == ["b-2-y"]
+    assert main(["cache", "remove", "--all"]) == 0
+    assert "removed b-2-y (2.5 MB)" in capsys.readouterr().out and sources.cached() == []
+    assert main(["cache", "remove"]) == 2
+    assert "NAME ... or --all, one of the two" in capsys.readouterr().err
