@@ -271,12 +271,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_model_source(argv: list[str]) -> None:
+    """A ``--model`` that names a causal LM source ("smollm2", "gemma3", a .gguf path) is
+    resolved before the command's job is imported (``multihead.sources``, the standard library
+    alone), so a missing file or package is named before torch loads, in every command."""
+    from . import sources
+
+    for i, arg in enumerate(argv):
+        value = arg.partition("=")[2] if arg.startswith("--model=") else None
+        if arg == "--model" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is not None and sources.is_llm_source(value):
+            sources.resolve(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names; the exit status: the job's own when it returns an int,
     else 0; 2 for an error the user can fix; 130 after Ctrl-C."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command = (_path(argv) or ["multihead"])[0]
     try:
+        _check_model_source(argv)
         args = build_parser(argv).parse_args(argv)
         options = [] if args.record is None else [_flags.record_from(args.record, args)]
         result = args.job(*args.job_args, *options)

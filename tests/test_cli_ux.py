@@ -267,9 +267,11 @@ _FRESH = (
         ["generate", "--model", "{gguf}", "hi"],
         ["kv", "--model", "{gguf}"],
         ["heads", "--model", "{gguf}", "hi"],
+        ["explain", "--model={gguf}", "hi"],
+        ["bench", "decode", "--model", "{gguf}"],
         ["cache", "list"],
     ],
-    ids=["generate", "kv", "heads", "cache"],
+    ids=["generate", "kv", "heads", "explain", "bench-decode", "cache"],
 )
 def test_a_missing_gguf_is_named_before_torch_is_imported(argv, tmp_path):
     gguf = tmp_path / "absent.gguf"
