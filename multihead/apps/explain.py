@@ -227,10 +227,8 @@ class _Foreign:
     def from_source(cls, source: str) -> _Foreign:
         """A causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file), with the
         ``tokenizers.Tokenizer`` behind its transformers tokenizer."""
-        from .. import sources
         from .._extras import require
 
-        sources.resolve(source)  # a missing file or package named before transformers loads
         require("transformers", "hf", "multihead explain --model " + source)
         from ..hf import load
 

@@ -115,10 +115,6 @@ def run(options: GenerateOptions, *, write: Callable[[str], object] = _write) ->
         pieces.append(piece)
         write(piece)
 
-    from .. import sources
-
-    if sources.is_llm_source(options.model):  # a missing file or package, before torch loads
-        sources.resolve(options.model)
     if _native(options.model):
         _generate_native(options, emit)
     else:

@@ -76,8 +76,6 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
 
     if source is not None and _is_saved(Path(source)):
         return _load_saved(Path(source))
-    if source is not None:  # a missing file or package named before transformers is imported
-        sources.resolve(source)
     require("transformers", "hf", "multihead heads")
     from .. import folder_reading
     from ..hf import loading
@@ -298,10 +296,6 @@ _METHODS = {"ablate": "each head removed (exact)", "gradient": "one backward pas
 
 def run(options: HeadsOptions, *, say: Callable[[str], None] = print) -> Ranked:
     """Rank every head; see the module docstring."""
-    from .. import sources
-
-    if options.model is not None and sources.is_llm_source(options.model):
-        sources.resolve(options.model)  # a missing file or package, before torch is imported
     import torch
 
     from .. import _validation as V

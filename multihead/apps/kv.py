@@ -250,15 +250,12 @@ class Row:
 
 def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the grid of ``options``; returns what ``kv.json`` holds."""
-    from .. import sources
-    from .._extras import require
-
-    sources.resolve(options.model)  # a missing file or package named before torch is imported
-    from .. import _validation as V
-
-    folder = V.check_out_dir("--out", options.out)
     import torch
 
+    from .. import _validation as V
+    from .._extras import require
+
+    folder = V.check_out_dir("--out", options.out)
     require("transformers", "hf", "multihead kv")
     from ..hf import load
 
