@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import decode_route
 from ..backends import registry
-from ..backends.call import prepare
+from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
 from ..kv import LayerState, Policy, causal_band, grouped, request
 from ..masks import Mask, causal, dense
@@ -113,14 +113,7 @@ def _attend(
     and the statistics pass over those rows alone (the same rows' weights, at the cost of
     ``rows`` rows: SnapKV's 32 of a 4,000-token prompt). A one-row call without a statistic
     takes the decoding step's route."""
-    call = prepare(query, key, value, None, bias, scale, dropout, False)
-    if call.bias is not None:
-        raise ValueError(
-            "compress reads the mask at the kept positions, which it cannot do for an additive "
-            "position bias or a float attention mask. Received: an additive bias "
-            f"({getattr(call.bias, 'label', type(call.bias).__name__)})"
-        )
-    call = replace(call, mask=mask)
+    call = replace(_checked(query, key, value, bias, scale, dropout), mask=mask)
     if need is None:
         plain = mask is None and call.sinks is None and call.dropout_p == 0
         if plain and decode_route.applies(call.query, call.key, call.value):
@@ -128,7 +121,32 @@ def _attend(
         whole = registry.run(call, "auto")[0]
         assert whole is not None
         return whole, None
-    stat, rows = need[0], need[1] or 1
+    return _with_statistic(call, need[0], need[1] or 1)
+
+
+def _checked(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bias: ScoreModifier | None,
+    scale: float | None,
+    dropout: float,
+) -> Call:
+    """The call checked without its mask; an additive bias refused (the mask at the kept
+    positions is what compress reads)."""
+    call = prepare(query, key, value, None, bias, scale, dropout, False)
+    if call.bias is not None:
+        raise ValueError(
+            "compress reads the mask at the kept positions, which it cannot do for an additive "
+            "position bias or a float attention mask. Received: an additive bias "
+            f"({getattr(call.bias, 'label', type(call.bias).__name__)})"
+        )
+    return call
+
+
+def _with_statistic(call: Call, stat: str, rows: int) -> tuple[Tensor, Tensor]:
+    """The output and the statistic ``stat`` of a checked call (``window_mass`` over its last
+    ``rows`` rows)."""
     _, _, _, length_q, length_k, _ = call.shape
     if stat != "window_mass" or rows >= length_q or call.sinks is not None:
         window = rows if stat == "window_mass" else None
@@ -137,6 +155,7 @@ def _attend(
         return out, found[stat]
     first = length_q - rows  # the window's rows, every key; a soft-cap holds for any rows
     crop = (length_q, length_k, first, length_q, 0, length_k)
+    mask = call.mask
     window_rows = replace(
         call,
         query=call.query[:, :, first:],

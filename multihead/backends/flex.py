@@ -270,6 +270,8 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
             # the sum to bf16/fp16
             return add(score, b, head, q_idx, kv_idx).to(stat)
 
+    if q.device.type == "cpu" and length_k % BLOCK:
+        k, v, blocks, score_mod = _padded(k, v, blocks, score_mod, length_q, length_k)
     key = _kernel_key(call)
     kernel = _kernels.make(key, lambda: _Kernel(_compile(f"{next(_tags)}")))
     args = (q, k, v, score_mod, blocks, call.scale, h != h_kv)
@@ -291,6 +293,59 @@ def run(call: Call) -> tuple[Tensor, Tensor | None]:
     kernel.compiled = True
     _log.append(CompileRecord(_describe(call), time.perf_counter() - start, None))
     return out, None
+
+
+def _padded(key: Tensor, value: Tensor, blocks, score_mod, length_q: int, length_k: int):
+    """Keys and values padded with zeros to a whole number of key blocks, and a block mask
+    and score function that never let a query see the padding. Inductor's CPU kernel (torch
+    2.13) loads the last key block whole and multiplies its masked weights (0) by what lies
+    past the tensor's end: NaN there turns the last (batch, head)'s rows to NaN, seen with S
+    = 72, 88 or 104 (tests/masks/test_predicate.py). Padding puts zeros in that place; the
+    mask and the bias read a key index clamped to S - 1, so neither indexes past its tensors."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    pad = -length_k % BLOCK
+    key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+    value = torch.nn.functional.pad(value, (0, 0, 0, pad))
+    last = length_k - 1
+    if blocks is None:
+        n_q, n_k = math.ceil(length_q / BLOCK), math.ceil(length_k / BLOCK)
+        partial = torch.full((1, 1, n_q), 1, dtype=torch.int32)
+        partial_index = torch.arange(n_k - 1, -1, -1, dtype=torch.int32).expand(1, 1, n_q, n_k)
+        full = torch.full((1, 1, n_q), n_k - 1, dtype=torch.int32)
+        full_index = torch.arange(n_k, dtype=torch.int32).expand(1, 1, n_q, n_k)
+        inner = None
+        parts = [t.to(key.device).contiguous() for t in (partial, partial_index, full, full_index)]
+    else:
+        inner = blocks.mask_mod
+        parts = [
+            blocks.kv_num_blocks,
+            blocks.kv_indices,
+            blocks.full_kv_num_blocks,
+            blocks.full_kv_indices,
+        ]
+
+    def mask_mod(b, head, q_idx, kv_idx):
+        seen = kv_idx <= last
+        if inner is None:
+            return seen
+        return seen & inner(b, head, q_idx, torch.clamp(kv_idx, max=last))
+
+    padded = BlockMask.from_kv_blocks(
+        *parts,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(length_q, length_k + pad),
+        compute_q_blocks=blocks is not None and blocks.q_num_blocks is not None,
+    )
+    if score_mod is None:
+        return key, value, padded, None
+    add = score_mod
+
+    def clamped(score, b, head, q_idx, kv_idx):
+        return add(score, b, head, q_idx, torch.clamp(kv_idx, max=last))
+
+    return key, value, padded, clamped
 
 
 def _attend(query, key, value, score_mod, block_mask, scale, enable_gqa):

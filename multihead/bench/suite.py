@@ -679,10 +679,11 @@ def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
         kernel = fused.build()
         for dtype in ("float32", "bfloat16"):
             report.peak_gflops[f"{dtype} blocks"] = kernel.block_peak(64, 0.5, dtype == "bfloat16")
+        half = report.peak_gflops["bfloat16 blocks"]
         blocks = (
             f"; the fused kernel's block products: fp32 "
-            f"{report.peak_gflops['float32 blocks']:.0f}, bf16 "
-            f"{report.peak_gflops['bfloat16 blocks']:.0f} GFLOP/s"
+            f"{report.peak_gflops['float32 blocks']:.0f} GFLOP/s, bf16 "
+            + (f"{half:.0f} GFLOP/s" if half else "none (no bf16 microkernel on this CPU)")
             + ("" if kernel.half_products() else " (bf16 inputs widened to fp32 here)")
         )
     say(f"CPU: {report.machine['cpu']}; {report.machine['threads']} threads")

@@ -380,6 +380,33 @@ def test_compiled_kernel_matches_reference_and_compiles_once_per_structure():
     assert "B=2 H=4 2 kv heads, L=300 S=300 D=16 float32 on cpu" in log[0].what
 
 
+def test_keys_reach_the_cpu_kernel_in_whole_blocks(monkeypatch):
+    """Inductor's CPU kernel (torch 2.13) reads the last key block whole: with S = 104 the
+    last (batch, head)'s rows multiplied their masked weights by what lay past the tensor's
+    end and came out NaN now and then. The backend pads keys and values to whole blocks and
+    hides the padding; the compiled kernel's answer equals the reference."""
+    compile_ = flex._compile
+    lengths = []
+
+    def spying(tag):
+        fn = compile_(tag)
+
+        def run(*args):
+            lengths.append(args[1].shape[-2])
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(flex, "_compile", spying)
+    b, h, length_q, length_k, d = 2, 2, 64, 104, 16
+    q, k, v = qkv(b, h, h, length_q, length_k, d, seed=3)
+    want, _ = naive_attention(q, k, v, None)
+    with torch.no_grad():
+        got = mh.attention(*(t.float() for t in (q, k, v)), backend="flex")
+    assert lengths == [flex.BLOCK]
+    assert (got.double() - want).abs().max() <= FP32_OUT
+
+
 # ---------------------------------------------------------------- what flex cannot run
 
 

@@ -361,6 +361,18 @@ def test_exported_program_calls_the_op():
     torch.testing.assert_close(program.module()(q, k, v), Attend()(q, k, v), rtol=0, atol=0)
 
 
+def test_the_block_peaks_are_measured_or_zero_on_any_cpu():
+    """The bf16 block peak is measured where torch's bf16 microkernel runs and 0 elsewhere:
+    on a CPU with neither AMX nor AVX512-BF16 torch raises instead of falling back, and
+    ``bench kernels`` reads this peak on every machine. bf16 products are used only where
+    they run."""
+    kernel = fused.build()
+    assert kernel.block_peak(64, 0.02, False) > 0
+    half = kernel.block_peak(64, 0.02, True)
+    assert (half > 0) is kernel.half_available()
+    assert kernel.half_available() or not kernel.half_products()
+
+
 @pytest.mark.parametrize(
     "kind,scale",
     [("none", None), ("causal", 10.0), ("window_both", None), ("lengths_per_query", None),

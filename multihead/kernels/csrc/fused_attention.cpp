@@ -56,6 +56,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the forward with softmax statistics of chosen heads instead of their weights");
   m.def("block_peak", &block_peak, "GFLOP/s of the block products (float32 or bf16), all threads");
   m.def("half_products", &half_products, "whether bf16 inputs use bf16 block products here");
+  m.def("half_available", &half_available, "whether torch's bf16 microkernel runs on this CPU");
   m.def("parallel_threads", &parallel_threads, "threads one parallel loop reaches");
   m.def("pool_stats", &pool_stats,
         "the large-buffer pool: (buffers waiting, their bytes, takes it served, takes it missed)");

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <ctime>
+#include <exception>
 #include <type_traits>
 #include <vector>
 
@@ -51,13 +52,36 @@ double wall_seconds() {
       .count();
 }
 
+// Whether torch's bf16 microkernel runs here at all: on x86 it needs AMX or AVX512-BF16, and
+// torch raises (rather than falls back) on a CPU without them, so one tiny product is tried
+// once per process and an error read as "no".
+bool half_available() {
+#ifdef MULTIHEAD_BRGEMM
+  static const bool runs = [] {
+#if defined(__x86_64__)
+    if (!at::native::cpublas::could_pack(at::kBFloat16) && !__builtin_cpu_supports("avx512bf16"))
+      return false;
+#endif
+    try {
+      std::vector<at::BFloat16> a(2 * 2, at::BFloat16(1.0f)), b(2 * 16, at::BFloat16(1.0f));
+      std::vector<float> c(2 * 16, 0.0f);
+      block_gemm_vnni(2, 16, 2, a.data(), 2, b.data(), 16, false, c.data(), 16);
+      return c[0] == 2.0f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return runs;
+#else
+  return false;
+#endif
+}
+
 // The block products' peak: GFLOP/s on every thread at once (wall clock), in float32 or
-// with bf16 operands. What the kernel's time is best compared with: on some CPUs torch's own
+// with bf16 operands (0 where the bf16 microkernel does not run here: half_available). What the kernel's time is best compared with: on some CPUs torch's own
 // float32 matmul runs well below it.
 double block_peak(int64_t d, double seconds, bool bf16) {
-#ifndef MULTIHEAD_BRGEMM
-  if (bf16) return 0.0;
-#endif
+  if (bf16 && !half_available()) return 0.0;
   const int64_t threads = at::get_num_threads();
   std::vector<double> rates(threads, 0.0);
   at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
@@ -84,10 +108,7 @@ double block_peak(int64_t d, double seconds, bool bf16) {
 bool half_products() {
 #ifdef MULTIHEAD_BRGEMM
   static const bool faster = [] {
-#if defined(__x86_64__)
-    if (!at::native::cpublas::could_pack(at::kBFloat16) && !__builtin_cpu_supports("avx512bf16"))
-      return false;
-#endif
+    if (!half_available()) return false;
     const auto cpu_seconds = [] {
       timespec t{};
       clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
