@@ -245,6 +245,7 @@ def test_cached_decode_step(family):
 # no dropout, so eager and compiled draw nothing random)
 
 
+@pytest.mark.slow
 def test_train_steps_of_the_three_apps():
     """The sentiment regressor (BERT, padded batches), the causal forecaster and the cross-modal
     model, each with its app's loss, in one compiled graph (one trace instead of three):

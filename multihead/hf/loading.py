@@ -9,11 +9,13 @@ lists it). Nothing here reaches for the network. The names this module re-export
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..models import gguf
 from ..sources import (
     GEMMA3,
     GEMMA3_INSTALL,
@@ -86,10 +88,11 @@ def _read(where: Source, **options: Any) -> tuple[Any, Any]:
 
     named = {} if where.gguf_file is None else {"gguf_file": where.gguf_file}
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            where.folder, dtype=torch.float32, **named, **options
-        )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where.folder, **named)
+        with gguf.one_reading() if named else contextlib.nullcontext():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                where.folder, dtype=torch.float32, **named, **options
+            )
+            tokenizer = transformers.AutoTokenizer.from_pretrained(where.folder, **named)
     except (ValueError, OSError, KeyError) as err:
         raise ValueError(
             f"transformers could not load a causal language model and its tokenizer from "

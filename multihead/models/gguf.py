@@ -9,6 +9,9 @@ the config against the tensors as it does for a folder. The ``gguf`` package rea
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,15 @@ from torch import Tensor
 from .. import folder_reading
 from .._extras import require
 
-__all__ = ["ARCHITECTURES", "TENSOR_TYPES", "architecture", "is_gguf", "read", "tokenizer"]
+__all__ = [
+    "ARCHITECTURES",
+    "TENSOR_TYPES",
+    "architecture",
+    "is_gguf",
+    "one_reading",
+    "read",
+    "tokenizer",
+]
 
 ARCHITECTURES = ("llama",)  # general.architecture values read here
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_1")  # the ggml types read here
@@ -65,12 +76,56 @@ def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix.lower() == ".gguf"
 
 
+# a file's parsed header, by what identifies its bytes: building a GGUFReader parses every
+# metadata field (SmolLM2's 49,152-token vocabulary: ~6 s on a 2-core EPYC; Gemma 3's 262,144:
+# ~24 s), and a load asks for it several times (config, weights, tokenizer, and transformers
+# once more for each of its own readings). A reader only memory-maps the file and is never
+# written to; the few kept here hold mappings, not copies.
+_READERS: dict[tuple[str, int, int, str], Any] = {}
+_KEPT = 4
+_TOKENIZERS: dict[tuple[str, int, int, str], str | None] = {}
+
+
+def _key(path: str | os.PathLike[str], mode: str = "r") -> tuple[str, int, int, str]:
+    stat = os.stat(path)
+    return (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+
+
+def _shared(reader: type, path: str | os.PathLike[str], mode: str = "r") -> Any:
+    """``reader(path, mode)`` (the gguf package's GGUFReader), built once per file's bytes (a
+    changed file is parsed again)."""
+    key = _key(path, mode)
+    if key not in _READERS:
+        while len(_READERS) >= _KEPT:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = reader(path, mode)
+    return _READERS[key]
+
+
+@contextlib.contextmanager
+def one_reading() -> Iterator[None]:
+    """Inside, ``gguf.GGUFReader`` is the shared reader above, so that transformers' GGUF
+    loader (which builds a reader for the config, another for the tokenizer and a third for
+    the weights) parses each file once; the real class is put back on the way out."""
+    gguf = require("gguf", "llm", "reading a GGUF file")
+    real = gguf.GGUFReader
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        return _shared(real, path, mode)  # what transformers calls: GGUFReader(path)
+
+    setattr(gguf, "GGUFReader", reader)  # noqa: B010  (a function where mypy sees a class)
+    try:
+        yield
+    finally:
+        setattr(gguf, "GGUFReader", real)  # noqa: B010
+
+
 def _reader(path: Path) -> Any:
     gguf = require("gguf", "llm", "reading a GGUF file")
     if not path.is_file():
         raise FileNotFoundError(f"the GGUF file {path} does not exist. Received: '{path}'")
     try:
-        return gguf.GGUFReader(path)
+        return _shared(gguf.GGUFReader, path)
     except (ValueError, IndexError, OSError) as err:
         raise ValueError(
             f"{path} could not be read as a GGUF file ({err}); it is truncated or not a GGUF "
@@ -207,12 +262,19 @@ def tokenizer(path: str | Path) -> Any:
     Raises:
         ModuleNotFoundError: transformers is not installed (the message names the extra).
     """
+    tokenizers = require("tokenizers", "llm", "reading a GGUF file's tokenizer")
     file = Path(path)
     if "tokenizer.ggml.tokens" not in _reader(file).fields:
         return None
-    transformers = require("transformers", "llm", "reading a GGUF file's tokenizer")
-    auto = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    backend = auto.backend_tokenizer
+    key = _key(file)
+    if key not in _TOKENIZERS:  # transformers' conversion walks the whole vocabulary
+        transformers = require("transformers", "llm", "reading a GGUF file's tokenizer")
+        with one_reading():
+            auto = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        while len(_TOKENIZERS) >= _KEPT:
+            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+        _TOKENIZERS[key] = auto.backend_tokenizer.to_str()
+    backend = tokenizers.Tokenizer.from_str(_TOKENIZERS[key])  # a copy of its own each time
     backend.no_padding()
     backend.no_truncation()
     return backend

@@ -16,6 +16,7 @@ from multihead.bench.texts import sentences
 PACKING = 1e-6
 
 
+@pytest.mark.slow
 def test_ray_embed_equals_single_process_in_input_order(tmp_path, capsys):
     lines = sentences(9, min_words=3, max_words=60, seed=5)
     lines[4] = ""  # an empty line still gets its row

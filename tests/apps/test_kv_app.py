@@ -132,6 +132,7 @@ def test_bad_grid_options_are_named(argv, message):
         app.KvOptions(**{argv[0][2:]: argv[1]})
 
 
+@pytest.mark.slow
 def test_bench_kv_reports_costs_and_goals(folder, tmp_path):
     options = bench.KvBenchOptions(model=str(folder), prompt=96, context=128, steps=4,
                                    repeats=1, out=tmp_path)  # fmt: skip
@@ -160,6 +161,7 @@ def test_the_eager_reference_reduces_the_weights_the_kernel_folds(folder):
         torch.testing.assert_close(cap.stats[layer]["window_mass"], score, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bench_kv_long_table_runs_each_mode_in_its_own_process(folder, tmp_path):
     """The long-document table on the tiny Llama: a row per length and mode, the chunked and
     compressed caches at the budget, the full cache holding every key; json and figure."""

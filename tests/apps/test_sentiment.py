@@ -259,6 +259,7 @@ def test_bad_data_fails_before_training_and_names_the_file(tmp_path, capsys, lin
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_bench_explain_faithfulness_on_the_trained_model(run_dir, vader, tmp_path):
     """multihead bench explain's faithfulness part on the quick model: every method and
     Captum's integrated gradients scored on VADER test texts, AOPC recomputed by hand for one

@@ -71,6 +71,7 @@ def test_heads_ranks_the_30_by_9_heads_by_gradient(loaded, tmp_path, capsys):
     assert "(30 layers x 9 heads)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_explain_predicts_the_verb_and_finds_the_subject(loaded, tmp_path):
     """explain on a causal LM (issue 57): the prediction after --focus against --contrast,
     ALTI-Logit's answer in attribution.json, the grid within 100 columns for 30 layers."""
@@ -101,6 +102,7 @@ def test_explain_refuses_20000_words_in_one_line(loaded, tmp_path, capsys):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_explain_runs_1000_words_in_bounded_memory(loaded, tmp_path):
     """1,000 words on SmolLM2 (issue 57: it was killed by the OOM killer at 23 GB): the
     attribution and the focus rows, no full-weight figure; the memory the run may take is

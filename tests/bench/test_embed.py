@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from multihead import cli
 from multihead.bench.texts import sentences
 
 
+@pytest.mark.slow
 def test_embed_bench_runs_and_reports(tmp_path, capsys, minilm_onnx):
     args = ["bench", "embed", "--sentences", "12", "--repeats", "1", "--out", str(tmp_path)]
     args += ["--onnx", str(minilm_onnx), "--threads", "1"]

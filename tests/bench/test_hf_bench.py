@@ -18,6 +18,7 @@ from multihead.bench.hf import (
 )
 
 
+@pytest.mark.slow
 def test_hf_bench_runs_and_reports(tmp_path, capsys):
     args = ["bench", "hf", "--quick", "--repeats", "1", "--out", str(tmp_path)]
     assert cli.main(args) == 0

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from multihead import cli
 
 
+@pytest.mark.slow
 def test_serve_bench_runs_both_servers_and_agrees(tmp_path, capsys):
     args = ["bench", "serve", "--requests", "16", "--clients", "1", "8", "32"]
     args += ["--threads", "1", "--out", str(tmp_path)]

@@ -14,6 +14,7 @@ from multihead.bench.chart import chart_figure
 from multihead.bench.suite import SMOKE_TEST, Report, visible_entries
 
 
+@pytest.mark.slow
 def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
     assert cli.main(["bench", "kernels", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "results.json").read_text())

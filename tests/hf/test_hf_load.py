@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,30 @@ def test_a_gguf_file_gives_the_folders_model_and_tokenizer(
     # the same float32 weights (the rotary permutation round-trips exactly); the file keeps
     # rms_norm_eps in float32 (1e-6 -> 9.9999999747e-7), a change far below float32's ulp here
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
+    """transformers builds a GGUFReader for the config, the tokenizer and the weights; each
+    parses the whole header (Gemma 3's: ~24 s). The conversion shares one, and the gguf
+    package's own class is back afterwards."""
+    import gguf
+
+    from multihead.models import gguf as reading
+
+    monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path / "models"))
+    monkeypatch.setattr(reading, "_READERS", {})  # what earlier tests here parsed
+    built = []
+    real = gguf.GGUFReader
+
+    class Counting(real):
+        def __init__(self, path, mode="r"):
+            built.append(Path(path).name)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    loading.load(gguf_file)
+    assert built == [gguf_file.name]
+    assert gguf.GGUFReader is Counting
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ package is absent; nothing is downloaded)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,35 @@ def test_the_tokenizer_and_config_come_from_the_metadata(folder, files):
     assert not config.tie_word_embeddings
     packed = multihead.models.load(files["Q8_0"], weights="int8")
     assert packed.decoder.layers[0].self_attn.q_proj.weights == "int8"
+
+
+def test_a_file_is_parsed_once_for_its_model_and_tokenizer(folder, tmp_path, monkeypatch):
+    """Building a GGUFReader parses the whole header (SmolLM2's first load took 27 s, most of
+    it parsing the same file six times): two loads of one file build one reader, each load
+    gets a tokenizer of its own, and a file rewritten in place is parsed again."""
+    from multihead.models import gguf as reading
+
+    file = write_gguf(folder, tmp_path / "once.gguf")
+    built = []
+    real = gguf.GGUFReader
+
+    def counting(path, mode="r"):
+        built.append(Path(path))
+        return real(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    first, second = multihead.models.load(file), multihead.models.load(file)
+    assert built == [file]
+    assert gguf.GGUFReader is counting  # transformers' readings went through the shared one
+    first.tokenizer.enable_padding(length=64)
+    assert first.tokenizer.padding is not None and second.tokenizer.padding is None
+    text = "the film was a quiet delight"
+    assert second.tokenizer.encode(text).ids == llama.load(folder).tokenizer.encode(text).ids
+    stamp = file.stat().st_mtime_ns
+    write_gguf(folder, file)
+    os.utime(file, ns=(stamp + 10**9, stamp + 10**9))
+    reading.read(file)
+    assert built == [file, file]
 
 
 def _tiny_file(path: Path, architecture: str, kind: str = "F32") -> Path:
