@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import decode_route
 from ..backends import registry
 from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
+from ..decoding import routes
 from ..kv import LayerState, Policy, causal_band, grouped, request
 from ..masks import Mask, causal, dense
 
@@ -116,8 +116,8 @@ def _attend(
     call = replace(_checked(query, key, value, bias, scale, dropout), mask=mask)
     if need is None:
         plain = mask is None and call.sinks is None and call.dropout_p == 0
-        if plain and decode_route.applies(call.query, call.key, call.value):
-            return decode_route.run(call).transpose(1, 2), None
+        if plain and routes.applies(call.query, call.key, call.value):
+            return routes.run(call).transpose(1, 2), None
         whole = registry.run(call, "auto")[0]
         assert whole is not None
         return whole, None

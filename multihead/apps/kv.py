@@ -48,7 +48,7 @@ _WORDS = (
 # where the ms per decoding step come from (printed beside them and kept in kv.json)
 _DECODING = (
     "one forward of transformers' model per token on attn_implementation='multihead', float32 "
-    "(not multihead.hf.decoding_step's fast path, which the README's decoding figures time)"
+    "(not multihead.hf.fast_decoding's path, which the README's decoding figures time)"
 )
 # multihead.kv.POLICIES' names, here so that parsing the flags imports no torch
 POLICIES = ("snapkv", "h2o", "tova", "streaming")

@@ -204,15 +204,15 @@ def short_path(
     say: Callable[[str], None] = print,
 ) -> dict:
     """A decoding step of ``multihead.models.gpt2`` on the modules' path, on the Python short
-    path through its layers (``modules/decoder_step.py``) and in one C++ call
-    (``modules/native_step.py``), in one process on the same model and prompt:
+    path through its layers (``decoding/python_step.py``) and in one C++ call
+    (``decoding/native_step.py``), in one process on the same model and prompt:
     each round times ``generate(ids, steps + 1)`` and ``generate(ids, 1)`` on both paths, best
     of two each, and a step is their difference over ``steps``; medians of ``rounds``
     alternating rounds, in ms per step. ``weights``: None (fp32), "bf16" or "int8"; ``shape``:
     GPT-2 small by default (a small ``DecodeShape`` shows the overhead alone)."""
     from .._machine import cpu_info
+    from ..decoding import native_step, python_step
     from ..models import gpt2
-    from ..modules import decoder_step, native_step
     from .suite import matmul_peaks
 
     shape = shape or DecodeShape()
@@ -229,12 +229,12 @@ def short_path(
     ids = torch.randint(
         0, shape.vocab, (1, shape.prompt), generator=torch.Generator().manual_seed(3)
     )
-    was = decoder_step.enabled, native_step.enabled
+    was = python_step.enabled, native_step.enabled
     # (Python short path, C++ step) per row: the modules, the Python short path, the C++ step
     paths = {"modules": (False, False), "short path": (True, False), "C++ step": (True, True)}
 
     def run(name: str, new: int) -> tuple[float, torch.Tensor]:
-        decoder_step.enabled, native_step.enabled = paths[name]
+        python_step.enabled, native_step.enabled = paths[name]
         start = time.perf_counter()
         out = model.generate(ids, new)
         return time.perf_counter() - start, out
@@ -250,7 +250,7 @@ def short_path(
                 first = min(run(name, 1)[0] for _ in range(2))
                 per_step[name].append((whole - first) / steps * 1e3)
     finally:
-        decoder_step.enabled, native_step.enabled = was
+        python_step.enabled, native_step.enabled = was
     med = {name: statistics.median(t) for name, t in per_step.items()}
     say(
         f"{shape.layers} layers, E={shape.embed_dim}, {_name(weights)}: a step on the modules' "

@@ -38,9 +38,9 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     backend the bridge runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from .. import decode_route
     from ..backends import fused
     from ..backends.call import Call
+    from ..decoding import routes
     from ..hf import attention, make_mask
 
     g = torch.Generator().manual_seed(0)
@@ -55,8 +55,8 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     layer = _Layer()
     with torch.inference_mode():
         attention.attention_forward(layer, q, k, v, mask)  # the route, as a step's first call
-    (route,) = decode_route._routes(mask).values()
-    own = mask if route.own_mask else route.mask  # the call the route runs (decode_route.attend)
+    (route,) = routes._routes(mask).values()
+    own = mask if route.own_mask else route.mask  # the call the route runs (routes.attend)
     call = Call(route.rows(q), k, v, own, None, route.scale, 0.0, False, softcap=route.softcap)
     kernel, args = fused.build(), fused._args(call, shared=True)
     dense = keep[:, None, None, :]  # what transformers' sdpa mask is for this step

@@ -1,6 +1,6 @@
 """``multihead bench decode --model smollm2``: greedy decoding of a real model (SmolLM2-135M,
 or any Llama-family GGUF file or folder) by multihead's own decoder in each weight kind, by
-transformers' ``generate()`` on sdpa and on multihead (with ``decoding_step``),
+transformers' ``generate()`` on sdpa and on multihead (with ``fast_decoding``),
 and by llama.cpp at the same precisions where ``llama_cpp`` (llama-cpp-python) is importable.
 
 Every contender runs in this process on the same prompt ids, interleaved (the order rotates
@@ -52,7 +52,7 @@ GOALS = {
     "bandwidth": {"float32": 0.75, "bf16": 0.75, "int8": 0.70, "w8a16": 0.70},
     "hf_vs_sdpa": 2.0,  # transformers' generate() on multihead against sdpa
 }
-SDPA, HF_MULTIHEAD = "transformers sdpa", "transformers multihead + decoding_step"
+SDPA, HF_MULTIHEAD = "transformers sdpa", "transformers multihead + fast_decoding"
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36"
 
 
@@ -186,13 +186,13 @@ def _own_models(path: Path) -> dict[str, Any]:
 
 def _transformers(source: str) -> tuple[dict[str, Any], torch.Tensor]:
     """transformers' model on sdpa and on multihead's attention with its decoding steps in one
-    C++ call (``multihead.hf.decoding_step``), each from its own load (its own config), and
+    C++ call (``multihead.hf.fast_decoding``), each from its own load (its own config), and
     the prompt."""
-    from ..hf import decoding_step, loading
+    from ..hf import fast_decoding, loading
 
     sdpa, tokenizer = loading.load(source, attn_implementation="sdpa")
     ours, _ = loading.load(source)
-    decoding_step(ours)
+    fast_decoding(ours)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"][:, :PROMPT_TOKENS]
     return {SDPA: sdpa, HF_MULTIHEAD: ours}, ids
 

@@ -501,7 +501,8 @@ class GenerateWorkload:
     ``prompt`` tokens (where B > 1, row b left-padded by b/8 of the prompt beside a full row)
     and ``new_tokens`` more, the prompt's forward counted in the time. "multihead" runs twice:
     with transformers' linear layers, and with them on multihead's few-row kernel
-    (``multihead.hf.decoding_linears``), which the goal is judged on."""
+    (``multihead.hf.fast_decoding``, which takes the few-row linears for this architecture),
+    which the goal is judged on."""
 
     layers: int = 6  # of Qwen2-0.5B's 24: the attention calls per token scale with them
     prompt: int = 512
@@ -512,7 +513,7 @@ class GenerateWorkload:
 
 GENERATE = GenerateWorkload()
 # generate()'s contender with transformers' linear layers on multihead's few-row kernel
-LINEARS = "multihead, decoding_linears"
+LINEARS = "multihead, fast_decoding"
 # Qwen2-0.5B's shape: 14 query heads over 2 KV heads of 64; the vocabulary is cut to VOCAB as
 # in every workload here (its 151,936 rows would add 545 MB of reads per token to both sides)
 QWEN2_05B: dict[str, Any] = dict(
@@ -565,7 +566,7 @@ def _generate(workload: GenerateWorkload, repeats: int, say: Callable[[str], Non
     models = {"sdpa": sdpa, "multihead": copy.deepcopy(sdpa), LINEARS: copy.deepcopy(sdpa)}
     models["multihead"].set_attn_implementation("multihead")
     models[LINEARS].set_attn_implementation("multihead")
-    multihead.hf.decoding_linears(models[LINEARS])
+    multihead.hf.fast_decoding(models[LINEARS])
     say(
         f"\ntransformers generate(), Qwen2-0.5B-shaped ({workload.layers} layers, vocabulary "
         f"{VOCAB}), prompt {workload.prompt}, {workload.new_tokens} new tokens, greedy:"

@@ -16,9 +16,10 @@ grouped-query attention without repeated keys, ``output_attentions=True`` on the
 of them (``stats=``); ``ablate``, ``knockout`` and ``patch`` act on chosen heads inside the
 kernel call (see the guide "Acting on attention"). They are ``multihead.acting``'s, which act
 on the library's own models as well; importing this module lets them find a transformers
-model's layers. ``decoding_linears(model)`` puts the
-model's float32 linear layers on multihead's few-row kernel, which is what makes its
-``generate()`` faster on the CPU: a decoding step is mostly those products. ``load(source)``
+model's layers. ``fast_decoding(model)`` makes its ``generate()`` faster on the CPU: a
+``LlamaForCausalLM``'s steps run in one C++ call each, any other model's float32 linear layers
+on multihead's few-row kernel (a decoding step is mostly those products; see
+``multihead.decoding.hf``). ``load(source)``
 gives a causal LM on this attention and its tokenizer from a folder, a GGUF file or the name
 ``"smollm2"`` (a real small model installed offline; see ``multihead.hf.loading``).
 
@@ -31,12 +32,17 @@ from .. import _extras
 
 _extras.require("transformers", "hf", "multihead.hf")
 
+from .._deprecation import MultiheadDeprecationWarning  # noqa: E402
+from ..decoding.hf import (  # noqa: E402
+    decoding_linears,
+    decoding_path,
+    decoding_step,
+    fast_decoding,
+)
 from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
 from .attention import attention_forward  # noqa: E402  after the check for the extra
 from .capture import attention_layers  # noqa: E402  registers the reader of these models
 from .compress import compress  # noqa: E402
-from .decoding_step import decoding_step  # noqa: E402
-from .linears import decoding_linears  # noqa: E402
 from .loading import load  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402
@@ -49,13 +55,16 @@ __all__ = [
     "NAME",
     "Capture",
     "Compression",
+    "MultiheadDeprecationWarning",
     "ablate",
     "attention_forward",
     "attention_layers",
     "capture",
     "compress",
     "decoding_linears",
+    "decoding_path",
     "decoding_step",
+    "fast_decoding",
     "knockout",
     "load",
     "make_mask",

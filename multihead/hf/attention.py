@@ -14,7 +14,7 @@ layer's cache, runs its layers' calls itself (``Compression.layer_calls``, here
 ``compress.attend``); the choice among these is ``acting.route``'s, which the library's own
 ``MultiHeadAttention`` reads too. A knockout on a sliding-window layer whose cache has slid
 names positions, which are mapped to the columns the cache holds. A decoding step's call (one
-query row) takes the short path of ``decode_route.attend``, to the same result.
+query row) takes the short path of ``routes.attend``, to the same result.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import acting, decode_route
+from .. import acting
 from .. import bias as mb
 from ..backends import registry
 from ..backends.call import prepare
+from ..decoding import routes
 from ..masks import Mask, dense
 from ._transformers import collecting_attentions
 
@@ -116,7 +117,7 @@ def attention_forward(
     way = acting.route(plan, compressing=False, step=step)
     if way == "step":
         assert attention_mask is None or isinstance(attention_mask, Mask)
-        return decode_route.attend(query, key, value, attention_mask, scaling, softcap), None
+        return routes.attend(query, key, value, attention_mask, scaling, softcap), None
     mask, extra = _as_mask(attention_mask)
     bias = _bias(position_bias, extra, softcap, s_aux)
     if way == "compress":  # the block keeps the layer's cache
@@ -159,14 +160,14 @@ def _decoding(
     position_bias: Tensor | None,
     sinks: Tensor | None,
 ) -> bool:
-    """A decoding step's call, which ``decode_route.attend`` takes with a multihead mask or none:
+    """A decoding step's call, which ``routes.attend`` takes with a multihead mask or none:
     nothing added to the scores (a cap may bend them), no dropout, and what
-    ``decode_route.applies`` asks (one query row, no gradient, no graph being traced)."""
+    ``routes.applies`` asks (one query row, no gradient, no graph being traced)."""
     return (
         position_bias is None
         and sinks is None
         and dropout == 0
-        and decode_route.applies(query, key, value)
+        and routes.applies(query, key, value)
     )
 
 

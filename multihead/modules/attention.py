@@ -16,9 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from .. import _validation as V
-from .. import acting, decode_route
+from .. import acting
 from .._saveable import saveable
 from ..backends.call import prepare
+from ..decoding import routes
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
 from ..stats import Reducer, attention_stats
@@ -193,7 +194,7 @@ class MultiHeadAttention(nn.Module):
             and bias is None
             and dropout_p == 0.0
             and (mask is None or isinstance(mask, Mask))
-            and decode_route.applies(q, k, v)
+            and routes.applies(q, k, v)
         )
         way = acting.route(plan, compressing=compressing, step=step)
         if way == "compress":
@@ -205,8 +206,8 @@ class MultiHeadAttention(nn.Module):
             out, _ = acting.run_plan(plan, call)
             return self.out_proj(merge_heads(out))
         if way == "step":
-            # a decoding step: every layer's call has the step's mask (multihead/decode_route.py)
-            out = decode_route.attend(q, k, v, mask, None, None)  # type: ignore[arg-type]
+            # a decoding step: every layer's call has the step's mask (multihead/routes.py)
+            out = routes.attend(q, k, v, mask, None, None)  # type: ignore[arg-type]
             return self.out_proj(out.reshape(out.shape[0], 1, -1))  # (B, 1, H, D_v) -> merged
         out = attention(q, k, v, mask, bias=bias, dropout_p=dropout_p)
         return self.out_proj(merge_heads(out))

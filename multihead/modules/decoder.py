@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from .. import _validation as V
 from .. import masks
 from .._saveable import saveable
+from ..decoding import native_step, python_step
 from ..functional import AttentionOutput
 from ..masks import Mask
-from . import decoder_step, native_step
 from .cache import KVCache, LayerCache
 from .transformer import StackOutput, _runner, check_layers, run_stack
 
@@ -165,8 +165,8 @@ class TransformerDecoder(nn.Module):
             kind = TransformerDecoderLayer
             if native_step.applies(self.layers, kind, x, cache):
                 return self.norm(native_step.step(self.layers, kind, x, cache))
-            if decoder_step.applies(self.layers, kind, x, cache):
-                return self.norm(decoder_step.step(self.layers, x, cache))
+            if python_step.applies(self.layers, kind, x, cache):
+                return self.norm(python_step.step(self.layers, x, cache))
         for i, layer in enumerate(self.layers):
             x = layer(x, mask=mask, positions=positions, cache=None if cache is None else cache[i])
         return self.norm(x)

@@ -20,8 +20,8 @@ from models.decoders import EOS, build, transformers_model
 import multihead as mh
 import multihead.hf as mhf  # the reader of transformers models
 from multihead import acting
+from multihead.decoding import native_step, python_step
 from multihead.models import gpt2, llama
-from multihead.modules import decoder_step, native_step
 
 LOADERS = {"gpt2": gpt2, "llama": llama}
 ATOL = 1e-5
@@ -172,8 +172,8 @@ def test_blocks_act_inside_generate_as_on_the_transformers_path(models, ours):
 def test_the_decoding_short_path_waits_while_a_block_is_open(models, monkeypatch):
     ours = models["loaded"]
     taken = []
-    original, native = decoder_step.step, native_step.step
-    monkeypatch.setattr(decoder_step, "step", lambda *a: taken.append(1) or original(*a))
+    original, native = python_step.step, native_step.step
+    monkeypatch.setattr(python_step, "step", lambda *a: taken.append(1) or original(*a))
     monkeypatch.setattr(native_step, "step", lambda *a: taken.append(1) or native(*a))
     with torch.no_grad():
         plain = ours.generate(CLEAN, 4)

@@ -86,7 +86,7 @@ def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_pat
     printed = capsys.readouterr().out
     assert "snapkv" in printed and "kv.png" in printed
     # the timings say which decoding path they time
-    assert f"ms/step: {result['decoding']}" in printed and "decoding_step" in result["decoding"]
+    assert f"ms/step: {result['decoding']}" in printed and "fast_decoding" in result["decoding"]
 
 
 def test_chunked_cells_decode_as_generate_under_compress_with_chunks(folder, loaded, tmp_path):

@@ -13,10 +13,11 @@ import torch
 from helpers import naive_attention, qkv
 
 import multihead as mh
-from multihead import backends, decode_route, masks
+from multihead import backends, masks
 from multihead.backends import fused, reduce, registry
 from multihead.backends._nonfinite import NonFiniteInput
 from multihead.backends.call import prepare
+from multihead.decoding import routes
 
 
 def _formulas(w: torch.Tensor, window: int | None) -> dict[str, torch.Tensor]:
@@ -192,7 +193,7 @@ def test_a_decoding_steps_route_is_the_registrys(monkeypatch):
     q, k, v = qkv(1, 4, 2, 1, 7, 8, dtype=torch.float32)
     step = masks.key_padding(torch.ones(1, 7, dtype=torch.bool))
     for _ in range(3):  # three layers of one step: one mask object
-        out = decode_route.attend(q, k, v, step, None, None)
+        out = routes.attend(q, k, v, step, None, None)
     assert len(asked) == 1
     want = mh.attention(q, k, v, step)
     torch.testing.assert_close(out, want.transpose(1, 2), rtol=0, atol=1e-6)

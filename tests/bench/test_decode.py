@@ -109,12 +109,12 @@ def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
     """``short_path`` times the same model's steps with the short path off and on, gives the
     same tokens both ways, and leaves the switch as it found it."""
     from multihead.bench import decode
-    from multihead.modules import decoder_step, native_step
+    from multihead.decoding import native_step, python_step
 
     monkeypatch.setattr(decode, "memory_bandwidth", lambda: 1.0)
     taken = []
-    step = decoder_step.step
-    monkeypatch.setattr(decoder_step, "step", lambda *a: taken.append(1) or step(*a))
+    step = python_step.step
+    monkeypatch.setattr(python_step, "step", lambda *a: taken.append(1) or step(*a))
     lines: list[str] = []
     shape = decode.DecodeShape(
         layers=2, embed_dim=32, heads=4, vocab=200, positions=32, prompt=8, new_tokens=4
@@ -123,7 +123,7 @@ def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
     # made the difference of the two timings negative in 5 of 40 runs
     report = decode.short_path("int8", shape=shape, rounds=3, steps=12, say=lines.append)
     assert report["tokens_identical"] and report["native_tokens_identical"]
-    assert decoder_step.enabled and native_step.enabled
+    assert python_step.enabled and native_step.enabled
     assert set(report["ms_per_step"]) == {"modules", "short path", "C++ step"}
     assert all(t > 0 for t in report["ms_per_step"].values())
     # the short path ran its steps (12 per timed run, 2 runs a round, plus the tokens' run)

@@ -1,9 +1,13 @@
-"""``multihead.hf.decoding_step``: a transformers Llama model's decoding steps in one C++ call
-over its own weights and its own DynamicCache. Greedy tokens equal sdpa's, each step's logits
-equal the model's own forward within float32 rounding, and every call it does not cover runs
-the model's forward unchanged."""
+"""``multihead.hf.fast_decoding`` on a transformers Llama model: its decoding steps in one C++
+call (the native step) over its own weights and its own DynamicCache. Greedy tokens equal
+sdpa's, each step's logits equal the model's own forward within float32 rounding, and every
+call it does not cover runs the model's forward unchanged. Other architectures take the
+few-row linears; the two entries it replaces warn and keep working."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +15,11 @@ import transformers as tf
 from hf_archs import BY_NAME, VOCAB
 
 import multihead.hf as mhf
+from multihead._deprecation import MultiheadDeprecationWarning
+from multihead.decoding import hf as adapter
+from multihead.decoding import native_step
 from multihead.modules import few_rows
+from multihead.modules.few_rows import RowsLinear
 
 pytestmark = pytest.mark.skipif(
     few_rows.kernel_error() is not None, reason=f"no few-row kernel: {few_rows.kernel_error()}"
@@ -27,8 +35,8 @@ def _llama(impl: str = "sdpa") -> tf.PreTrainedModel:
 def _counting(monkeypatch) -> list:
     kernel = few_rows._LOADER.module or few_rows._LOADER.load()
     calls: list = []
-    real = kernel.decoder_step
-    monkeypatch.setattr(kernel, "decoder_step", lambda *a: calls.append(1) or real(*a))
+    real = kernel.native_step
+    monkeypatch.setattr(kernel, "native_step", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -42,8 +50,9 @@ def _generate(model, ids, new=10, **kw):
 
 def test_greedy_tokens_equal_sdpa_and_every_step_is_one_call(monkeypatch):
     reference = _llama()
-    model = mhf.decoding_step(_llama("multihead"))
-    assert mhf.decoding_step(model) is model  # again: nothing changes
+    model = mhf.fast_decoding(_llama("multihead"))
+    assert mhf.fast_decoding(model) is model  # again: nothing changes
+    assert mhf.decoding_path(model) == adapter.NATIVE == "native step"
     calls = _counting(monkeypatch)
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
     # 70 new tokens: the cache's buffer (64 slots at first) grows once on the way
@@ -56,11 +65,11 @@ def test_each_steps_logits_equal_the_models_own_forward(monkeypatch):
     """Teacher-forced steps over one DynamicCache: the C++ step's logits against the same
     model's forward with the step switched off, within float32 rounding (logits of order 1:
     the norms, softmax and activations sum in another order)."""
-    model = mhf.decoding_step(_llama("multihead"))
+    model = mhf.fast_decoding(_llama("multihead"))
     ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2))
     logits = {}
     for native in (True, False):
-        monkeypatch.setattr(mhf.decoding_step.__globals__["native_step"], "enabled", native)
+        monkeypatch.setattr(native_step, "enabled", native)
         cache = tf.DynamicCache(config=model.config)
         steps = []
         with torch.inference_mode():
@@ -74,7 +83,7 @@ def test_each_steps_logits_equal_the_models_own_forward(monkeypatch):
 
 
 def test_what_it_does_not_cover_runs_the_models_forward(monkeypatch):
-    model = mhf.decoding_step(_llama("multihead"))
+    model = mhf.fast_decoding(_llama("multihead"))
     calls = _counting(monkeypatch)
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
@@ -92,8 +101,58 @@ def test_what_it_does_not_cover_runs_the_models_forward(monkeypatch):
     assert len(calls) == 2  # the hook gone, the steps are native again
 
 
-def test_only_llama_models_are_taken():
+def test_other_architectures_take_the_few_row_linears(monkeypatch):
     config = BY_NAME["mistral"].make()
-    mistral = tf.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(TypeError, match=r"takes a transformers LlamaForCausalLM.*Mistral"):
+    torch.manual_seed(0)
+    mistral = tf.AutoModelForCausalLM.from_config(config, attn_implementation="multihead").eval()
+    calls = _counting(monkeypatch)
+    assert mhf.fast_decoding(mistral) is mistral
+    assert mhf.decoding_path(mistral) == adapter.LINEARS == "few-row linears"
+    assert type(mistral.lm_head) is RowsLinear
+    _generate(mistral, torch.randint(3, VOCAB, (1, 5)), 3)
+    assert calls == []  # no native step: it covers LlamaForCausalLM only
+
+
+def test_the_old_entries_warn_and_keep_their_behaviour():
+    """``decoding_step`` and ``decoding_linears`` are kept for a release: each call warns with
+    MultiheadDeprecationWarning (a DeprecationWarning and a FutureWarning) naming the new
+    entry, and does what it did."""
+    assert issubclass(MultiheadDeprecationWarning, DeprecationWarning)
+    assert issubclass(MultiheadDeprecationWarning, FutureWarning)
+    new = r"deprecated .*use multihead\.hf\.fast_decoding instead"
+    with pytest.warns(MultiheadDeprecationWarning, match="decoding_step is " + new):
+        llama = mhf.decoding_step(_llama("multihead"))
+    assert mhf.decoding_path(llama) == adapter.NATIVE
+    mistral = tf.AutoModelForCausalLM.from_config(BY_NAME["mistral"].make())
+    with (
+        pytest.warns(MultiheadDeprecationWarning, match="decoding_step is " + new),
+        pytest.raises(TypeError, match=r"takes a transformers LlamaForCausalLM.*Mistral"),
+    ):
         mhf.decoding_step(mistral)
+    with pytest.warns(MultiheadDeprecationWarning, match="decoding_linears is " + new):
+        assert mhf.decoding_linears(mistral) is mistral
+    assert mhf.decoding_path(mistral) == adapter.LINEARS
+
+
+def test_a_missing_kernel_is_said_once_and_a_llama_decodes_as_before(monkeypatch):
+    monkeypatch.setattr(few_rows, "kernel_error", lambda: "no C++ compiler found")
+    monkeypatch.setattr(adapter, "_warned", [])
+    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler found.*as it did"):
+        model = mhf.fast_decoding(_llama("multihead"))
+    assert mhf.decoding_path(model) is None and not model.model.__dict__.get(adapter._FLAG)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_generate(model, ids, 4), _generate(_llama(), ids, 4))
+
+
+def test_a_script_calling_an_old_entry_sees_the_warning(tmp_path):
+    """Python hides DeprecationWarning outside __main__; the warning points at the caller's
+    line, so a script that calls an old entry shows it with no flag given."""
+    script = tmp_path / "old.py"
+    script.write_text(
+        "import torch\n"
+        "import multihead.hf as mhf\n"
+        "mhf.decoding_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+    assert "old.py:3: MultiheadDeprecationWarning: multihead.hf.decoding_linears" in done.stderr

@@ -1,5 +1,5 @@
-"""``multihead.hf.decoding_linears``: a transformers model's float32 linear layers on the
-few-row kernel, the rest of the model untouched.
+"""``multihead.hf.fast_decoding`` on a model it takes the few-row linears for (a Qwen2): the
+model's float32 linear layers on the few-row kernel, the rest of the model untouched.
 
 The reference is the same model before the change, run by transformers itself. The kernel sums
 each product in another order than the BLAS, so logits agree to float32 rounding: within 1e-5
@@ -13,6 +13,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def test_every_float32_linear_moves_with_its_parameters(on_kernel):
     before = {name: p for name, p in model.named_parameters()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-    assert mhf.decoding_linears(model) is model
+    assert mhf.fast_decoding(model) is model
     moved = [n for n, m in model.named_modules() if type(m) is RowsLinear]
     assert moved == linears and len(moved) == 2 * 7 + 1  # q, k, v, o, gate, up, down; lm_head
     # the same parameter objects: the state dict, tying and optimizers are unchanged
@@ -65,7 +66,7 @@ def test_every_float32_linear_moves_with_its_parameters(on_kernel):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert state.keys() == model.state_dict().keys()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
-    assert mhf.decoding_linears(model) is model  # again: nothing left to move, no error
+    assert mhf.fast_decoding(model) is model  # again: nothing left to move, no error
 
 
 def test_decoding_steps_run_on_the_kernel_with_transformers_results(on_kernel):
@@ -73,7 +74,7 @@ def test_decoding_steps_run_on_the_kernel_with_transformers_results(on_kernel):
     prompt's forward (many rows) does not. Tokens and every step's logits are those of the
     model before the change, to float32 rounding."""
     want_model = _qwen2()
-    model = mhf.decoding_linears(copy.deepcopy(want_model))
+    model = mhf.fast_decoding(copy.deepcopy(want_model))
     ids = torch.randint(3, 101, (2, 12), generator=torch.Generator().manual_seed(1))
     keep = torch.ones(2, 12, dtype=torch.long)
     keep[1, :4] = 0  # left padding
@@ -92,7 +93,7 @@ def test_decoding_steps_run_on_the_kernel_with_transformers_results(on_kernel):
 
 
 def test_gradients_and_long_inputs_keep_f_linear(on_kernel):
-    model = mhf.decoding_linears(_qwen2())
+    model = mhf.fast_decoding(_qwen2())
     ids = torch.randint(3, 101, (1, 20), generator=torch.Generator().manual_seed(2))
     model(ids).logits.sum().backward()  # autograd: F.linear, gradients as nn.Linear's
     assert model.lm_head.weight.grad is not None
@@ -103,25 +104,37 @@ def test_gradients_and_long_inputs_keep_f_linear(on_kernel):
 
 def test_refuses_what_it_cannot_move():
     with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module"):
-        mhf.decoding_linears("model")
+        mhf.fast_decoding("model")
     with pytest.raises(ValueError, match=r"has none: 15 linear layers \(torch.bfloat16 on cpu\)"):
-        mhf.decoding_linears(_qwen2().to(torch.bfloat16))
+        mhf.fast_decoding(_qwen2().to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"has none: 0 linear layers\. Convert"):
-        mhf.decoding_linears(torch.nn.Embedding(3, 4))
+        mhf.fast_decoding(torch.nn.Embedding(3, 4))
 
 
-def test_a_missing_kernel_is_said_and_f_linear_runs(monkeypatch):
+def test_a_missing_kernel_is_said_once_and_the_model_decodes_as_before(monkeypatch):
+    from multihead.decoding import hf as adapter
+
     monkeypatch.setattr(few_rows, "kernel_error", lambda: "no C++ compiler found")
-    model = _qwen2()
+    monkeypatch.setattr(adapter, "_warned", [])
+    model, want = _qwen2(), _qwen2()
     with pytest.warns(RuntimeWarning, match=r"not available \(no C\+\+ compiler found\).*doctor"):
-        mhf.decoding_linears(model)
+        assert mhf.fast_decoding(model) is model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mhf.fast_decoding(_qwen2())  # said once per process
+    assert not any(type(m) is RowsLinear for m in model.modules())
+    assert mhf.decoding_path(model) is None
+    ids = torch.randint(3, 101, (1, 8), generator=torch.Generator().manual_seed(4))
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        assert torch.equal(model.generate(ids, **args), want.generate(ids, **args))
 
 
 @pytest.mark.slow
 def test_a_model_saved_after_the_change_loads_in_a_new_process(tmp_path):
     """save_pretrained writes what transformers writes for the model before the change: a new
     process loads it with transformers alone and gets the same logits."""
-    model = mhf.decoding_linears(_qwen2(tie=False))
+    model = mhf.fast_decoding(_qwen2(tie=False))
     model.save_pretrained(tmp_path)
     ids = torch.arange(3, 15)[None]
     with torch.inference_mode():

@@ -79,19 +79,19 @@ def test_rolling_cache_equals_sliding_window_recompute():
 
 @pytest.mark.parametrize("kind", ["growing", "rolling"])
 def test_one_token_steps_take_the_short_path_on_the_kernel(monkeypatch, kind):
-    """A step of one token per row runs every layer through ``multihead.decode_route``: checked and
+    """A step of one token per row runs every layer through ``multihead.routes``: checked and
     chosen on the first layer, then the fused kernel prepared once for the step (``auto``
     made to pick it: the tests turn its measurement off). Every row still equals the whole
     recompute (``_run``'s rule), and no layer's call goes through ``registry.run``."""
-    from multihead import decode_route
     from multihead.backends import fused, registry
+    from multihead.decoding import routes
 
     monkeypatch.setattr(registry, "_CHOICES", {})
     monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
     stepped, routed, ran = [], [], []
-    attend, route, run = decode_route.attend, decode_route._route, registry.run
-    monkeypatch.setattr(decode_route, "attend", lambda *a: stepped.append(a[0].shape) or attend(*a))
-    monkeypatch.setattr(decode_route, "_route", lambda *a: routed.append(1) or route(*a))
+    attend, route, run = routes.attend, routes._route, registry.run
+    monkeypatch.setattr(routes, "attend", lambda *a: stepped.append(a[0].shape) or attend(*a))
+    monkeypatch.setattr(routes, "_route", lambda *a: routed.append(1) or route(*a))
     monkeypatch.setattr(registry, "run", lambda *a: ran.append(a[0].shape) or run(*a))
     stack = _stack()
     window = 4 if kind == "rolling" else None
@@ -106,13 +106,13 @@ def test_one_token_steps_take_the_short_path_on_the_kernel(monkeypatch, kind):
 def test_the_short_path_is_not_taken_for_training_or_a_bias(monkeypatch):
     """Dropout while training and an explicit bias take ``attention`` as before; the same
     step in eval mode takes the short path."""
-    from multihead import decode_route
+    from multihead.decoding import routes
 
     attn = mh.MultiHeadAttention(E, H, num_kv_heads=H_KV, dropout=0.5)
     cache = mh.KVCache(1, 1, H_KV, D)
     calls = []
-    real = decode_route.attend
-    monkeypatch.setattr(decode_route, "attend", lambda *a: calls.append(1) or real(*a))
+    real = routes.attend
+    monkeypatch.setattr(routes, "attend", lambda *a: calls.append(1) or real(*a))
     cache.begin(1)
     attn.train()
     attn(torch.randn(1, 1, E), cache=cache[0])

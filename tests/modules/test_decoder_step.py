@@ -1,4 +1,4 @@
-"""The decoding step's short path (modules/decoder_step.py): a TransformerDecoder's one-token steps
+"""The decoding step's short path (modules/python_step.py): a TransformerDecoder's one-token steps
 give the modules' own result to the bit, for every kind of stack, linear layer and cache, and
 step aside for whatever the modules do that it does not (hooks, dropout, autograd)."""
 
@@ -10,7 +10,8 @@ from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
-from multihead.modules import decoder_step, few_rows, native_step, quant
+from multihead.decoding import native_step, python_step
+from multihead.modules import few_rows, quant
 
 E, H, H_KV, D = 32, 4, 2, 8
 
@@ -51,8 +52,8 @@ def _cache(kind: str, b: int, cache_kind: str) -> mh.KVCache:
 def _decode(stack, kind, prompts, cache_kind, *, short: bool, monkeypatch) -> list[torch.Tensor]:
     """Prompts of the given lengths (rows right-padded), then five one-token steps: every
     step's output, with the short path on or off."""
-    applies = decoder_step.applies
-    monkeypatch.setattr(decoder_step, "applies", applies if short else lambda *a: False)
+    applies = python_step.applies
+    monkeypatch.setattr(python_step, "applies", applies if short else lambda *a: False)
     g = torch.Generator().manual_seed(1)
     b, width = len(prompts), max(prompts)
     cache = _cache(kind, b, cache_kind)
@@ -64,7 +65,7 @@ def _decode(stack, kind, prompts, cache_kind, *, short: bool, monkeypatch) -> li
         for _ in range(5):
             cache.begin(1)
             outs.append(stack(torch.randn(b, 1, E, generator=g), cache=cache))
-    monkeypatch.setattr(decoder_step, "applies", applies)
+    monkeypatch.setattr(python_step, "applies", applies)
     return outs
 
 
@@ -77,8 +78,8 @@ def test_a_step_equals_the_modules_to_the_bit(kind, weights, prompts, cache_kind
     order), on the kernel and on F.linear alike; and the short path did run every step."""
     stack = _stack(kind, weights)
     ran = []
-    step = decoder_step.step
-    monkeypatch.setattr(decoder_step, "step", lambda *a: ran.append(1) or step(*a))
+    step = python_step.step
+    monkeypatch.setattr(python_step, "step", lambda *a: ran.append(1) or step(*a))
     for kernel in (True, False):  # the float32 products' choice of the kernel or the BLAS
         monkeypatch.setattr(few_rows, "_kernel_faster", lambda x, w, b, k=kernel: k)
         ran.clear()
@@ -159,14 +160,14 @@ def test_a_step_equals_a_float64_recompute():
 
 def _steps_taken(stack, monkeypatch, *, grad: bool = False) -> int:
     ran = []
-    step = decoder_step.step
-    monkeypatch.setattr(decoder_step, "step", lambda *a: ran.append(1) or step(*a))
+    step = python_step.step
+    monkeypatch.setattr(python_step, "step", lambda *a: ran.append(1) or step(*a))
     cache = _cache("llama", 1, "growing")
     with torch.set_grad_enabled(grad):
         for n in (3, 1, 1):
             cache.begin(n)
             stack(torch.randn(1, n, E), cache=cache)
-    monkeypatch.setattr(decoder_step, "step", step)
+    monkeypatch.setattr(python_step, "step", step)
     return len(ran)
 
 
@@ -208,8 +209,8 @@ def test_a_hooked_norm_or_activation_is_called_as_a_module(monkeypatch):
     ]
     cache = _cache("gpt2", 1, "growing")
     ran = []
-    step = decoder_step.step
-    monkeypatch.setattr(decoder_step, "step", lambda *a: ran.append(1) or step(*a))
+    step = python_step.step
+    monkeypatch.setattr(python_step, "step", lambda *a: ran.append(1) or step(*a))
     with torch.inference_mode():
         for n in (3, 1, 1):
             cache.begin(n)
@@ -288,12 +289,12 @@ def test_dropout_autograd_and_subclasses_take_the_modules(monkeypatch):
 
 
 def test_the_switch_turns_the_short_path_off(monkeypatch):
-    """``decoder_step.enabled`` (``MULTIHEAD_STEP_PATH=0`` at import) keeps every step on the
+    """``python_step.enabled`` (``MULTIHEAD_STEP_PATH=0`` at import) keeps every step on the
     modules' path."""
     stack = _stack("llama", None)
-    monkeypatch.setattr(decoder_step, "enabled", False)
+    monkeypatch.setattr(python_step, "enabled", False)
     assert _steps_taken(stack, monkeypatch) == 0
-    monkeypatch.setattr(decoder_step, "enabled", True)
+    monkeypatch.setattr(python_step, "enabled", True)
     assert _steps_taken(stack, monkeypatch) == 2
 
 
@@ -315,11 +316,11 @@ def test_the_environment_switch_is_read_at_import(monkeypatch):
 
     monkeypatch.setenv("MULTIHEAD_STEP_PATH", "0")
     try:
-        assert importlib.reload(decoder_step).enabled is False
+        assert importlib.reload(python_step).enabled is False
     finally:
         monkeypatch.delenv("MULTIHEAD_STEP_PATH")
-        importlib.reload(decoder_step)
-    assert decoder_step.enabled is True
+        importlib.reload(python_step)
+    assert python_step.enabled is True
 
 
 @pytest.mark.parametrize(

@@ -379,8 +379,8 @@ at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
   return rows_linear_stacked(x, {w}, {scale}, {bias});
 }
 
-// the whole decoding step over these products (modules/native_step.py)
-#include "decoder_step.h"
+// the whole decoding step over these products (multihead/decoding/native_step.py)
+#include "native_step.h"
 
 }  // namespace
 
@@ -390,6 +390,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "few-row linear over several matrices of one dtype and width, their outputs side by side");
   m.def("rows_linear_parts", &rows_linear_parts,
         "rows_linear_stacked's output as one contiguous tensor per matrix");
-  m.def("decoder_step", &decoder_step,
+  m.def("native_step", &native_step,
         "a decoder's decoding step through every layer, the new keys and values cached");
 }

@@ -1,5 +1,6 @@
 // A decoder's whole decoding step in C++: one new token per row through every layer, with no
-// Python between the layers (modules/native_step.py prepares the arguments once per model).
+// Python between the layers (multihead/decoding/native_step.py prepares the arguments once
+// per model).
 //
 // Per layer: the first norm (LayerNorm or RMSNorm), the q, k and v products as one stacked
 // product (rows_kernel), the rotary embedding of q and k (half-split or interleaved pairs),
@@ -15,7 +16,7 @@
 
 #include <cmath>
 
-// one layer's tensors, in the order modules/native_step.py hands them over (an absent bias,
+// one layer's tensors, in the order decoding/native_step.py hands them over (an absent bias,
 // scale or norm bias is an empty tensor)
 enum LayerPart : int {
   kNorm1W, kNorm1B, kQW, kQS, kQB, kKW, kKS, kKB, kVW, kVS, kVB, kOW, kOS, kOB,
@@ -129,7 +130,7 @@ inline void attended(const float* q, int64_t B, int64_t H, int64_t H_kv, int64_t
 // x (B, E) float32 after every layer. layers: kLayerParts tensors per layer; keys/values
 // (layers, B, H_kv, cap, D|Dv) with the new token going to slot `start` of every row;
 // cos/sin (B, D/2) or empty (no rotary).
-at::Tensor decoder_step(at::Tensor x, std::vector<at::Tensor> layers, at::Tensor keys,
+at::Tensor native_step(at::Tensor x, std::vector<at::Tensor> layers, at::Tensor keys,
                         at::Tensor values, int64_t start, at::Tensor cos, at::Tensor sin,
                         bool interleaved, int64_t H, int64_t H_kv, double scale, int64_t norm,
                         double eps, int64_t activation, bool gated) {
