@@ -254,7 +254,7 @@ def route(plan: Plan | None, *, compressing: bool, step: bool) -> str:
     ``MultiHeadAttention`` and the transformers bridge read it): ``"compress"`` (a compressed
     cache keeps the layer: a ``KVCache`` with a policy, or a ``compress`` block),
     ``"plan"`` (another block acts on the layer: ``run_plan``), ``"step"`` (a decoding
-    step's one-row call, ``step`` saying the caller's call qualifies: ``decoding.routes``) or
+    step's one-row call, ``step`` saying the caller's call qualifies: ``decoding_routes``) or
     ``"plain"`` (one registry call)."""
     if compressing or (plan is not None and plan.compress is not None):
         return "compress"

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import decoding_routes as routes
 from ..backends import registry
 from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
-from ..decoding import routes
 from ..kv import LayerState, Policy, causal_band, grouped, request
 from ..masks import Mask, causal, dense
 

@@ -157,7 +157,7 @@ class Backend:
             or None where a block it read held NaN or ±inf (the caller then runs the call
             through ``registry.run``, whose careful path applies the NaN rule). None where the
             call cannot run so. A decoding step's layers make such calls
-            (``multihead/decoding/routes.py``).
+            (``multihead/decoding_routes.py``).
         compiles: the first call of each shape compiles a kernel (seconds, many times the
             call). ``auto`` times no backend against it: a backend that times itself is timed
             against the first able backend that does not compile (the one this backend's rule

@@ -10,7 +10,7 @@ and runs nothing; running (``run``) chooses, applies the NaN rule and falls back
 choice when a backend turns out unable. ``run`` is the one way into the backends: a call for
 the weights of chosen heads (``Call.heads``) or for statistics of the weights (``Call.stats``)
 goes through it as a plain call does, and ``route`` gives a decoding step's layers the choice
-and the prepared kernel they share (``multihead/decoding/routes.py``).
+and the prepared kernel they share (``multihead/decoding_routes.py``).
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def _folding(call: Call, backend: str) -> str | None:
 def route(call: Call) -> tuple[str, Callable[[Tensor, Tensor, Tensor], Tensor | None] | None]:
     """A decoding step's route for calls alike to ``call`` (checked, without requests): the
     backend ``auto`` runs them on, and that backend prepared for them (``prepared``) or None.
-    Worked out once per step and kept by ``multihead/decoding/routes.py`` for every layer."""
+    Worked out once per step and kept by ``multihead/decoding_routes.py`` for every layer."""
     name = select(call, "auto")
     return name, prepared(call, name)
 

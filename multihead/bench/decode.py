@@ -204,15 +204,16 @@ def short_path(
     say: Callable[[str], None] = print,
 ) -> dict:
     """A decoding step of ``multihead.models.gpt2`` on the modules' path, on the Python short
-    path through its layers (``decoding/python_step.py``) and in one C++ call
-    (``decoding/native_step.py``), in one process on the same model and prompt:
+    path through its layers (``modules/decoding_python.py``) and in one C++ call
+    (``modules/decoding_native.py``), in one process on the same model and prompt:
     each round times ``generate(ids, steps + 1)`` and ``generate(ids, 1)`` on both paths, best
     of two each, and a step is their difference over ``steps``; medians of ``rounds``
     alternating rounds, in ms per step. ``weights``: None (fp32), "bf16" or "int8"; ``shape``:
     GPT-2 small by default (a small ``DecodeShape`` shows the overhead alone)."""
     from .._machine import cpu_info
-    from ..decoding import native_step, python_step
     from ..models import gpt2
+    from ..modules import decoding_native as native_step
+    from ..modules import decoding_python as python_step
     from .suite import matmul_peaks
 
     shape = shape or DecodeShape()

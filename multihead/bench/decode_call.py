@@ -38,9 +38,9 @@ def _contenders(batch: int) -> tuple[dict[str, Callable[[], object]], Any, str]:
     backend the bridge runs)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from .. import decoding_routes as routes
     from ..backends import fused
     from ..backends.call import Call
-    from ..decoding import routes
     from ..hf import attention, make_mask
 
     g = torch.Generator().manual_seed(0)

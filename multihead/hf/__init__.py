@@ -19,7 +19,7 @@ on the library's own models as well; importing this module lets them find a tran
 model's layers. ``fast_decoding(model)`` makes its ``generate()`` faster on the CPU: a
 ``LlamaForCausalLM``'s steps run in one C++ call each, any other model's float32 linear layers
 on multihead's few-row kernel (a decoding step is mostly those products; see
-``multihead.decoding.hf``). ``load(source)``
+``multihead.hf.decoding``). ``load(source)``
 gives a causal LM on this attention and its tokenizer from a folder, a GGUF file or the name
 ``"smollm2"`` (a real small model installed offline; see ``multihead.hf.loading``).
 
@@ -33,16 +33,16 @@ from .. import _extras
 _extras.require("transformers", "hf", "multihead.hf")
 
 from .._deprecation import MultiheadDeprecationWarning  # noqa: E402
-from ..decoding.hf import (  # noqa: E402
+from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
+from .attention import attention_forward  # noqa: E402  after the check for the extra
+from .capture import attention_layers  # noqa: E402  registers the reader of these models
+from .compress import compress  # noqa: E402
+from .decoding import (  # noqa: E402
     decoding_linears,
     decoding_path,
     decoding_step,
     fast_decoding,
 )
-from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
-from .attention import attention_forward  # noqa: E402  after the check for the extra
-from .capture import attention_layers  # noqa: E402  registers the reader of these models
-from .compress import compress  # noqa: E402
 from .loading import load  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
 from .registration import NAME, register  # noqa: E402

@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from .. import acting
 from .. import bias as mb
+from .. import decoding_routes as routes
 from ..backends import registry
 from ..backends.call import prepare
-from ..decoding import routes
 from ..masks import Mask, dense
 from ._transformers import collecting_attentions
 

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 from .. import _validation as V
 from .. import acting
+from .. import decoding_routes as routes
 from .._saveable import saveable
 from ..backends.call import prepare
-from ..decoding import routes
 from ..functional import AttentionOutput, attention, attention_with_weights, check_heads
 from ..masks import Mask
 from ..stats import Reducer, attention_stats

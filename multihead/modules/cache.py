@@ -497,7 +497,7 @@ class KVCache:
     def _append(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Mask | None]:
         """``update`` outside a traced graph, without its checks: for a caller that built
         ``key`` and ``value`` to the cache's own shapes and dtype for this step
-        (``decoding/python_step.py``)."""
+        (``modules/decoding_python.py``)."""
         step = self.step
         keys, values = self._keys[layer], self._values[layer]  # [B, H_kv, capacity, D]
         self._written.add(layer)

@@ -12,9 +12,10 @@ from torch import Tensor, nn
 from .. import _validation as V
 from .. import masks
 from .._saveable import saveable
-from ..decoding import native_step, python_step
 from ..functional import AttentionOutput
 from ..masks import Mask
+from . import decoding_native as native_step
+from . import decoding_python as python_step
 from .cache import KVCache, LayerCache
 from .transformer import StackOutput, _runner, check_layers, run_stack
 

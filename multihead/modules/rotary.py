@@ -106,7 +106,7 @@ class RotaryEmbedding(nn.Module):
         """The cosines and sines ``forward`` rotates by, for integer positions (L,) or (B, L)
         (checked by the caller): each (L, D / 2) or (B, 1, L, D / 2), computed in float32
         (float64 for float64) and cast to ``dtype``. A decoding step makes them once for all
-        its layers (``decoding/python_step.py``)."""
+        its layers (``modules/decoding_python.py``)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         angle = self.angles(positions.to(device), work)  # [B|., L, D/2]
         if angle.dim() == 3:

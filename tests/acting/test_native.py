@@ -20,8 +20,9 @@ from models.decoders import EOS, build, transformers_model
 import multihead as mh
 import multihead.hf as mhf  # the reader of transformers models
 from multihead import acting
-from multihead.decoding import native_step, python_step
 from multihead.models import gpt2, llama
+from multihead.modules import decoding_native as native_step
+from multihead.modules import decoding_python as python_step
 
 LOADERS = {"gpt2": gpt2, "llama": llama}
 ATOL = 1e-5

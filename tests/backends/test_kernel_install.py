@@ -130,7 +130,7 @@ def test_a_build_covers_every_header_its_source_includes():
     }
     assert build.FUSED.files[0] == build.FUSED.source_path
     # the rows kernel: the shared SIMD header, and the decoding step built over its products
-    assert build.ROWS.files == [build.ROWS.source_path, csrc / "simd.h", csrc / "native_step.h"]
+    assert build.ROWS.files == [build.ROWS.source_path, csrc / "simd.h", csrc / "decoding_native.h"]
 
 
 def test_an_edited_header_names_a_new_build(monkeypatch, tmp_path):

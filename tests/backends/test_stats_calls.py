@@ -14,10 +14,10 @@ from helpers import naive_attention, qkv
 
 import multihead as mh
 from multihead import backends, masks
+from multihead import decoding_routes as routes
 from multihead.backends import fused, reduce, registry
 from multihead.backends._nonfinite import NonFiniteInput
 from multihead.backends.call import prepare
-from multihead.decoding import routes
 
 
 def _formulas(w: torch.Tensor, window: int | None) -> dict[str, torch.Tensor]:

@@ -109,7 +109,8 @@ def test_short_path_row_compares_both_paths_on_the_same_tokens(monkeypatch):
     """``short_path`` times the same model's steps with the short path off and on, gives the
     same tokens both ways, and leaves the switch as it found it."""
     from multihead.bench import decode
-    from multihead.decoding import native_step, python_step
+    from multihead.modules import decoding_native as native_step
+    from multihead.modules import decoding_python as python_step
 
     monkeypatch.setattr(decode, "memory_bandwidth", lambda: 1.0)
     taken = []

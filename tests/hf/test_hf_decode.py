@@ -20,7 +20,7 @@ from transformers import masking_utils as mu
 
 import multihead
 from multihead import bias, masks
-from multihead.decoding import routes as decode_route  # the name routes is a fixture here
+from multihead import decoding_routes as decode_route  # the name routes is a fixture here
 from multihead.hf import attention as hf_attention
 from multihead.hf import capture, make_mask
 

@@ -16,8 +16,8 @@ from hf_archs import BY_NAME, VOCAB
 
 import multihead.hf as mhf
 from multihead._deprecation import MultiheadDeprecationWarning
-from multihead.decoding import hf as adapter
-from multihead.decoding import native_step
+from multihead.hf import decoding as adapter
+from multihead.modules import decoding_native as native_step
 from multihead.modules import few_rows
 from multihead.modules.few_rows import RowsLinear
 

@@ -112,7 +112,7 @@ def test_refuses_what_it_cannot_move():
 
 
 def test_a_missing_kernel_is_said_once_and_the_model_decodes_as_before(monkeypatch):
-    from multihead.decoding import hf as adapter
+    from multihead.hf import decoding as adapter
 
     monkeypatch.setattr(few_rows, "kernel_error", lambda: "no C++ compiler found")
     monkeypatch.setattr(adapter, "_warned", [])

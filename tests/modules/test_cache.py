@@ -83,8 +83,8 @@ def test_one_token_steps_take_the_short_path_on_the_kernel(monkeypatch, kind):
     chosen on the first layer, then the fused kernel prepared once for the step (``auto``
     made to pick it: the tests turn its measurement off). Every row still equals the whole
     recompute (``_run``'s rule), and no layer's call goes through ``registry.run``."""
+    from multihead import decoding_routes as routes
     from multihead.backends import fused, registry
-    from multihead.decoding import routes
 
     monkeypatch.setattr(registry, "_CHOICES", {})
     monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
@@ -106,7 +106,7 @@ def test_one_token_steps_take_the_short_path_on_the_kernel(monkeypatch, kind):
 def test_the_short_path_is_not_taken_for_training_or_a_bias(monkeypatch):
     """Dropout while training and an explicit bias take ``attention`` as before; the same
     step in eval mode takes the short path."""
-    from multihead.decoding import routes
+    from multihead import decoding_routes as routes
 
     attn = mh.MultiHeadAttention(E, H, num_kv_heads=H_KV, dropout=0.5)
     cache = mh.KVCache(1, 1, H_KV, D)

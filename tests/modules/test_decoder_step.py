@@ -10,7 +10,8 @@ from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
-from multihead.decoding import native_step, python_step
+from multihead.modules import decoding_native as native_step
+from multihead.modules import decoding_python as python_step
 from multihead.modules import few_rows, quant
 
 E, H, H_KV, D = 32, 4, 2, 8

@@ -1,4 +1,4 @@
-"""The decoding step in one C++ call (multihead/decoding/native_step.py): for the GPT-2 and
+"""The decoding step in one C++ call (multihead/modules/decoding_native.py): for the GPT-2 and
 Llama kinds of stack and every weight kind (float32, bf16, int8), each one-token step's output
 equals the modules' path within float32 rounding, and the step keys and values land in the
 cache where the modules put them; whatever it does not cover (hooks, subclasses, padded rows,
@@ -12,7 +12,8 @@ from helpers import llama_decoder
 from torch import nn
 
 import multihead as mh
-from multihead.decoding import native_step, python_step
+from multihead.modules import decoding_native as native_step
+from multihead.modules import decoding_python as python_step
 from multihead.modules import few_rows, quant
 
 E, H, H_KV, D = 32, 4, 2, 8
@@ -46,8 +47,8 @@ def _decode(stack, kind, prompts, *, native: bool, monkeypatch, window=None):
     monkeypatch.setattr(native_step, "enabled", native)
     kernel = few_rows._LOADER.module or few_rows._LOADER.load()
     calls = []
-    real = kernel.python_step
-    monkeypatch.setattr(kernel, "python_step", lambda *a: calls.append(1) or real(*a))
+    real = kernel.native_step
+    monkeypatch.setattr(kernel, "native_step", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(1)
     b, width = len(prompts), max(prompts)
     cache = mh.KVCache(2, b, H if kind == "gpt2" else H_KV, D, window=window)
@@ -58,7 +59,7 @@ def _decode(stack, kind, prompts, *, native: bool, monkeypatch, window=None):
         for _ in range(5):
             cache.begin(1)
             outs.append(stack(torch.randn(b, 1, E, generator=g), cache=cache))
-    monkeypatch.setattr(kernel, "python_step", real)
+    monkeypatch.setattr(kernel, "native_step", real)
     return outs, cache, len(calls)
 
 
@@ -141,8 +142,8 @@ def test_a_module_changed_between_steps_is_read_anew(monkeypatch):
     stack = _stack("llama", None)
     kernel = few_rows._LOADER.module or few_rows._LOADER.load()
     calls = []
-    real = kernel.python_step
-    monkeypatch.setattr(kernel, "python_step", lambda *a: calls.append(1) or real(*a))
+    real = kernel.native_step
+    monkeypatch.setattr(kernel, "native_step", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(3)
     steps = [torch.randn(1, 1, E, generator=g) for _ in range(3)]
     prompt = torch.randn(1, 3, E, generator=g)

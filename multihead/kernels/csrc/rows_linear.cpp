@@ -379,8 +379,8 @@ at::Tensor rows_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor 
   return rows_linear_stacked(x, {w}, {scale}, {bias});
 }
 
-// the whole decoding step over these products (multihead/decoding/native_step.py)
-#include "native_step.h"
+// the whole decoding step over these products (multihead/modules/decoding_native.py)
+#include "decoding_native.h"
 
 }  // namespace
 

@@ -11,7 +11,7 @@ feed-forward's gate and up) run as one kernel call where each would run on the k
 (``few_rows.stacked_products``, the same bits), the heads are views of the product rows, the
 keys and values go into the cache without its checks, a rotary embedding's cosines and sines
 are made once for all the layers, and the attention takes the decoding short path the module
-takes (``multihead/decoding/routes.py``).
+takes (``multihead/decoding_routes.py``).
 
 It applies to a stack of ``TransformerDecoderLayer`` whose attention is a
 ``MultiHeadAttention`` and whose feed-forward is a ``FeedForward`` or ``GatedFeedForward``
@@ -22,7 +22,7 @@ the activations a feed-forward is built with (GELU, ReLU, SiLU), without hooks, 
 as their ``forward`` computes them, without the module call; their other parts (another norm,
 a rotary embedding, a linear layer of another kind, anything with hooks) are called as the
 modules they are. Anything else takes the modules' path.
-``MULTIHEAD_STEP_PATH=0`` (or ``python_step.enabled = False``) turns the short path off.
+``MULTIHEAD_STEP_PATH=0`` (or ``decoding_python.enabled = False``) turns the short path off.
 
 Submodules are read from ``_modules`` rather than as attributes: ``nn.Module.__getattr__``
 costs about a microsecond, and a GPT-2-small step reads a few hundred of them.
@@ -40,12 +40,12 @@ from torch.nn.modules import module as _module
 
 from .. import _validation as V
 from .. import acting
-from ..modules.attention import MultiHeadAttention
-from ..modules.cache import KVCache
-from ..modules.few_rows import kernel_fits, stacked_products, step_product
-from ..modules.rotary import RotaryEmbedding
-from ..modules.transformer import FeedForward, GatedFeedForward
-from . import routes
+from .. import decoding_routes as routes
+from .attention import MultiHeadAttention
+from .cache import KVCache
+from .few_rows import kernel_fits, stacked_products, step_product
+from .rotary import RotaryEmbedding
+from .transformer import FeedForward, GatedFeedForward
 
 __all__ = ["applies", "enabled", "global_hooks", "ready", "step"]
 

@@ -1,7 +1,7 @@
 """A decoder's decoding step in C++ with no Python between the layers (``native_step`` in
-``kernels/csrc/native_step.h``, built into the few-row kernel's module).
+``kernels/csrc/decoding_native.h``, built into the few-row kernel's module).
 
-``python_step.py`` already runs a step without the module calls, but each layer still makes
+``decoding_python.py`` already runs a step without the module calls, but each layer still makes
 a dozen Python calls (the products, the rotary, the cache write, the attention, the norms,
 the activation): on SmolLM2's 30 layers of width 576 those calls cost as much as reading the
 weights. Here the whole step is one call: the layers' tensors are gathered from the modules'
@@ -10,7 +10,7 @@ kernel over float32, bf16 or int8 weights, the rotary, the cache write, the atte
 the cache, the feed-forward, the residuals). Its result equals the modules' path within
 float32 rounding (its norms, softmax and activations sum in other orders), not bit for bit.
 
-It applies where ``python_step`` applies and, besides: one new token per row, every row at
+It applies where ``decoding_python`` applies and, besides: one new token per row, every row at
 the same length (no padding, so the new keys go to one slot), a growing or fixed cache of
 float32 (not a rolling window), at most 16 rows; every layer a pre-norm
 ``TransformerDecoderLayer`` whose norms are ``nn.LayerNorm`` or ``RMSNorm`` (one kind and
@@ -18,8 +18,8 @@ epsilon for all), whose projections are ``nn.Linear`` / ``RowsLinear`` (float32)
 ``PackedLinear`` (bf16, int8) without hooks, q, k and v of one dtype, whose rotary embedding
 is a ``RotaryEmbedding`` over the whole head (or none), and whose feed-forward is a
 ``FeedForward`` or ``GatedFeedForward`` with GELU, SiLU or ReLU. Anything else (hooks,
-subclasses, other parts) takes ``python_step``'s path. ``MULTIHEAD_NATIVE_STEP=0`` (or
-``native_step.enabled = False``) turns it off.
+subclasses, other parts) takes ``decoding_python``'s path. ``MULTIHEAD_NATIVE_STEP=0`` (or
+``decoding_native.enabled = False``) turns it off.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..modules.attention import MultiHeadAttention
-from ..modules.cache import KVCache
-from ..modules.few_rows import _LOADER as _ROWS
-from ..modules.few_rows import RowsLinear, kernel_fits
-from ..modules.norms import RMSNorm
-from ..modules.rotary import RotaryEmbedding
-from ..modules.transformer import FeedForward, GatedFeedForward
-from . import python_step
+from . import decoding_python as python_step
+from .attention import MultiHeadAttention
+from .cache import KVCache
+from .few_rows import _LOADER as _ROWS
+from .few_rows import RowsLinear, kernel_fits
+from .norms import RMSNorm
+from .rotary import RotaryEmbedding
+from .transformer import FeedForward, GatedFeedForward
 
 __all__ = ["EMPTY", "Plan", "Reader", "applies", "enabled", "gather", "products", "run", "step"]
 
@@ -48,7 +48,7 @@ enabled = os.environ.get("MULTIHEAD_NATIVE_STEP", "1") != "0"
 
 EMPTY = torch.empty(0)  # an absent bias, scale or norm weight
 _WEIGHTS = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)  # what the kernel reads
-# norms and activations by kind, as native_step.h numbers them
+# norms and activations by kind, as decoding_native.h numbers them
 LAYER_NORM, RMS_NORM = 0, 1
 _GELU_ERF, _GELU_TANH, SILU, _RELU = 0, 1, 2, 3
 
@@ -218,7 +218,7 @@ def products(
 
 
 def _layer(read: Reader, layer: nn.Module, kind: type) -> tuple[list[Tensor], tuple] | None:
-    """The layer's tensors in native_step.h's order (norm1, q, k, v, out, norm2, up, gate,
+    """The layer's tensors in decoding_native.h's order (norm1, q, k, v, out, norm2, up, gate,
     down) and what the whole step must share (norm kind and eps, activation, gated, rotary,
     heads, dims), or None where it cannot run natively."""
     if type(layer) is not kind or _hooked(layer) or not _idle(read, read.module(layer, "dropout")):
@@ -239,7 +239,7 @@ def gather(
     plan: Plan, layer: Callable[[Reader, nn.Module], tuple[list[Tensor], tuple] | None]
 ) -> Plan | None:
     """``plan`` filled from its layers, each read by ``layer`` (its tensors in
-    native_step.h's order and ``Plan.shared``), or None where one cannot run natively or
+    decoding_native.h's order and ``Plan.shared``), or None where one cannot run natively or
     the layers differ in what they must share."""
     read = Reader(plan)
     for name in plan.layers._modules:

@@ -1,5 +1,5 @@
 // A decoder's whole decoding step in C++: one new token per row through every layer, with no
-// Python between the layers (multihead/decoding/native_step.py prepares the arguments once
+// Python between the layers (multihead/modules/decoding_native.py prepares the arguments once
 // per model).
 //
 // Per layer: the first norm (LayerNorm or RMSNorm), the q, k and v products as one stacked
@@ -16,7 +16,7 @@
 
 #include <cmath>
 
-// one layer's tensors, in the order decoding/native_step.py hands them over (an absent bias,
+// one layer's tensors, in the order modules/decoding_native.py hands them over (an absent bias,
 // scale or norm bias is an empty tensor)
 enum LayerPart : int {
   kNorm1W, kNorm1B, kQW, kQS, kQB, kKW, kKS, kKB, kVW, kVS, kVB, kOW, kOS, kOB,

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import bias as mb
-from .._cache import Bounded
-from ..backends import registry
-from ..backends._measure import length_class
-from ..backends.call import Call, heads_as_rows, prepare, single_row_mask, traced
-from ..masks import Mask
+from . import bias as mb
+from ._cache import Bounded
+from .backends import registry
+from .backends._measure import length_class
+from .backends.call import Call, heads_as_rows, prepare, single_row_mask, traced
+from .masks import Mask
 
 __all__ = ["applies", "attend", "run"]
 

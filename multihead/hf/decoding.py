@@ -12,7 +12,7 @@ transformers model's ``generate()`` faster.
 
 - **the native step** for ``LlamaForCausalLM`` (Llama, SmolLM2, ...): each step of one new
   token per row runs in one C++ call, the loop multihead's own decoders use
-  (``decoding/native_step.py`` driving ``kernels/csrc/native_step.h``), over the transformers
+  (``modules/decoding_native.py`` driving ``kernels/csrc/decoding_native.h``), over the transformers
   model's own weights: RMSNorm, the q/k/v products stacked, the rotary embedding as the
   model's ``rotary_emb`` gives it, the cache write, attention over the cache, the output
   product, the SwiGLU feed-forward. The keys and values stay in transformers' ``DynamicCache``:
@@ -45,8 +45,9 @@ from transformers.utils import output_capturing
 from .. import acting
 from .._deprecation import deprecated
 from .._validation import tracing
+from ..modules import decoding_native as native_step
+from ..modules import decoding_python as python_step
 from ..modules import few_rows, quant
-from . import native_step, python_step
 
 __all__ = [
     "LINEARS",
@@ -65,7 +66,7 @@ _warned: list[str] = []  # the kernel's absence, said once per process
 
 def fast_decoding(model: nn.Module) -> nn.Module:
     """Speed up ``model``'s decoding on the CPU, in place: the native step for a
-    ``LlamaForCausalLM``, the few-row linears for any other model (``multihead.decoding.hf``
+    ``LlamaForCausalLM``, the few-row linears for any other model (``multihead.hf.decoding``
     says what each does). Calling it again changes nothing.
 
     Where the few-row kernel cannot be built here, a ``RuntimeWarning`` says why (once per
@@ -283,7 +284,7 @@ class _Plan(native_step.Plan):
 
 
 def _plan(inner: Any) -> native_step.Plan | None:
-    """The layers' tensors in native_step.h's order, gathered once and kept on the model
+    """The layers' tensors in decoding_native.h's order, gathered once and kept on the model
     while every module and tensor read is in its place and unhooked; None where some layer
     is not one the step runs."""
     kept = inner.__dict__.get("_multihead_plan")
