@@ -24,6 +24,7 @@ __all__ = [
     "attention_recorders",
     "attn_implementation",
     "collecting_attentions",
+    "hooked",
     "read_mask_function",
     "saveable",
 ]
@@ -169,3 +170,11 @@ def saveable(model: Any) -> Any:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return model
+
+
+def hooked(m: nn.Module) -> bool:
+    """Whether module ``m`` has a forward hook besides transformers' output-capturing hooks
+    (``output_capturing``'s, installed for good by a model's first call that collects
+    outputs, and recording only inside that call's collecting context)."""
+    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+    return any(getattr(h, "__module__", None) != output_capturing.__name__ for h in hooks)

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers.utils import output_capturing
 
 from .. import acting
 from .._deprecation import deprecated
@@ -48,6 +47,7 @@ from .._validation import tracing
 from ..modules import decoding_native as native_step
 from ..modules import decoding_python as python_step
 from ..modules import few_rows, quant
+from ._transformers import hooked
 
 __all__ = [
     "LINEARS",
@@ -96,11 +96,7 @@ def fast_decoding(model: nn.Module) -> nn.Module:
                 stacklevel=2,
             )
         return model
-    if _is_llama(model):
-        return _native(model)
-    quant.pack_linears(model, None)
-    model.__dict__.setdefault(_PATH, LINEARS)
-    return model
+    return _native(model) if _is_llama(model) else _linears(model)
 
 
 def decoding_path(model: nn.Module) -> str | None:
@@ -148,9 +144,7 @@ def decoding_linears(model: nn.Module) -> nn.Module:
             RuntimeWarning,
             stacklevel=2,
         )
-    quant.pack_linears(model, None)
-    model.__dict__.setdefault(_PATH, LINEARS)
-    return model
+    return _linears(model)
 
 
 def _check_linears(model: Any, name: str) -> None:
@@ -177,17 +171,17 @@ def _fits(m: nn.Linear) -> bool:
     return type(m) is nn.Linear and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
-def hooked(m: nn.Module) -> bool:
-    """Whether module ``m`` has a forward hook besides transformers' output-capturing hooks
-    (``output_capturing``'s, installed for good by a model's first call that collects
-    outputs, and recording only inside that call's collecting context)."""
-    hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-    return any(getattr(h, "__module__", None) != output_capturing.__name__ for h in hooks)
-
-
 def _is_llama(model: nn.Module) -> bool:
     inner: Any = getattr(model, "model", None)
     return type(model).__name__ == "LlamaForCausalLM" and type(inner).__name__ == "LlamaModel"
+
+
+def _linears(model: nn.Module) -> nn.Module:
+    """The few-row linears: the float32 ``nn.Linear`` layers on the kernel (a model already
+    on the native step keeps that name)."""
+    quant.pack_linears(model, None)
+    model.__dict__.setdefault(_PATH, LINEARS)
+    return model
 
 
 def _native(model: nn.Module) -> nn.Module:

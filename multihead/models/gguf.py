@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import folder_reading
+from .._cache import Bounded
 from .._extras import require
 
 __all__ = [
@@ -81,9 +82,8 @@ def is_gguf(path: str | Path) -> bool:
 # ~24 s), and a load asks for it several times (config, weights, tokenizer, and transformers
 # once more for each of its own readings). A reader only memory-maps the file and is never
 # written to; the few kept here hold mappings, not copies.
-_READERS: dict[tuple[str, int, int, str], Any] = {}
-_KEPT = 4
-_TOKENIZERS: dict[tuple[str, int, int, str], str | None] = {}
+_READERS: Bounded[tuple[str, int, int, str], Any] = Bounded(4)
+_TOKENIZERS: Bounded[tuple[str, int, int, str], str] = Bounded(4)  # each as tokenizer.json
 
 
 def _key(path: str | os.PathLike[str], mode: str = "r") -> tuple[str, int, int, str]:
@@ -94,12 +94,7 @@ def _key(path: str | os.PathLike[str], mode: str = "r") -> tuple[str, int, int, 
 def _shared(reader: type, path: str | os.PathLike[str], mode: str = "r") -> Any:
     """``reader(path, mode)`` (the gguf package's GGUFReader), built once per file's bytes (a
     changed file is parsed again)."""
-    key = _key(path, mode)
-    if key not in _READERS:
-        while len(_READERS) >= _KEPT:
-            _READERS.pop(next(iter(_READERS)))
-        _READERS[key] = reader(path, mode)
-    return _READERS[key]
+    return _READERS.make(_key(path, mode), lambda: reader(path, mode))
 
 
 @contextlib.contextmanager
@@ -266,15 +261,15 @@ def tokenizer(path: str | Path) -> Any:
     file = Path(path)
     if "tokenizer.ggml.tokens" not in _reader(file).fields:
         return None
-    key = _key(file)
-    if key not in _TOKENIZERS:  # transformers' conversion walks the whole vocabulary
+
+    def converted() -> str:  # transformers' conversion walks the whole vocabulary
         transformers = require("transformers", "llm", "reading a GGUF file's tokenizer")
         with one_reading():
             auto = transformers.AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-        while len(_TOKENIZERS) >= _KEPT:
-            _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
-        _TOKENIZERS[key] = auto.backend_tokenizer.to_str()
-    backend = tokenizers.Tokenizer.from_str(_TOKENIZERS[key])  # a copy of its own each time
+        return auto.backend_tokenizer.to_str()
+
+    # a copy of its own each time: a caller may set padding or truncation on it
+    backend = tokenizers.Tokenizer.from_str(_TOKENIZERS.make(_key(file), converted))
     backend.no_padding()
     backend.no_truncation()
     return backend

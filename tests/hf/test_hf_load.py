@@ -94,10 +94,11 @@ def test_a_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
     package's own class is back afterwards."""
     import gguf
 
+    from multihead._cache import Bounded
     from multihead.models import gguf as reading
 
     monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setattr(reading, "_READERS", {})  # what earlier tests here parsed
+    monkeypatch.setattr(reading, "_READERS", Bounded(4))  # what earlier tests here parsed
     built = []
     real = gguf.GGUFReader
 
