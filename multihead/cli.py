@@ -66,7 +66,7 @@ class Group:
 
 BENCHMARKS: dict[str, Job | Group] = {
     "kernels": Job(
-        "multihead.bench.suite:run_suite",
+        "multihead.bench.kernels:run_suite",
         "time multihead against torch SDPA, the naive formula and FlexAttention",
     ),
     "embed": Job(

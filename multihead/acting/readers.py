@@ -2,7 +2,7 @@
 
 Each kind registers a ``Reader`` in its own file: ``MultiHeadAttention``'s (the library's own
 models, ``multihead/modules/attention.py``) and the transformers bridge's
-(``multihead/hf/capture.py``, on ``import multihead.hf``). A block asks them in turn for the
+(``multihead/hf/reader.py``, on ``import multihead.hf``). A block asks them in turn for the
 model's self-attention layers; the first that knows the model answers.
 """
 

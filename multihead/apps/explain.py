@@ -60,8 +60,9 @@ class ExplainOptions:
     model: str | None = option(
         None,
         "model folder: BERT family, GPT-2 or Llama, or any architecture transformers loads "
-        "with its tokenizer.json (the hf extra); or a causal LM multihead.hf.load reads: "
-        "'smollm2', 'gemma3' or a .gguf file (the llm extra) (default: all-MiniLM-L6-v2)",
+        "with its tokenizer.json (the hf extra); or a causal LM "
+        "multihead.hf.load_with_tokenizer reads: 'smollm2', 'gemma3' or a .gguf file (the llm "
+        "extra) (default: all-MiniLM-L6-v2)",
         metavar="MODEL",
     )
     layer: int | None = option(
@@ -152,22 +153,20 @@ def supported() -> str:
 
 
 def _load(source: str | Path | None) -> Any:
-    """The model of ``source`` (None: the default BERT model): "smollm2" or a .gguf file
-    through ``multihead.hf.load``, else a folder, refused before loading when no model family
-    opens it."""
-    from .. import folder_reading, models
+    """The model of ``source`` (None: the default BERT model): the library's own where
+    ``kinds.opened_by_multihead`` says so (refused before loading when no model family opens
+    it), else transformers' ("smollm2", a .gguf file, a folder of another architecture)."""
+    from .. import folder_reading, models, sources
     from ..models import kinds
     from ..models.causal_lm import CausalLM
 
-    if source is not None and _llm_source(source):
+    if source is not None and sources.is_llm_source(source):
         return _Foreign.from_source(str(source))
     model_path = None if source is None else Path(source)
     if model_path is not None:
         folder_reading.model_folder(model_path)
-    found = kinds.folder_kind(model_path)
-    foreign = found is not None and found.kind not in (None, kinds.SAVED)
-    if foreign and models.family(found.kind) is None:  # no family of ours: transformers
-        return _Foreign.load(found.folder)
+    if not kinds.opened_by_multihead(model_path):
+        return _Foreign.load(Path(source))
     kinds.check_family_kind(model_path, "multihead explain", supported)
     model = models.load(model_path)
     if not isinstance(model, CausalLM):
@@ -216,23 +215,23 @@ class _Foreign:
         from .._extras import require
 
         require("transformers", "hf", "multihead explain on this architecture")
-        from ..hf.folder_opening import load_folder
+        from ..hf.loading import open_folder
 
-        model, tokenizer = load_folder(
-            folder, "multihead explain", supports=f", which supports {supported()}"
+        model, tokenizer = open_folder(
+            folder, "multihead explain", causal_lm=False, supports=f", which supports {supported()}"
         )
         return cls(folder, tokenizer, model)
 
     @classmethod
     def from_source(cls, source: str) -> _Foreign:
-        """A causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file), with the
-        ``tokenizers.Tokenizer`` behind its transformers tokenizer."""
+        """A causal LM ``multihead.hf.load_with_tokenizer`` reads ("smollm2", a .gguf file),
+        with the ``tokenizers.Tokenizer`` behind its transformers tokenizer."""
         from .._extras import require
 
         require("transformers", "hf", "multihead explain --model " + source)
-        from ..hf import load
+        from ..hf import loading
 
-        model, tokenizer = load(source)
+        model, tokenizer = loading.load_with_tokenizer(source)
         return cls(Path(source), tokenizer.backend_tokenizer, model)
 
     def attend(self, text: str) -> tuple[list[str], list[bool], Tensor, bool]:
@@ -253,13 +252,6 @@ class _Foreign:
         causal = bool((weights.triu(1) == 0).all()) and ids.shape[1] > 1
         special = [bool(s) for s in encoding.special_tokens_mask]
         return list(encoding.tokens), special, weights, causal
-
-
-def _llm_source(source: str | Path) -> bool:
-    """ "smollm2", "gemma3" or a path ending in .gguf (``multihead.sources.is_llm_source``)."""
-    from .. import sources
-
-    return sources.is_llm_source(source)
 
 
 def _decodes(tokenizer: Any) -> bool:

@@ -4,7 +4,8 @@ it is produced.
 The library's own decoders (``multihead.save`` folders such as ``multihead train lm``'s, and
 the GPT-2 and Llama folders ``multihead.models.load`` opens) run on their own code; any other
 causal LM (``"smollm2"``, a .gguf file, another transformers folder) is transformers' model on
-``attn_implementation="multihead"``, read by ``multihead.hf.load``, and its ``generate()``.
+``attn_implementation="multihead"``, read by ``multihead.hf.load_with_tokenizer``, and its
+``generate()``.
 Greedy by default (``temperature`` 0); a temperature above 0, or ``top_k`` / ``top_p``, samples
 (at temperature 1 unless given), reproducibly under ``seed``. ``chat`` wraps the prompt in the
 model's chat template as one user message (an instruct model such as SmolLM2-Instruct).
@@ -115,24 +116,14 @@ def run(options: GenerateOptions, *, write: Callable[[str], object] = _write) ->
         pieces.append(piece)
         write(piece)
 
-    if _native(options.model):
+    from ..models import kinds
+
+    if kinds.opened_by_multihead(options.model):
         _generate_native(options, emit)
     else:
         _generate_transformers(options, emit)
     write("\n")
     return "".join(pieces)
-
-
-def _native(model: str) -> bool:
-    """Whether the library's own decoders run ``model``: a folder ``multihead.models.load``
-    opens (a ``multihead.save`` folder, a family it has, or one without config.json, whose
-    loader names what is missing); anything else is transformers' to load."""
-    from ..models import families, kinds
-
-    found = kinds.folder_kind(model)
-    if found is None:
-        return Path(model).is_dir()
-    return found.kind in (None, kinds.SAVED) or families.family(found.kind) is not None
 
 
 def _sampling(options: GenerateOptions) -> dict[str, Any]:
@@ -172,8 +163,8 @@ def _generate_native(options: GenerateOptions, emit: Callable[[str], None]) -> N
 
 
 def _generate_transformers(options: GenerateOptions, emit: Callable[[str], None]) -> None:
-    """transformers' ``generate()`` on the model ``multihead.hf.load`` reads, its text
-    streamed through transformers' streamer protocol (``put`` the prompt, then each step's
+    """transformers' ``generate()`` on the model ``multihead.hf.load_with_tokenizer`` reads, its
+    text streamed through transformers' streamer protocol (``put`` the prompt, then each step's
     tokens; ``end()``)."""
     from .._extras import require
 
@@ -190,7 +181,7 @@ def _generate_transformers(options: GenerateOptions, emit: Callable[[str], None]
             if text:
                 emit(text)
 
-    model, tokenizer = loading.load(options.model)
+    model, tokenizer = loading.load_with_tokenizer(options.model)
     prompt = _encode(tokenizer, options)
     settings = _sampling(options)
     if settings["do_sample"]:  # no top-k or top-p unless given, as the library's own sampler

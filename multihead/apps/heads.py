@@ -4,8 +4,8 @@ For a causal LM the score of a head is the increase of the mean next-token cross
 the text (transformers' ``labels=`` loss) when that head alone is ablated: its output scaled
 by 0 before the output projection, by ``multihead.acting``'s scaling (as ``ablate`` does),
 in a transformers model as in the library's own models (``multihead.save`` folders, such as
-``multihead train lm``'s). ``--model smollm2`` (or
-a .gguf file) is a real causal LM, read by ``multihead.hf.load``. For an encoder it is
+``multihead train lm``'s). ``--model smollm2`` (or a .gguf file) is a real causal LM, read by
+``multihead.hf.load_with_tokenizer``. For an encoder it is
 1 - cosine between the mean-pooled last hidden states with and without the head.
 ``--method gradient`` gives the one-backward estimate instead for a causal LM: minus the
 gradient of the loss with respect to each head's scale at 1 (the first-order loss change of
@@ -70,7 +70,7 @@ class Ranked:
 def _load(source: str | None) -> tuple[Any, Any, bool]:
     """(model, ``tokenizers.Tokenizer``, causal) for a folder transformers loads (None:
     all-MiniLM-L6-v2), a ``multihead.save`` folder of the library's own causal LM or encoder,
-    or a causal LM ``multihead.hf.load`` reads ("smollm2", a .gguf file)."""
+    or a causal LM ``multihead.hf.load_with_tokenizer`` reads ("smollm2", a .gguf file)."""
     from .. import sources
     from .._extras import require
 
@@ -79,10 +79,10 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
     require("transformers", "hf", "multihead heads")
     from .. import folder_reading
     from ..hf import loading
-    from ..hf.folder_opening import load_folder
+    from ..hf.loading import open_folder
 
     if sources.is_llm_source(source):
-        model, tokenizer = loading.load(str(source))
+        model, tokenizer = loading.load_with_tokenizer(str(source))
         return model, tokenizer.backend_tokenizer, True
     if source is None:
         from ..models.bert import default_path
@@ -92,7 +92,7 @@ def _load(source: str | None) -> tuple[Any, Any, bool]:
         folder = loading.resolve(source).folder
     # a missing config.json is left to the loader, after its tokenizer.json check
     config = folder_reading.read_json(folder, "config.json", required=False) or {}
-    model, tokenizer = load_folder(folder, "multihead heads", causal_lm=_causal(config))
+    model, tokenizer = open_folder(folder, "multihead heads", causal_lm=_causal(config))
     return model, tokenizer, _causal(config)
 
 

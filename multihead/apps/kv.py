@@ -112,7 +112,7 @@ class KvOptions:
     model: str = option(
         "smollm2",
         "the causal LM: 'smollm2', 'gemma3', a .gguf file or a transformers folder "
-        "(multihead.hf.load)",
+        "(multihead.hf.load_with_tokenizer)",
         metavar="MODEL",
     )
     task: Literal["passkey", "multikey"] = option(
@@ -257,9 +257,9 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
 
     folder = V.check_out_dir("--out", options.out)
     require("transformers", "hf", "multihead kv")
-    from ..hf import load
+    from ..hf import loading
 
-    model, tokenizer = load(options.model)
+    model, tokenizer = loading.load_with_tokenizer(options.model)
     rng = random.Random(options.seed)
     rows: dict[tuple[int, str, float | int], Row] = {}
     total = len(options.lengths) * options.trials

@@ -1,5 +1,5 @@
 """Benchmarks: every contender in one process, same inputs, interleaved repeats, medians."""
 
-from .suite import WORKLOADS, Workload, run_suite
+from .kernels import WORKLOADS, Workload, run_suite
 
 __all__ = ["WORKLOADS", "Workload", "run_suite"]

@@ -214,7 +214,7 @@ def short_path(
     from ..models import gpt2
     from ..modules import decoding_native as native_step
     from ..modules import decoding_python as python_step
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     shape = shape or DecodeShape()
     peaks = matmul_peaks(1024)
@@ -364,7 +364,7 @@ def run_decode_bench(
     (held-out text), add the packed formats' quality (``quality``)."""
     from .._machine import cpu_info
     from ..models import gpt2
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     shape, repeats = QUICK if options.quick else DecodeShape(), options.repeats or 3
     model, text = options.model, options.text

@@ -77,7 +77,7 @@ def run_model_bench(
     from .._machine import cpu_info
     from .._progress import stages
     from ..hf import loading
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     where = loading.resolve(source)
     threads = torch.get_num_threads()
@@ -190,8 +190,8 @@ def _transformers(source: str) -> tuple[dict[str, Any], torch.Tensor]:
     the prompt."""
     from ..hf import fast_decoding, loading
 
-    sdpa, tokenizer = loading.load(source, attn_implementation="sdpa")
-    ours, _ = loading.load(source)
+    sdpa, tokenizer = loading.load_with_tokenizer(source, attn_implementation="sdpa")
+    ours, _ = loading.load_with_tokenizer(source)
     fast_decoding(ours)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"][:, :PROMPT_TOKENS]
     return {SDPA: sdpa, HF_MULTIHEAD: ours}, ids

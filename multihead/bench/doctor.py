@@ -47,7 +47,7 @@ def diagnose(*, measure: bool = True, size: int = 1024) -> Diagnosis:
     """Build the kernel if needed and describe the machine; ``measure`` times an fp32 and a
     bf16 matmul of ``size`` x ``size`` (median of 5, as ``multihead bench`` does)."""
     from ..backends import fused
-    from .suite import matmul_peak
+    from .measuring import matmul_peak
 
     why = fused.build_error()
     cpu, flags = _machine.cpu_info()

@@ -356,10 +356,10 @@ def _cost_child(model: str, method: str, length: int, steps: int) -> dict:
     resident memory above the loaded model."""
     import resource
 
-    from ..hf import load
+    from ..hf import loading
     from ..inspect import attribute
 
-    loaded, _ = load(model)
+    loaded, _ = loading.load_with_tokenizer(model)
     ids = torch.randint(100, loaded.config.vocab_size - 100, (length,),
                         generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -411,7 +411,7 @@ def run_explain_bench(options: ExplainBenchOptions, *, say: Callable[[str], None
     """Run the parts; print the tables and goals; write explain.json and explain.png."""
     from .._extras import require
     from .._machine import cpu_info
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     out = V.check_out_dir("--out", options.out)
     peaks = matmul_peaks(1024)
@@ -424,9 +424,9 @@ def run_explain_bench(options: ExplainBenchOptions, *, say: Callable[[str], None
         result["faithfulness"] = _faithfulness(options, say)
     if "agreement" in options.parts:
         require("transformers", "hf", "multihead bench explain's agreement part")
-        from ..hf import load
+        from ..hf import loading
 
-        model, tokenizer = load(options.llm)
+        model, tokenizer = loading.load_with_tokenizer(options.llm)
         result["agreement"] = _agreement(model, tokenizer, options, say)
         del model
     if "cost" in options.parts:

@@ -410,7 +410,7 @@ def _acting_runs(model: Any, eager: Any, ids: torch.Tensor) -> dict[str, Callabl
 def _acting(length: int, repeats: int, say: Callable[[str], None]) -> dict:
     """Ablate, knockout and statistics on the Llama-like model (2 KV heads) against its plain
     multihead forward and against eager with output_attentions reduced by hand."""
-    from .suite import interleaved
+    from .measuring import interleaved
 
     workload = replace(WORKLOADS[0], length=length, extra={"num_key_value_heads": 2})
     model = _build(workload)
@@ -589,7 +589,7 @@ def _generate_row(
     repeats: int,
     say: Callable[[str], None],
 ) -> dict:
-    from .suite import interleaved
+    from .measuring import interleaved
 
     ids, keep = _generate_inputs(batch, workload.prompt)
     tokens: dict[str, torch.Tensor] = {}
@@ -740,7 +740,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     from ..backends import fused
     from .decode import memory_bandwidth
     from .decode_call import decoding_calls
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     quick, repeats = options.quick, options.repeats or 3
     out = V.check_out_dir("--out", options.out)
@@ -752,7 +752,7 @@ def run_hf_bench(options: HfBenchOptions, *, say: Callable[[str], None] = print)
     leave_out = {}
     if quick:
         # Inductor compiles a FlexAttention kernel per workload: about 6 s each on two cores,
-        # most of a smoke test's time (bench suite and tests/backends/test_flex.py cover it)
+        # most of a smoke test's time (bench kernels and tests/backends/test_flex.py cover it)
         leave_out["flex_attention"] = "--quick leaves out FlexAttention's compile"
         acting_length //= 16
         workloads = [replace(w, length=w.length // 16, extra=_shrunk(w.extra)) for w in workloads]

@@ -96,7 +96,7 @@ def _scored(model: Any, ids: torch.Tensor, policy: Any) -> Any:
 def _eager_scores(model: Any, ids: torch.Tensor, window: int) -> list[torch.Tensor]:
     """SnapKV's scores as a press computes them from eager attention: each layer's weights
     (B, H, L, S), materialized by the eager implementation, reduced in a forward hook."""
-    from ..hf.capture import attention_layers
+    from ..hf.reader import attention_layers
 
     scores: list[torch.Tensor] = []
 
@@ -213,10 +213,10 @@ def _peak_in_process(model: str, context: int, steps: int, keep: float | None) -
 
 
 def _child_peak(model: str, context: int, steps: int, keep: float | None) -> int | None:
-    from ..hf import load
+    from ..hf import loading
     from ..kv import SnapKV
 
-    loaded, _ = load(model)
+    loaded, _ = loading.load_with_tokenizer(model)
     ids = _ids(context, loaded.config.vocab_size)
     policy = None if keep is None else SnapKV(keep)
     return _decode_run(loaded, ids, steps, policy)["peak_growth"]
@@ -269,10 +269,10 @@ def _long_run(model: Any, ids: torch.Tensor, steps: int, mode: str, policy: Any,
 
 def _child_long(model: str, length: int, steps: int, mode: str, keep: float, budget: int,
                 chunk: int) -> dict[str, Any]:  # fmt: skip
-    from ..hf import load
+    from ..hf import loading
     from ..kv import SnapKV
 
-    loaded, _ = load(model)
+    loaded, _ = loading.load_with_tokenizer(model)
     ids = _ids(length, loaded.config.vocab_size)
     policy = SnapKV(budget if budget else keep)
     # a short run of the same kind first: what the first call of a process allocates once
@@ -317,7 +317,7 @@ def run_long_table(options: KvBenchOptions, *, say: Callable[[str], None] = prin
     """The long-document table: prompt length against peak memory growth, prompt seconds and
     ms a decoding step, for the full cache, compression after the prompt and in chunks."""
     from .._machine import cpu_info
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     lengths = _parse_lengths(options.lengths)
     if options.budget < 0 or not 0 < options.keep <= 1:
@@ -394,10 +394,10 @@ def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print)
     from .._machine import cpu_info
     from ..backends import fused
     from .decode import memory_bandwidth
-    from .suite import matmul_peaks
+    from .measuring import matmul_peaks
 
     require("transformers", "hf", "multihead bench kv")
-    from ..hf import load
+    from ..hf import loading
     from ..kv import SnapKV
 
     if not 0 < options.keep <= 1:
@@ -405,7 +405,7 @@ def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print)
     repeats = options.repeats or 3
     out = V.check_out_dir("--out", options.out)
     fused.build_error()  # the kernel built now, as bench kernels does
-    model, _ = load(options.model)
+    model, _ = loading.load_with_tokenizer(options.model)
     vocab = model.config.vocab_size
     cpu, flops, before = cpu_info()[0], matmul_peaks(1024), memory_bandwidth()
     say(f"CPU: {cpu}; {torch.get_num_threads()} threads; torch {torch.__version__}")
@@ -415,7 +415,7 @@ def run_kv_bench(options: KvBenchOptions, *, say: Callable[[str], None] = print)
     if options.eager:
         fits, why = _fits_eager(model, options.prompt)
         if fits:
-            eager, _ = load(options.model, attn_implementation="eager")
+            eager, _ = loading.load_with_tokenizer(options.model, attn_implementation="eager")
     prompt = _prompt_costs(model, eager, _ids(options.prompt, vocab), repeats, say)
     del eager
     long_ids = _ids(options.context, vocab)

@@ -19,9 +19,10 @@ on the library's own models as well; importing this module lets them find a tran
 model's layers. ``fast_decoding(model)`` makes its ``generate()`` faster on the CPU: a
 ``LlamaForCausalLM``'s steps run in one C++ call each, any other model's float32 linear layers
 on multihead's few-row kernel (a decoding step is mostly those products; see
-``multihead.hf.decoding``). ``load(source)``
-gives a causal LM on this attention and its tokenizer from a folder, a GGUF file or the name
-``"smollm2"`` (a real small model installed offline; see ``multihead.hf.loading``).
+``multihead.hf.decoding``). ``load_with_tokenizer(source)``
+gives the pair ``(model, tokenizer)``, transformers' both, on this attention from a folder, a
+GGUF file or the names ``"smollm2"``, ``"gemma3"`` (real small models installed offline; see
+``multihead.hf.loading``); ``load`` is its deprecated name.
 
 Needs the ``hf`` extra (transformers); ``import multihead`` never imports transformers.
 """
@@ -35,7 +36,6 @@ _extras.require("transformers", "hf", "multihead.hf")
 from .._deprecation import MultiheadDeprecationWarning  # noqa: E402
 from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
 from .attention import attention_forward  # noqa: E402  after the check for the extra
-from .capture import attention_layers  # noqa: E402  registers the reader of these models
 from .compress import compress  # noqa: E402
 from .decoding import (  # noqa: E402
     decoding_linears,
@@ -43,18 +43,19 @@ from .decoding import (  # noqa: E402
     decoding_step,
     fast_decoding,
 )
-from .loading import load  # noqa: E402
+from .loading import Loaded, load, load_with_tokenizer  # noqa: E402
 from .mask_functions import make_mask  # noqa: E402
+from .reader import attention_layers  # noqa: E402  registers the reader of these models
 from .registration import NAME, register  # noqa: E402
 
 # isort: split
-# after the submodules: the name capture is the function, not the submodule hf/capture.py
 from ..acting import Capture, Compression, ablate, capture, knockout, patch  # noqa: E402
 
 __all__ = [
     "NAME",
     "Capture",
     "Compression",
+    "Loaded",
     "MultiheadDeprecationWarning",
     "ablate",
     "attention_forward",
@@ -67,6 +68,7 @@ __all__ = [
     "fast_decoding",
     "knockout",
     "load",
+    "load_with_tokenizer",
     "make_mask",
     "patch",
     "register",

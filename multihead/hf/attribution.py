@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..inspect import subjects
 from ..inspect.subjects import CAUSAL, CLASSIFIER, ENCODER, Layer, Subject
-from .capture import attention_layers
+from .reader import attention_layers
 
 __all__ = ["open_model"]
 

@@ -36,7 +36,7 @@ from ..kv import Policy
 from ..masks import Mask
 from . import kv_cache
 from ._transformers import attn_implementation
-from .capture import READER
+from .reader import READER
 from .registration import NAME
 
 __all__ = ["Compression", "attend", "compress"]

@@ -46,7 +46,7 @@ from .._deprecation import deprecated
 from .._validation import tracing
 from ..modules import decoding_native as native_step
 from ..modules import decoding_python as python_step
-from ..modules import few_rows, quant
+from ..modules import few_rows
 from ._transformers import hooked
 
 __all__ = [
@@ -96,7 +96,9 @@ def fast_decoding(model: nn.Module) -> nn.Module:
                 stacklevel=2,
             )
         return model
-    return _native(model) if _is_llama(model) else _linears(model)
+    if _is_llama(model):
+        _native(model)
+    return _linears(model)
 
 
 def decoding_path(model: nn.Module) -> str | None:
@@ -124,7 +126,8 @@ def decoding_step(model: nn.Module) -> nn.Module:
     if why is not None:
         raise RuntimeError(f"decoding_step needs the few-row kernel, which {why}")
     _check_linears(model, "decoding_step")
-    return _native(model)
+    _native(model)
+    return _linears(model)
 
 
 def decoding_linears(model: nn.Module) -> nn.Module:
@@ -179,15 +182,14 @@ def _is_llama(model: nn.Module) -> bool:
 def _linears(model: nn.Module) -> nn.Module:
     """The few-row linears: the float32 ``nn.Linear`` layers on the kernel (a model already
     on the native step keeps that name)."""
-    quant.pack_linears(model, None)
+    few_rows.few_row_linears(model)
     model.__dict__.setdefault(_PATH, LINEARS)
     return model
 
 
-def _native(model: nn.Module) -> nn.Module:
-    """The native step on a LlamaForCausalLM (the kernel known present), over the few-row
-    linears."""
-    quant.pack_linears(model, None)
+def _native(model: nn.Module) -> None:
+    """The native step on a LlamaForCausalLM (the kernel known present); the few-row linears
+    under it are ``_linears``'s."""
     inner: Any = model.model
     if not inner.__dict__.get(_FLAG):
         original = inner.forward
@@ -199,7 +201,6 @@ def _native(model: nn.Module) -> nn.Module:
         inner.forward = forward
         inner.__dict__[_FLAG] = True
     model.__dict__[_PATH] = NATIVE
-    return model
 
 
 def _step(inner: Any, kwargs: dict[str, Any]) -> Any:
@@ -281,19 +282,14 @@ def _plan(inner: Any) -> native_step.Plan | None:
     """The layers' tensors in decoding_native.h's order, gathered once and kept on the model
     while every module and tensor read is in its place and unhooked; None where some layer
     is not one the step runs."""
+    if inner.embed_tokens.weight.dtype != torch.float32:
+        return None  # the step takes float32 activations
     kept = inner.__dict__.get("_multihead_plan")
     if kept is not None and kept.valid():
         return kept
-    plan = _gathered(inner)
+    plan = native_step.gather(_Plan(inner.layers), _layer)
     inner.__dict__["_multihead_plan"] = plan
     return plan
-
-
-def _gathered(inner: Any) -> native_step.Plan | None:
-    embed = inner.embed_tokens
-    if embed.weight.dtype != torch.float32:
-        return None  # the step takes float32 activations
-    return native_step.gather(_Plan(inner.layers), _layer)
 
 
 def _layer(read: Any, layer: nn.Module) -> tuple[list[Tensor], tuple] | None:

@@ -143,9 +143,11 @@ def supported() -> list[str]:
 
 
 def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any:
-    """The model in ``folder``, by its config.json (or a ``.gguf`` file, by its
-    ``general.architecture``: llama only): a folder written by ``multihead.save``
-    (``format_version``) loads as ``multihead.io.load`` does; otherwise ``model_type`` picks
+    """The model in ``folder``, by its config.json (or a ``.gguf`` file, or one of the names
+    ``"smollm2"``, ``"gemma3"`` that ``multihead.sources.locate`` finds, by the file's
+    ``general.architecture``: llama only, so ``"smollm2"`` and not ``"gemma3"``): a folder
+    written by ``multihead.save`` (``format_version``) loads as ``multihead.io.load`` does;
+    otherwise ``model_type`` picks
     the family (``bert``: a ``models.bert.Pretrained``; ``gpt2``, ``llama``: a decoder with its
     tokenizer, when the folder has one; or a family added with ``register``). None: the
     default BERT model, all-MiniLM-L6-v2 from its package. ``weights`` ("bf16", "int8", "w8a16") is
@@ -153,13 +155,14 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
 
     Raises:
         FileNotFoundError: the folder, its config.json or its weights are missing.
+        ModuleNotFoundError: a name whose package is not installed (the command named).
         ValueError: config.json is not a JSON object, has neither ``format_version`` nor
             ``model_type``, or names a ``model_type`` no family opens (the message names it and
             the supported ones); or the family's loader refuses the folder (named);
             ``weights`` given for a model that is not a causal decoder, or not None, "bf16",
             "int8" or "w8a16".
     """
-    from .. import folder_reading, io
+    from .. import folder_reading, io, sources
     from ..modules.quant import WEIGHT_FORMATS
     from . import gguf
 
@@ -170,6 +173,8 @@ def load(folder: str | Path | None = None, *, weights: str | None = None) -> Any
     if folder is None:  # the default model, MiniLM, is the BERT family's to find
         _no_weights(weights, "the default model (BERT)")
         return importlib.import_module(f"{__package__}.bert").load(None)
+    if sources.is_llm_source(folder):  # a name, or a .gguf path: found as every loader finds it
+        folder = sources.locate(folder).path
     path = Path(folder)
     if gguf.is_gguf(path):  # a GGUF file names its family in its metadata
         config, field = {"model_type": gguf.architecture(path)}, "general.architecture"

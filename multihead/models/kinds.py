@@ -24,6 +24,7 @@ __all__ = [
     "encoders",
     "folder_kind",
     "listed",
+    "opened_by_multihead",
     "wrong_kind",
 ]
 
@@ -77,6 +78,26 @@ def folder_kind(path: str | Path | None) -> FolderKind | None:
     if "format_version" in config and isinstance(model, dict):
         return FolderKind(folder, SAVED, str(model.get("class")))
     return FolderKind(folder, None)
+
+
+def opened_by_multihead(source: str | Path | None) -> bool:
+    """Whether the library's own models open a command's ``--model`` source (else transformers
+    does, on the multihead attention): None (the default encoder), a ``multihead.save``
+    folder, a folder whose ``model_type`` a family has, or a folder without a config.json that
+    says (the loader then names what is missing). A GGUF file, one of the names
+    ``multihead.sources.NAMES``, a folder of any other ``model_type`` and a path that is no
+    folder are transformers' (whose loader names what is wrong with the path). The commands
+    that run a model of either world (``explain``, ``generate``) decide by this alone."""
+    from .. import sources
+
+    if source is None:
+        return True
+    if sources.is_llm_source(source):
+        return False
+    found = folder_kind(source)
+    if found is None:
+        return Path(source).is_dir()
+    return found.kind in (None, SAVED) or family(found.kind) is not None
 
 
 def wrong_kind(found: FolderKind, command: str, supported: str) -> ValueError:

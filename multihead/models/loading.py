@@ -95,7 +95,7 @@ def load_decoder(
     folder_reading.assign(model, stored.read(), names_of, weights=stored, unused=unused)
     model.to(dtype).eval()
     if dtype == torch.float32:
-        quant.pack_linears(model, weights)
+        quant.prepare_linears(model, weights)
     decode_layout(model)
     model.tokenizer, model.path = tokenizer, folder
     return model
@@ -161,7 +161,7 @@ def register_decoder(family: Family) -> None:
     def build(args: dict[str, Any]) -> CausalLM:
         config = family.config.from_dict(args["config"], source="config.json model.args")
         model = family.model(config)
-        quant.pack_linears(model, None)
+        quant.prepare_linears(model, None)
         decode_layout(model)
         return model.eval()
 

@@ -41,6 +41,7 @@ from ..kernels import ROWS, Loader
 __all__ = [
     "MAX_ROWS",
     "RowsLinear",
+    "few_row_linears",
     "kernel_choices",
     "kernel_error",
     "kernel_fits",
@@ -231,3 +232,22 @@ class RowsLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return _float_product(x, self.weight, self.bias, kernel_fits(x))
+
+
+def few_row_linears(model: nn.Module) -> nn.Module:
+    """Replace, in place, every plain float32 ``nn.Linear`` of ``model`` by a ``RowsLinear``
+    with the same parameters (not copies: tied weights stay tied; a non-contiguous weight is
+    made contiguous); other layers stay as they are. Returns ``model``."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+                continue
+            new = RowsLinear.__new__(RowsLinear)
+            new.__dict__ = child.__dict__  # the same parameters, not copies (tying holds)
+            if not child.weight.is_contiguous():
+                with torch.no_grad():
+                    new.weight = nn.Parameter(
+                        child.weight.contiguous(), requires_grad=child.weight.requires_grad
+                    )
+            setattr(parent, name, new)
+    return model

@@ -1,5 +1,6 @@
 """Weight-only bf16 and int8 linear layers for decoding (``PackedLinear``), and the
-conversion of a model's linear layers (``pack_linears``).
+conversion of a model's linear layers into them (``pack_linears``; ``prepare_linears`` picks
+that or the float32 few-row layers of ``few_rows.few_row_linears``).
 
 ``PackedLinear``: weight-only ``"bf16"`` (rounded to nearest) or ``"int8"`` (symmetric, one
 float32 scale per output channel: scale = max |w| / 127 over the channel's inputs), or
@@ -20,9 +21,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .few_rows import RowsLinear, kernel_fits, rows_linear
+from .few_rows import few_row_linears, kernel_fits, rows_linear
 
-__all__ = ["WEIGHT_FORMATS", "PackedLinear", "dequantize_int8", "pack_linears", "quantize_int8"]
+__all__ = [
+    "WEIGHT_FORMATS",
+    "PackedLinear",
+    "dequantize_int8",
+    "pack_linears",
+    "prepare_linears",
+    "quantize_int8",
+]
 
 WEIGHT_FORMATS = ("bf16", "int8", "w8a16")
 
@@ -109,29 +117,32 @@ class PackedLinear(nn.Module):
         )
 
 
-def pack_linears(model: nn.Module, weights: str | None) -> nn.Module:
-    """Replace, in place, every plain float32 ``nn.Linear`` of ``model`` by a ``RowsLinear``
-    (``weights=None``: same parameters, tying kept) or a ``PackedLinear`` (``"bf16"``,
-    ``"int8"``, ``"w8a16"``). Other layers (embeddings, norms) stay as they are; returns
-    ``model``."""
-    if weights is not None and weights not in WEIGHT_FORMATS:
+def pack_linears(model: nn.Module, weights: str) -> nn.Module:
+    """Replace, in place, every plain float32 ``nn.Linear`` of ``model`` by a ``PackedLinear``
+    holding its weight in ``weights`` (``"bf16"``, ``"int8"``, ``"w8a16"``). Other layers
+    (embeddings, norms) stay as they are; returns ``model``. ``weights=None`` is deprecated:
+    it packs nothing and moves the layers onto the few-row kernel, which is
+    ``few_rows.few_row_linears``'s job (or ``prepare_linears(model, None)``'s)."""
+    if weights is None:
+        from .._deprecation import deprecated
+
+        deprecated("pack_linears(model, None)", "multihead.modules.few_rows.few_row_linears(model)")
+        return few_row_linears(model)
+    if weights not in WEIGHT_FORMATS:
         raise ValueError(
-            f"weights must be None, 'bf16', 'int8' or 'w8a16'. Received: weights={weights!r}"
+            f"weights must be 'bf16', 'int8' or 'w8a16'. Received: weights={weights!r}"
         )
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
-                continue
-            new: nn.Module
-            if weights is None:
-                new = RowsLinear.__new__(RowsLinear)
-                new.__dict__ = child.__dict__  # the same parameters, not copies (tying holds)
-                with torch.no_grad():
-                    if not child.weight.is_contiguous():
-                        new.weight = nn.Parameter(
-                            child.weight.contiguous(), requires_grad=child.weight.requires_grad
-                        )
-            else:
-                new = PackedLinear(child, weights)
-            setattr(parent, name, new)
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                setattr(parent, name, PackedLinear(child, weights))
     return model
+
+
+def prepare_linears(model: nn.Module, weights: str | None) -> nn.Module:
+    """The linear layers a decoder runs: packed in ``weights`` (``pack_linears``), or for
+    None the float32 layers on the few-row kernel with their own parameters
+    (``few_rows.few_row_linears``); returns ``model``."""
+    if weights is None:
+        return few_row_linears(model)
+    return pack_linears(model, weights)

@@ -28,7 +28,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(folder):
-    return mhf.load(folder)
+    return mhf.load_with_tokenizer(folder)
 
 
 @pytest.mark.parametrize("task", ["passkey", "multikey"])
@@ -65,7 +65,7 @@ def test_the_harness_decodes_as_generate_and_compress_do(folder, loaded, tmp_pat
     assert (tmp_path / "out" / "kv.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "out" / "kv.json").read_text())["rows"] == result["rows"]
     model, tokenizer = loaded
-    sdpa, _ = mhf.load(folder, attn_implementation="sdpa")
+    sdpa, _ = mhf.load_with_tokenizer(folder, attn_implementation="sdpa")
     rng = random.Random(options.seed)
     for length in LENGTHS:
         for t in range(options.trials):
@@ -150,8 +150,8 @@ def test_bench_kv_reports_costs_and_goals(folder, tmp_path):
 
 def test_the_eager_reference_reduces_the_weights_the_kernel_folds(folder):
     """The benchmark's eager contender computes the same window_mass the kernel does."""
-    model, _ = mhf.load(folder)
-    eager, _ = mhf.load(folder, attn_implementation="eager")
+    model, _ = mhf.load_with_tokenizer(folder)
+    eager, _ = mhf.load_with_tokenizer(folder, attn_implementation="eager")
     ids = torch.randint(3, 250, (1, 80), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         scores = bench._eager_scores(eager, ids, 32)

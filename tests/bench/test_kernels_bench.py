@@ -11,7 +11,7 @@ import torch
 from multihead import cli, masks
 from multihead.bench import WORKLOADS
 from multihead.bench.chart import chart_figure
-from multihead.bench.suite import SMOKE_TEST, Report, visible_entries
+from multihead.bench.kernels import SMOKE_TEST, Report, visible_entries
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_each_workload_compiles_its_own_flex_attention():
     FlexAttention's time (the soft-capping row: 8.8 s against 0.39 s compiled alone). A limit
     of 1 reaches the point in two compiles."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from multihead.bench.suite import _compile_flex
+    from multihead.bench.kernels import _compile_flex
 
     workload = WORKLOADS["causal_softcap"][1]  # the quick sizes
     q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
