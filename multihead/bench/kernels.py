@@ -288,13 +288,19 @@ def _naive(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None) -> Tensor:
 
 def _contenders(
     w: Workload, quick: bool, seed: int
-) -> tuple[dict[str, Callable[[], object]], dict, int]:
+) -> tuple[dict[str, Callable[[], object]], dict, int, Callable[[], str] | None]:
+    """The workload's contenders by name, the notes on them, the visible score entries and
+    what says the backend ``auto`` (the "multihead" row) runs the call on, asked after the
+    timing (auto's measured choices are made at a call's first run; None for the module
+    rows)."""
+    from ..functional import explain_backend
+
     g = torch.Generator().manual_seed(seed)
     mask, mask_mod = _mask(w, seed)
     notes: dict[str, str] = {}
     entries = visible_entries(mask, w.b, w.h, w.length, w.length)
     if w.module:
-        return _module_contenders(w, mask, g), notes, entries
+        return _module_contenders(w, mask, g), notes, entries, None
 
     q, k, v = _inputs(w, g)
     keep = None if mask is None else mask.to_dense(w.length, w.length).expand(w.b, 1, -1, -1)
@@ -334,7 +340,7 @@ def _contenders(
     if w.mask == "documents":  # the fused kernel's goal is stated against tiled
         out["multihead, tiled"] = step(lambda: attention(q, k, v, mask, backend="tiled"))
     _add_flex(out, notes, w, quick, q, k, v, mask_mod, modifier)
-    return out, notes, entries
+    return out, notes, entries, lambda: explain_backend(q, k, v, mask, bias=modifier).backend
 
 
 def _inputs(w: Workload, g: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
@@ -608,6 +614,7 @@ def run_suite(options: KernelsOptions, *, say: Callable[[str], None] = print) ->
                 report.workloads.append(_run_workload(w, quick, repeats, report.peak_gflops, tell))
     if "memory_window" in steps:
         say(_memory_line(report.memory))
+    say(_auto_line(report.workloads))
     report.seconds = round(time.perf_counter() - started, 1)
     (out_dir / "results.json").write_text(json.dumps(asdict(report), indent=2))
     from .chart import write_chart
@@ -665,6 +672,23 @@ def _peaks(report: Report, n: int, say: Callable[[str], None]) -> None:
     say(report.bf16_case)
 
 
+def _auto_line(workloads: list[dict]) -> str:
+    """How many rows auto was within ``AUTO_GOAL`` of the fastest way to the same call, and
+    the rows where it was not."""
+    rows = [w for w in workloads if "auto_vs_fastest" in w]
+    over = [w for w in rows if w["auto_vs_fastest"] > AUTO_GOAL]
+    line = (
+        f"\nauto within {AUTO_GOAL - 1:.0%} of the fastest way to the same call on "
+        f"{len(rows) - len(over)} of {len(rows)} workloads"
+    )
+    if over:
+        line += "; over: " + ", ".join(
+            f"{w['name']} ({w['auto_vs_fastest']:.2f}x {w['fastest']}, auto ran {w['auto_chose']})"
+            for w in over
+        )
+    return line
+
+
 def _memory_line(m: dict) -> str:
     if "peak_rss_mib" in m:
         return (
@@ -701,7 +725,7 @@ def _overheads(w: Workload, rows: dict) -> dict[str, float]:
 
 
 def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> dict:
-    contenders, notes, entries = _contenders(w, quick, seed=0)
+    contenders, notes, entries, chose = _contenders(w, quick, seed=0)
     times = interleaved(contenders, repeats)
     flops_per_entry = 4 * w.d * (3.5 if w.train else 1.0)
     peak = peaks.get(w.dtype, peaks["float32"])
@@ -728,8 +752,34 @@ def _run_workload(w: Workload, quick: bool, repeats: int, peaks: dict, say) -> d
         "notes": notes,
     }
     result.update(_overheads(w, rows))
+    if chose is not None:
+        result.update(_against_the_fastest(w, rows, notes, chose()))
     _say_workload(w, result, base, say)
     return result
+
+
+AUTO_GOAL = 1.05  # auto at most 5% slower than the fastest way to compute the same call
+
+
+def same_call(w: Workload, name: str, notes: dict) -> bool:
+    """Whether contender ``name`` computes what the "multihead" row computes: not a row
+    without the score modifier or with the weights too, and not SDPA where it had to run
+    without the modifier (its note says so)."""
+    if "no bias" in name or "+weights" in name:
+        return False
+    return not (name == "sdpa" and w.bias != "none" and "timed without" in notes.get("sdpa", ""))
+
+
+def _against_the_fastest(w: Workload, rows: dict, notes: dict, chose: str) -> dict:
+    """What auto chose, the fastest contender computing the same call, and auto's time over
+    that one's (the goal: at most ``AUTO_GOAL``)."""
+    same = {n: r["median_s"] for n, r in rows.items() if same_call(w, n, notes)}
+    fastest = min(same, key=same.__getitem__)
+    return {
+        "auto_chose": chose,
+        "fastest": fastest,
+        "auto_vs_fastest": rows["multihead"]["median_s"] / same[fastest],
+    }
 
 
 def _say_workload(w: Workload, result: dict, base: str, say) -> None:
@@ -751,6 +801,13 @@ def _say_workload(w: Workload, result: dict, base: str, say) -> None:
         say(f"  {name:36s} {r['median_s'] * 1e3:9.1f} ms  {speedup:6.2f}x vs {base}{extra}")
     for name, note in notes.items():
         say(f"  {name:36s} {note}")
+    if "auto_chose" in result:
+        ratio = result["auto_vs_fastest"]
+        verdict = "" if ratio <= AUTO_GOAL else f"  (over the goal of {AUTO_GOAL:.2f}x)"
+        say(
+            f"  auto ran {result['auto_chose']}: {ratio:.2f}x the fastest way to the same call"
+            f" ({result['fastest']}){verdict}"
+        )
     ratios = [f"{label} {result[key]:.2f}x" for key, label in _RATIOS if key in result]
     if ratios:
         say("  ratios: " + "; ".join(ratios))

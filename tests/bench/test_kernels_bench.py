@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from multihead import cli, masks
-from multihead.bench import WORKLOADS
+from multihead.bench import WORKLOADS, kernels
 from multihead.bench.chart import chart_figure
 from multihead.bench.kernels import SMOKE_TEST, Report, visible_entries
 
@@ -60,12 +60,27 @@ def test_quick_bench_writes_json_for_every_contender(tmp_path, capsys):
                     < row["fraction_of_peak"]
                     == pytest.approx(row["gflops"] / report["peak_gflops"][w["dtype"]])
                 )
+        if not w["module"]:  # what auto ran, against the fastest way to the same call
+            assert w["auto_chose"] in ("sdpa", "fused", "tiled", "flex", "half", "reference")
+            same = {
+                n: r["median_s"]
+                for n, r in w["contenders"].items()
+                if kernels.same_call(WORKLOADS[w["name"]][1], n, w["notes"])
+            }
+            assert w["fastest"] == min(same, key=same.__getitem__)
+            assert w["auto_vs_fastest"] == pytest.approx(
+                w["contenders"]["multihead"]["median_s"] / same[w["fastest"]]
+            )
+        else:
+            assert "auto_chose" not in w
     assert report["memory"]["peak_rss_mib"] > 0
     png = (tmp_path / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     captured = capsys.readouterr()
     out = captured.out
     assert "matmul peak" in out and "x vs sdpa" in out and "CPU: " in out
+    assert "auto within 5% of the fastest way to the same call on " in out
+    assert out.count("  auto ran ") == sum(not w["module"] for w in report["workloads"])
     assert report["machine"]["cpu"] and report["peak_gflops"]["float32 blocks"] > 0
     assert report["bf16_case"] in out and report["bf16_case"].startswith("bf16 matmul peak")
     # a smoke test, said before the numbers, in the report and at the end with the time taken
@@ -150,3 +165,21 @@ def test_each_workload_compiles_its_own_flex_attention():
                 assert run is not None, why
                 run()
     torch._dynamo.reset()  # nothing of these compiles is left for later tests
+
+
+def test_the_same_call_leaves_out_rows_that_compute_another():
+    """Against auto's row only what computes the same call counts: not the rows without the
+    modifier or with the weights too, and not SDPA where it ran without the modifier."""
+    softcap = WORKLOADS["causal_softcap"][1]
+    notes = {"sdpa": "has no softcap: timed without it"}
+    assert not kernels.same_call(softcap, "sdpa", notes)
+    assert not kernels.same_call(softcap, "multihead, no bias", notes)
+    assert kernels.same_call(softcap, "multihead, fused", notes)
+    alibi = WORKLOADS["causal_alibi"][1]  # SDPA given the bias as a dense tensor: the same call
+    assert kernels.same_call(alibi, "sdpa", {"sdpa": "given the bias as a dense tensor"})
+    weights = WORKLOADS["weights_dense"][1]
+    assert not kernels.same_call(weights, "multihead+weights", {})
+    rows = {"multihead": {"median_s": 2.0}, "sdpa": {"median_s": 1.0}, "naive": {"median_s": 4.0}}
+    got = kernels._against_the_fastest(softcap, {**rows, "multihead, fused": {"median_s": 1.6}},
+                                       notes, "fused")  # fmt: skip
+    assert got == {"auto_chose": "fused", "fastest": "multihead, fused", "auto_vs_fastest": 1.25}
