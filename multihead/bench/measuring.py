@@ -13,12 +13,30 @@ import torch
 __all__ = ["interleaved", "matmul_peak", "matmul_peaks"]
 
 
+# one timed product takes at most about this long: a dtype the CPU has no kernel for (bf16
+# on a CPU without AVX512-BF16 or AMX runs at a few GFLOP/s or less) is timed at a smaller size
+# instead of spending minutes on five products of the size asked for
+PRODUCT_SECONDS = 1.0
+_PROBE = 256  # the size that says how fast the dtype is before the size is chosen
+
+
 def matmul_peak(dtype: torch.dtype, n: int) -> float:
-    """GFLOP/s of an n x n matmul, median of 5."""
+    """GFLOP/s of an n x n matmul, median of 5; where one such product would take over
+    ``PRODUCT_SECONDS`` (judged from a 256 x 256 one), of the largest size that does not."""
+    size = min(n, _PROBE)
+    rate = _median_rate(dtype, size, repeats=1)
+    if n > size:  # the size whose product takes PRODUCT_SECONDS at the probe's rate
+        fits = int((PRODUCT_SECONDS * rate * 1e9 / 2) ** (1 / 3))
+        size = max(size, min(n, fits))
+    return _median_rate(dtype, size, repeats=5)
+
+
+def _median_rate(dtype: torch.dtype, n: int, repeats: int) -> float:
+    """GFLOP/s of an n x n matmul in ``dtype``: one warm-up product, the median of ``repeats``."""
     a, bm = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     a @ bm
     times = []
-    for _ in range(5):
+    for _ in range(repeats):
         t = time.perf_counter()
         a @ bm
         times.append(time.perf_counter() - t)

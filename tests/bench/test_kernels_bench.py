@@ -183,3 +183,24 @@ def test_the_same_call_leaves_out_rows_that_compute_another():
     got = kernels._against_the_fastest(softcap, {**rows, "multihead, fused": {"median_s": 1.6}},
                                        notes, "fused")  # fmt: skip
     assert got == {"auto_chose": "fused", "fastest": "multihead, fused", "auto_vs_fastest": 1.25}
+
+
+@pytest.mark.parametrize(("rate", "timed_at"), [(1000.0, 2048), (1.0, 793), (1e-6, 256)])
+def test_a_slow_dtype_is_timed_at_a_size_that_takes_a_second(monkeypatch, rate, timed_at):
+    """A 2048 x 2048 bf16 product takes over half a minute on a CPU with no bf16 kernel (each
+    benchmark's peaks took minutes there): the size is chosen from a 256 x 256 probe so that
+    one product takes about ``PRODUCT_SECONDS``, never above the size asked for nor below the
+    probe's."""
+    from multihead.bench import measuring
+
+    sizes = []
+
+    def rate_at(dtype, n, repeats):
+        sizes.append((n, repeats))
+        return rate
+
+    monkeypatch.setattr(measuring, "_median_rate", rate_at)
+    assert measuring.matmul_peak(torch.bfloat16, 2048) == rate
+    assert sizes == [(256, 1), (timed_at, 5)]
+    # the chosen size's product at the probe's rate: at most the budget (or the probe's size)
+    assert 2 * timed_at**3 / (rate * 1e9) <= measuring.PRODUCT_SECONDS or timed_at == 256
