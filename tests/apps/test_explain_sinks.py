@@ -231,16 +231,10 @@ def test_smollm2_looks_past_the_first_token(tmp_path):
     """Issue 53's own case: on SmolLM2-135M-Instruct the head chosen and the rollout said
     "The 100%"; with the sinks set aside both name another word, and "The" is a sink."""
     pytest.importorskip("gguf")
-    gguf = _smollm2()
-    folder = tmp_path / "smollm2"
-    kwargs = {"gguf_file": gguf.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, dtype=torch.float32, **kwargs
-    )
-    model.hf_quantizer = None  # dequantized to float32 as read: saved as a plain folder
-    del model.config.quantization_config
-    model.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(folder)
+    from multihead.hf import loading
+
+    # the float32 transformers folder the GGUF file converts into, once for every test
+    folder = loading._converted(loading.resolve("smollm2"))
     lines: list[str] = []
     got = explain.run(
         Options(text=DEMO, focus="it", out=tmp_path / "out", model=folder, rollout=True),
