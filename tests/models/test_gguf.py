@@ -201,8 +201,15 @@ def test_a_config_the_family_refuses_names_the_file_and_field(folder, tmp_path):
 )
 def test_smollm2_q4_1_equals_transformers_loading():
     """The real file: Q4_1 matrices, a Q8_0 embedding (tied output), 30 layers, GQA 9/3."""
+    from multihead.hf import loading
+
     file = Path(next(iter(SMOLLM2.submodule_search_locations))) / SMOLLM2_FILE
-    ours, theirs = llama.load(file), _transformers(file)
+    # transformers' own reading of the file, kept (float32) in the folder the tests share
+    # instead of dequantized again here (the same weights: save_pretrained of that model)
+    converted = loading._converted(loading.resolve("smollm2"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    theirs.eval()
+    ours = llama.load(file)
     ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got, want = ours(ids), theirs(ids).logits
