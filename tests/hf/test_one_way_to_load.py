@@ -12,8 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from models.decoders import build
-from tiny_gguf import write_gguf
 from tokenizers import Tokenizer
 
 import multihead
@@ -24,16 +22,6 @@ from multihead.models import kinds
 from multihead.models.causal_lm import CausalLM
 
 TEXT = "the film was a quiet delight"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build("llama", tmp_path_factory.mktemp("llama"), layers=2)
-
-
-@pytest.fixture(scope="module")
-def gguf_file(folder, tmp_path_factory):
-    return write_gguf(folder, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 def _smollm2_at(monkeypatch, where):
