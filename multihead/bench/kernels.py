@@ -32,7 +32,7 @@ from .. import masks
 from .._flags import option
 from .._progress import stages
 from ..bias import ScoreModifier
-from ..functional import attention, attention_with_weights
+from ..functional import attention, attention_with_weights, explain_backend
 from ..masks import Mask, TileKind
 from ..modules import MultiHeadAttention
 from .measuring import interleaved, matmul_peaks
@@ -293,8 +293,6 @@ def _contenders(
     what says the backend ``auto`` (the "multihead" row) runs the call on, asked after the
     timing (auto's measured choices are made at a call's first run; None for the module
     rows)."""
-    from ..functional import explain_backend
-
     g = torch.Generator().manual_seed(seed)
     mask, mask_mod = _mask(w, seed)
     notes: dict[str, str] = {}
@@ -427,7 +425,6 @@ def _add_flex_backend(out, notes, quick, q, k, v, mask, modifier) -> None:
         notes[name] = "skipped in --quick (compilation takes seconds to minutes)"
         return
     from ..backends import flex
-    from ..functional import explain_backend
 
     flex.clear_cache()  # time a real compile, not one left by an earlier workload
     with torch.no_grad():
