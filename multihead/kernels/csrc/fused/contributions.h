@@ -10,9 +10,10 @@
 // block stops each row at its own position: a later key gets d = inf (it contributes nothing,
 // which |y|_1 computed in another order would not say exactly).
 //
-// Work: a task takes a few rows and walks the keys a tile at a time: the tile's u (a few keys'
-// H x E) is read from memory once for all of the task's rows, and each row reads its weights
-// over the tile in order. The sums over heads are 16-lane vectors (simd.h).
+// Work: a task takes a few rows and walks the keys one at a time: the key's u (H x E, 20 KiB
+// for SmolLM2) is read from memory once for all of the task's rows and stays in L1 while they
+// use it (a tile of 8 keys' u read from L2 was 1.3 times slower). The sums over heads are in
+// the CPU's own vectors, their magnitudes added in 16 lanes (distance below).
 
 #pragma once
 
@@ -31,39 +32,39 @@
 namespace {
 
 constexpr int64_t kAltiRows = 32;  // rows of one task: they share each key's u_j
-constexpr int64_t kAltiKeys = 8;   // keys of one tile: their u (8 x H x E) stays in L2
 
-// sum_e |y[e] - s (sum_h a[h] u[h, e] + x[e])| (x may be null): 64 elements of E at a time in
-// four 16-lane registers summed over the heads, the rest one by one
+// sum_e |y[e] - s (sum_h a[h] u[h, e] + x[e])| (x may be null): 64 elements of E at a time,
+// held in the CPU's own vectors (a vector wider than the CPU's, as GCC lowers it, spills to the
+// stack on every operation: 28 times slower on AVX2), summed over the heads; the magnitudes
+// are added into 16 lanes in the order of the 16-lane sums the rows' products use, so the
+// result's bits do not depend on the vector width; the rest of E one by one
 inline double distance(const float* a, const float* u, const float* y, const float* x,
                        float s, int64_t H, int64_t E) {
-  auto load16 = [](const float* p) {
-    VF16 v;
-    std::memcpy(&v, p, sizeof(VF16));
-    return v;
-  };
-  auto magnitude = [](VF16 v) { return v < 0 ? -v : v; };
-  VF16 sums = {};
+  constexpr int kParts = 64 / kLanes;  // native vectors per 64 elements
+  constexpr int kSum = 16 / kLanes;    // native vectors per 16 lanes
+  auto magnitude = [](VF v) { return v < 0 ? -v : v; };
+  VF sums[kSum] = {};
+  const VF scale = VF{} + s;
   const int64_t whole = E - E % 64;
   for (int64_t e0 = 0; e0 < whole; e0 += 64) {
-    VF16 t0 = {}, t1 = {}, t2 = {}, t3 = {};
+    VF t[kParts] = {};
     for (int64_t h = 0; h < H; ++h) {
-      const VF16 w = VF16{} + a[h];
+      const VF w = VF{} + a[h];
       const float* uh = u + h * E + e0;
-      t0 = mul_add(w, load16(uh), t0);
-      t1 = mul_add(w, load16(uh + 16), t1);
-      t2 = mul_add(w, load16(uh + 32), t2);
-      t3 = mul_add(w, load16(uh + 48), t3);
+      for (int p = 0; p < kParts; ++p) t[p] = t[p] + w * load(uh + p * kLanes);
     }
-    if (x != nullptr) {
-      t0 += load16(x + e0), t1 += load16(x + e0 + 16);
-      t2 += load16(x + e0 + 32), t3 += load16(x + e0 + 48);
+    if (x != nullptr)
+      for (int p = 0; p < kParts; ++p) t[p] += load(x + e0 + p * kLanes);
+    for (int q = 0; q < kSum; ++q) {  // lanes 16 k + q kLanes.. of the four 16-lane groups
+      VF m = magnitude(load(y + e0 + q * kLanes) - scale * t[q]);
+      for (int k = 1; k < 4; ++k)
+        m += magnitude(load(y + e0 + 16 * k + q * kLanes) - scale * t[k * kSum + q]);
+      sums[q] += m;
     }
-    sums += magnitude(load16(y + e0) - s * t0) + magnitude(load16(y + e0 + 16) - s * t1) +
-            magnitude(load16(y + e0 + 32) - s * t2) + magnitude(load16(y + e0 + 48) - s * t3);
   }
   double total = 0.0;
-  for (int l = 0; l < 16; ++l) total += sums[l];
+  for (int q = 0; q < kSum; ++q)
+    for (int l = 0; l < kLanes; ++l) total += sums[q][l];
   for (int64_t e = whole; e < E; ++e) {
     float t = x != nullptr ? x[e] : 0.f;
     for (int64_t h = 0; h < H; ++h) t += a[h] * u[h * E + e];
@@ -102,23 +103,17 @@ at::Tensor alti_distances(const at::Tensor& alpha, const at::Tensor& u, const at
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t r0 = task * kAltiRows, r1 = std::min(n, r0 + kAltiRows);
       const int64_t last = causal ? std::min(S, row0 + r1) : S;  // keys any row of it sees
-      for (int64_t j0 = 0; j0 < last; j0 += kAltiKeys) {  // a tile of keys, its u in cache
-        const int64_t j1 = std::min(last, j0 + kAltiKeys);
+      for (int64_t j = 0; j < last; ++j) {  // one key at a time, its u (H x E) in L1
+        const float* uj = U + j * H * E;
         for (int64_t r = r0; r < r1; ++r) {
-          const float* yr = Y + r * E;
-          const float* xr = X + r * E;
-          const float sc = C[r];
-          for (int64_t j = j0; j < j1; ++j) {
-            float* out = D + r * S + j;
-            if (causal && j > row0 + r) {  // a later key: no contribution at all
-              *out = std::numeric_limits<float>::infinity();
-              continue;
-            }
-            const float* a = A + (r * S + j) * H;  // the row's weights: read in order
-            const bool own = j == row0 + r;
-            *out = static_cast<float>(
-                distance(a, U + j * H * E, yr, own ? xr : nullptr, sc, H, E));
+          float* out = D + r * S + j;
+          if (causal && j > row0 + r) {  // a later key: no contribution at all
+            *out = std::numeric_limits<float>::infinity();
+            continue;
           }
+          const bool own = j == row0 + r;
+          *out = static_cast<float>(distance(A + (r * S + j) * H, uj, Y + r * E,
+                                             own ? X + r * E : nullptr, C[r], H, E));
         }
       }
       for (int64_t r = r0; r < r1; ++r)  // keys no row of the task sees
