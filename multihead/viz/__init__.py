@@ -17,9 +17,8 @@ from ..inspect import _check, _check_tokens
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["head_heatmap", "heatmap_grid", "surface"]
+__all__ = ["grid_cells", "head_heatmap", "heatmap_grid", "surface"]
 
-_LABELS_UP_TO = 40  # more tokens than this and tick labels become unreadable
 _VALUES_UP_TO = 16  # write the value in each cell up to this many tokens
 MAX_INCHES = 20.0  # no figure side is longer, whatever the model's depth or the text's length
 _LABELS_UP_TO = 64  # token labels on the axes up to this many tokens
@@ -67,39 +66,70 @@ def heatmap_grid(
 ) -> Figure:
     """A grid of heatmaps, one row per layer and one column per head.
 
+    The grid is one image on one set of axes, the heatmaps side by side with a gap of
+    background between them (``grid_cells`` gives each one's place): 72 separate axes, as
+    BERT-base's 6 x 12 heads would take, cost matplotlib's layout about 4 s a figure. Heads
+    are named along the top, layers down the right; up to 16 tokens their labels run along
+    the outer edges.
+
     Args:
         weights: (layers, H, L, L) of one sequence (see ``multihead.inspect.for_text``).
         tokens: the L token labels (queries down, keys across).
         layers, heads: subsets to draw (default all).
         cell: inches per heatmap.
     """
+    import numpy as np
+
     w = _check(weights).detach().float().cpu()
     _check_tokens(tokens, w.shape[-1])
     layers = list(range(w.shape[0])) if layers is None else list(layers)
     heads = list(range(w.shape[1])) if heads is None else list(heads)
+    n = w.shape[-1]
     # the figure stays within MAX_INCHES on each side whatever the depth and width
     cell = min(cell, (MAX_INCHES - 1.5) / len(heads), (MAX_INCHES - 1) / len(layers))
     fig = _figure(figsize=(cell * len(heads) + 1.5, cell * len(layers) + 1), layout="constrained")
-    axes = fig.subplots(len(layers), len(heads), squeeze=False)
-    image = None
+    ax = fig.subplots()
+    places = grid_cells(n, len(layers), len(heads))
+    mosaic = np.full((places[-1][-1][0] + n, places[-1][-1][1] + n), np.nan, dtype=np.float32)
     for r, layer in enumerate(layers):
         for c, head in enumerate(heads):
-            ax = axes[r][c]
-            image = ax.imshow(w[layer, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if r == 0:
-                ax.set_title(f"head {head}", fontsize=8)
-            if c == 0:
-                ax.set_ylabel(f"layer {layer}", fontsize=8)
-    if len(tokens) <= 16:  # labels on the outer edge only, where there is room
-        for c in range(len(heads)):
-            _label(axes[-1][c], tokens, rows=False, size=5)
-        for r in range(len(layers)):
-            _label(axes[r][0], tokens, cols=False, size=5)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="weight")
+            top, left = places[r][c]
+            mosaic[top : top + n, left : left + n] = w[layer, head].numpy()
+    image = ax.imshow(mosaic, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    for side in ax.spines.values():
+        side.set_visible(False)
+    rows = [places[r][0][0] for r in range(len(layers))]
+    cols = [places[0][c][1] for c in range(len(heads))]
+    middle = (n - 1) / 2
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([x + middle for x in cols], [f"head {h}" for h in heads], fontsize=8)
+    right = ax.secondary_yaxis("right")
+    right.set_yticks([y + middle for y in rows], [f"layer {layer}" for layer in layers],
+                     fontsize=8, rotation=90, va="center")  # fmt: skip
+    for secondary in (top, right):
+        secondary.tick_params(length=0)
+        for side in secondary.spines.values():
+            side.set_visible(False)
+    if n <= 16:  # token labels on the outer edge only, where there is room
+        ax.set_xticks([x + i for x in cols for i in range(n)], list(tokens) * len(cols),
+                      rotation=90, fontsize=5)  # fmt: skip
+        ax.set_yticks([y + i for y in rows for i in range(n)], list(tokens) * len(rows),
+                      fontsize=5)  # fmt: skip
+        ax.tick_params(length=0)
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(image, ax=ax, shrink=0.6, label="weight", pad=0.06)
     fig.suptitle("attention weights (rows: queries, columns: keys)")
     return fig
+
+
+def grid_cells(n: int, layers: int, heads: int) -> list[list[tuple[int, int]]]:
+    """Where ``heatmap_grid`` puts each (L, L) heatmap in its one image: (top row, left
+    column) of the heatmap of grid row r (a layer) and column c (a head), the heatmaps
+    ``max(1, n // 6)`` background pixels apart."""
+    step = n + max(1, n // 6)
+    return [[(r * step, c * step) for c in range(heads)] for r in range(layers)]
 
 
 def head_heatmap(

@@ -50,10 +50,26 @@ def test_head_heatmap_writes_values_for_short_inputs():
 
 
 def test_grid_subsets_and_labels():
-    fig = heatmap_grid(_weights(), TOKENS, layers=[1], heads=[0, 2])
+    """The grid's one image holds each chosen head's weights where grid_cells places them,
+    background between them; the heads are named on top, the layers on the right."""
+    import numpy as np
+
+    from multihead.viz import grid_cells
+
+    w = _weights()
+    fig = heatmap_grid(w, TOKENS, layers=[1], heads=[0, 2])
     images = [ax for ax in fig.axes if ax.images]
-    assert len(images) == 2
-    assert images[0].get_title() == "head 0" and images[1].get_title() == "head 2"
+    assert len(images) == 1
+    mosaic = np.asarray(images[0].images[0].get_array().filled(np.nan))
+    places = grid_cells(6, 1, 2)
+    assert places == [[(0, 0), (0, 7)]] and mosaic.shape == (6, 13)
+    for (top, left), head in zip(places[0], [0, 2]):
+        assert np.array_equal(mosaic[top : top + 6, left : left + 6], w[1, head].numpy())
+    assert np.isnan(mosaic[:, 6]).all()
+    axes = [*fig.axes, *images[0].child_axes]  # the heads' and layers' axes are the image's
+    texts = [t.get_text() for ax in axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+    assert {"head 0", "head 2", "layer 1"} <= set(texts) and "head 1" not in texts
+    assert texts.count("cat") == 3  # under each head, and down the left
 
 
 def test_bad_figure_input():
