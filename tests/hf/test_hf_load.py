@@ -219,33 +219,45 @@ def _on(model, implementation: str, dtype=torch.float32):
     return other
 
 
+FILLER = " ".join(["The grass is green. The sky is blue. The sun is yellow."] * 200)
+
+
+@pytest.fixture(scope="module")
+def filler_on_sdpa(smollm2):
+    """2,000 tokens of filler text, as the pass-key tasks use, and sdpa's last hidden states
+    on them in float32: the reference of the two tests below, computed once."""
+    model, tokenizer = smollm2
+    ids = tokenizer(FILLER, return_tensors="pt").input_ids[:, :2000]
+    assert ids.shape == (1, 2000)
+    with torch.no_grad():
+        return ids, _on(model, "sdpa").model(input_ids=ids).last_hidden_state
+
+
 @needs_smollm2
 @pytest.mark.slow
-def test_smollm2_logits_on_multihead_equal_sdpa_at_2000_tokens(smollm2):
+def test_smollm2_logits_on_multihead_equal_sdpa_at_2000_tokens(smollm2, filler_on_sdpa):
     """The route auto takes when the fused kernel is not measured faster (the tests turn the
     measurement off): the bridge's masks, grouped-query heads and positions around torch's
-    kernel, which must give sdpa's logits."""
+    kernel, which must give sdpa's logits (their gap taken as the head's map of the hidden
+    states' gap, ``_logits_gap``)."""
     model, _ = smollm2
-    draw = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, 2000), generator=draw)
+    ids, sdpa = filler_on_sdpa
     with torch.no_grad():
-        got, want = model(ids).logits, _on(model, "sdpa")(ids).logits
-    assert (got - want).abs().max() <= 1e-4
+        got = model.model(input_ids=ids).last_hidden_state
+    assert _logits_gap(model, got, sdpa.double()) <= 1e-4
 
 
 @needs_smollm2
 @pytest.mark.slow
-def test_smollm2_logits_on_the_fused_kernel_at_2000_tokens(smollm2, monkeypatch):
+def test_smollm2_logits_on_the_fused_kernel_at_2000_tokens(smollm2, filler_on_sdpa, monkeypatch):
     """multihead's own kernel (auto's choice where it measured faster), on 2,000 tokens of
     filler text as the pass-key tasks use: its error from a float64 run is at most twice
     sdpa's. Two float32 implementations differ by their rounding, which 30 layers grow to
     the size of sdpa's own error (1e-4 to 1e-3 on logits of ~36), so the reference is float64."""
     if fused.build_error() is not None:
         pytest.skip(f"fused kernel not built: {fused.build_error()}")
-    model, tokenizer = smollm2
-    text = " ".join(["The grass is green. The sky is blue. The sun is yellow."] * 200)
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :2000]
-    assert ids.shape == (1, 2000)
+    model, _ = smollm2
+    ids, on_sdpa = filler_on_sdpa
     monkeypatch.setattr(fused, "measured_faster", lambda call, rival: True)
     # the head is one linear map (no soft-cap, no bias): _logits_gap relies on it
     assert getattr(model.config, "final_logit_softcapping", None) is None
@@ -253,7 +265,7 @@ def test_smollm2_logits_on_the_fused_kernel_at_2000_tokens(smollm2, monkeypatch)
     with torch.no_grad():
         exact = _on(model, "sdpa", torch.float64).model(input_ids=ids).last_hidden_state
         kernel = _logits_gap(model, model.model(input_ids=ids).last_hidden_state, exact)
-        sdpa = _logits_gap(model, _on(model, "sdpa").model(input_ids=ids).last_hidden_state, exact)
+        sdpa = _logits_gap(model, on_sdpa, exact)
     assert kernel <= 2 * sdpa, f"kernel {kernel:.3g} from float64, sdpa {sdpa:.3g}"
 
 
