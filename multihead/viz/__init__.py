@@ -67,10 +67,10 @@ def heatmap_grid(
     """A grid of heatmaps, one row per layer and one column per head.
 
     The grid is one image on one set of axes, the heatmaps side by side with a gap of
-    background between them (``grid_cells`` gives each one's place): 72 separate axes, as
-    BERT-base's 6 x 12 heads would take, cost matplotlib's layout about 4 s a figure. Heads
-    are named along the top, layers down the right; up to 16 tokens their labels run along
-    the outer edges.
+    background between them (``grid_cells`` gives each one's place): one axes per head, as
+    BERT-base's 6 x 12 heads would take, makes matplotlib's layout the figure's main cost.
+    Heads are named along the top, layers down the right; up to 16 tokens their labels run
+    along the outer edges.
 
     Args:
         weights: (layers, H, L, L) of one sequence (see ``multihead.inspect.for_text``).
@@ -78,8 +78,6 @@ def heatmap_grid(
         layers, heads: subsets to draw (default all).
         cell: inches per heatmap.
     """
-    import numpy as np
-
     w = _check(weights).detach().float().cpu()
     _check_tokens(tokens, w.shape[-1])
     layers = list(range(w.shape[0])) if layers is None else list(layers)
@@ -90,14 +88,34 @@ def heatmap_grid(
     fig = _figure(figsize=(cell * len(heads) + 1.5, cell * len(layers) + 1), layout="constrained")
     ax = fig.subplots()
     places = grid_cells(n, len(layers), len(heads))
+    image = ax.imshow(_mosaic(w, layers, heads, places), cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="nearest")  # fmt: skip
+    for side in ax.spines.values():
+        side.set_visible(False)
+    _grid_labels(ax, tokens, layers, heads, places)
+    fig.colorbar(image, ax=ax, shrink=0.6, label="weight", pad=0.06)
+    fig.suptitle("attention weights (rows: queries, columns: keys)")
+    return fig
+
+
+def _mosaic(w: Tensor, layers: list[int], heads: list[int], places):
+    """The one image of ``heatmap_grid``: each (layer, head) heatmap at its place, NaN (the
+    background) between them."""
+    import numpy as np
+
+    n = w.shape[-1]
     mosaic = np.full((places[-1][-1][0] + n, places[-1][-1][1] + n), np.nan, dtype=np.float32)
     for r, layer in enumerate(layers):
         for c, head in enumerate(heads):
             top, left = places[r][c]
             mosaic[top : top + n, left : left + n] = w[layer, head].numpy()
-    image = ax.imshow(mosaic, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
-    for side in ax.spines.values():
-        side.set_visible(False)
+    return mosaic
+
+
+def _grid_labels(ax, tokens: Sequence[str], layers: list[int], heads: list[int], places) -> None:
+    """Heads along the top and layers down the right of ``heatmap_grid``'s axes (secondary
+    axes), token labels on the outer edges up to 16 tokens."""
+    n = len(tokens)
     rows = [places[r][0][0] for r in range(len(layers))]
     cols = [places[0][c][1] for c in range(len(heads))]
     middle = (n - 1) / 2
@@ -119,9 +137,6 @@ def heatmap_grid(
     else:
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.colorbar(image, ax=ax, shrink=0.6, label="weight", pad=0.06)
-    fig.suptitle("attention weights (rows: queries, columns: keys)")
-    return fig
 
 
 def grid_cells(n: int, layers: int, heads: int) -> list[list[tuple[int, int]]]:

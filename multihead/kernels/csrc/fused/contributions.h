@@ -10,10 +10,10 @@
 // block stops each row at its own position: a later key gets d = inf (it contributes nothing,
 // which |y|_1 computed in another order would not say exactly).
 //
-// Work: a task takes a few rows and walks the keys one at a time: the key's u (H x E, 20 KiB
-// for SmolLM2) is read from memory once for all of the task's rows and stays in L1 while they
-// use it (a tile of 8 keys' u read from L2 was 1.3 times slower). The sums over heads are in
-// the CPU's own vectors, their magnitudes added in 16 lanes (distance below).
+// Work: a task takes a few rows and walks the keys one at a time: the key's u (H x E floats)
+// is read from memory once for all of the task's rows and stays in L1 while they use it
+// (a tile of several keys' u would live in L2 instead). The sums over heads are in the CPU's
+// own vectors, their magnitudes added in 16 lanes (distance below).
 
 #pragma once
 
@@ -35,7 +35,7 @@ constexpr int64_t kAltiRows = 32;  // rows of one task: they share each key's u_
 
 // sum_e |y[e] - s (sum_h a[h] u[h, e] + x[e])| (x may be null): 64 elements of E at a time,
 // held in the CPU's own vectors (a vector wider than the CPU's, as GCC lowers it, spills to the
-// stack on every operation: 28 times slower on AVX2), summed over the heads; the magnitudes
+// stack on every operation), summed over the heads; the magnitudes
 // are added into 16 lanes in the order of the 16-lane sums the rows' products use, so the
 // result's bits do not depend on the vector width; the rest of E one by one
 inline double distance(const float* a, const float* u, const float* y, const float* x,
