@@ -72,7 +72,9 @@ def run(
         kv_scores = None if scores is None else grouped(scores, key.shape[1])
         if state is None:
             assert visible is not None
-            holder.state = LayerState.from_prompt(policy, key, value, kv_scores, visible)
+            holder.state = LayerState.from_prompt(
+                policy, key, value, kv_scores, visible, place=getattr(holder, "place", None)
+            )
         else:
             state.observe(kv_scores, rows)
     return out.transpose(1, 2).contiguous()

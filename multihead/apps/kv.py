@@ -51,7 +51,7 @@ _DECODING = (
     "(not multihead.hf.fast_decoding's path, which the README's decoding figures time)"
 )
 # multihead.kv.POLICIES' names, here so that parsing the flags imports no torch
-POLICIES = ("snapkv", "h2o", "tova", "streaming")
+POLICIES = ("snapkv", "h2o", "tova", "streaming", "chunkkv", "pyramidkv")
 _NEW_TOKENS = {"passkey": 8, "multikey": 10}
 _WINDOW = 32  # SnapKV's observation window: the policies run with their defaults
 
@@ -127,7 +127,8 @@ class KvOptions:
         parse=parse_keeps, metavar="F,F",
     )  # fmt: skip
     policies: tuple[str, ...] = option(
-        ("snapkv", "h2o", "tova", "streaming"), "policies, separated by commas",
+        ("snapkv", "h2o", "tova", "streaming"),
+        f"policies, separated by commas, from {', '.join(POLICIES)}",
         parse=_policies, metavar="NAMES",
     )  # fmt: skip
     budget: tuple[int, ...] = option(
@@ -408,12 +409,14 @@ def _compressed(policy: Any, prompt_kv: list[tuple[Any, Any]], scores: dict[str,
 
     from ..kv import LayerState, grouped
 
-    stat = {"snapkv": "window_mass", "h2o": "key_mass", "tova": "last"}.get(policy.name)
+    # TOVA ranks by the last row's attention, the others by the statistic they name
+    stat = "last" if policy.name == "tova" else policy.prompt_stat
     states = []
     for layer, (keys, values) in enumerate(prompt_kv):
         kv_scores = None if stat is None else grouped(scores[stat][layer], keys.shape[1])
         valid = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
-        states.append(LayerState.from_prompt(policy, keys, values, kv_scores, valid))
+        place = (layer, len(prompt_kv))
+        states.append(LayerState.from_prompt(policy, keys, values, kv_scores, valid, place=place))
     return states
 
 

@@ -28,6 +28,7 @@ class CompressedLayer(DynamicLayer):
         super().__init__()
         self.state = state
         self.is_sliding = sliding
+        self.place: tuple[int, int] | None = None  # (layer index, layers), set by holder
         where = state.keys if state is not None else old.keys
         self.dtype, self.device = where.dtype, where.device
         self.is_initialized = True
@@ -115,6 +116,7 @@ def holder(block: Compression, module: nn.Module, layer: int) -> CompressedLayer
             f"Received: a cache layer of type {type(found).__name__}"
         )
     pending = CompressedLayer(None, bool(getattr(found, "is_sliding", False)), found)
+    pending.place = (index, block.num_layers)  # for budgets that differ between layers
     cache.layers[index] = pending
     return pending
 

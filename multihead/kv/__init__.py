@@ -1,6 +1,7 @@
 """KV-cache compression chosen by the kernel's own attention statistics.
 
-A policy is a small record (``SnapKV(keep=0.25)``, ``H2O``, ``TOVA``, ``StreamingLLM``); one
+A policy is a small record (``SnapKV(keep=0.25)``, ``H2O``, ``TOVA``, ``StreamingLLM``,
+``ChunkKV`` that keeps spans whole, ``PyramidKV`` with budgets per layer); one
 selection function (``select``) turns a policy, its scores and a cache's slots into the kept
 positions; ``LayerState`` is one layer's compressed cache.
 
@@ -15,7 +16,17 @@ bounded memory".
 
 from __future__ import annotations
 
-from .policies import H2O, POLICIES, TOVA, Policy, SnapKV, StreamingLLM, policy
+from .policies import (
+    H2O,
+    POLICIES,
+    TOVA,
+    ChunkKV,
+    Policy,
+    PyramidKV,
+    SnapKV,
+    StreamingLLM,
+    policy,
+)
 from .select import Selection, select, sink_bound
 from .state import LayerState, causal_band, grouped, request
 
@@ -23,8 +34,10 @@ __all__ = [
     "H2O",
     "POLICIES",
     "TOVA",
+    "ChunkKV",
     "LayerState",
     "Policy",
+    "PyramidKV",
     "Selection",
     "SnapKV",
     "StreamingLLM",

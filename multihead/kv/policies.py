@@ -6,6 +6,19 @@ scores it ranks by and the cache's length into the kept positions, for transform
 
 ``keep`` is either a fraction of the prompt (a float, 0 < keep <= 1) or a token budget (an
 int >= 1). It counts every key kept: the sinks and the recent window are part of it.
+
+Two options shape any scored policy's choice without changing its scores:
+
+* ``span``: keys are kept in contiguous spans of ``span`` positions, each span ranked by the
+  mean of its keys' scores summed over the layer's KV heads, every head keeping the same spans
+  (ChunkKV, Liu et al. 2025): a fact written over several tokens (a number SmolLM2 writes one
+  digit a token) is kept whole or not at all, in every head.
+* ``layers``: how the model's total budget is shared among its layers: ``"uniform"``, a
+  ``"pyramid"`` that gives the first layers the most and the last the least (PyramidKV, Cai et
+  al. 2024: the scored part falls linearly from ``2s - s/beta`` to ``s/beta`` for a mean of
+  ``s``), or a tuple of one weight per layer; ``whole_layers`` keeps the first layers whole and
+  takes their keys from the others' share. The mean over the layers stays the policy's
+  budget, so the cache's bytes stay keep x full.
 """
 
 from __future__ import annotations
@@ -14,9 +27,20 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["H2O", "POLICIES", "TOVA", "Policy", "SnapKV", "StreamingLLM", "policy"]
+__all__ = [
+    "H2O",
+    "POLICIES",
+    "TOVA",
+    "ChunkKV",
+    "Policy",
+    "PyramidKV",
+    "SnapKV",
+    "StreamingLLM",
+    "policy",
+]
 
 _BUDGETS = ("uniform", "adaptive")
+_LAYERS = ("uniform", "pyramid")
 
 
 def _check_keep(keep: object) -> float | int:
@@ -53,11 +77,21 @@ class Policy:
         budget: ``"uniform"`` (every KV head of a layer keeps the same number of keys) or
             ``"adaptive"`` (a layer's budget shared among its KV heads by how concentrated
             their scores are, as AdaKV does: Feng et al. 2024).
+        span: keys kept in contiguous spans of this many positions, shared by the layer's KV
+            heads (1: key by key; see the module docstring).
+        layers: the budget per layer: ``"uniform"``, ``"pyramid"`` or one weight per layer.
+        whole_layers: the first layers kept whole, their keys taken from the others' budget.
+        beta: the pyramid's steepness (PyramidKV's beta: the last layer scores ``1/beta`` of
+            the mean).
     """
 
     keep: float | int
     sinks: int = 4
     budget: str = "uniform"
+    span: int = 1
+    layers: str | tuple[float, ...] = "uniform"
+    whole_layers: int = 0
+    beta: float = 20.0
 
     name: ClassVar[str] = "policy"
     # the statistic the kernel folds into the prompt's pass for this policy (None: none)
@@ -72,12 +106,57 @@ class Policy:
             raise ValueError(
                 f"budget must be one of {', '.join(_BUDGETS)}. Received: budget={self.budget!r}"
             )
+        _check_count("span", self.span, 1)
+        _check_count("whole_layers", self.whole_layers, 0)
+        self._check_layers()
+        if self.span > 1 and self.budget == "adaptive":
+            raise ValueError(
+                "span selection keeps the same spans in every KV head of a layer, so the "
+                "layer's budget cannot be shared out among its heads: use budget='uniform' "
+                f"with span > 1. Received: span={self.span}, budget='adaptive'"
+            )
         if isinstance(self.keep, int) and self.keep < self.fixed:
             raise ValueError(
                 f"a token budget keep must hold at least the {self.fixed} keys the policy always "
                 f"keeps (sinks={self.sinks} + {self._window_name}={self.window_size}). "
                 f"Received: keep={self.keep}"
             )
+
+    def _check_layers(self) -> None:
+        layers = self.layers
+        if isinstance(layers, str):
+            if layers not in _LAYERS:
+                raise ValueError(
+                    f"layers must be one of {', '.join(_LAYERS)} or a tuple of one weight per "
+                    f"layer. Received: layers={layers!r}"
+                )
+        elif (
+            not isinstance(layers, tuple)
+            or not layers
+            or not all(
+                isinstance(w, (int, float))
+                and not isinstance(w, bool)
+                and math.isfinite(w)
+                and w > 0
+                for w in layers
+            )
+        ):
+            raise ValueError(
+                "layers given as weights must be a non-empty tuple of positive finite numbers, "
+                f"one per layer. Received: layers={layers!r}"
+            )
+        beta = self.beta
+        if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 1):
+            raise ValueError(
+                "beta must be a number >= 1 (the pyramid's last layer scores 1/beta of the "
+                f"mean). Received: beta={beta!r}"
+            )
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether layers keep different budgets (a pyramid, weights or whole first layers):
+        each layer's cache must then know its index and the model's number of layers."""
+        return self.layers != "uniform" or self.whole_layers > 0
 
     @property
     def window_size(self) -> int:
@@ -91,14 +170,58 @@ class Policy:
         """Keys kept whatever the scores say: the sinks and the recent window."""
         return self.sinks + self.window_size
 
-    def budget_for(self, length: int) -> int:
+    def budget_for(self, length: int, layer: int | None = None, layers: int | None = None) -> int:
         """Keys kept of a prompt of ``length`` tokens: the fraction of it (rounded, at least the
-        sinks and window) or the token budget, never more than ``length``."""
+        sinks and window) or the token budget, never more than ``length``; with per-layer
+        budgets (``per_layer``), layer ``layer``'s of a model of ``layers`` layers.
+
+        Raises:
+            ValueError: per-layer budgets without the layer's place, or weights for another
+                number of layers.
+        """
         if isinstance(self.keep, float):
             wanted = max(round(self.keep * length), self.fixed, 1)
         else:
             wanted = self.keep
-        return min(wanted, length)
+        if not self.per_layer:
+            return min(wanted, length)
+        if layer is None or layers is None or not 0 <= layer < layers:
+            raise ValueError(
+                "per-layer budgets need the layer's index and the model's number of layers. "
+                f"Received: layer={layer!r}, layers={layers!r}"
+            )
+        return min(self._layer_budget(wanted, length, layer, layers), length)
+
+    def _layer_budget(self, mean: int, length: int, layer: int, layers: int) -> int:
+        """Layer ``layer``'s keys when the layers keep ``mean`` on average: the whole layers
+        everything, the others the rest in the shape ``layers`` names (each at least the fixed
+        keys, at most ``length``)."""
+        whole = min(self.whole_layers, layers)
+        if layer < whole:
+            return length
+        fixed = min(self.fixed, length)
+        rest = layers - whole
+        room = length - fixed  # the most a layer can score
+        scored = max((layers * mean - whole * length) / rest - fixed, 0.0)  # the mean share
+        i = layer - whole
+        if isinstance(self.layers, tuple):
+            if len(self.layers) != layers:
+                raise ValueError(
+                    f"layers holds {len(self.layers)} weights for a model of {layers} layers. "
+                    f"Received: layers={self.layers!r}"
+                )
+            weights = self.layers[whole:]
+            share = scored * rest * weights[i] / sum(weights)
+        elif self.layers == "pyramid" and rest > 1:
+            low = scored / self.beta
+            high = 2 * scored - low
+            if high > room:  # the first layer cannot score more than the whole input
+                high = room
+                low = 2 * scored - high
+            share = high - i * (high - low) / (rest - 1)
+        else:
+            share = scored
+        return fixed + round(min(max(share, 0.0), room))
 
 
 @dataclass(frozen=True)
@@ -168,11 +291,34 @@ class TOVA(Policy):
     evicts_while_decoding: ClassVar[bool] = True
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (SnapKV, H2O, TOVA, StreamingLLM)}
+@dataclass(frozen=True)
+class ChunkKV(SnapKV):
+    """SnapKV's scores, kept in contiguous spans of ``span`` positions shared by every KV head
+    of a layer (ChunkKV, Liu et al. 2025; ``span`` 20, kvpress's default chunk length): a
+    multi-token fact survives whole in every head or not at all."""
+
+    span: int = 20
+    name: ClassVar[str] = "chunkkv"
+
+
+@dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """SnapKV's scores with a pyramid of layer budgets (PyramidKV, Cai et al. 2024; ``beta``
+    20 as in its reference code): the first layers, whose attention is spread wide, keep the
+    most, the last the least, the layers' mean the policy's budget."""
+
+    layers: str | tuple[float, ...] = "pyramid"
+    name: ClassVar[str] = "pyramidkv"
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (SnapKV, H2O, TOVA, StreamingLLM, ChunkKV, PyramidKV)
+}
 
 
 def policy(name: str, keep: float | int, **options: object) -> Policy:
-    """The policy called ``name`` (``"snapkv"``, ``"h2o"``, ``"tova"``, ``"streaming"``).
+    """The policy called ``name`` (``"snapkv"``, ``"h2o"``, ``"tova"``, ``"streaming"``,
+    ``"chunkkv"``, ``"pyramidkv"``).
 
     Raises:
         ValueError: an unknown name, and what the policy's own checks raise.

@@ -59,7 +59,8 @@ def select(
 
     Args:
         policy: the policy (its ``window_size`` is the recent window kept whatever the
-            scores; SnapKV's scores are max-pooled over ``pool`` neighbours first).
+            scores; SnapKV's scores are max-pooled over ``pool`` neighbours first, then, with
+            ``span`` > 1, ranked span by span: ``_spans``).
         scores: (B, H_kv, m) what the policy ranks by (higher: keep), or None for StreamingLLM.
             SnapKV's pooling reads neighbouring slots, so its slots must be in position order
             (the prompt's cache, before any eviction).
@@ -84,12 +85,32 @@ def select(
         rank = scores.to(torch.float64)
         if isinstance(policy, SnapKV) and policy.pool > 1:
             rank = F.max_pool1d(rank, policy.pool, stride=1, padding=policy.pool // 2)
+        if policy.span > 1:
+            rank = _spans(rank, positions, valid, policy.span)
     budget = min(budget, m)
     if policy.budget == "adaptive" and h > 1 and scores is not None:
         keep = _adaptive(rank, forced, valid, budget)
     else:
         keep = _uniform(rank, forced, valid, budget)
     return _ordered(keep, positions)
+
+
+def _spans(rank: Tensor, positions: Tensor, valid: Tensor, span: int) -> Tensor:
+    """(B, H_kv, m): each slot ranked by its span's score, the mean of ``rank`` over the valid
+    (KV head, slot) pairs of the row whose positions lie in the span (span c: positions
+    c * span to c * span + span - 1). Every head of a row sees the same span scores, and the
+    stable sort that follows keeps a span's slots together (equal ranks, in slot order), so
+    the budget is filled span by span, the last one cut where the budget ends in it."""
+    b = rank.shape[0]
+    chunk = (positions // span).flatten(1)  # (B, H_kv * m)
+    count = int(chunk.max()) + 1 if chunk.numel() else 1
+    use = valid.flatten(1)
+    total = rank.new_zeros(b, count).scatter_add_(
+        1, chunk, torch.where(use, rank.flatten(1), torch.zeros_like(rank.flatten(1)))
+    )
+    seen = rank.new_zeros(b, count).scatter_add_(1, chunk, use.to(rank.dtype))
+    mean = total / seen.clamp(min=1)
+    return mean.gather(1, chunk).view_as(rank)
 
 
 def _uniform(rank: Tensor, forced: Tensor, valid: Tensor, budget: int) -> Tensor:

@@ -83,6 +83,8 @@ class LayerState:
         sinks_end: (B,) positions below it are each row's sinks.
         ends: (B,) each row's uncompressed length: its next token takes this position.
         total: the longest row's uncompressed length (every position so far is below it).
+        place: (this layer's index, the model's number of layers), for policies whose
+            budget differs between layers (``Policy.per_layer``), or None.
     """
 
     def __init__(
@@ -95,8 +97,14 @@ class LayerState:
         ends: Tensor,
         scores: Tensor | None = None,
         ok: Tensor | None = None,
+        place: tuple[int, int] | None = None,
     ) -> None:
-        self.policy = policy
+        if policy.per_layer and place is None:
+            raise ValueError(
+                "a policy with per-layer budgets needs each layer's place (its index, the "
+                f"number of layers). Received: {policy!r} without place"
+            )
+        self.policy, self.place = policy, place
         self.keys, self.values, self.positions = keys, values, positions
         self.sinks_end, self.ends = sinks_end, ends
         self.total = int(ends.max()) if ends.numel() else 0
@@ -111,6 +119,7 @@ class LayerState:
         scores: Tensor | None,
         valid: Tensor,
         ends: Tensor | None = None,
+        place: tuple[int, int] | None = None,
     ) -> LayerState:
         """The prompt's cache compressed to the policy's budget.
 
@@ -120,13 +129,14 @@ class LayerState:
             valid: (B, S) bool, the keys a later token can see (False for padding).
             ends: (B,) where each row's next token goes (default S for every row: left
                 padding, as transformers pads; right-padded rows pass their lengths).
+            place: (layer index, number of layers), needed by per-layer budgets.
         """
         b, kv_heads, length = keys.shape[:3]
         positions = torch.arange(length, device=keys.device).expand(b, kv_heads, length)
         sinks_end = sink_bound(valid, policy.sinks)
         if ends is None:
             ends = torch.full((b,), length, dtype=torch.long, device=keys.device)
-        state = cls(policy, keys, values, positions, sinks_end, ends)
+        state = cls(policy, keys, values, positions, sinks_end, ends, place=place)
         state.scores = None if scores is None else scores.to(torch.float64)
         valid_slots = valid[:, None, :].expand(b, kv_heads, length)
         state._keep(valid_slots, force=not bool(valid.all()))
@@ -134,8 +144,11 @@ class LayerState:
 
     @property
     def budget(self) -> int:
-        """Keys each KV head keeps now: the policy's budget of every token seen so far."""
-        return self.policy.budget_for(self.total)
+        """Keys each KV head keeps now: the policy's budget of every token seen so far (this
+        layer's, with per-layer budgets)."""
+        if self.place is None:
+            return self.policy.budget_for(self.total)
+        return self.policy.budget_for(self.total, *self.place)
 
     @property
     def length(self) -> int:

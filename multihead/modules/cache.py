@@ -272,7 +272,13 @@ class KVCache:
         slots = torch.arange(step.length, device=self.device)
         valid = slots[None] < self.lengths[:, None]  # (B, S): each row's own tokens
         state = LayerState.from_prompt(
-            policy, keys.clone(), values.clone(), kv_scores, valid, ends=self.lengths.clone()
+            policy,
+            keys.clone(),
+            values.clone(),
+            kv_scores,
+            valid,
+            ends=self.lengths.clone(),
+            place=(layer, self.num_layers),
         )
         self._states[layer] = state
         if len(self._states) == self.num_layers:  # every layer holds its own: free the rest

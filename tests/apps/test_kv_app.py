@@ -197,3 +197,35 @@ def test_bench_kv_lengths_are_checked(text):
 def test_the_flags_policy_names_are_the_librarys():
     # written out in the app so that parsing its flags imports no torch
     assert tuple(kv.POLICIES) == app.POLICIES
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        kv.ChunkKV(12, window=2, pool=1, sinks=1, span=4),
+        kv.PyramidKV(12, window=2, pool=1, sinks=1, beta=2),
+    ],
+    ids=lambda p: p.name,
+)
+def test_the_shared_prefill_cells_rank_by_the_policys_own_statistic(policy):
+    """Each compressed cell's layers equal ``LayerState.from_prompt`` on the statistic the
+    policy names (SnapKV's window mass for both), at each layer's place: not the newest
+    positions, which is what a statistic looked up by the policy's name gave these two."""
+    gen = torch.Generator().manual_seed(4)
+    layers, length = 3, 40
+    prompt_kv = [(torch.randn(1, 2, length, 4, generator=gen),) * 2 for _ in range(layers)]
+    scores = {
+        name: [torch.rand(1, 4, length, generator=gen, dtype=torch.float64) for _ in range(layers)]
+        for name in ("window_mass", "key_mass", "last")
+    }
+    valid = torch.ones(1, length, dtype=torch.bool)
+    for layer, state in enumerate(app._compressed(policy, prompt_kv, scores)):
+        keys, values = prompt_kv[layer]
+        want = kv.LayerState.from_prompt(
+            policy, keys, values, kv.grouped(scores["window_mass"][layer], 2), valid,
+            place=(layer, layers),
+        )  # fmt: skip
+        assert torch.equal(state.kept(), want.kept())
+        newest = kv.LayerState.from_prompt(kv.StreamingLLM(want.length, sinks=1), keys, values,
+                                           None, valid)  # fmt: skip
+        assert not torch.equal(state.kept(), newest.kept())

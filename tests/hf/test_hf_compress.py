@@ -53,6 +53,11 @@ POLICIES = {
     "h2o": lambda budget="uniform": kv.H2O(14, recent=3, sinks=2, budget=budget),
     "tova": lambda budget="uniform": kv.TOVA(14, sinks=2, budget=budget),
     "streaming": lambda budget="uniform": kv.StreamingLLM(14, sinks=2, budget=budget),
+    # spans of 3 shared by the KV heads; a pyramid of layer budgets (the first layer the most)
+    "chunkkv": lambda budget="uniform": kv.ChunkKV(14, window=4, pool=3, sinks=2, span=3),
+    "pyramidkv": lambda budget="uniform": kv.PyramidKV(
+        14, window=4, pool=3, sinks=2, budget=budget, beta=4
+    ),
 }
 
 
@@ -60,22 +65,37 @@ POLICIES = {
 
 
 def _reference_kept(policy, attentions, valid, kv_heads):
-    """{layer: [[sorted kept positions] per KV head] per row} from eager weights (B, H, S, S)."""
+    """{layer: [[sorted kept positions] per KV head] per row} from eager weights (B, H, S, S):
+    each layer's budget (a pyramid's differs by layer), each KV head's scores (with spans:
+    every head ranks a position by the mean of all heads' scores over its span)."""
     found = {}
     for layer, weights in enumerate(attentions):
         w = weights.double()
         b, h, s, _ = w.shape
         group = h // kv_heads
+        per_layer = (layer, len(attentions)) if policy.per_layer else ()
+        budget = policy.budget_for(s, *per_layer)
         rows = []
         for r in range(b):
             real = [p for p in range(s) if valid[r, p]]
-            heads = []
-            for g in range(kv_heads):
-                part = w[r, g * group : (g + 1) * group]  # (group, S, S)
-                heads.append(_one_head(policy, part, real, s))
-            rows.append(heads)
+            scores = [
+                _scores(policy, w[r, g * group : (g + 1) * group], s) for g in range(kv_heads)
+            ]
+            if policy.span > 1:
+                scores = [_span_means(scores, real, policy.span)] * kv_heads
+            rows.append([_one_head(policy, one, real, s, budget) for one in scores])
         found[layer] = rows
     return found
+
+
+def _span_means(scores, real, span):
+    """Each position's rank under span selection: the mean of every head's score at the real
+    positions of its span."""
+    spans = {}
+    for p in real:
+        spans.setdefault(p // span, []).extend(head[p] for head in scores)
+    return [sum(spans[p // span]) / len(spans[p // span]) if p // span in spans else 0.0
+            for p in range(len(scores[0]))]  # fmt: skip
 
 
 def _scores(policy, part, s):
@@ -90,10 +110,8 @@ def _scores(policy, part, s):
     return list(range(s))  # StreamingLLM: the newest first
 
 
-def _one_head(policy, part, real, s):
-    budget = policy.budget_for(s)
+def _one_head(policy, scores, real, s, budget):
     forced = set(real[: policy.sinks]) | {p for p in real if p >= s - policy.window_size}
-    scores = _scores(policy, part, s)
     others = sorted((p for p in real if p not in forced), key=lambda p: (-scores[p], p))
     return sorted(forced | set(others[: max(budget - len(forced), 0)]))
 
@@ -104,7 +122,7 @@ def _eager_attentions(name, ids, mask):
         return model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova", "streaming"])
+@pytest.mark.parametrize("name", list(POLICIES))
 def test_kept_positions_equal_the_policy_computed_from_eager_weights(name):
     policy = POLICIES[name]()
     ids, mask = _inputs()
@@ -314,6 +332,42 @@ def test_the_cache_holds_the_kept_share_of_the_full_cache_bytes():
     assert small.get_seq_length() == PROMPT  # positions continue as without compression
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        kv.PyramidKV(0.25, window=4, pool=3, sinks=2),
+        kv.PyramidKV(0.25, window=4, pool=3, sinks=2, budget="adaptive"),
+        kv.SnapKV(0.25, window=4, pool=3, sinks=2, layers=(1.0, 3.0)),
+        kv.ChunkKV(0.25, window=4, pool=3, sinks=2, span=4),
+    ],
+    ids=["pyramid", "pyramid-adaptive", "weights", "spans"],
+)
+def test_layer_and_span_budgets_hold_the_kept_share_of_the_full_cache_bytes(policy):
+    """Budgets shared unevenly between layers (or heads) still free the memory: the cache
+    holds at most keep x the full cache's bytes + 5% (the layers' budgets round one by one),
+    and the layers' sizes follow the policy's per-layer budgets."""
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    with torch.inference_mode():
+        full = tf.DynamicCache()
+        model(input_ids=ids, past_key_values=full, use_cache=True)
+        with mhf.compress(model, policy) as block:
+            small = tf.DynamicCache()
+            model(input_ids=ids, past_key_values=small, use_cache=True)
+    whole = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    kept = sum(layer.keys.nbytes + layer.values.nbytes for layer in small.layers)
+    assert kept == block.nbytes <= 1.05 * 0.25 * whole
+    layers = len(small.layers)
+    for index, state in block.states.items():
+        place = (index, layers) if policy.per_layer else ()
+        used = state.length if state.ok is None else int(state.ok.sum(-1).max())
+        if policy.budget == "adaptive":  # the layer's total, shared among its heads
+            used = int(state.ok.sum()) / state.ok.shape[1] if state.ok is not None else used
+        assert used == policy.budget_for(PROMPT, *place)
+    if policy.per_layer:  # the layers do differ
+        assert len({s.length for s in block.states.values()}) > 1
+
+
 def test_generated_tokens_keep_the_positions_of_the_uncompressed_sequence():
     model = _model("llama")
     ids, mask = _inputs()
@@ -481,8 +535,13 @@ def test_a_prompt_in_chunks_equals_the_schedule_applied_by_hand(arch, name):
     kept = history[-1]
     compressed = {0} if arch == "qwen2" else {0, 1}
     assert set(kept) == compressed  # a sliding layer of a mixed model keeps its window
-    for layer in compressed:  # cut back to the budget after every chunk
-        assert [h[layer].shape[-1] for h in history] == [CHUNK, 14, 14, 14]
+    layers = model.config.num_hidden_layers
+    for layer in compressed:  # cut back to the (layer's) budget after every chunk
+        place = (layer, layers) if policy.per_layer else ()
+        want_sizes = [policy.budget_for(seen, *place) for seen in (12, 24, 36, 40)]
+        assert [h[layer].shape[-1] for h in history] == want_sizes
+        if not policy.per_layer:
+            assert want_sizes == [CHUNK, 14, 14, 14]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64])

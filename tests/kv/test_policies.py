@@ -3,6 +3,8 @@ against plain Python re-statements of each rule."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import pytest
@@ -63,7 +65,7 @@ def test_the_budget_counts_every_kept_key(policy, length, want):
 
 def test_policies_by_name():
     assert kv.policy("SnapKV", 0.5, window=8) == kv.SnapKV(0.5, window=8)
-    assert sorted(kv.POLICIES) == ["h2o", "snapkv", "streaming", "tova"]
+    assert sorted(kv.POLICIES) == ["chunkkv", "h2o", "pyramidkv", "snapkv", "streaming", "tova"]
 
 
 # ---- selection against the rule written out ----------------------------------------------------
@@ -241,3 +243,187 @@ def test_fraction_rounding_matches_the_kept_count():
         state, _ = _state(length=length, policy=policy)
         assert state.length == max(round(0.3 * length), 1) == policy.budget_for(length)
         assert math.isclose(state.length / length, 0.3, abs_tol=0.5 / length + 1e-9)
+
+
+# ---- spans and per-layer budgets -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: kv.ChunkKV(0.5, span=0), r"span must be an int >= 1. Received: span=0"),
+        (
+            lambda: kv.ChunkKV(0.5, budget="adaptive"),
+            r"same spans in every KV head.*Received: span=20, budget='adaptive'",
+        ),
+        (lambda: kv.SnapKV(0.5, layers="cone"), r"layers must be one of.*Received: layers='cone'"),
+        (lambda: kv.SnapKV(0.5, layers=(1.0, -1.0)), r"positive finite.*layers=\(1.0, -1.0\)"),
+        (lambda: kv.SnapKV(0.5, layers=()), r"non-empty tuple.*Received: layers=\(\)"),
+        (lambda: kv.PyramidKV(0.5, beta=0.5), r"beta must be a number >= 1.*Received: beta=0.5"),
+        (lambda: kv.H2O(0.5, whole_layers=-1), r"whole_layers must be an int >= 0"),
+        (lambda: kv.PyramidKV(0.5).budget_for(100), r"layer's index.*layer=None, layers=None"),
+        (
+            lambda: kv.SnapKV(0.5, layers=(1.0, 2.0)).budget_for(100, 0, 3),
+            r"2 weights for a model of 3 layers",
+        ),
+        (
+            lambda: kv.LayerState.from_prompt(
+                kv.PyramidKV(8, window=2, sinks=1),
+                *(torch.zeros(1, 1, 20, 2), torch.zeros(1, 1, 20, 2), torch.zeros(1, 1, 20)),
+                torch.ones(1, 20, dtype=torch.bool),
+            ),
+            r"per-layer budgets needs each layer's place",
+        ),
+    ],
+)
+def test_bad_span_and_layer_settings_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def _uniform(policy):
+    """The same policy with one budget for every layer (its mean)."""
+    return dataclasses.replace(policy, layers="uniform", whole_layers=0)
+
+
+def _pyramid(policy, length, layers):
+    """PyramidKV's budgets (Cai et al. 2024), in float64: the scored part s = mean - fixed
+    falls linearly over the layers that are not kept whole from 2s - s/beta to s/beta (the
+    first clipped to the whole input, the last raised to keep the mean)."""
+    mean = _uniform(policy).budget_for(length)
+    whole = policy.whole_layers
+    fixed = min(policy.fixed, length)
+    whole = min(whole, layers)
+    rest = layers - whole
+    if rest == 0:
+        return [length] * layers
+    s = max((layers * mean - whole * length) / rest - fixed, 0.0)
+    high, low = 2 * s - s / policy.beta, s / policy.beta
+    if high > length - fixed:
+        high, low = length - fixed, 2 * s - (length - fixed)
+    out = [length] * whole
+    for i in range(rest):
+        share = s if rest == 1 else high - i * (high - low) / (rest - 1)
+        out.append(fixed + round(min(max(share, 0.0), length - fixed)))
+    return out
+
+
+@settings(derandomize=True, max_examples=120, deadline=None)
+@given(
+    length=st.integers(40, 5000),
+    layers=st.integers(1, 40),
+    keep=st.sampled_from([0.1, 0.25, 0.5, 0.9]),
+    beta=st.sampled_from([1.0, 2.0, 20.0]),
+    whole=st.integers(0, 2),
+)
+def test_pyramid_budgets_follow_the_formula_and_keep_the_mean(length, layers, keep, beta, whole):
+    policy = kv.PyramidKV(keep, window=8, sinks=4, beta=beta, whole_layers=whole)
+    got = [policy.budget_for(length, i, layers) for i in range(layers)]
+    assert got == [min(b, length) for b in _pyramid(policy, length, layers)]
+    assert all(a >= b for a, b in itertools.pairwise(got))  # the first layers keep the most
+    mean = _uniform(policy).budget_for(length)
+    if whole * length <= layers * mean - (layers - whole) * policy.fixed:
+        # the layers together keep the uniform budget's keys (each layer rounds once)
+        assert abs(sum(got) - layers * mean) <= layers / 2 + 1e-9
+
+
+def test_weights_per_layer_share_the_total_and_whole_layers_take_from_it():
+    policy = kv.SnapKV(0.25, window=8, sinks=4, layers=(3.0, 2.0, 1.0, 2.0))
+    got = [policy.budget_for(1000, i, 4) for i in range(4)]
+    scored = 250 - 12
+    assert got == [12 + round(scored * 4 * w / 8) for w in (3.0, 2.0, 1.0, 2.0)]
+    whole = kv.SnapKV(0.5, window=8, sinks=4, whole_layers=1)
+    got = [whole.budget_for(1000, i, 4) for i in range(4)]
+    # the first layer whole; the other three share what is left of 4 x 500 keys
+    assert got == [1000] + [12 + round((4 * 500 - 1000) / 3 - 12)] * 3 == [1000, 333, 333, 333]
+
+
+def _span_rule(policy, scores, valid, budget):
+    """Each head's kept positions under span selection, plainly: a position's rank is the mean
+    of the pooled scores over every (head, valid position) pair of its span, then the policy's
+    own rule (sinks, window, best ranks, ties to the earlier position)."""
+    heads, s = len(scores), len(valid)
+    r = policy.pool // 2
+    pooled = [[max(row[max(0, p - r) : p + r + 1]) for p in range(s)] for row in scores]
+    spans = {}
+    for p in range(s):
+        if valid[p]:
+            spans.setdefault(p // policy.span, []).extend(pooled[h][p] for h in range(heads))
+    rank = [sum(spans[p // policy.span]) / len(spans[p // policy.span])
+            if p // policy.span in spans else 0.0 for p in range(s)]  # fmt: skip
+    real = [p for p in range(s) if valid[p]]
+    forced = set(real[: policy.sinks]) | {p for p in real if p >= s - policy.window_size}
+    others = sorted((p for p in real if p not in forced), key=lambda p: (-rank[p], p))
+    return sorted(forced | set(others[: max(budget - len(forced), 0)]))
+
+
+@st.composite
+def _span_cases(draw):
+    length = draw(st.integers(6, 48))
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    sinks, window = draw(st.integers(0, 3)), draw(st.integers(1, 4))
+    span = draw(st.integers(2, 6))
+    keep = draw(st.integers(sinks + window, sinks + window + length))
+    policy = kv.ChunkKV(keep, window=window, sinks=sinks, span=span,
+                        pool=draw(st.sampled_from([1, 3])))  # fmt: skip
+    scores = draw(st.lists(st.integers(0, 8), min_size=batch * heads * length,
+                           max_size=batch * heads * length))  # fmt: skip
+    pads = draw(st.lists(st.integers(0, length // 2), min_size=batch, max_size=batch))
+    return policy, batch, heads, length, scores, pads
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(_span_cases())
+def test_span_selection_keeps_what_the_rule_keeps(case):
+    policy, batch, heads, length, flat, pads = case
+    scores = torch.tensor(flat, dtype=torch.float64).reshape(batch, heads, length) / 8
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        valid[row, :pad] = False
+    positions = torch.arange(length).expand(batch, heads, length)
+    budget = policy.budget_for(length)
+    chosen = kv.select(
+        policy, scores=scores, positions=positions, valid=valid[:, None].expand(-1, heads, -1),
+        sinks_end=kv.sink_bound(valid, policy.sinks), ends=torch.full((batch,), length),
+        budget=budget,
+    )  # fmt: skip
+    for r in range(batch):
+        want = _span_rule(policy, scores[r].tolist(), valid[r].tolist(), budget)
+        for h in range(heads):  # every head keeps the same spans
+            got = chosen.index[r, h]
+            if chosen.ok is not None:
+                got = got[chosen.ok[r, h]]
+            assert got.tolist() == want
+
+
+def test_a_span_is_kept_whole_where_its_keys_score_unevenly():
+    """A five-token value whose middle token scores low key by key: SnapKV drops it, span
+    selection keeps all five (the span's mean is high)."""
+    length, span = 40, 5
+    scores = torch.full((1, 2, length), 0.01, dtype=torch.float64)
+    scores[0, :, 20:25] = torch.tensor([0.9, 0.9, 0.0, 0.9, 0.9], dtype=torch.float64)
+    scores[0, :, 31] = 0.5  # a single strong key elsewhere
+    valid = torch.ones(1, length, dtype=torch.bool)
+    keys = torch.randn(1, 2, length, 4)
+    kept = {}
+    for name, policy in {
+        "snapkv": kv.SnapKV(10, window=2, sinks=1, pool=1),
+        "chunkkv": kv.ChunkKV(10, window=2, sinks=1, pool=1, span=span),
+    }.items():
+        state = kv.LayerState.from_prompt(policy, keys, keys, scores, valid)
+        kept[name] = set(state.kept()[0, 0].tolist())
+    assert 22 not in kept["snapkv"] and {20, 21, 23, 24} <= kept["snapkv"]
+    assert set(range(20, 25)) <= kept["chunkkv"]
+
+
+def test_a_layer_state_keeps_its_layers_budget():
+    policy = kv.PyramidKV(0.25, window=4, sinks=2)
+    keys = torch.randn(1, 2, 200, 4)
+    scores = torch.rand(1, 2, 200, dtype=torch.float64)
+    valid = torch.ones(1, 200, dtype=torch.bool)
+    lengths = [
+        kv.LayerState.from_prompt(policy, keys, keys, scores, valid, place=(i, 6)).length
+        for i in range(6)
+    ]
+    assert lengths == [policy.budget_for(200, i, 6) for i in range(6)]
+    assert lengths[0] > lengths[-1] and abs(sum(lengths) - 6 * 50) <= 3
