@@ -3,7 +3,11 @@ compressed, per policy, keep and length.
 
 Tasks are generated from a seed (no data files): ``passkey`` hides one 5-digit key in repeated
 filler text at depths spread over the input (Mohtashami & Jaggi 2023); ``multikey`` hides
-several keys with values and asks for one (RULER's niah_multikey, Hsieh et al. 2024).
+several keys with values and asks for one (RULER's niah_multikey, Hsieh et al. 2024);
+``ruler`` runs the RULER-style suite of ``multihead.apps.ruler`` (``--tasks`` picks some),
+scored by string match as RULER scores it. ``--query-agnostic`` compresses the context alone
+and appends the question after (compress once, ask many questions); by default the question is
+part of the prompt the policies see.
 
 Each trial's prompt runs once, on the full cache, with the statistics every policy ranks by
 computed in the same kernel passes (``window_mass`` of the last rows, ``key_mass`` of all
@@ -21,6 +25,7 @@ per length).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
@@ -31,6 +36,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._flags import option, positive_int
+from . import ruler
+from .ruler import TASKS, parse_tasks
 
 __all__ = [
     "POLICIES", "KvOptions", "Trial", "make_task", "parse_budgets", "parse_keeps", "parse_lengths",
@@ -115,9 +122,19 @@ class KvOptions:
         "(multihead.hf.load_with_tokenizer)",
         metavar="MODEL",
     )
-    task: Literal["passkey", "multikey"] = option(
-        "passkey", "passkey: one 5-digit key in filler; multikey: several keys, one asked for"
+    task: Literal["passkey", "multikey", "ruler"] = option(
+        "passkey",
+        "passkey: one 5-digit key in filler; multikey: several keys, one asked for; ruler: the "
+        "RULER-style suite (--tasks)",
     )
+    tasks: tuple[str, ...] = option(
+        TASKS, "--task ruler: the tasks, separated by commas, or 'all'", parse=parse_tasks,
+        metavar="NAMES",
+    )  # fmt: skip
+    query_agnostic: bool = option(
+        False, "compress the context alone, then append the question (default: the question is "
+        "in the prompt the policies score)",
+    )  # fmt: skip
     lengths: tuple[int, ...] = option(
         (1000, 2000, 4000), "prompt lengths in tokens, separated by commas", parse=parse_lengths,
         metavar="N,N",
@@ -161,11 +178,13 @@ class KvOptions:
 
 @dataclass
 class Trial:
-    """One generated input: the prompt text, the answer, and where the needle sits."""
+    """One generated input: the prompt text, the answer, where the needle sits, and the
+    question that ends the prompt (what ``--query-agnostic`` appends after compression)."""
 
     prompt: str
     answer: str
     depth: float
+    question: str = ""
 
 
 def make_task(
@@ -209,7 +228,7 @@ def make_task(
     spots += [rng.randrange(sentences + 1) for _ in needles[1:]]
     for spot, needle in sorted(zip(spots, needles), key=lambda p: p[0], reverse=True):
         filler.insert(spot, needle)
-    return Trial(head + "".join(filler) + question, answer, depth)
+    return Trial(head + "".join(filler) + question, answer, depth, question)
 
 
 def _count(tokenizer: Any, text: str) -> int:
@@ -218,13 +237,15 @@ def _count(tokenizer: Any, text: str) -> int:
 
 @dataclass
 class Row:
-    """One (length, policy, keep) cell of the grid; ``keep`` a fraction (float) or a token
-    budget (int)."""
+    """One (task, length, policy, keep) cell of the grid; ``keep`` a fraction (float) or a
+    token budget (int); ``correct`` the sum of the trials' scores (1 or 0 a passkey or
+    multikey trial, RULER's string match, a share, a suite's)."""
 
     length: int
     policy: str
     keep: float | int
-    correct: int = 0
+    task: str = ""
+    correct: float = 0
     trials: int = 0
     answers: list[str] = field(default_factory=list)
     cache_mib: list[float] = field(default_factory=list)
@@ -236,6 +257,7 @@ class Row:
             return statistics.median(values) if values else None
 
         return {
+            "task": self.task,
             "length": self.length,
             "policy": self.policy,
             "keep": self.keep,
@@ -262,21 +284,53 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
 
     model, tokenizer = loading.load_with_tokenizer(options.model)
     rng = random.Random(options.seed)
-    rows: dict[tuple[int, str, float | int], Row] = {}
-    total = len(options.lengths) * options.trials
-    bar = _bar(total)
+    rows: dict[tuple[str, int, str, float | int], Row] = {}
+    tasks = _tasks_of(options)
+    words = ruler.vocabulary_words(list(tokenizer.get_vocab())) if options.task == "ruler" else []
+    bar = _bar(len(tasks) * len(options.lengths) * options.trials)
     try:
-        for length in options.lengths:
-            for t in range(options.trials):
-                depth = (t + 0.5) / options.trials
-                trial = make_task(options.task, tokenizer, length, depth, rng, options.keys)
-                with torch.inference_mode():
-                    _one_trial(model, tokenizer, trial, length, options, rows)
-                bar(1)
+        for task in tasks:
+            for length in options.lengths:
+                for t in range(options.trials):
+                    depth = (t + 0.5) / options.trials
+                    if options.task == "ruler":
+                        count = functools.partial(_count, tokenizer)
+                        trial: Trial | ruler.RulerTrial = ruler.make(
+                            task, words, count, length, rng, depth
+                        )
+                    else:
+                        trial = make_task(task, tokenizer, length, depth, rng, options.keys)
+                    with torch.inference_mode():
+                        _one_trial(model, tokenizer, trial, length, options, rows)
+                    bar(1)
     finally:
         bar(0, close=True)
     result = _write(options, rows, folder, say)
     return result
+
+
+def _tasks_of(options: KvOptions) -> tuple[str, ...]:
+    """The tasks a run goes through: the suite's (``--tasks``) or the one ``--task``."""
+    return options.tasks if options.task == "ruler" else (options.task,)
+
+
+def _ids(tokenizer: Any, trial: Any, query_agnostic: bool) -> tuple[Any, Any]:
+    """(what the prompt's pass runs, the question run after compression or None): the whole
+    prompt by default; with ``query_agnostic`` the context alone, then the question's tokens
+    (without special tokens)."""
+    if not query_agnostic or not trial.question:
+        return tokenizer(trial.prompt, return_tensors="pt")["input_ids"], None
+    context = trial.prompt[: len(trial.prompt) - len(trial.question)]
+    question = tokenizer(trial.question, add_special_tokens=False, return_tensors="pt")
+    return tokenizer(context, return_tensors="pt")["input_ids"], question["input_ids"]
+
+
+def _score(trial: Any, text: str) -> float:
+    """A trial's score: RULER's string match for a suite trial, else 1.0 where the answer is
+    in the text."""
+    if isinstance(trial, ruler.RulerTrial):
+        return ruler.score(trial, text)
+    return float(trial.answer in text)
 
 
 def _bar(total: int) -> Callable[..., None]:
@@ -330,12 +384,12 @@ def _prefill(model: Any, ids: Any, window: int, *, stats: bool = True
 
 
 def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: KvOptions,
-               rows: dict[tuple[int, str, float | int], Row]) -> None:  # fmt: skip
+               rows: dict[tuple[str, int, str, float | int], Row]) -> None:  # fmt: skip
     """Prefill once; decode the answer with the full cache and with each policy and keep (with
     ``chunk``, each compressed cell runs its own prompt in chunks)."""
     from .. import kv
 
-    ids = tokenizer(trial.prompt, return_tensors="pt")["input_ids"]
+    ids, question = _ids(tokenizer, trial, options.query_agnostic)
     chunked = options.chunk is not None
     started = time.perf_counter()
     logits, cache, scores = _prefill(model, ids, _WINDOW, stats=not chunked)
@@ -343,12 +397,13 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     full_mib = sum(k.nbytes + v.nbytes for k, v in prompt_kv) / 2**20
     first = logits.argmax(-1)
-    new = _NEW_TOKENS[options.task]
-    full_text, step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None)
-    full_ok = trial.answer in full_text
+    new = trial.new_tokens if isinstance(trial, ruler.RulerTrial) else _NEW_TOKENS[options.task]
+    full_text, step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None, question)
+    full_ok = _score(trial, full_text)
+    task = getattr(trial, "task", options.task)
     for keep in (*options.keep, *options.budget):
         for name in options.policies:
-            row = rows.setdefault((length, name, keep), Row(length, name, keep))
+            row = rows.setdefault((task, length, name, keep), Row(length, name, keep, task))
             row.trials += 1
             if isinstance(keep, float) and keep >= 1.0:
                 row.correct += full_ok
@@ -363,14 +418,14 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
                 own, cut = _chunked_prefill(model, ids, policy, options.chunk)
                 row.prefill_s.append(time.perf_counter() - started)
                 row.cache_mib.append(_nbytes(cut) / 2**20)
-                text, step = _decode(model, tokenizer, cut, own.argmax(-1), new, policy)
+                text, step = _decode(model, tokenizer, cut, own.argmax(-1), new, policy, question)
             else:
                 layered = _compressed(policy, prompt_kv, scores)
                 row.prefill_s.append(prefill)
                 row.cache_mib.append(sum(s.nbytes for s in layered) / 2**20)
                 text, step = _decode(model, tokenizer, _cache_of(prompt_kv, layered), first, new,
-                                     policy)  # fmt: skip
-            row.correct += trial.answer in text
+                                     policy, question)  # fmt: skip
+            row.correct += _score(trial, text)
             row.step_ms.append(step)
             row.answers.append(text)
 
@@ -436,17 +491,22 @@ def _cache_of(prompt_kv: list[tuple[Any, Any]], states: list[Any] | None = None)
     return cache
 
 
-def _decode(model: Any, tokenizer: Any, cache: Any, first: Any, new: int,
-            policy: Any) -> tuple[str, float]:  # fmt: skip
-    """Greedy decoding of ``new`` tokens after ``first``: (the text, median ms per step)."""
+def _decode(model: Any, tokenizer: Any, cache: Any, first: Any, new: int, policy: Any,
+            question: Any = None) -> tuple[str, float]:  # fmt: skip
+    """Greedy decoding of ``new`` tokens after ``first``: (the text, median ms per step). With
+    ``question`` (its token ids), the question runs first on the (compressed) cache, under the
+    policy as any later chunk does, and its last row gives the first token instead."""
     import contextlib
 
     from ..hf import compress
 
-    tokens = [int(first[0])]
     times = []
     block = compress(model, policy) if policy is not None else contextlib.nullcontext()
     with block:
+        if question is not None:
+            out = model(input_ids=question, past_key_values=cache, use_cache=True)
+            first = out.logits[:, -1].argmax(-1)
+        tokens = [int(first[0])]
         token = first[:, None]
         for _ in range(new - 1):
             started = time.perf_counter()
@@ -457,7 +517,7 @@ def _decode(model: Any, tokenizer: Any, cache: Any, first: Any, new: int,
     return tokenizer.decode(tokens), 1000 * statistics.median(times) if times else 0.0
 
 
-def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], folder: Path,
+def _write(options: KvOptions, rows: dict[tuple[str, int, str, float | int], Row], folder: Path,
            say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
     """kv.json, kv.png and the printed table."""
     from .._machine import cpu_info
@@ -471,19 +531,18 @@ def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], fo
         "cpu": cpu_info()[0],
         "decoding": _DECODING,
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()},
+        "query_agnostic": options.query_agnostic,
         "rows": summaries,
     }
+    if options.task == "ruler":
+        result["tasks"] = list(options.tasks)
+        result["averages"] = _averages(summaries)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "kv.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
-    say(f"{options.task}, {options.trials} trials per length, model {options.model} "
+    asked = "question after compression" if options.query_agnostic else "question in the prompt"
+    say(f"{options.task}, {options.trials} trials per length, model {options.model}, {asked} "
         f"(CPU: {result['cpu']})")  # fmt: skip
-    say(f"{'length':>7} {'policy':>10} {'keep':>6} {'correct':>8} {'cache MiB':>10} "
-        f"{'prefill s':>10} {'ms/step':>8}")  # fmt: skip
-    for s in summaries:
-        keep = f"{s['keep']:.3f}" if isinstance(s["keep"], float) else f"{s['keep']}t"
-        say(f"{s['length']:>7} {s['policy']:>10} {keep:>6} "
-            f"{s['correct']:>4}/{s['trials']:<3} {s['cache_mib']:>10.2f} "
-            f"{s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
+    _table(options, summaries, say)
     say(f"ms/step: {_DECODING}")
     figure = _figure(options, summaries, folder / "kv.png")
     if figure is not None:
@@ -491,6 +550,44 @@ def _write(options: KvOptions, rows: dict[tuple[int, str, float | int], Row], fo
     else:
         say(f"wrote {folder / 'kv.json'} (no figure: matplotlib is not installed)")
     return result
+
+
+def _keep_label(keep: float | int) -> str:
+    return f"{keep:.3f}" if isinstance(keep, float) else f"{keep}t"
+
+
+def _table(options: KvOptions, summaries: list[dict[str, Any]], say: Callable[[str], None]) -> None:
+    """The printed rows: one per cell; for the suite a task column, the score as RULER's
+    string match in percent, and each (length, policy, keep)'s average over the tasks."""
+    suite = options.task == "ruler"
+    first = f"{'task':>16} " if suite else ""
+    say(f"{first}{'length':>7} {'policy':>10} {'keep':>6} {'correct':>8} {'cache MiB':>10} "
+        f"{'prefill s':>10} {'ms/step':>8}")  # fmt: skip
+    for s in summaries:
+        lead = f"{s['task']:>16} " if suite else ""
+        correct = (
+            f"{100 * s['accuracy']:>7.1f}%" if suite else f"{s['correct']:>4g}/{s['trials']:<3}"
+        )
+        say(f"{lead}{s['length']:>7} {s['policy']:>10} {_keep_label(s['keep']):>6} {correct} "
+            f"{s['cache_mib']:>10.2f} {s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
+    if suite:
+        say(f"average over the {len(options.tasks)} tasks:")
+        for a in _averages(summaries):
+            say(f"{'':>16} {a['length']:>7} {a['policy']:>10} {_keep_label(a['keep']):>6} "
+                f"{100 * a['accuracy']:>7.1f}%")  # fmt: skip
+
+
+def _averages(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (length, policy, keep)'s accuracy averaged over the tasks (each task's weight
+    one), in the rows' order."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for s in summaries:
+        groups.setdefault((s["length"], s["policy"], s["keep"]), []).append(s["accuracy"])
+    return [
+        {"length": length, "policy": policy, "keep": keep, "accuracy": statistics.fmean(v),
+         "tasks": len(v)}
+        for (length, policy, keep), v in groups.items()
+    ]  # fmt: skip
 
 
 def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> Path | None:
@@ -501,13 +598,13 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    lengths = list(options.lengths)
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
+    panels = [(task, length) for task in _tasks_of(options) for length in options.lengths]
+    fig, axes = _panels(plt, len(panels))
+    for ax, (task, length) in zip(axes.flat, panels):
         for name in options.policies:
             points = sorted(  # a token budget at the share of this length it keeps
                 (_share(s["keep"], length), s["accuracy"]) for s in summaries
-                if s["length"] == length and s["policy"] == name
+                if s["length"] == length and s["policy"] == name and s["task"] == task
             )  # fmt: skip
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -515,14 +612,26 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
         ax.set_xticks(ticks, [f"{k:.3g}" for k in ticks])
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("keep (share of the prompt's keys; a budget as its share)")
-        ax.set_title(f"{options.task}, {length} tokens")
+        ax.set_title(f"{task}, {length} tokens")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"accuracy ({options.trials} trials)")
+    for row in axes:
+        row[0].set_ylabel(f"accuracy ({options.trials} trials)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _panels(plt: Any, count: int) -> tuple[Any, Any]:
+    """A figure of ``count`` panels, at most four a row (the unused ones hidden)."""
+    columns = min(count, 4)
+    grid_rows = -(-count // columns)
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.2 * columns, 3.4 * grid_rows),
+                             squeeze=False)  # fmt: skip
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, axes
 
 
 def _share(keep: float | int, length: int) -> float:

@@ -5,8 +5,10 @@ own ``generate`` (full cache) and against ``multihead.hf.compress`` run on the w
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import statistics
 
 import pytest
 import torch
@@ -229,3 +231,72 @@ def test_the_shared_prefill_cells_rank_by_the_policys_own_statistic(policy):
         newest = kv.LayerState.from_prompt(kv.StreamingLLM(want.length, sinks=1), keys, values,
                                            None, valid)  # fmt: skip
         assert not torch.equal(state.kept(), newest.kept())
+
+
+SUITE_WORDS = sorted({"".join(random.Random(i).choices("abcdefghij", k=5)) for i in range(300)})
+
+
+def test_the_suite_scores_each_task_by_string_match_and_averages_them(
+    folder, loaded, tmp_path, monkeypatch, capsys
+):
+    # the tiny model's vocabulary holds no words: the suite's words are given
+    monkeypatch.setattr(app.ruler, "vocabulary_words", lambda vocabulary: SUITE_WORDS)
+    tasks = ("niah_single", "vt", "cwe")
+    options = app.KvOptions(model=str(folder), task="ruler", tasks=tasks, lengths=(160,),
+                            keep=(1.0, 0.5), policies=("snapkv", "chunkkv"), trials=2,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    rows = {(r["task"], r["policy"], r["keep"]): r for r in result["rows"]}
+    assert set(rows) == {
+        (t, p, k) for t in tasks for p in ("snapkv", "chunkkv") for k in (1.0, 0.5)
+    }
+    _, tokenizer = loaded
+    count = functools.partial(app._count, tokenizer)
+    rng = random.Random(options.seed)
+    for task in tasks:  # the same trials again, each answer scored as RULER scores it
+        trials = [app.ruler.make(task, SUITE_WORDS, count, 160, rng, (t + 0.5) / 2) for t in (0, 1)]
+        for (name, _, _), row in rows.items():
+            if name == task:
+                want = sum(app.ruler.score(t, a) for t, a in zip(trials, row["answers"]))
+                assert row["correct"] == pytest.approx(want) and row["trials"] == 2
+    for average in result["averages"]:
+        want = statistics.fmean(rows[(t, average["policy"], average["keep"])]["accuracy"]
+                                for t in tasks)  # fmt: skip
+        assert average["accuracy"] == pytest.approx(want) and average["tasks"] == 3
+    assert result["tasks"] == list(tasks) and result["query_agnostic"] is False
+    assert (tmp_path / "out" / "kv.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "average over the 3 tasks" in printed and "question in the prompt" in printed
+
+
+def test_query_agnostic_cells_compress_the_context_before_the_question(folder, loaded, tmp_path):
+    """--query-agnostic: the context's prompt runs alone and is compressed; the question then
+    runs on the kept cache (under the policy, as a later chunk does), and the answer follows.
+    The references: sdpa's generate on context + question (the full cache), and transformers'
+    model under compress, fed the context, then the question, then greedy tokens."""
+    options = app.KvOptions(model=str(folder), task="multikey", lengths=(200,), keep=(1.0, 0.5),
+                            policies=("snapkv",), trials=2, query_agnostic=True,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    assert result["query_agnostic"] is True
+    rows = {r["keep"]: r for r in result["rows"]}
+    model, tokenizer = loaded
+    sdpa, _ = mhf.load_with_tokenizer(folder, attn_implementation="sdpa")
+    rng = random.Random(options.seed)
+    for t in range(2):
+        trial = app.make_task("multikey", tokenizer, 200, (t + 0.5) / 2, rng, 4)
+        context, question = app._ids(tokenizer, trial, True)
+        assert question is not None and trial.prompt.endswith(trial.question)
+        whole = torch.cat([context, question], 1)
+        with torch.inference_mode():
+            plain = sdpa.generate(input_ids=whole, max_new_tokens=10, do_sample=False)
+            assert rows[1.0]["answers"][t] == tokenizer.decode(plain[0, whole.shape[1] :])
+            with mhf.compress(model, kv.SnapKV(0.5)):
+                cache = tf.DynamicCache()
+                model(input_ids=context, past_key_values=cache, use_cache=True)
+                out = model(input_ids=question, past_key_values=cache, use_cache=True)
+                tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+                for _ in range(9):
+                    out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+                    tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        assert rows[0.5]["answers"][t] == tokenizer.decode(torch.cat(tokens, 1)[0])
