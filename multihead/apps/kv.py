@@ -398,7 +398,8 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
     full_mib = sum(k.nbytes + v.nbytes for k, v in prompt_kv) / 2**20
     first = logits.argmax(-1)
     new = trial.new_tokens if isinstance(trial, ruler.RulerTrial) else _NEW_TOKENS[options.task]
-    full_text, step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None, question)
+    full_text, full_step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None,
+                                   question)  # fmt: skip
     full_ok = _score(trial, full_text)
     task = getattr(trial, "task", options.task)
     for keep in (*options.keep, *options.budget):
@@ -409,7 +410,7 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
                 row.correct += full_ok
                 row.prefill_s.append(prefill)
                 row.cache_mib.append(full_mib)
-                row.step_ms.append(step)
+                row.step_ms.append(full_step)
                 row.answers.append(full_text)
                 continue
             policy = kv.POLICIES[name](keep)

@@ -300,3 +300,23 @@ def test_query_agnostic_cells_compress_the_context_before_the_question(folder, l
                     out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
                     tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
         assert rows[0.5]["answers"][t] == tokenizer.decode(torch.cat(tokens, 1)[0])
+
+
+def test_the_full_cache_row_times_the_full_cache_whatever_the_order_of_keeps(
+    folder, tmp_path, monkeypatch
+):
+    """With keep 1.0 after a compressed keep (--keep 0.25,1.0) the full cache's rows took the
+    ms per step of the last compressed cell decoded before them."""
+    real = app._decode
+
+    def timed(model, tokenizer, cache, first, new, policy, question=None):
+        text, _ = real(model, tokenizer, cache, first, 2, policy, question)
+        return text, 1.0 if policy is None else 2.0  # the full cache: 1 ms, compressed: 2
+
+    monkeypatch.setattr(app, "_decode", timed)
+    options = app.KvOptions(model=str(folder), lengths=(100,), keep=(0.5, 1.0),
+                            policies=("snapkv", "tova"), trials=2,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    for row in result["rows"]:
+        assert row["step_ms"] == (1.0 if row["keep"] == 1.0 else 2.0), row
