@@ -166,7 +166,7 @@ class KvOptions:
         # "1000,2000" and "1000 2000" alike: the parser gives one tuple per word
         for name, parse in (
             ("lengths", parse_lengths), ("keep", parse_keeps), ("policies", _policies),
-            ("budget", parse_budgets),
+            ("budget", parse_budgets), ("tasks", parse_tasks),
         ):  # fmt: skip
             value = getattr(self, name)
             words = [value] if isinstance(value, (str, int, float)) else list(value)

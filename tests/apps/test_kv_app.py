@@ -320,3 +320,24 @@ def test_the_full_cache_row_times_the_full_cache_whatever_the_order_of_keeps(
     result = app.run(options)
     for row in result["rows"]:
         assert row["step_ms"] == (1.0 if row["keep"] == 1.0 else 2.0), row
+
+
+@pytest.mark.parametrize(
+    ("words", "want"),
+    [
+        (["niah_single"], ("niah_single",)),
+        (["vt,cwe"], ("vt", "cwe")),
+        (["vt", "cwe"], ("vt", "cwe")),
+        (["all"], app.ruler.TASKS),
+    ],
+)
+def test_tasks_on_the_command_line_are_names(words, want, tmp_path):
+    """``--tasks niah_single`` reached the run as a tuple of one tuple (the parser gives one
+    per word), and the suite stopped at its first task."""
+    from multihead import _flags
+    from multihead.cli import build_parser
+
+    argv = ["kv", "--task", "ruler", "--tasks", *words]
+    args = build_parser(argv).parse_args(argv)
+    options = _flags.record_from(args.record, args)
+    assert options.tasks == want
