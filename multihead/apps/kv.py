@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from .._flags import option, positive_int
 from . import ruler
+from .kvpress_runner import PRESSES as KVPRESS_PRESSES
 from .ruler import TASKS, parse_tasks
 
 __all__ = [
@@ -112,6 +113,17 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+def _kvpress_presses(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
+    unknown = [n for n in names if n not in KVPRESS_PRESSES]
+    if not names or unknown:
+        raise ValueError(
+            f"--kvpress-presses takes names from {', '.join(KVPRESS_PRESSES)}. "
+            f"Received: --kvpress-presses {text}"
+        )
+    return names
+
+
 @dataclass(frozen=True, kw_only=True)
 class KvOptions:
     """What ``multihead kv`` takes (``multihead kv --help``)."""
@@ -160,6 +172,15 @@ class KvOptions:
     trials: int = option(20, "trials per length (depths spread over the input)", parse=positive_int)
     keys: int = option(4, "multikey: keys hidden in the text", parse=positive_int)
     seed: int = option(0, "seed of the keys, values and depths")
+    kvpress_python: Path | None = option(
+        None, "a Python interpreter with kvpress installed (an environment of its own: kvpress "
+        "pins transformers < 5.3): the same prompts through kvpress's own pipeline, its presses "
+        "at the same shares kept, their rows added to the table", metavar="PATH",
+    )  # fmt: skip
+    kvpress_presses: tuple[str, ...] = option(
+        KVPRESS_PRESSES, f"--kvpress-python's presses, from {', '.join(KVPRESS_PRESSES)}",
+        parse=_kvpress_presses, metavar="NAMES",
+    )  # fmt: skip
     out: Path = option(Path("kv-out"), "folder for kv.json and kv.png", metavar="DIR")
 
     def __post_init__(self) -> None:
@@ -167,6 +188,7 @@ class KvOptions:
         for name, parse in (
             ("lengths", parse_lengths), ("keep", parse_keeps), ("policies", _policies),
             ("budget", parse_budgets), ("tasks", parse_tasks),
+            ("kvpress_presses", _kvpress_presses),
         ):  # fmt: skip
             value = getattr(self, name)
             words = [value] if isinstance(value, (str, int, float)) else list(value)
@@ -288,6 +310,7 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
     tasks = _tasks_of(options)
     words = ruler.vocabulary_words(list(tokenizer.get_vocab())) if options.task == "ruler" else []
     bar = _bar(len(tasks) * len(options.lengths) * options.trials)
+    asked: list[tuple[str, int, Any]] = []  # (task, length, trial), for kvpress's side
     try:
         for task in tasks:
             for length in options.lengths:
@@ -302,11 +325,84 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
                         trial = make_task(task, tokenizer, length, depth, rng, options.keys)
                     with torch.inference_mode():
                         _one_trial(model, tokenizer, trial, length, options, rows)
+                    asked.append((task, length, trial))
                     bar(1)
     finally:
         bar(0, close=True)
+    kvpress = None
+    if options.kvpress_python is not None:
+        del model  # its memory, before kvpress's interpreter loads its own copy
+        kvpress = _kvpress(options, asked, rows, folder, say)
     result = _write(options, rows, folder, say)
+    if kvpress is not None:
+        result["kvpress"] = kvpress
+        (folder / "kv.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     return result
+
+
+def _kvpress(options: KvOptions, asked: list[tuple[str, int, Any]],
+             rows: dict[tuple[str, int, str, float | int], Row], folder: Path,
+             say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """The same trials through kvpress's pipeline in ``--kvpress-python``'s interpreter
+    (``kvpress_runner``, run as a script), scored as multihead's cells are: rows named
+    ``kvpress:PRESS`` (``kvpress:none``: its full cache) added to ``rows``. kvpress compresses
+    the context alone and asks the question after (query-agnostic) and applies the model's
+    chat template; its rows are therefore compared with its own full cache first. Returns the
+    versions and the presses that could not run, with their reasons.
+
+    Raises:
+        ValueError: the interpreter is missing, has no kvpress, or its run fails.
+    """
+    import subprocess
+    import tempfile
+
+    from ..sources import converted_folder, resolve
+
+    python = Path(options.kvpress_python or "")
+    if not python.is_file():
+        raise ValueError(f"--kvpress-python names no file. Received: --kvpress-python {python}")
+    where = resolve(options.model)
+    model_folder = converted_folder(where) if where.gguf_file is not None else where.folder
+    keeps = [k for k in options.keep if k < 1.0]
+    request = {
+        "model": str(model_folder), "presses": list(options.kvpress_presses), "keeps": keeps,
+        "threads": None,
+        "trials": [{"context": t.prompt[: len(t.prompt) - len(t.question)],
+                    "question": t.question, "new_tokens": _new_tokens(options, t)}
+                   for _, _, t in asked],
+    }  # fmt: skip
+    runner = Path(__file__).with_name("kvpress_runner.py")
+    log = folder / "kvpress.log"  # the runner's stderr; its stdout (a line a cell) shows
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="multihead-kvpress-") as tmp:
+        ask, answer = Path(tmp) / "request.json", Path(tmp) / "answer.json"
+        ask.write_text(json.dumps(request), encoding="utf-8")
+        say(f"multihead kv: {len(asked)} trials through kvpress in {python} (log: {log})")
+        with open(log, "w", encoding="utf-8") as errors:
+            code = subprocess.run([str(python), str(runner), str(ask), str(answer)],
+                                  stderr=errors, check=False).returncode  # fmt: skip
+        if code != 0 or not answer.is_file():
+            lines = log.read_text(encoding="utf-8").strip().splitlines() or ["(no output)"]
+            raise ValueError(
+                f"kvpress's run in {python} failed (exit {code}): {lines[-1]}. "
+                f"Received: --kvpress-python {python}"
+            )
+        found = json.loads(answer.read_text(encoding="utf-8"))
+    for cell in found["rows"]:
+        name, keep = f"kvpress:{cell['press']}", cell["keep"]
+        for (task, length, trial), text, seconds in zip(asked, cell["answers"], cell["seconds"]):
+            row = rows.setdefault((task, length, name, keep), Row(length, name, keep, task))
+            row.trials += 1
+            row.correct += _score(trial, text)
+            row.answers.append(text)
+            row.prefill_s.append(seconds)  # kvpress's whole answer: prefill and decoding
+    for cell, reason in found["errors"].items():
+        say(f"multihead kv: kvpress's {cell} did not run: {reason}")
+    return {k: found[k] for k in ("kvpress", "transformers", "torch", "errors")}
+
+
+def _new_tokens(options: KvOptions, trial: Any) -> int:
+    return trial.new_tokens if isinstance(trial, ruler.RulerTrial) else _NEW_TOKENS[options.task]
 
 
 def _tasks_of(options: KvOptions) -> tuple[str, ...]:
@@ -397,7 +493,7 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     full_mib = sum(k.nbytes + v.nbytes for k, v in prompt_kv) / 2**20
     first = logits.argmax(-1)
-    new = trial.new_tokens if isinstance(trial, ruler.RulerTrial) else _NEW_TOKENS[options.task]
+    new = _new_tokens(options, trial)
     full_text, full_step = _decode(model, tokenizer, _cache_of(prompt_kv), first, new, None,
                                    question)  # fmt: skip
     full_ok = _score(trial, full_text)
@@ -570,12 +666,19 @@ def _table(options: KvOptions, summaries: list[dict[str, Any]], say: Callable[[s
             f"{100 * s['accuracy']:>7.1f}%" if suite else f"{s['correct']:>4g}/{s['trials']:<3}"
         )
         say(f"{lead}{s['length']:>7} {s['policy']:>10} {_keep_label(s['keep']):>6} {correct} "
-            f"{s['cache_mib']:>10.2f} {s['prefill_s']:>10.2f} {s['step_ms']:>8.1f}")  # fmt: skip
+            f"{_num(s['cache_mib'], 10, 2)} {_num(s['prefill_s'], 10, 2)} "
+            f"{_num(s['step_ms'], 8, 1)}")  # fmt: skip
     if suite:
         say(f"average over the {len(options.tasks)} tasks:")
         for a in _averages(summaries):
             say(f"{'':>16} {a['length']:>7} {a['policy']:>10} {_keep_label(a['keep']):>6} "
                 f"{100 * a['accuracy']:>7.1f}%")  # fmt: skip
+
+
+def _num(value: float | None, width: int, digits: int) -> str:
+    """A table figure, or "-" where the cell has none (kvpress's rows: no cache bytes or ms
+    per step; their seconds are the whole answer's)."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
 
 
 def _averages(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -602,7 +705,7 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
     panels = [(task, length) for task in _tasks_of(options) for length in options.lengths]
     fig, axes = _panels(plt, len(panels))
     for ax, (task, length) in zip(axes.flat, panels):
-        for name in options.policies:
+        for name in dict.fromkeys(s["policy"] for s in summaries):  # kvpress's rows too
             points = sorted(  # a token budget at the share of this length it keeps
                 (_share(s["keep"], length), s["accuracy"]) for s in summaries
                 if s["length"] == length and s["policy"] == name and s["task"] == task

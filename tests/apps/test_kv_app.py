@@ -341,3 +341,101 @@ def test_tasks_on_the_command_line_are_names(words, want, tmp_path):
     args = build_parser(argv).parse_args(argv)
     options = _flags.record_from(args.record, args)
     assert options.tasks == want
+
+
+# a stand-in for kvpress in another interpreter: this one, with a "kvpress" package of a
+# pipeline that answers the context's last 7-digit number (its full cache) or nothing (a
+# press), and a KVzip press that cannot run
+STUB_KVPRESS = """
+import re
+from dataclasses import dataclass
+from transformers import AutoModelForCausalLM, Pipeline
+from transformers.pipelines import PIPELINE_REGISTRY
+
+@dataclass
+class _Press:
+    compression_ratio: float = 0.0
+    press: object = None
+
+class SnapKVPress(_Press): pass
+class TOVAPress(_Press): pass
+class StreamingLLMPress(_Press): pass
+class ExpectedAttentionPress(_Press): pass
+class KVzipPress(_Press): pass
+class PyramidKVPress(_Press): pass
+class ChunkKVPress(_Press): pass
+
+class _Stub(Pipeline):
+    def _sanitize_parameters(self, question=None, press=None, max_new_tokens=50, **kwargs):
+        return {"question": question}, {"press": press}, {}
+    def preprocess(self, context, question=None):
+        return {"context": context, "question": question}
+    def _forward(self, inputs, press=None):
+        if isinstance(press, KVzipPress):
+            raise RuntimeError("KVzip needs what this stand-in lacks")
+        numbers = re.findall(r"[0-9]{7}", inputs["context"])
+        return {"answer": "" if press is not None else numbers[-1]}
+    def postprocess(self, outputs):
+        return outputs
+
+PIPELINE_REGISTRY.register_pipeline("kv-press-text-generation", pipeline_class=_Stub,
+                                    pt_model=AutoModelForCausalLM)
+"""
+
+
+def _stub_python(tmp_path):
+    import sys
+
+    package = tmp_path / "stub" / "kvpress"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(STUB_KVPRESS)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{package.parent}" exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_kvpress_rows_come_from_its_interpreter_scored_as_ours(folder, loaded, tmp_path, capsys):
+    """--kvpress-python: the same trials (context, question) go to the other interpreter as
+    JSON, its answers come back and are scored as multihead's cells are; a press that cannot
+    run there is named with its reason, the others still give their rows."""
+    python = _stub_python(tmp_path)
+    options = app.KvOptions(model=str(folder), task="multikey", lengths=(160,), keep=(1.0, 0.5),
+                            policies=("snapkv",), trials=2, kvpress_python=python,
+                            kvpress_presses=("snapkv", "kvzip"), out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    rows = {(r["policy"], r["keep"]): r for r in result["rows"]}
+    assert set(rows) == {("snapkv", 1.0), ("snapkv", 0.5), ("kvpress:none", 1.0),
+                         ("kvpress:snapkv", 0.5)}  # fmt: skip
+    _, tokenizer = loaded
+    rng = random.Random(options.seed)
+    trials = [app.make_task("multikey", tokenizer, 160, (t + 0.5) / 2, rng, 4) for t in (0, 1)]
+    import re
+
+    want = [re.findall(r"[0-9]{7}", t.prompt[: len(t.prompt) - len(t.question)])[-1]
+            for t in trials]  # fmt: skip
+    assert rows[("kvpress:none", 1.0)]["answers"] == want
+    assert rows[("kvpress:none", 1.0)]["correct"] == sum(
+        t.answer == w for t, w in zip(trials, want)
+    )
+    assert rows[("kvpress:snapkv", 0.5)]["answers"] == ["", ""]
+    assert rows[("kvpress:snapkv", 0.5)]["correct"] == 0
+    assert "kvzip@0.5" in result["kvpress"]["errors"]
+    printed = capsys.readouterr().out
+    assert "kvpress's kvzip@0.5 did not run: RuntimeError: KVzip needs" in printed
+    assert json.loads((tmp_path / "out" / "kv.json").read_text())["kvpress"]["errors"]
+
+
+def test_a_kvpress_interpreter_that_fails_is_named(folder, tmp_path):
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'No module named kvpress' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    options = app.KvOptions(model=str(folder), lengths=(100,), keep=(1.0, 0.5),
+                            policies=("snapkv",), trials=1, kvpress_python=broken,
+                            out=tmp_path / "out")  # fmt: skip
+    with pytest.raises(ValueError, match=r"failed \(exit 1\): No module named kvpress"):
+        app.run(options)
+    missing = tmp_path / "nowhere" / "python"
+    with pytest.raises(ValueError, match="--kvpress-python names no file"):
+        app.run(app.KvOptions(model=str(folder), lengths=(100,), keep=(0.5,), trials=1,
+                              kvpress_python=missing, out=tmp_path / "out2"))  # fmt: skip
