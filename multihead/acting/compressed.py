@@ -21,7 +21,7 @@ from .. import decoding_routes as routes
 from ..backends import registry
 from ..backends.call import Call, prepare
 from ..bias import ScoreModifier
-from ..kv import LayerState, Policy, causal_band, grouped, request
+from ..kv import LayerState, Policy, Reconstruction, causal_band, grouped, request
 from ..masks import Mask, causal, dense
 
 __all__ = ["run"]
@@ -59,6 +59,13 @@ def run(
     if holder is None:
         used, need = mask, None
     elif state is None:  # the call that fills the cache: as long as its mask
+        if isinstance(policy, Reconstruction):
+            raise ValueError(
+                "Reconstruction scores the context by a second reading of it, which a layer's "
+                "call cannot run: compress the context with multihead.hf.compress_context("
+                "model, ids, policy), then run questions on that cache under compress. "
+                "Received: a prompt's call under compress(model, Reconstruction(...))"
+            )
         if mask is not None:
             mask.check(batch, heads, rows, length_k)
         visible = _last_row_visible(mask, batch, rows, length_k, key.device)

@@ -59,7 +59,7 @@ _DECODING = (
     "(not multihead.hf.fast_decoding's path, which the README's decoding figures time)"
 )
 # multihead.kv.POLICIES' names, here so that parsing the flags imports no torch
-POLICIES = ("snapkv", "h2o", "tova", "streaming", "chunkkv", "pyramidkv")
+POLICIES = ("snapkv", "h2o", "tova", "streaming", "chunkkv", "pyramidkv", "reconstruction")
 _NEW_TOKENS = {"passkey": 8, "multikey": 10}
 _WINDOW = 32  # SnapKV's observation window: the policies run with their defaults
 
@@ -196,6 +196,12 @@ class KvOptions:
                 ",".join(map(str, w)) if isinstance(w, (tuple, list)) else str(w) for w in words
             )
             object.__setattr__(self, name, parse(flat))
+        if self.chunk is not None and "reconstruction" in self.policies:
+            raise ValueError(
+                "--chunk runs each prompt under compress(chunk=N), and reconstruction scores the "
+                "prompt by a second reading of it whole (multihead.hf.compress_context): drop "
+                "one of them. Received: --chunk with --policies reconstruction"
+            )
 
 
 @dataclass
@@ -421,6 +427,14 @@ def _ids(tokenizer: Any, trial: Any, query_agnostic: bool) -> tuple[Any, Any]:
     return tokenizer(context, return_tensors="pt")["input_ids"], question["input_ids"]
 
 
+# what Reconstruction's second reading of the prompt follows (after KVzip's repeat request)
+_REPEAT = "\n\nRepeat the text above exactly.\n"
+
+
+def _repeat_ids(tokenizer: Any) -> Any:
+    return tokenizer(_REPEAT, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
 def _score(trial: Any, text: str) -> float:
     """A trial's score: RULER's string match for a suite trial, else 1.0 where the answer is
     in the text."""
@@ -516,6 +530,14 @@ def _one_trial(model: Any, tokenizer: Any, trial: Trial, length: int, options: K
                 row.prefill_s.append(time.perf_counter() - started)
                 row.cache_mib.append(_nbytes(cut) / 2**20)
                 text, step = _decode(model, tokenizer, cut, own.argmax(-1), new, policy, question)
+            elif policy.name == "reconstruction":  # its own second reading of the prompt
+                from ..hf import compress_context
+
+                started = time.perf_counter()
+                cut = compress_context(model, ids, policy, repeat_ids=_repeat_ids(tokenizer))
+                row.prefill_s.append(time.perf_counter() - started)
+                row.cache_mib.append(_nbytes(cut) / 2**20)
+                text, step = _decode(model, tokenizer, cut, first, new, policy, question)
             else:
                 layered = _compressed(policy, prompt_kv, scores)
                 row.prefill_s.append(prefill)
@@ -705,19 +727,7 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
     panels = [(task, length) for task in _tasks_of(options) for length in options.lengths]
     fig, axes = _panels(plt, len(panels))
     for ax, (task, length) in zip(axes.flat, panels):
-        for name in dict.fromkeys(s["policy"] for s in summaries):  # kvpress's rows too
-            points = sorted(  # a token budget at the share of this length it keeps
-                (_share(s["keep"], length), s["accuracy"]) for s in summaries
-                if s["length"] == length and s["policy"] == name and s["task"] == task
-            )  # fmt: skip
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ticks = sorted({_share(k, length) for k in (*options.keep, *options.budget)})
-        ax.set_xticks(ticks, [f"{k:.3g}" for k in ticks])
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_xlabel("keep (share of the prompt's keys; a budget as its share)")
-        ax.set_title(f"{task}, {length} tokens")
-        ax.grid(alpha=0.3)
+        _panel(ax, options, summaries, task, length)
     for row in axes:
         row[0].set_ylabel(f"accuracy ({options.trials} trials)")
     axes[0][-1].legend(fontsize=8)
@@ -725,6 +735,24 @@ def _figure(options: KvOptions, summaries: list[dict[str, Any]], path: Path) -> 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _panel(ax: Any, options: KvOptions, summaries: list[dict[str, Any]], task: str,
+           length: int) -> None:  # fmt: skip
+    """One task and length: accuracy against keep, a line per policy (kvpress's rows too)."""
+    for name in dict.fromkeys(s["policy"] for s in summaries):
+        points = sorted(  # a token budget at the share of this length it keeps
+            (_share(s["keep"], length), s["accuracy"]) for s in summaries
+            if s["length"] == length and s["policy"] == name and s["task"] == task
+        )  # fmt: skip
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({_share(k, length) for k in (*options.keep, *options.budget)})
+    ax.set_xticks(ticks, [f"{k:.3g}" for k in ticks])
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("keep (share of the prompt's keys; a budget as its share)")
+    ax.set_title(f"{task}, {length} tokens")
+    ax.grid(alpha=0.3)
 
 
 def _panels(plt: Any, count: int) -> tuple[Any, Any]:

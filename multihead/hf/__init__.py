@@ -36,7 +36,7 @@ _extras.require("transformers", "hf", "multihead.hf")
 from .._deprecation import MultiheadDeprecationWarning  # noqa: E402
 from . import attribution as _attribution  # noqa: E402, F401  registers these models' Subject
 from .attention import attention_forward  # noqa: E402  after the check for the extra
-from .compress import compress  # noqa: E402
+from .compress import compress, compress_context  # noqa: E402
 from .decoding import (  # noqa: E402
     decoding_linears,
     decoding_path,
@@ -62,6 +62,7 @@ __all__ = [
     "attention_layers",
     "capture",
     "compress",
+    "compress_context",
     "decoding_linears",
     "decoding_path",
     "decoding_step",

@@ -32,14 +32,14 @@ from torch import Tensor, nn
 from .. import acting
 from ..acting import Compression, active, compressed, find, open_block
 from ..bias import ScoreModifier
-from ..kv import Policy
+from ..kv import LayerState, Policy, Reconstruction, grouped, request
 from ..masks import Mask
 from . import kv_cache
 from ._transformers import attn_implementation
 from .reader import READER
 from .registration import NAME
 
-__all__ = ["Compression", "attend", "compress"]
+__all__ = ["Compression", "attend", "compress", "compress_context"]
 
 
 def _check_policy(policy: object) -> Policy:
@@ -146,6 +146,89 @@ def compress(
             else:
                 del model.forward
         block._caches.clear()
+
+
+def compress_context(
+    model: nn.Module, input_ids: Tensor, policy: Policy, *, repeat_ids: Tensor | None = None
+) -> Any:
+    """A context compressed once, before any question: a transformers ``DynamicCache`` whose
+    layers hold the kept keys and values of ``input_ids`` (B, S), to run questions on under
+    ``compress(model, policy)`` (pass it as ``past_key_values``; each question changes it, so
+    copy it with ``copy.deepcopy`` to ask several).
+
+    ``kv.Reconstruction`` is scored by a second reading: after the context, the model reads
+    ``repeat_ids`` (a request to repeat it, e.g. the ids of "Repeat the text above exactly.")
+    and the context again, on the full cache; each context key's score is the attention the
+    second reading's rows give it (``window_mass`` over those rows, grouped by KV head); then
+    the second reading is cropped off and every layer cut to its budget. It costs the second
+    reading: about one prompt more. Any other policy ranks by its own statistic of the
+    context's pass (SnapKV: the context's last ``window`` rows), which knows no question.
+
+    Args:
+        model: a transformers causal LM on "multihead", with no sliding-window layer.
+        input_ids: (B, S) the context, unpadded.
+        policy: a ``multihead.kv`` policy.
+        repeat_ids: (B, R) or (1, R) ids read between the two readings (Reconstruction only;
+            default none).
+
+    Raises:
+        TypeError, ValueError: as ``compress``; a model with sliding-window layers (their
+            caches keep a window, not the context).
+    """
+    from transformers import DynamicCache
+
+    policy = _check_policy(policy)
+    _check_model(model)
+    _refuse_windows(model)
+    cache: Any = DynamicCache()
+    scores = _context_scores(model, input_ids, policy, repeat_ids, cache)
+    batch, length = input_ids.shape
+    valid = torch.ones(batch, length, dtype=torch.bool, device=input_ids.device)
+    layers = []
+    for index, layer in enumerate(cache.layers):
+        kv_scores = None if scores is None else grouped(scores[index], layer.keys.shape[1])
+        # the context's own slots (a second reading's are left out: its cache is let go)
+        keys, values = layer.keys[:, :, :length], layer.values[:, :, :length]
+        state = LayerState.from_prompt(policy, keys.contiguous(), values.contiguous(), kv_scores,
+                                       valid, place=(index, len(cache.layers)))  # fmt: skip
+        layers.append(kv_cache.CompressedLayer(state, False))
+    cache.layers = layers
+    return cache
+
+
+def _refuse_windows(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"]
+    if window and any(t != "full_attention" for t in types):
+        raise ValueError(
+            "compress_context keeps every layer's cache of the whole context; a model whose "
+            "layers attend through a sliding window keeps only the window: use "
+            f"compress(model, policy, chunk=N). Received: sliding_window={window}"
+        )
+
+
+def _context_scores(model: nn.Module, input_ids: Tensor, policy: Policy,
+                    repeat_ids: Tensor | None, cache: Any) -> list[Tensor] | None:  # fmt: skip
+    """The context's pass on ``cache`` and, per layer, the (B, H, S) scores ``policy`` ranks
+    the context's keys by: its own statistic of that pass, or Reconstruction's second
+    reading (``repeat_ids`` and the context again, on the full cache)."""
+    batch, length = input_ids.shape
+    need = request(policy, None, length)
+    stat = None if need is None or isinstance(policy, Reconstruction) else need[0]
+    if stat is not None and need is not None:
+        with acting.capture(model, stats=[stat], window=need[1]) as head:
+            model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return [head.stats[i][stat] for i in range(head.num_layers)]
+    model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    if not isinstance(policy, Reconstruction):
+        return None
+    second = input_ids
+    if repeat_ids is not None:
+        second = torch.cat([repeat_ids.expand(batch, -1).to(input_ids), input_ids], 1)
+    with acting.capture(model, stats=["window_mass"], window=length) as reread:
+        model(input_ids=second, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return [reread.stats[i]["window_mass"][..., :length] for i in range(reread.num_layers)]
 
 
 # the inputs of a causal LM's forward that run along the sequence: cut to each chunk

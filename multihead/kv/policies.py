@@ -18,7 +18,9 @@ Two options shape any scored policy's choice without changing its scores:
   al. 2024: the scored part falls linearly from ``2s - s/beta`` to ``s/beta`` for a mean of
   ``s``), or a tuple of one weight per layer; ``whole_layers`` keeps the first layers whole and
   takes their keys from the others' share. The mean over the layers stays the policy's
-  budget, so the cache's bytes stay keep x full.
+  budget, so the cache's bytes stay keep x full. The layers are the model's, by index: in a
+  model whose sliding-window layers keep their window (Gemma 3), the global layers hold the
+  budgets of their own indices.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "ChunkKV",
     "Policy",
     "PyramidKV",
+    "Reconstruction",
     "SnapKV",
     "StreamingLLM",
     "policy",
@@ -311,14 +314,38 @@ class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
 
 
+@dataclass(frozen=True)
+class Reconstruction(Policy):
+    """Query-agnostic: each KV head keeps the keys the model attends to most while it reads
+    the context a second time, after a request to repeat it, plus the sinks and the ``window``
+    newest keys: a KVzip-class score (Kim et al. 2025, who take the maximum over the second
+    reading's rows and a group's heads; here the sum, ``window_mass`` over those rows, the
+    statistic the kernel folds into its pass). The scores do not depend on any question, so a
+    context compressed once answers many. They need the second reading, about one more
+    prompt's work: ``multihead.hf.compress_context`` runs it; later chunks and decoding steps
+    run under ``compress`` as SnapKV's do."""
+
+    window: int = 32
+    name: ClassVar[str] = "reconstruction"
+    prompt_stat: ClassVar[str | None] = "window_mass"
+
+    def __post_init__(self) -> None:
+        _check_count("window", self.window, 1)
+        super().__post_init__()
+
+    @property
+    def window_size(self) -> int:
+        return self.window
+
+
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (SnapKV, H2O, TOVA, StreamingLLM, ChunkKV, PyramidKV)
+    p.name: p for p in (SnapKV, H2O, TOVA, StreamingLLM, ChunkKV, PyramidKV, Reconstruction)
 }
 
 
 def policy(name: str, keep: float | int, **options: object) -> Policy:
     """The policy called ``name`` (``"snapkv"``, ``"h2o"``, ``"tova"``, ``"streaming"``,
-    ``"chunkkv"``, ``"pyramidkv"``).
+    ``"chunkkv"``, ``"pyramidkv"``, ``"reconstruction"``).
 
     Raises:
         ValueError: an unknown name, and what the policy's own checks raise.

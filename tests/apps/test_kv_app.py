@@ -439,3 +439,33 @@ def test_a_kvpress_interpreter_that_fails_is_named(folder, tmp_path):
     with pytest.raises(ValueError, match="--kvpress-python names no file"):
         app.run(app.KvOptions(model=str(folder), lengths=(100,), keep=(0.5,), trials=1,
                               kvpress_python=missing, out=tmp_path / "out2"))  # fmt: skip
+
+
+def test_reconstruction_cells_read_the_prompt_twice_as_compress_context_does(folder, loaded,
+                                                                             tmp_path):  # fmt: skip
+    """--policies reconstruction: the cell's cache is compress_context's (the second reading
+    after the repeat request), the question then runs on it under compress, as by hand."""
+    options = app.KvOptions(model=str(folder), task="multikey", lengths=(160,), keep=(0.5,),
+                            policies=("reconstruction",), trials=2, query_agnostic=True,
+                            out=tmp_path / "out")  # fmt: skip
+    result = app.run(options)
+    (row,) = result["rows"]
+    model, tokenizer = loaded
+    rng = random.Random(options.seed)
+    for t in range(2):
+        trial = app.make_task("multikey", tokenizer, 160, (t + 0.5) / 2, rng, 4)
+        context, question = app._ids(tokenizer, trial, True)
+        with torch.inference_mode():
+            policy = kv.Reconstruction(0.5)
+            cache = mhf.compress_context(
+                model, context, policy, repeat_ids=app._repeat_ids(tokenizer)
+            )
+            with mhf.compress(model, policy):
+                out = model(input_ids=question, past_key_values=cache, use_cache=True)
+                tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
+                for _ in range(9):
+                    out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+                    tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+        assert row["answers"][t] == tokenizer.decode(torch.cat(tokens, 1)[0])
+    with pytest.raises(ValueError, match="--chunk with --policies reconstruction"):
+        app.KvOptions(policies=("reconstruction",), chunk=64)

@@ -631,3 +631,62 @@ def test_knockout_on_a_sliding_cache_past_its_window_names_positions(arch):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert not all(torch.allclose(a, b) for a, b in zip(got, plain))  # the knockout hid something
+
+
+# ---- compress once, ask later: compress_context and Reconstruction ---------------------------
+
+
+def test_reconstruction_keeps_what_the_second_reading_attends_to():
+    """kv.Reconstruction's scores, plainly: eager weights of one causal pass over context,
+    repeat request and context again; each context key's score is the weight the second
+    reading's rows give it, summed over the rows and the KV head's query group; then the
+    policy's rule (sinks, window, best scores)."""
+    policy = kv.Reconstruction(14, window=4, sinks=2)
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    repeat = torch.tensor([[7, 8, 9, 10, 11]])
+    with torch.inference_mode():
+        cache = mhf.compress_context(model, ids, policy, repeat_ids=repeat)
+        whole = torch.cat([ids, repeat, ids], 1)
+        eager = _model("llama", "eager")
+        attentions = eager(input_ids=whole, output_attentions=True).attentions
+    kv_heads, group = 2, model.config.num_attention_heads // 2
+    real = list(range(PROMPT))
+    for layer, weights in enumerate(attentions):
+        w = weights.double()[0, :, -PROMPT:, :PROMPT].sum(1)  # (H, S): the second reading's rows
+        want = []
+        for g in range(kv_heads):
+            scores = w[g * group : (g + 1) * group].sum(0).tolist()
+            want.append(_one_head(policy, scores, real, PROMPT, policy.budget_for(PROMPT)))
+        got = cache.layers[layer].state.kept()[0].tolist()
+        assert got == want, f"layer {layer}"
+    assert cache.get_seq_length() == PROMPT  # the second reading is cropped off
+
+
+@pytest.mark.parametrize("policy", [kv.Reconstruction(1.0), kv.SnapKV(1.0, window=4, pool=3)],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_a_context_compressed_with_everything_kept_answers_as_the_full_cache(policy):
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    question = torch.tensor([[12, 13, 14, 15]])
+    with torch.inference_mode():
+        want = model(input_ids=torch.cat([ids, question], 1)).logits[:, -1]
+        cache = mhf.compress_context(model, ids, policy, repeat_ids=question[:, :2])
+        with mhf.compress(model, policy):
+            got = model(input_ids=question, past_key_values=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_reconstruction_needs_compress_context_and_a_model_without_windows():
+    model = _model("llama")
+    ids, _ = _inputs(batch=1)
+    needs = r"second reading.*multihead.hf.compress_context"
+    with (
+        torch.inference_mode(),
+        mhf.compress(model, kv.Reconstruction(0.5)),
+        pytest.raises(ValueError, match=needs),
+    ):
+        model(input_ids=ids, use_cache=True)
+    sliding = _model("mistral", sliding_window=24)
+    with torch.inference_mode(), pytest.raises(ValueError, match="sliding window"):
+        mhf.compress_context(sliding, ids, kv.Reconstruction(0.5))

@@ -65,7 +65,15 @@ def test_the_budget_counts_every_kept_key(policy, length, want):
 
 def test_policies_by_name():
     assert kv.policy("SnapKV", 0.5, window=8) == kv.SnapKV(0.5, window=8)
-    assert sorted(kv.POLICIES) == ["chunkkv", "h2o", "pyramidkv", "snapkv", "streaming", "tova"]
+    assert sorted(kv.POLICIES) == [
+        "chunkkv",
+        "h2o",
+        "pyramidkv",
+        "reconstruction",
+        "snapkv",
+        "streaming",
+        "tova",
+    ]
 
 
 # ---- selection against the rule written out ----------------------------------------------------
