@@ -374,7 +374,7 @@ def _kvpress(options: KvOptions, asked: list[tuple[str, int, Any]],
         "model": str(model_folder), "presses": list(options.kvpress_presses), "keeps": keeps,
         "threads": None,
         "trials": [{"context": t.prompt[: len(t.prompt) - len(t.question)],
-                    "question": t.question, "new_tokens": _new_tokens(options, t)}
+                    **_asking(t.question), "new_tokens": _new_tokens(options, t)}
                    for _, _, t in asked],
     }  # fmt: skip
     runner = Path(__file__).with_name("kvpress_runner.py")
@@ -405,6 +405,20 @@ def _kvpress(options: KvOptions, asked: list[tuple[str, int, Any]],
     for cell, reason in found["errors"].items():
         say(f"multihead kv: kvpress's {cell} did not run: {reason}")
     return {k: found[k] for k in ("kvpress", "transformers", "torch", "errors")}
+
+
+def _asking(question: str) -> dict[str, str]:
+    """A trial's question as kvpress's pipeline takes it: the question itself, and the start of
+    the answer (``answer_prefix``), which the pipeline puts after the chat template's turn to
+    answer. Each task's question ends in the start of its answer after "Answer:" or after its
+    question mark ("... mentioned in the provided text? The special magic number ... is")."""
+    cut = question.rfind("Answer:")
+    if cut >= 0:
+        return {"question": question[:cut].rstrip(), "answer_prefix": question[cut:]}
+    mark = question.find("? ")
+    if mark >= 0:
+        return {"question": question[: mark + 1], "answer_prefix": question[mark + 2 :]}
+    return {"question": question, "answer_prefix": ""}
 
 
 def _new_tokens(options: KvOptions, trial: Any) -> int:

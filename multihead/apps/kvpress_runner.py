@@ -5,7 +5,8 @@ multihead.
 ``python kvpress_runner.py REQUEST.json ANSWER.json``: REQUEST holds the model folder, the
 presses, the shares kept and the trials (context, question, tokens to generate); each trial
 runs through kvpress's own pipeline (``pipeline("kv-press-text-generation")``: the context
-compressed by the press in the prefill, the question after it, greedy decoding), and ANSWER
+compressed by the press in the prefill, the question after it in the chat template's turn,
+the answer started by the trial's ``answer_prefix``, greedy decoding), and ANSWER
 gets every answer with its seconds, the versions, and the reason a press could not run. This
 file imports only the standard library at the top: the interpreter running it need not have
 multihead, and multihead's environment need not have kvpress.
@@ -66,6 +67,7 @@ def main(request_path: str, answer_path: str) -> int:
                 started = time.perf_counter()
                 with torch.inference_mode():
                     out = pipe(trial["context"], question=trial["question"], press=chosen,
+                               answer_prefix=trial.get("answer_prefix", ""),
                                max_new_tokens=int(trial["new_tokens"]))  # fmt: skip
                 seconds.append(time.perf_counter() - started)
                 answers.append(out["answer"])

@@ -366,7 +366,10 @@ class PyramidKVPress(_Press): pass
 class ChunkKVPress(_Press): pass
 
 class _Stub(Pipeline):
-    def _sanitize_parameters(self, question=None, press=None, max_new_tokens=50, **kwargs):
+    def _sanitize_parameters(self, question=None, press=None, max_new_tokens=50,
+                             answer_prefix=None, **kwargs):
+        if question is not None:  # the answer starts after the turn, apart from the question
+            assert answer_prefix and question.endswith("?")
         return {"question": question}, {"press": press}, {}
     def preprocess(self, context, question=None):
         return {"context": context, "question": question}
@@ -424,6 +427,19 @@ def test_kvpress_rows_come_from_its_interpreter_scored_as_ours(folder, loaded, t
     printed = capsys.readouterr().out
     assert "kvpress's kvzip@0.5 did not run: RuntimeError: KVzip needs" in printed
     assert json.loads((tmp_path / "out" / "kv.json").read_text())["kvpress"]["errors"]
+
+
+@pytest.mark.parametrize(
+    ("question", "ask", "prefix"),
+    [
+        ("\nWhat is the pass key? The pass key is", "\nWhat is the pass key?", "The pass key is"),
+        ("\nFind all. Answer: According to it, they are:", "\nFind all.",
+         "Answer: According to it, they are:"),
+        ("\nQuestion: Where? Answer: X works in", "\nQuestion: Where?", "Answer: X works in"),
+    ],
+)  # fmt: skip
+def test_kvpress_gets_the_question_and_the_start_of_the_answer_apart(question, ask, prefix):
+    assert app._asking(question) == {"question": ask, "answer_prefix": prefix}
 
 
 def test_a_kvpress_interpreter_that_fails_is_named(folder, tmp_path):
