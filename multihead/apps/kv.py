@@ -103,25 +103,20 @@ def _numbers(text: str, name: str, kind: Callable[[str], Any]) -> list[Any]:
     return values
 
 
-def _policies(text: str) -> tuple[str, ...]:
+def _names(text: str, flag: str, choices: tuple[str, ...]) -> tuple[str, ...]:
+    """``"a,B"`` -> ("a", "b"), each one of ``choices`` (the flag ``flag`` named otherwise)."""
     names = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
-    unknown = [n for n in names if n not in POLICIES]
-    if not names or unknown:
-        raise ValueError(
-            f"--policies takes names from {', '.join(POLICIES)}. Received: --policies {text}"
-        )
+    if not names or any(n not in choices for n in names):
+        raise ValueError(f"{flag} takes names from {', '.join(choices)}. Received: {flag} {text}")
     return names
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    return _names(text, "--policies", POLICIES)
 
 
 def _kvpress_presses(text: str) -> tuple[str, ...]:
-    names = tuple(p.strip().lower() for p in str(text).split(",") if p.strip())
-    unknown = [n for n in names if n not in KVPRESS_PRESSES]
-    if not names or unknown:
-        raise ValueError(
-            f"--kvpress-presses takes names from {', '.join(KVPRESS_PRESSES)}. "
-            f"Received: --kvpress-presses {text}"
-        )
-    return names
+    return _names(text, "--kvpress-presses", KVPRESS_PRESSES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,6 +310,7 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
     rows: dict[tuple[str, int, str, float | int], Row] = {}
     tasks = _tasks_of(options)
     words = ruler.vocabulary_words(list(tokenizer.get_vocab())) if options.task == "ruler" else []
+    count = functools.partial(_count, tokenizer)
     bar = _bar(len(tasks) * len(options.lengths) * options.trials)
     asked: list[tuple[str, int, Any]] = []  # (task, length, trial), for kvpress's side
     try:
@@ -323,7 +319,6 @@ def run(options: KvOptions, *, say: Callable[[str], None] = print) -> dict[str, 
                 for t in range(options.trials):
                     depth = (t + 0.5) / options.trials
                     if options.task == "ruler":
-                        count = functools.partial(_count, tokenizer)
                         trial: Trial | ruler.RulerTrial = ruler.make(
                             task, words, count, length, rng, depth
                         )

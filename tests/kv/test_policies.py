@@ -120,7 +120,15 @@ def _cases(draw):
 @settings(derandomize=True, max_examples=150, deadline=None)
 @given(_cases())
 def test_select_keeps_what_the_rule_keeps(case):
-    policy, batch, heads, length, flat, pads = case
+    policy, scores, valid, budget, kept = _selected(*case)
+    for r, h in itertools.product(range(scores.shape[0]), range(scores.shape[1])):
+        want = _rule(policy, scores[r, h].tolist(), valid[r].tolist(), budget)
+        assert kept(r, h) == want
+
+
+def _selected(policy, batch, heads, length, flat, pads):
+    """A drawn case through ``kv.select``: (policy, scores (B, H_kv, S) in steps of 1/8, valid
+    (B, S) with each row's left padding, the budget, kept(row, head) -> the kept positions)."""
     scores = torch.tensor(flat, dtype=torch.float64).reshape(batch, heads, length) / 8
     valid = torch.ones(batch, length, dtype=torch.bool)
     for row, pad in enumerate(pads):
@@ -132,13 +140,12 @@ def test_select_keeps_what_the_rule_keeps(case):
         sinks_end=kv.sink_bound(valid, policy.sinks), ends=torch.full((batch,), length),
         budget=budget,
     )  # fmt: skip
-    for r in range(batch):
-        for h in range(heads):
-            want = _rule(policy, scores[r, h].tolist(), valid[r].tolist(), budget)
-            got = chosen.index[r, h]
-            if chosen.ok is not None:
-                got = got[chosen.ok[r, h]]
-            assert got.tolist() == want
+
+    def kept(r: int, h: int) -> list[int]:
+        got = chosen.index[r, h]
+        return (got if chosen.ok is None else got[chosen.ok[r, h]]).tolist()
+
+    return policy, scores, valid, budget, kept
 
 
 def test_sink_bound_counts_valid_positions():
@@ -383,25 +390,11 @@ def _span_cases(draw):
 @settings(derandomize=True, max_examples=150, deadline=None)
 @given(_span_cases())
 def test_span_selection_keeps_what_the_rule_keeps(case):
-    policy, batch, heads, length, flat, pads = case
-    scores = torch.tensor(flat, dtype=torch.float64).reshape(batch, heads, length) / 8
-    valid = torch.ones(batch, length, dtype=torch.bool)
-    for row, pad in enumerate(pads):
-        valid[row, :pad] = False
-    positions = torch.arange(length).expand(batch, heads, length)
-    budget = policy.budget_for(length)
-    chosen = kv.select(
-        policy, scores=scores, positions=positions, valid=valid[:, None].expand(-1, heads, -1),
-        sinks_end=kv.sink_bound(valid, policy.sinks), ends=torch.full((batch,), length),
-        budget=budget,
-    )  # fmt: skip
-    for r in range(batch):
+    policy, scores, valid, budget, kept = _selected(*case)
+    for r in range(scores.shape[0]):
         want = _span_rule(policy, scores[r].tolist(), valid[r].tolist(), budget)
-        for h in range(heads):  # every head keeps the same spans
-            got = chosen.index[r, h]
-            if chosen.ok is not None:
-                got = got[chosen.ok[r, h]]
-            assert got.tolist() == want
+        for h in range(scores.shape[1]):  # every head keeps the same spans
+            assert kept(r, h) == want
 
 
 def test_a_span_is_kept_whole_where_its_keys_score_unevenly():
