@@ -59,7 +59,16 @@ _DECODING = (
     "(not multihead.hf.fast_decoding's path, which the README's decoding figures time)"
 )
 # multihead.kv.POLICIES' names, here so that parsing the flags imports no torch
-POLICIES = ("snapkv", "h2o", "tova", "streaming", "chunkkv", "pyramidkv", "reconstruction")
+POLICIES = (
+    "snapkv",
+    "h2o",
+    "tova",
+    "streaming",
+    "chunkkv",
+    "spankv",
+    "pyramidkv",
+    "reconstruction",
+)
 _NEW_TOKENS = {"passkey": 8, "multikey": 10}
 _WINDOW = 32  # SnapKV's observation window: the policies run with their defaults
 

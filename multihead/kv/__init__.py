@@ -1,7 +1,8 @@
 """KV-cache compression chosen by the kernel's own attention statistics.
 
 A policy is a small record (``SnapKV(keep=0.25)``, ``H2O``, ``TOVA``, ``StreamingLLM``,
-``ChunkKV`` that keeps spans whole, ``PyramidKV`` with budgets per layer); one
+``ChunkKV`` that keeps spans whole, ``SpanKV`` whose spans are centred on the high scores,
+``PyramidKV`` with budgets per layer); one
 selection function (``select``) turns a policy, its scores and a cache's slots into the kept
 positions; ``LayerState`` is one layer's compressed cache.
 
@@ -25,6 +26,7 @@ from .policies import (
     PyramidKV,
     Reconstruction,
     SnapKV,
+    SpanKV,
     StreamingLLM,
     policy,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "Reconstruction",
     "Selection",
     "SnapKV",
+    "SpanKV",
     "StreamingLLM",
     "causal_band",
     "grouped",

@@ -85,7 +85,9 @@ def select(
         rank = scores.to(torch.float64)
         if isinstance(policy, SnapKV) and policy.pool > 1:
             rank = F.max_pool1d(rank, policy.pool, stride=1, padding=policy.pool // 2)
-        if policy.span > 1:
+        if policy.span > 1 and policy.spans == "centred":
+            rank = _centred(rank, valid, policy.span)
+        elif policy.span > 1:
             rank = _spans(rank, positions, valid, policy.span)
     budget = min(budget, m)
     if policy.budget == "adaptive" and h > 1 and scores is not None:
@@ -111,6 +113,17 @@ def _spans(rank: Tensor, positions: Tensor, valid: Tensor, span: int) -> Tensor:
     seen = rank.new_zeros(b, count).scatter_add_(1, chunk, use.to(rank.dtype))
     mean = total / seen.clamp(min=1)
     return mean.gather(1, chunk).view_as(rank)
+
+
+def _centred(rank: Tensor, valid: Tensor, span: int) -> Tensor:
+    """(B, H_kv, m): the scores summed over the row's valid (KV head, slot) pairs at each
+    slot, then max-pooled over the ``span`` slots centred on it (``span + 1`` when even), the
+    same in every head: each high score keeps the span around it, in every head."""
+    shared = torch.where(valid, rank, torch.zeros_like(rank)).sum(1, keepdim=True)  # (B, 1, m)
+    shared = torch.where(valid.any(1, keepdim=True), shared, torch.full_like(shared, -torch.inf))
+    width = span | 1
+    pooled = F.max_pool1d(shared, width, stride=1, padding=width // 2)
+    return pooled.expand_as(rank)
 
 
 def _uniform(rank: Tensor, forced: Tensor, valid: Tensor, budget: int) -> Tensor:

@@ -205,6 +205,7 @@ def test_the_flags_policy_names_are_the_librarys():
     "policy",
     [
         kv.ChunkKV(12, window=2, pool=1, sinks=1, span=4),
+        kv.SpanKV(12, window=2, pool=1, sinks=1, span=4),
         kv.PyramidKV(12, window=2, pool=1, sinks=1, beta=2),
     ],
     ids=lambda p: p.name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ POLICIES = {
     "streaming": lambda budget="uniform": kv.StreamingLLM(14, sinks=2, budget=budget),
     # spans of 3 shared by the KV heads; a pyramid of layer budgets (the first layer the most)
     "chunkkv": lambda budget="uniform": kv.ChunkKV(14, window=4, pool=3, sinks=2, span=3),
+    # the heads' summed scores pooled over 3 positions centred on each key
+    "spankv": lambda budget="uniform": kv.SpanKV(14, window=4, pool=3, sinks=2, span=3),
     "pyramidkv": lambda budget="uniform": kv.PyramidKV(
         14, window=4, pool=3, sinks=2, budget=budget, beta=4
     ),
@@ -81,7 +84,9 @@ def _reference_kept(policy, attentions, valid, kv_heads):
             scores = [
                 _scores(policy, w[r, g * group : (g + 1) * group], s) for g in range(kv_heads)
             ]
-            if policy.span > 1:
+            if policy.span > 1 and policy.spans == "centred":
+                scores = [_centred_ranks(scores, real, policy.span)] * kv_heads
+            elif policy.span > 1:
                 scores = [_span_means(scores, real, policy.span)] * kv_heads
             rows.append([_one_head(policy, one, real, s, budget) for one in scores])
         found[layer] = rows
@@ -96,6 +101,15 @@ def _span_means(scores, real, span):
         spans.setdefault(p // span, []).extend(head[p] for head in scores)
     return [sum(spans[p // span]) / len(spans[p // span]) if p // span in spans else 0.0
             for p in range(len(scores[0]))]  # fmt: skip
+
+
+def _centred_ranks(scores, real, span):
+    """Each position's rank under centred spans: every head's score summed at each real
+    position, then the largest such sum within ``span // 2`` positions (``span`` made odd)."""
+    s = len(scores[0])
+    shared = [sum(head[p] for head in scores) if p in real else -math.inf for p in range(s)]
+    half = (span | 1) // 2
+    return [max(shared[max(0, p - half) : p + half + 1]) for p in range(s)]
 
 
 def _scores(policy, part, s):

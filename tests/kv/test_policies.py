@@ -71,9 +71,13 @@ def test_policies_by_name():
         "pyramidkv",
         "reconstruction",
         "snapkv",
+        "spankv",
         "streaming",
         "tova",
     ]
+    spankv = kv.policy("spankv", 0.25)
+    assert spankv == kv.SpanKV(0.25) and isinstance(spankv, kv.SnapKV)
+    assert (spankv.span, spankv.spans, spankv.window, spankv.pool) == (15, "centred", 32, 7)
 
 
 # ---- selection against the rule written out ----------------------------------------------------
@@ -267,6 +271,7 @@ def test_fraction_rounding_matches_the_kept_count():
     ("make", "message"),
     [
         (lambda: kv.ChunkKV(0.5, span=0), r"span must be an int >= 1. Received: span=0"),
+        (lambda: kv.ChunkKV(0.5, spans="loose"), r"spans must be one of aligned, centred"),
         (
             lambda: kv.ChunkKV(0.5, budget="adaptive"),
             r"same spans in every KV head.*Received: span=20, budget='adaptive'",
@@ -395,6 +400,56 @@ def test_span_selection_keeps_what_the_rule_keeps(case):
         want = _span_rule(policy, scores[r].tolist(), valid[r].tolist(), budget)
         for h in range(scores.shape[1]):  # every head keeps the same spans
             assert kept(r, h) == want
+
+
+def _centred_rule(policy, scores, valid, budget):
+    """Each head's kept positions with centred spans, plainly: the pooled scores summed over
+    the heads at each valid position (-inf elsewhere), each position ranked by the largest sum
+    within ``span // 2`` positions of it (``span`` rounded up to odd), then the policy's own
+    rule (ties to the earlier position)."""
+    s = len(valid)
+    r = policy.pool // 2
+    pooled = [[max(row[max(0, p - r) : p + r + 1]) for p in range(s)] for row in scores]
+    shared = [sum(row[p] for row in pooled) if valid[p] else -math.inf for p in range(s)]
+    half = (policy.span | 1) // 2
+    rank = [max(shared[max(0, p - half) : p + half + 1]) for p in range(s)]
+    real = [p for p in range(s) if valid[p]]
+    forced = set(real[: policy.sinks]) | {p for p in real if p >= s - policy.window_size}
+    others = sorted((p for p in real if p not in forced), key=lambda p: (-rank[p], p))
+    return sorted(forced | set(others[: max(budget - len(forced), 0)]))
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(_span_cases())
+def test_centred_spans_keep_what_the_rule_keeps(case):
+    policy, *rest = case
+    policy = dataclasses.replace(policy, spans="centred")
+    policy, scores, valid, budget, kept = _selected(policy, *rest)
+    for r in range(scores.shape[0]):
+        want = _centred_rule(policy, scores[r].tolist(), valid[r].tolist(), budget)
+        for h in range(scores.shape[1]):  # every head keeps the same positions
+            assert kept(r, h) == want
+
+
+def test_a_centred_span_keeps_the_value_after_its_cue_across_a_chunks_edge():
+    """The cue (one key that draws the question's attention, at 27) and the seven-token value
+    after it (28-34) cross the edge at 30 of ChunkKV's spans of 15: with a budget of one span
+    beside the sinks and window, aligned spans keep the chunk holding the cue (15-29) and lose
+    the value's last five tokens; the span of 15 centred on the cue (20-34) keeps them."""
+    length = 60
+    scores = torch.full((1, 2, length), 0.01, dtype=torch.float64)
+    scores[0, :, 27] = 3.0
+    scores[0, :, 28:35] = 0.05
+    valid = torch.ones(1, length, dtype=torch.bool)
+    keys = torch.randn(1, 2, length, 4)
+    kept = {}
+    for spans in ("aligned", "centred"):
+        policy = kv.SnapKV(2 + 4 + 15, window=4, sinks=2, pool=1, span=15, spans=spans)
+        state = kv.LayerState.from_prompt(policy, keys, keys, scores, valid)
+        kept[spans] = set(state.kept()[0, 0].tolist())
+        assert kept[spans] == set(state.kept()[0, 1].tolist())  # the same in every head
+    assert kept["aligned"] == {0, 1, *range(15, 30), 56, 57, 58, 59}
+    assert kept["centred"] == {0, 1, *range(20, 35), 56, 57, 58, 59}
 
 
 def test_a_span_is_kept_whole_where_its_keys_score_unevenly():

@@ -26,6 +26,7 @@ POLICIES = {
     "streaming": kv.StreamingLLM(10, sinks=2),
     "adaptive": kv.SnapKV(10, window=4, pool=3, sinks=2, budget="adaptive"),
     "chunkkv": kv.ChunkKV(10, window=4, pool=3, sinks=2, span=3),
+    "spankv": kv.SpanKV(10, window=4, pool=3, sinks=2, span=3),
     "pyramidkv": kv.PyramidKV(10, window=4, pool=3, sinks=2, beta=4),
     "pyramid-adaptive": kv.PyramidKV(10, window=4, pool=3, sinks=2, beta=4, budget="adaptive"),
 }
