@@ -60,7 +60,8 @@ def select(
     Args:
         policy: the policy (its ``window_size`` is the recent window kept whatever the
             scores; SnapKV's scores are max-pooled over ``pool`` neighbours first, then, with
-            ``span`` > 1, ranked span by span: ``_spans``).
+            ``span`` > 1, ranked span by span (``_spans``) or, with ``spans="centred"``, summed
+            over the heads and max-pooled over the span around each slot (``_centred``)).
         scores: (B, H_kv, m) what the policy ranks by (higher: keep), or None for StreamingLLM.
             SnapKV's pooling reads neighbouring slots, so its slots must be in position order
             (the prompt's cache, before any eviction).

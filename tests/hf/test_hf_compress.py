@@ -353,8 +353,9 @@ def test_the_cache_holds_the_kept_share_of_the_full_cache_bytes():
         kv.PyramidKV(0.25, window=4, pool=3, sinks=2, budget="adaptive"),
         kv.SnapKV(0.25, window=4, pool=3, sinks=2, layers=(1.0, 3.0)),
         kv.ChunkKV(0.25, window=4, pool=3, sinks=2, span=4),
+        kv.SpanKV(0.25, window=4, pool=3, sinks=2, span=5),
     ],
-    ids=["pyramid", "pyramid-adaptive", "weights", "spans"],
+    ids=["pyramid", "pyramid-adaptive", "weights", "spans", "centred-spans"],
 )
 def test_layer_and_span_budgets_hold_the_kept_share_of_the_full_cache_bytes(policy):
     """Budgets shared unevenly between layers (or heads) still free the memory: the cache
