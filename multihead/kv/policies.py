@@ -89,9 +89,9 @@ class Policy:
             heads (1: key by key; see the module docstring).
         spans: where the spans lie: ``"aligned"`` (positions ``c * span`` to
             ``c * span + span - 1``, ChunkKV's chunks, ranked by their mean) or
-            ``"centred"`` (the scores summed over the KV heads, then max-pooled over the
-            ``span`` positions centred on each key: a high score keeps the span around it,
-            so a fact is not cut at a chunk's edge).
+            ``"centred"`` (the scores summed over the KV heads at each position, then
+            max-pooled over the ``span`` positions centred on each key: a high score keeps
+            the span around it, so a fact is not cut at a chunk's edge).
         layers: the budget per layer: ``"uniform"``, ``"pyramid"`` or one weight per layer.
         whole_layers: the first layers kept whole, their keys taken from the others' budget.
         beta: the pyramid's steepness (PyramidKV's beta: the last layer scores ``1/beta`` of

@@ -61,7 +61,7 @@ def select(
         policy: the policy (its ``window_size`` is the recent window kept whatever the
             scores; SnapKV's scores are max-pooled over ``pool`` neighbours first, then, with
             ``span`` > 1, ranked span by span (``_spans``) or, with ``spans="centred"``, summed
-            over the heads and max-pooled over the span around each slot (``_centred``)).
+            over the heads and max-pooled over the span around each position (``_centred``)).
         scores: (B, H_kv, m) what the policy ranks by (higher: keep), or None for StreamingLLM.
             SnapKV's pooling reads neighbouring slots, so its slots must be in position order
             (the prompt's cache, before any eviction).
@@ -87,7 +87,7 @@ def select(
         if isinstance(policy, SnapKV) and policy.pool > 1:
             rank = F.max_pool1d(rank, policy.pool, stride=1, padding=policy.pool // 2)
         if policy.span > 1 and policy.spans == "centred":
-            rank = _centred(rank, valid, policy.span)
+            rank = _centred(rank, positions, valid, policy.span)
         elif policy.span > 1:
             rank = _spans(rank, positions, valid, policy.span)
     budget = min(budget, m)
@@ -116,15 +116,22 @@ def _spans(rank: Tensor, positions: Tensor, valid: Tensor, span: int) -> Tensor:
     return mean.gather(1, chunk).view_as(rank)
 
 
-def _centred(rank: Tensor, valid: Tensor, span: int) -> Tensor:
+def _centred(rank: Tensor, positions: Tensor, valid: Tensor, span: int) -> Tensor:
     """(B, H_kv, m): the scores summed over the row's valid (KV head, slot) pairs at each
-    slot, then max-pooled over the ``span`` slots centred on it (``span + 1`` when even), the
-    same in every head: each high score keeps the span around it, in every head."""
-    shared = torch.where(valid, rank, torch.zeros_like(rank)).sum(1, keepdim=True)  # (B, 1, m)
-    shared = torch.where(valid.any(1, keepdim=True), shared, torch.full_like(shared, -torch.inf))
-    width = span | 1
-    pooled = F.max_pool1d(shared, width, stride=1, padding=width // 2)
-    return pooled.expand_as(rank)
+    position, then max-pooled over the ``span`` positions centred on it (``span + 1`` when
+    even), the same in every head: each high score keeps the positions around it. Pooled by
+    position, as ``_spans`` groups by position, so that after an eviction a score does not
+    reach across the gap to kept keys far from it."""
+    b = rank.shape[0]
+    width = int(positions.max()) + 1 if positions.numel() else 1
+    pos, use = positions.flatten(1), valid.flatten(1)
+    zero = torch.zeros((), dtype=rank.dtype, device=rank.device)
+    total = rank.new_zeros(b, width).scatter_add_(1, pos, torch.where(use, rank.flatten(1), zero))
+    held = rank.new_zeros(b, width).scatter_add_(1, pos, use.to(rank.dtype)) > 0
+    shared = torch.where(held, total, torch.full_like(total, -torch.inf))
+    kernel = span | 1
+    pooled = F.max_pool1d(shared[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    return pooled.gather(1, pos).view_as(rank)
 
 
 def _uniform(rank: Tensor, forced: Tensor, valid: Tensor, budget: int) -> Tensor:

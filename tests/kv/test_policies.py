@@ -452,6 +452,23 @@ def test_a_centred_span_keeps_the_value_after_its_cue_across_a_chunks_edge():
     assert kept["centred"] == {0, 1, *range(20, 35), 56, 57, 58, 59}
 
 
+def test_a_centred_span_pools_by_position_not_across_an_evicted_gap():
+    """After an eviction the slots hold positions 0-9 and 50-59: a high score at position 50
+    keeps its neighbours by position (51, 52 with a span of 5), not slots 8 and 9, which sit
+    beside it in the cache but 41 positions away."""
+    positions = torch.tensor([*range(10), *range(50, 60)]).expand(1, 2, 20)
+    scores = torch.full((1, 2, 20), 0.01, dtype=torch.float64)
+    scores[0, :, 10] = 3.0  # position 50
+    valid = torch.ones(1, 2, 20, dtype=torch.bool)
+    policy = kv.SnapKV(1 + 1 + 3, window=1, sinks=1, pool=1, span=5, spans="centred")
+    chosen = kv.select(
+        policy, scores=scores, positions=positions, valid=valid,
+        sinks_end=torch.tensor([1]), ends=torch.tensor([60]), budget=policy.budget_for(60),
+    )  # fmt: skip
+    kept = positions[0, 0][chosen.index[0, 0]].tolist()
+    assert kept == [0, 50, 51, 52, 59]
+
+
 def test_a_span_is_kept_whole_where_its_keys_score_unevenly():
     """A five-token value whose middle token scores low key by key: SnapKV drops it, span
     selection keeps all five (the span's mean is high)."""
